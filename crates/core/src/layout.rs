@@ -1,0 +1,250 @@
+//! The parameter layout table: for each unit (the outer unit and one decoder layer), the names,
+//! shapes and element offsets of its tensors inside one flat record. Host store records, device
+//! slots and gradient buffers all share this layout, so binding is a matter of making views.
+
+use crate::{Arch, Error, ModelConfig, Result};
+
+/// Every tensor in a flat record starts at a multiple of this many elements (256 bytes in f32),
+/// so views handed to GEMM libraries are well aligned.
+pub const TENSOR_ALIGN_ELEMS: usize = 64;
+
+/// One tensor inside a unit's flat record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Name within the unit, e.g. `self_attn.q_proj.weight` or `model.embed_tokens.weight`.
+    pub name: String,
+    /// Shape (row-major, PyTorch convention: a Linear weight is `[out, in]`).
+    pub shape: Vec<usize>,
+    /// Offset of the first element in the record, in elements.
+    pub offset: usize,
+}
+
+impl TensorSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The layout of one unit's flat record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitLayout {
+    /// Tensors in record order.
+    pub tensors: Vec<TensorSpec>,
+    /// Record length in elements, including alignment padding.
+    pub len: usize,
+}
+
+impl UnitLayout {
+    fn build(specs: Vec<(String, Vec<usize>)>) -> Self {
+        let mut off = 0;
+        let tensors = specs
+            .into_iter()
+            .map(|(name, shape)| {
+                let t = TensorSpec { name, shape, offset: off };
+                off = (off + t.numel()).div_ceil(TENSOR_ALIGN_ELEMS) * TENSOR_ALIGN_ELEMS;
+                t
+            })
+            .collect();
+        UnitLayout { tensors, len: off }
+    }
+
+    /// Looks up a tensor by its name within the unit.
+    pub fn get(&self, name: &str) -> Result<&TensorSpec> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| Error::UnknownParam(name.to_owned()))
+    }
+
+    /// Number of parameters (padding excluded).
+    pub fn n_params(&self) -> usize {
+        self.tensors.iter().map(TensorSpec::numel).sum()
+    }
+}
+
+/// A unit of streaming: the outer unit (embedding, final norm, LM head) or one decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Unit {
+    /// Embedding, final norm and (untied) LM head; resident on the device for a whole step.
+    Outer,
+    /// Decoder layer `i`, streamed through the weight ring.
+    Layer(usize),
+}
+
+impl Unit {
+    /// Index of the unit's record in the store: 0 for the outer unit, `i + 1` for layer `i`.
+    pub fn index(self) -> usize {
+        match self {
+            Unit::Outer => 0,
+            Unit::Layer(i) => i + 1,
+        }
+    }
+}
+
+/// Names of the outer unit's tensors (HF names).
+pub mod outer_names {
+    /// Token embedding `[vocab, hidden]`.
+    pub const EMBED: &str = "model.embed_tokens.weight";
+    /// Final RMSNorm `[hidden]`.
+    pub const NORM: &str = "model.norm.weight";
+    /// LM head `[vocab, hidden]` (absent when tied).
+    pub const LM_HEAD: &str = "lm_head.weight";
+}
+
+/// The layouts of every unit of a model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelLayout {
+    /// Layout of the outer unit.
+    pub outer: UnitLayout,
+    /// Layout shared by every decoder layer.
+    pub layer: UnitLayout,
+    /// Number of decoder layers.
+    pub n_layers: usize,
+}
+
+impl ModelLayout {
+    /// Builds the layout table for a config.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let (h, v, f) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+        let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let mut outer = vec![
+            (outer_names::EMBED.to_owned(), vec![v, h]),
+            (outer_names::NORM.to_owned(), vec![h]),
+        ];
+        if !cfg.tie_word_embeddings {
+            outer.push((outer_names::LM_HEAD.to_owned(), vec![v, h]));
+        }
+        let mut layer: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut p = |n: &str, s: Vec<usize>| layer.push((n.to_owned(), s));
+        p("input_layernorm.weight", vec![h]);
+        p("self_attn.q_proj.weight", vec![q, h]);
+        if cfg.qkv_bias {
+            p("self_attn.q_proj.bias", vec![q]);
+        }
+        p("self_attn.k_proj.weight", vec![kv, h]);
+        if cfg.qkv_bias {
+            p("self_attn.k_proj.bias", vec![kv]);
+        }
+        p("self_attn.v_proj.weight", vec![kv, h]);
+        if cfg.qkv_bias {
+            p("self_attn.v_proj.bias", vec![kv]);
+        }
+        p("self_attn.o_proj.weight", vec![h, q]);
+        if cfg.o_bias {
+            p("self_attn.o_proj.bias", vec![h]);
+        }
+        if cfg.qk_norm {
+            p("self_attn.q_norm.weight", vec![hd]);
+            p("self_attn.k_norm.weight", vec![hd]);
+        }
+        p("post_attention_layernorm.weight", vec![h]);
+        p("mlp.gate_proj.weight", vec![f, h]);
+        p("mlp.up_proj.weight", vec![f, h]);
+        p("mlp.down_proj.weight", vec![h, f]);
+        debug_assert!(cfg.arch == Arch::Qwen3 || !cfg.qk_norm);
+        ModelLayout {
+            outer: UnitLayout::build(outer),
+            layer: UnitLayout::build(layer),
+            n_layers: cfg.num_hidden_layers,
+        }
+    }
+
+    /// Number of units (outer + layers).
+    pub fn n_units(&self) -> usize {
+        self.n_layers + 1
+    }
+
+    /// All units in forward (= optimizer update) order: outer first, then layers 0..L-1.
+    pub fn units(&self) -> impl Iterator<Item = Unit> {
+        std::iter::once(Unit::Outer).chain((0..self.n_layers).map(Unit::Layer))
+    }
+
+    /// Layout of a unit.
+    pub fn unit(&self, u: Unit) -> &UnitLayout {
+        match u {
+            Unit::Outer => &self.outer,
+            Unit::Layer(_) => &self.layer,
+        }
+    }
+
+    /// Total number of parameters.
+    pub fn n_params(&self) -> usize {
+        self.outer.n_params() + self.n_layers * self.layer.n_params()
+    }
+
+    /// HF name of a tensor of a unit (`model.layers.{i}.` prefix for layers).
+    pub fn hf_name(&self, u: Unit, local: &str) -> String {
+        match u {
+            Unit::Outer => local.to_owned(),
+            Unit::Layer(i) => format!("model.layers.{i}.{local}"),
+        }
+    }
+
+    /// Resolves an HF parameter name to its unit and tensor spec.
+    pub fn resolve(&self, hf_name: &str) -> Result<(Unit, &TensorSpec)> {
+        if let Some(rest) = hf_name.strip_prefix("model.layers.") {
+            let (idx, local) = rest
+                .split_once('.')
+                .ok_or_else(|| Error::UnknownParam(hf_name.to_owned()))?;
+            let i: usize = idx.parse().map_err(|_| Error::UnknownParam(hf_name.to_owned()))?;
+            if i >= self.n_layers {
+                return Err(Error::UnknownParam(hf_name.to_owned()));
+            }
+            let spec = self.layer.get(local).map_err(|_| Error::UnknownParam(hf_name.to_owned()))?;
+            Ok((Unit::Layer(i), spec))
+        } else {
+            Ok((Unit::Outer, self.outer.get(hf_name)?))
+        }
+    }
+
+    /// Every HF parameter name with its unit and spec, in store order.
+    pub fn all_params(&self) -> Vec<(String, Unit, &TensorSpec)> {
+        self.units()
+            .flat_map(|u| {
+                self.unit(u).tensors.iter().map(move |t| (self.hf_name(u, &t.name), u, t))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_are_aligned_and_disjoint() {
+        let cfg = ModelConfig::tiny_llama();
+        let l = ModelLayout::new(&cfg);
+        for unit in [&l.outer, &l.layer] {
+            let mut end = 0;
+            for t in &unit.tensors {
+                assert_eq!(t.offset % TENSOR_ALIGN_ELEMS, 0, "{}", t.name);
+                assert!(t.offset >= end, "{} overlaps its predecessor", t.name);
+                end = t.offset + t.numel();
+            }
+            assert!(unit.len >= end && unit.len % TENSOR_ALIGN_ELEMS == 0);
+        }
+    }
+
+    #[test]
+    fn parameter_count_matches_closed_form() {
+        let c = ModelConfig::tiny_llama();
+        let (h, v, f) = (c.hidden_size, c.vocab_size, c.intermediate_size);
+        let per_layer = 2 * h + h * c.q_dim() * 2 + 2 * h * c.kv_dim() + 3 * h * f;
+        let l = ModelLayout::new(&c);
+        assert_eq!(l.n_params(), 2 * v * h + h + c.num_hidden_layers * per_layer);
+    }
+
+    #[test]
+    fn resolves_hf_names() {
+        let l = ModelLayout::new(&ModelConfig::tiny_llama());
+        let (u, t) = l.resolve("model.layers.3.mlp.down_proj.weight").unwrap();
+        assert_eq!(u, Unit::Layer(3));
+        assert_eq!(t.shape, vec![128, 344]);
+        assert!(l.resolve("model.layers.4.mlp.down_proj.weight").is_err());
+        assert!(l.resolve("model.layers.0.mlp.nonsense").is_err());
+        assert_eq!(l.resolve("lm_head.weight").unwrap().0, Unit::Outer);
+        assert_eq!(l.all_params().len(), 3 + 4 * 9);
+    }
+}

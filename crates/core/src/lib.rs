@@ -1,0 +1,15 @@
+//! Shared vocabulary of megatrain-rs: model configuration (parsed from a Hugging Face
+//! `config.json`), the parameter layout table (names, shapes and offsets of every tensor in a
+//! unit's flat record), and the error type used by the crates below the engine.
+//!
+//! Architecture Invariant: this crate knows nothing about tensors, devices, memory maps or
+//! streams. It is pure data and arithmetic on sizes.
+#![forbid(unsafe_code)]
+
+mod config;
+mod error;
+mod layout;
+
+pub use config::{Arch, ModelConfig, RopeScaling};
+pub use error::{Error, Result};
+pub use layout::{ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};
