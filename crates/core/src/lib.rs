@@ -12,4 +12,4 @@ mod layout;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use layout::{ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};
+pub use layout::{outer_names, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};

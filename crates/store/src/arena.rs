@@ -1,0 +1,406 @@
+//! The memory-mapped arena and its per-unit records.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use half::bf16;
+use memmap2::{MmapMut, MmapOptions};
+use mt_core::{Error, ModelLayout, Result, Unit};
+
+use crate::header::{self, off};
+use crate::PAGE;
+
+/// Element type of a record's gradient buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradDtype {
+    /// fp32 gradients (16 B/param records): exact comparisons against references.
+    F32,
+    /// bf16 gradients (14 B/param records): the default for large models.
+    Bf16,
+}
+
+impl GradDtype {
+    fn size(self) -> usize {
+        match self {
+            GradDtype::F32 => 4,
+            GradDtype::Bf16 => 2,
+        }
+    }
+    fn code(self) -> u32 {
+        match self {
+            GradDtype::F32 => 1,
+            GradDtype::Bf16 => 2,
+        }
+    }
+    fn from_code(c: u32) -> Option<Self> {
+        match c {
+            1 => Some(GradDtype::F32),
+            2 => Some(GradDtype::Bf16),
+            _ => None,
+        }
+    }
+}
+
+/// Training state persisted in the header page next to the records.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StoreState {
+    /// Optimizer steps applied to the master weights so far.
+    pub step: u64,
+    /// The gradient buffers hold a complete step's gradients whose update has not been applied
+    /// yet (exact mode defers each unit's update to just before its next upload).
+    pub pending_update: bool,
+    /// Gradient scale (clip coefficient) to apply with the pending update.
+    pub pending_grad_scale: f32,
+    /// Global gradient norm of the last completed step (before clipping).
+    pub grad_norm: f64,
+}
+
+/// Mutable view of a record's gradient buffer.
+#[derive(Debug)]
+pub enum GradMut<'a> {
+    /// fp32 gradients.
+    F32(&'a mut [f32]),
+    /// bf16 gradients.
+    Bf16(&'a mut [bf16]),
+}
+
+/// Shared view of a record's gradient buffer.
+#[derive(Debug, Clone, Copy)]
+pub enum GradRef<'a> {
+    /// fp32 gradients.
+    F32(&'a [f32]),
+    /// bf16 gradients.
+    Bf16(&'a [bf16]),
+}
+
+impl GradMut<'_> {
+    /// Read-only view.
+    pub fn as_ref(&self) -> GradRef<'_> {
+        match self {
+            GradMut::F32(g) => GradRef::F32(g),
+            GradMut::Bf16(g) => GradRef::Bf16(g),
+        }
+    }
+}
+
+impl GradRef<'_> {
+    /// Copies elements `[start, start+n)` widened to f32.
+    pub fn to_f32(&self, start: usize, n: usize) -> Vec<f32> {
+        match self {
+            GradRef::F32(g) => g[start..start + n].to_vec(),
+            GradRef::Bf16(g) => g[start..start + n].iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+}
+
+/// Exclusive access to one unit's record: typed views of its four regions.
+#[derive(Debug)]
+pub struct RecordGuard<'a> {
+    /// fp32 master weights.
+    pub master: &'a mut [f32],
+    /// AdamW first moment.
+    pub m: &'a mut [f32],
+    /// AdamW second moment.
+    pub v: &'a mut [f32],
+    /// Gradient buffer (the landed gradient of the last backward).
+    pub grad: GradMut<'a>,
+    _lock: MutexGuard<'a, ()>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RecordLoc {
+    /// Byte offset of the record in the arena.
+    base: usize,
+    /// Elements per region.
+    len: usize,
+    /// Bytes of one fp32 region, page-rounded.
+    f32_region: usize,
+}
+
+impl RecordLoc {
+    fn bytes(&self, grad: GradDtype) -> usize {
+        3 * self.f32_region + round_page(self.len * grad.size())
+    }
+}
+
+fn round_page(n: usize) -> usize {
+    n.div_ceil(PAGE) * PAGE
+}
+
+/// The host store. See the crate docs for the layout.
+#[derive(Debug)]
+pub struct HostStore {
+    /// Owns the mapping (unmapped on drop). All data access goes through `base`.
+    map: MmapMut,
+    base: *mut u8,
+    total_len: usize,
+    /// The backing file, holding an exclusive advisory lock for the store's lifetime.
+    file: Option<File>,
+    path: Option<PathBuf>,
+    layout: ModelLayout,
+    grad: GradDtype,
+    records: Vec<RecordLoc>,
+    locks: Vec<Mutex<()>>,
+    header_lock: Mutex<()>,
+}
+
+// SAFETY: `base` points into `map`, which lives as long as the store. Every access to the
+// bytes behind it is serialised by `locks` (one per record; records are disjoint byte ranges)
+// or `header_lock` (the header page), so sharing the store across threads creates no data race.
+unsafe impl Send for HostStore {}
+// SAFETY: as for `Send`: all interior mutation goes through the per-record and header mutexes.
+unsafe impl Sync for HostStore {}
+
+fn plan(layout: &ModelLayout, grad: GradDtype) -> (Vec<RecordLoc>, usize) {
+    let mut at = PAGE; // header page
+    let records = layout
+        .units()
+        .map(|u| {
+            let len = layout.unit(u).len;
+            let loc = RecordLoc { base: at, len, f32_region: round_page(len * 4) };
+            at += loc.bytes(grad);
+            loc
+        })
+        .collect();
+    (records, at)
+}
+
+impl HostStore {
+    /// An anonymous (RAM-backed, zero-filled) store.
+    pub fn anonymous(layout: &ModelLayout, grad: GradDtype) -> Result<Self> {
+        let (records, total) = plan(layout, grad);
+        let map = MmapOptions::new().len(total).map_anon().map_err(|source| Error::Io {
+            path: PathBuf::from("<anonymous store>"),
+            source,
+        })?;
+        let store = Self::assemble(map, None, None, layout, grad, records, total);
+        store.init_header();
+        Ok(store)
+    }
+
+    /// Creates a new file-backed store at `path` (zero-filled, sparse). Refuses to overwrite an
+    /// existing file.
+    pub fn create(path: &Path, layout: &ModelLayout, grad: GradDtype) -> Result<Self> {
+        let io = |source| Error::Io { path: path.to_owned(), source };
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(io)?;
+        Self::lock_file(&file, path)?;
+        let (records, total) = plan(layout, grad);
+        file.set_len(total as u64).map_err(io)?;
+        let map = Self::map_file(&file, path)?;
+        let store = Self::assemble(map, Some(file), Some(path.to_owned()), layout, grad, records, total);
+        store.init_header();
+        store.flush()?;
+        Ok(store)
+    }
+
+    /// Opens an existing file-backed store written for the same layout.
+    pub fn open(path: &Path, layout: &ModelLayout) -> Result<Self> {
+        let io = |source| Error::Io { path: path.to_owned(), source };
+        let bad = |msg: String| Error::Store { path: path.to_owned(), msg };
+        let file = OpenOptions::new().read(true).write(true).open(path).map_err(io)?;
+        Self::lock_file(&file, path)?;
+        let size = file.metadata().map_err(io)?.len() as usize;
+        if size < PAGE {
+            return Err(bad(format!("file is {size} bytes, smaller than the header page; not a store")));
+        }
+        let map = Self::map_file(&file, path)?;
+        let page = &map[..PAGE];
+        if &page[off::MAGIC..off::MAGIC + 8] != header::MAGIC {
+            return Err(bad("bad magic; not a megatrain host store".into()));
+        }
+        let version = header::get_u32(page, off::VERSION);
+        if version != header::VERSION {
+            return Err(bad(format!("store format version {version}, this build reads {}", header::VERSION)));
+        }
+        let grad = GradDtype::from_code(header::get_u32(page, off::GRAD_DTYPE))
+            .ok_or_else(|| bad("unknown gradient dtype code".into()))?;
+        if header::get_u64(page, off::FINGERPRINT) != header::fingerprint(layout) {
+            return Err(bad("written for a different model layout (config mismatch)".into()));
+        }
+        let (records, total) = plan(layout, grad);
+        let recorded = header::get_u64(page, off::TOTAL_LEN) as usize;
+        if recorded != total || size != total {
+            return Err(bad(format!(
+                "size mismatch: layout needs {total} bytes, header says {recorded}, file has {size} (truncated?)"
+            )));
+        }
+        Ok(Self::assemble(map, Some(file), Some(path.to_owned()), layout, grad, records, total))
+    }
+
+    fn lock_file(file: &File, path: &Path) -> Result<()> {
+        file.try_lock().map_err(|e| Error::Store {
+            path: path.to_owned(),
+            msg: format!("cannot take an exclusive lock ({e}); is another process using this store?"),
+        })
+    }
+
+    fn map_file(file: &File, path: &Path) -> Result<MmapMut> {
+        // SAFETY: memmap2 requires that the file is not modified or truncated by anyone else
+        // while mapped. We hold an exclusive advisory lock on it for the store's lifetime
+        // (`lock_file`), which every megatrain process honours; writers that ignore advisory
+        // locks are outside the store's contract (documented in ARCHITECTURE.md).
+        unsafe { MmapOptions::new().map_mut(file) }
+            .map_err(|source| Error::Io { path: path.to_owned(), source })
+    }
+
+    fn assemble(
+        mut map: MmapMut,
+        file: Option<File>,
+        path: Option<PathBuf>,
+        layout: &ModelLayout,
+        grad: GradDtype,
+        records: Vec<RecordLoc>,
+        total_len: usize,
+    ) -> Self {
+        let base = map.as_mut_ptr();
+        let locks = records.iter().map(|_| Mutex::new(())).collect();
+        HostStore {
+            map,
+            base,
+            total_len,
+            file,
+            path,
+            layout: layout.clone(),
+            grad,
+            records,
+            locks,
+            header_lock: Mutex::new(()),
+        }
+    }
+
+    fn with_header<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let _g = self.header_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the header page is bytes [0, PAGE) of the live mapping, disjoint from every
+        // record; `header_lock` makes this the only reference to it.
+        let page = unsafe { std::slice::from_raw_parts_mut(self.base, PAGE) };
+        f(page)
+    }
+
+    fn init_header(&self) {
+        let fp = header::fingerprint(&self.layout);
+        let (grad, total) = (self.grad, self.total_len);
+        self.with_header(|p| {
+            p[off::MAGIC..off::MAGIC + 8].copy_from_slice(header::MAGIC);
+            header::put_u32(p, off::VERSION, header::VERSION);
+            header::put_u32(p, off::GRAD_DTYPE, grad.code());
+            header::put_u64(p, off::FINGERPRINT, fp);
+            header::put_u64(p, off::TOTAL_LEN, total as u64);
+        });
+        self.set_state(StoreState { pending_grad_scale: 1.0, ..StoreState::default() });
+    }
+
+    /// The training state recorded in the header.
+    pub fn state(&self) -> StoreState {
+        self.with_header(|p| StoreState {
+            step: header::get_u64(p, off::STEP),
+            pending_update: header::get_u64(p, off::PENDING) != 0,
+            pending_grad_scale: f32::from_bits(header::get_u32(p, off::PENDING_GRAD_SCALE)),
+            grad_norm: f64::from_bits(header::get_u64(p, off::GRAD_NORM)),
+        })
+    }
+
+    /// Records the training state in the header.
+    pub fn set_state(&self, s: StoreState) {
+        self.with_header(|p| {
+            header::put_u64(p, off::STEP, s.step);
+            header::put_u64(p, off::PENDING, u64::from(s.pending_update));
+            header::put_u32(p, off::PENDING_GRAD_SCALE, s.pending_grad_scale.to_bits());
+            header::put_u64(p, off::GRAD_NORM, s.grad_norm.to_bits());
+        })
+    }
+
+    /// Locks one unit's record for exclusive access.
+    pub fn record(&self, u: Unit) -> RecordGuard<'_> {
+        let idx = u.index();
+        let lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
+        let loc = self.records[idx];
+        let n = loc.len;
+        // SAFETY: `loc` was planned inside the mapping (`plan` sums every region into
+        // `total_len`, the mapping's size); its four regions are disjoint, page-aligned (so the
+        // f32/bf16 casts are aligned), and disjoint from every other record and the header.
+        // The record's mutex, held by the returned guard, makes these the only references.
+        unsafe {
+            let at = |o: usize| self.base.add(loc.base + o);
+            let master = std::slice::from_raw_parts_mut(at(0).cast::<f32>(), n);
+            let m = std::slice::from_raw_parts_mut(at(loc.f32_region).cast::<f32>(), n);
+            let v = std::slice::from_raw_parts_mut(at(2 * loc.f32_region).cast::<f32>(), n);
+            let g = at(3 * loc.f32_region);
+            let grad = match self.grad {
+                GradDtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(g.cast::<f32>(), n)),
+                GradDtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(g.cast::<bf16>(), n)),
+            };
+            RecordGuard { master, m, v, grad, _lock: lock }
+        }
+    }
+
+    /// Writes a parameter's master value (by HF name) and zeroes its moments.
+    pub fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
+        let (u, spec) = self.layout.resolve(hf_name)?;
+        if data.len() != spec.numel() {
+            return Err(Error::Shape {
+                what: hf_name.to_owned(),
+                expected: spec.shape.clone(),
+                found: vec![data.len()],
+            });
+        }
+        let r = self.record(u);
+        let range = spec.offset..spec.offset + data.len();
+        r.master[range.clone()].copy_from_slice(data);
+        r.m[range.clone()].fill(0.0);
+        r.v[range].fill(0.0);
+        Ok(())
+    }
+
+    /// Reads a parameter's master value (by HF name).
+    pub fn read_param(&self, hf_name: &str) -> Result<Vec<f32>> {
+        let (u, spec) = self.layout.resolve(hf_name)?;
+        let r = self.record(u);
+        Ok(r.master[spec.offset..spec.offset + spec.numel()].to_vec())
+    }
+
+    /// Reads a parameter's landed gradient (by HF name), widened to f32.
+    pub fn read_grad(&self, hf_name: &str) -> Result<Vec<f32>> {
+        let (u, spec) = self.layout.resolve(hf_name)?;
+        let r = self.record(u);
+        Ok(r.grad.as_ref().to_f32(spec.offset, spec.numel()))
+    }
+
+    /// Flushes a file-backed store to disk (no-op for anonymous stores).
+    pub fn flush(&self) -> Result<()> {
+        match &self.path {
+            Some(path) => self.map.flush().map_err(|source| Error::Io { path: path.clone(), source }),
+            None => Ok(()),
+        }
+    }
+
+    /// The layout the store was built for.
+    pub fn layout(&self) -> &ModelLayout {
+        &self.layout
+    }
+
+    /// Gradient buffer dtype.
+    pub fn grad_dtype(&self) -> GradDtype {
+        self.grad
+    }
+
+    /// Backing file, if file-backed.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Size of the arena in bytes (header and page padding included).
+    pub fn bytes(&self) -> usize {
+        self.total_len
+    }
+
+    /// Arena bytes per model parameter (14 for bf16 gradients, 16 for fp32, plus padding).
+    pub fn bytes_per_param(&self) -> f64 {
+        self.total_len as f64 / self.layout.n_params() as f64
+    }
+
+    /// Whether a file lock is held (file-backed stores).
+    pub fn is_file_backed(&self) -> bool {
+        self.file.is_some()
+    }
+}

@@ -1,0 +1,111 @@
+//! Host store behaviour: layout, persistence across reopen, refusal of foreign or damaged files.
+
+use mt_core::{ModelConfig, ModelLayout, Unit};
+use mt_store::{GradDtype, GradMut, HostStore, StoreState, PAGE};
+
+fn layout() -> ModelLayout {
+    ModelLayout::new(&ModelConfig::tiny_llama())
+}
+
+#[test]
+fn bytes_per_param_is_14_with_bf16_grads_and_16_with_f32() {
+    let l = layout();
+    let bf = HostStore::anonymous(&l, GradDtype::Bf16).unwrap();
+    let f = HostStore::anonymous(&l, GradDtype::F32).unwrap();
+    // Page padding makes tiny models a little worse than the asymptotic figure.
+    assert!((14.0..14.6).contains(&bf.bytes_per_param()), "{}", bf.bytes_per_param());
+    assert!((16.0..16.6).contains(&f.bytes_per_param()), "{}", f.bytes_per_param());
+}
+
+#[test]
+fn records_are_page_aligned_and_disjoint() {
+    let l = layout();
+    let s = HostStore::anonymous(&l, GradDtype::Bf16).unwrap();
+    let mut spans = Vec::new();
+    for u in l.units() {
+        let r = s.record(u);
+        for p in [r.master.as_ptr() as usize, r.m.as_ptr() as usize, r.v.as_ptr() as usize] {
+            assert_eq!(p % PAGE, 0);
+            spans.push((p, p + r.master.len() * 4));
+        }
+        let GradMut::Bf16(g) = &r.grad else { panic!("expected bf16 grads") };
+        spans.push((g.as_ptr() as usize, g.as_ptr() as usize + g.len() * 2));
+    }
+    spans.sort();
+    for w in spans.windows(2) {
+        assert!(w[0].1 <= w[1].0, "regions overlap: {w:?}");
+    }
+}
+
+#[test]
+fn params_survive_reopen_and_state_is_persisted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.mt");
+    let l = layout();
+    let name = "model.layers.2.mlp.up_proj.weight";
+    let n = l.resolve(name).unwrap().1.numel();
+    let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+    {
+        let s = HostStore::create(&path, &l, GradDtype::F32).unwrap();
+        s.write_param(name, &data).unwrap();
+        s.record(Unit::Layer(2)).m[7] = 3.25;
+        s.set_state(StoreState { step: 7, pending_update: true, pending_grad_scale: 0.5, grad_norm: 2.0 });
+        s.flush().unwrap();
+    }
+    let s = HostStore::open(&path, &l).unwrap();
+    assert_eq!(s.read_param(name).unwrap(), data);
+    assert_eq!(s.record(Unit::Layer(2)).m[7], 3.25);
+    assert_eq!(
+        s.state(),
+        StoreState { step: 7, pending_update: true, pending_grad_scale: 0.5, grad_norm: 2.0 }
+    );
+}
+
+#[test]
+fn refuses_to_overwrite_or_to_open_for_another_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.mt");
+    let l = layout();
+    drop(HostStore::create(&path, &l, GradDtype::Bf16).unwrap());
+    let err = HostStore::create(&path, &l, GradDtype::Bf16).unwrap_err().to_string();
+    assert!(err.contains("store.mt"), "{err}");
+    let mut cfg = ModelConfig::tiny_llama();
+    cfg.num_hidden_layers = 3;
+    let err = HostStore::open(&path, &ModelLayout::new(&cfg)).unwrap_err().to_string();
+    assert!(err.contains("different model layout"), "{err}");
+}
+
+#[test]
+fn refuses_truncated_or_foreign_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let path = dir.path().join("store.mt");
+    drop(HostStore::create(&path, &l, GradDtype::Bf16).unwrap());
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(f.metadata().unwrap().len() - PAGE as u64).unwrap();
+    drop(f);
+    let err = HostStore::open(&path, &l).unwrap_err().to_string();
+    assert!(err.contains("truncated"), "{err}");
+
+    let junk = dir.path().join("junk.bin");
+    std::fs::write(&junk, vec![7u8; 3 * PAGE]).unwrap();
+    let err = HostStore::open(&junk, &l).unwrap_err().to_string();
+    assert!(err.contains("not a megatrain host store"), "{err}");
+}
+
+#[test]
+fn a_second_opener_is_refused_while_the_store_is_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.mt");
+    let l = layout();
+    let _held = HostStore::create(&path, &l, GradDtype::Bf16).unwrap();
+    let err = HostStore::open(&path, &l).unwrap_err().to_string();
+    assert!(err.contains("exclusive lock"), "{err}");
+}
+
+#[test]
+fn wrong_length_param_write_is_a_shape_error() {
+    let s = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
+    let err = s.write_param("model.norm.weight", &[1.0; 3]).unwrap_err().to_string();
+    assert!(err.contains("model.norm.weight") && err.contains("128"), "{err}");
+}

@@ -1,0 +1,531 @@
+#!/usr/bin/env python3
+"""Golden fixtures from PyTorch + Hugging Face transformers for the engine's numerics tests.
+
+Run (from the repository root; versions pinned in scripts/requirements-golden.txt):
+
+    /opt/golden-venv/bin/python scripts/make_golden.py [--out DIR]
+
+DIR defaults to crates/testkit/fixtures/golden. For each tiny model NAME below the script writes
+NAME.config.json (the HF config, as `config.to_json_file` writes it) and NAME.safetensors.
+
+Models (all: vocab 128, hidden 64, intermediate 96, 2 layers, 4 query heads, SiLU, eager attention):
+  llama_gqa     LlamaConfig, 2 KV heads, untied, rope_theta 1e4, Llama-3 rope scaling (factor 8,
+                low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 32). The
+                small original context puts the 8 frequencies of head_dim 16 into all three
+                llama3 bands (wavelength < 32/4: kept; 32/4..32/1: smoothed; > 32: divided by 8);
+                the script checks that each band is hit. (With 8 instead of 32 no frequency is
+                kept unchanged, leaving that branch untested.)
+  llama_tied    LlamaConfig, 4 KV heads, tie_word_embeddings=True (no lm_head.weight parameter;
+                the embedding gradient includes the head's contribution), no rope scaling.
+  qwen2_bias    Qwen2Config, 2 KV heads, untied, bias on q/k/v.
+  qwen3_qknorm  Qwen3Config, 2 KV heads, head_dim 32 (!= hidden/heads = 16), untied, q_norm/k_norm.
+
+Initialisation (deterministic, seeded per model): `torch.manual_seed(seed)`, then the model is
+built in float32 by transformers' own init (normal(0, 0.02) for Linear/Embedding, ones for norms,
+zeros for biases). Then, from a generator seeded with `seed + 1`, in named_parameters() order,
+every RMSNorm weight is set to 1 + 0.1*randn and every bias to 0.02*randn, so that every
+parameter gets a non-trivial gradient. These float32 values are saved as `param.*`; then the
+model is converted to float64 (`model.double()`) and all further computation is float64.
+Known float32 islands inside transformers' code, kept as transformers has them: rotary cos/sin
+are computed in float32, RMSNorm normalises in float32 (x.to(float32) ... .to(input dtype)), and
+eager attention takes its softmax in float32. Each is a single float32 rounding (relative error
+~6e-8) of an otherwise float64 computation, so the oracle is still far more accurate than a
+float32 engine; `--precision-report` measures their effect against fully float64 versions.
+
+Batch (B=4, T=16, generator seeded with `seed + 2`): input_ids uniform in [0, vocab).
+targets[b, t] = input_ids[b, t+1] for t < T-1 and -100 at t = T-1 (the next-token target
+aligned to position t; -100 = ignored). Also ignored (-100): the last 6 positions of sequence 1
+(simulated padding) and the positions (0, 5), (2, 0), (3, 9). Position ids are 0..T-1 for every
+sequence; causal attention, no attention mask. The model is called without labels (HF would
+shift them); the loss is computed here:
+
+    loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1),
+                           ignore_index=-100, reduction="mean")
+
+i.e. the mean over the non-ignored targets of the whole batch.
+
+Training: three steps k = 0, 1, 2 on the same batch, each: zero grads, forward, loss, backward,
+grad_norms[k] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) (the pre-clip global L2
+norm; the call also clips to 1.0), then one step of
+torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+(one default parameter group: weight decay applies to every parameter, biases and norms included).
+
+NAME.safetensors keys (all tensors float32 except the ids; parameter names are HF
+named_parameters() names, e.g. model.layers.0.self_attn.q_proj.weight):
+  input_ids   I64 [B, T]       targets     I64 [B, T]
+  logits      F32 [B, T, V]    logits of step 0 (before any update)
+  loss        F32 []           loss of step 0
+  losses      F32 [3]          loss of steps 0, 1, 2 (each before its update)
+  grad_norms  F32 [3]          pre-clip global gradient norm of steps 0, 1, 2
+  param.NAME  F32              initial values
+  grad.NAME   F32              step-0 gradients, before clipping
+  step3.NAME  F32              values after the three updates
+The header metadata (strings) records the versions, seed and these definitions.
+
+Determinism: fixed seeds, one CPU thread, deterministic algorithms, no timestamps, and the
+header metadata keys sorted (the safetensors writer orders them randomly); two runs on the same
+machine give byte-identical files (`--check` verifies this by running twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy
+import safetensors
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+FORMAT = "megatrain-golden-v1"
+B, T = 4, 16
+IGNORE = -100
+PAD_TAIL = 6  # ignored positions at the end of sequence 1
+SCATTERED_IGNORED = [(0, 5), (2, 0), (3, 9)]
+STEPS = 3
+MAX_NORM = 1.0
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+NORM_JITTER, BIAS_STD = 0.1, 0.02
+
+TARGETS_DEF = (
+    f"targets[b,t] = input_ids[b,t+1] for t < T-1, -100 at t = T-1; also -100 at the last "
+    f"{PAD_TAIL} positions of sequence 1 and at (b,t) in {SCATTERED_IGNORED}"
+)
+LOSS_DEF = (
+    "F.cross_entropy(logits.reshape(-1,V), targets.reshape(-1), ignore_index=-100, "
+    "reduction='mean') on model(input_ids, position_ids=0..T-1).logits, no labels passed"
+)
+OPTIM_DEF = (
+    f"per step: grad_norm = clip_grad_norm_(params, {MAX_NORM}) (pre-clip norm; clips), then "
+    "AdamW(lr=1e-3, betas=(0.9,0.999), eps=1e-8, weight_decay=0.1), one param group"
+)
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    hidden_act="silu",
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+
+
+@dataclass
+class Spec:
+    """One tiny model: its config and seed."""
+
+    name: str
+    config_cls: type
+    seed: int
+    kwargs: dict = field(default_factory=dict)
+
+    def config(self):
+        return self.config_cls(**COMMON, **self.kwargs)
+
+
+SPECS = [
+    Spec(
+        "llama_gqa",
+        LlamaConfig,
+        1001,
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    Spec(
+        "llama_tied",
+        LlamaConfig,
+        1002,
+        dict(
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    Spec(
+        "qwen2_bias",
+        Qwen2Config,
+        1003,
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    Spec(
+        "qwen3_qknorm",
+        Qwen3Config,
+        1004,
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+]
+
+
+def check_saved_config(spec: Spec, path: Path, verbose: bool) -> None:
+    """Asserts that the written config.json carries every value the engine's parser reads."""
+    saved = json.loads(path.read_text())
+    if verbose:
+        print(f"--- {path.name}\n{json.dumps(saved, indent=2, sort_keys=True)}")
+    expected = {**COMMON, **spec.kwargs}
+    expected.pop("rope_parameters")
+    expected.pop("use_sliding_window", None)
+    for key, value in expected.items():
+        if key == "tie_word_embeddings" and not value:
+            assert saved.get(key, False) is False, (path, key)
+            continue
+        assert saved.get(key) == value, f"{path}: {key} = {saved.get(key)!r}, expected {value!r}"
+    assert saved.get("use_sliding_window", False) is False, path
+    assert saved.get("attention_bias", False) is False, path
+    assert saved.get("mlp_bias", False) is False, path
+    rope = saved["rope_parameters"]
+    want = spec.kwargs["rope_parameters"]
+    for key, value in want.items():
+        assert rope.get(key) == value, f"{path}: rope_parameters.{key} = {rope.get(key)!r}"
+    assert saved.get("rope_theta", rope["rope_theta"]) == rope["rope_theta"], path
+
+
+def build_model(spec: Spec):
+    """The float32 model from transformers' init, with norms and biases perturbed."""
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(
+        spec.config(), attn_implementation="eager", dtype=torch.float32
+    )
+    assert model.config._attn_implementation == "eager"
+    assert model.config.attention_dropout == 0.0
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    norm_weights = {
+        f"{mod_name}.weight"
+        for mod_name, mod in model.named_modules()
+        if type(mod).__name__.endswith("RMSNorm")
+    }
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32, name
+            if name in norm_weights:
+                p.copy_(1.0 + NORM_JITTER * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(BIAS_STD * torch.randn(p.shape, generator=gen))
+    names = [n for n, _ in model.named_parameters()]
+    if model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in names, names
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        assert "lm_head.weight" in names, names
+    return model
+
+
+def check_rope(spec: Spec, model) -> None:
+    """Asserts that llama3 scaling hits all three of its frequency bands at these sizes."""
+    cfg = model.config
+    rope = cfg.rope_parameters
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    used = model.model.rotary_emb.inv_freq.float()
+    if rope["rope_type"] != "llama3":
+        assert torch.equal(used, plain), f"{spec.name}: unexpected rope scaling"
+        return
+    ratio = used / plain
+    kept = int(torch.isclose(ratio, torch.tensor(1.0), rtol=1e-6).sum())
+    divided = int(torch.isclose(ratio, torch.tensor(1.0 / rope["factor"]), rtol=1e-6).sum())
+    smoothed = dim // 2 - kept - divided
+    assert kept > 0 and divided > 0 and smoothed > 0, (spec.name, ratio)
+    print(
+        f"{spec.name}: llama3 rope: of {dim // 2} inverse frequencies {kept} kept, "
+        f"{smoothed} smoothed, {divided} divided by {rope['factor']}"
+    )
+
+
+def make_batch(spec: Spec, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(spec.seed + 2)
+    input_ids = torch.randint(0, vocab, (B, T), generator=gen, dtype=torch.int64)
+    targets = torch.full((B, T), IGNORE, dtype=torch.int64)
+    targets[:, : T - 1] = input_ids[:, 1:]
+    targets[1, T - PAD_TAIL :] = IGNORE
+    for b, t in SCATTERED_IGNORED:
+        targets[b, t] = IGNORE
+    return input_ids, targets
+
+
+def forward_loss(model, input_ids, targets):
+    position_ids = torch.arange(T, dtype=torch.int64).expand(B, T)
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    vocab = logits.shape[-1]
+    loss = F.cross_entropy(
+        logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE, reduction="mean"
+    )
+    return logits, loss
+
+
+def train(model, input_ids, targets) -> dict[str, torch.Tensor]:
+    """Runs the three steps on a float64 model; returns the tensors to save (not yet float32)."""
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **ADAMW)
+    out: dict[str, torch.Tensor] = {}
+    losses, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        logits, loss = forward_loss(model, input_ids, targets)
+        loss.backward()
+        if step == 0:
+            out["logits"] = logits.detach().clone()
+            out["loss"] = loss.detach().clone()
+            for name, p in params.items():
+                assert p.grad is not None and bool(p.grad.abs().max() > 0), f"no gradient: {name}"
+                out[f"grad.{name}"] = p.grad.detach().clone()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        losses.append(loss.detach())
+        norms.append(norm.detach())
+        opt.step()
+    out["losses"] = torch.stack(losses)
+    out["grad_norms"] = torch.stack(norms)
+    for name, p in params.items():
+        out[f"step3.{name}"] = p.detach().clone()
+    return out
+
+
+def metadata(spec: Spec) -> dict[str, str]:
+    return {
+        "format": FORMAT,
+        "model": spec.name,
+        "seed": str(spec.seed),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "safetensors_version": safetensors.__version__,
+        "numpy_version": numpy.__version__,
+        "batch": f"B={B}, T={T}, position_ids 0..T-1, causal, no attention mask",
+        "targets": TARGETS_DEF,
+        "loss": LOSS_DEF,
+        "optimizer": OPTIM_DEF,
+        "compute_dtype": "float64 (rotary cos/sin, RMSNorm and softmax internally float32)",
+        "init": (
+            f"transformers init in float32 after torch.manual_seed(seed); then RMSNorm weights "
+            f"1+{NORM_JITTER}*randn and biases {BIAS_STD}*randn from Generator(seed+1)"
+        ),
+        "script": "scripts/make_golden.py",
+    }
+
+
+def make_one(spec: Spec, out_dir: Path, verbose: bool) -> dict:
+    cfg_path = out_dir / f"{spec.name}.config.json"
+    spec.config().to_json_file(cfg_path)
+    check_saved_config(spec, cfg_path, verbose)
+
+    model = build_model(spec)
+    check_rope(spec, model)
+    tensors: dict[str, torch.Tensor] = {}
+    input_ids, targets = make_batch(spec, model.config.vocab_size)
+    tensors["input_ids"] = input_ids
+    tensors["targets"] = targets
+    for name, p in model.named_parameters():
+        tensors[f"param.{name}"] = p.detach().clone()
+    n_params = sum(p.numel() for p in model.parameters())
+
+    model.double()
+    model.train()
+    for name, t in train(model, input_ids, targets).items():
+        tensors[name] = t.to(torch.float32).contiguous()
+    path = out_dir / f"{spec.name}.safetensors"
+    blob = safetensors.torch.save(tensors, metadata=metadata(spec))
+    path.write_bytes(canonical_header(blob))
+    return dict(
+        name=spec.name,
+        n_params=n_params,
+        n_targets=int((targets != IGNORE).sum()),
+        losses=[float(x) for x in tensors["losses"]],
+        grad_norms=[float(x) for x in tensors["grad_norms"]],
+        path=path,
+    )
+
+
+def canonical_header(blob: bytes) -> bytes:
+    """Rewrites a safetensors file's JSON header with the metadata keys sorted.
+
+    The safetensors writer keeps `__metadata__` in a Rust HashMap, whose order changes from run
+    to run; sorting it makes the file bytes reproducible. Tensor entries keep their order (data
+    offsets are relative to the end of the header, so its length may change freely).
+    """
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + blob[8 + n :]
+
+
+@contextlib.contextmanager
+def pure_float64():
+    """Temporarily replaces transformers' float32 islands (RMSNorm, softmax, rotary cos/sin) by
+    float64 versions of the same formulas. Used only by --precision-report."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def norm_forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+    def eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        rep = module.num_key_value_groups
+        k = modeling_llama.repeat_kv(key, rep)
+        v = modeling_llama.repeat_kv(value, rep)
+        w = torch.matmul(query, k.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            w = w + attention_mask
+        w = torch.softmax(w, dim=-1)
+        return torch.matmul(w, v).transpose(1, 2).contiguous(), w
+
+    @torch.no_grad()
+    def rotary_forward(self, x, position_ids):
+        rope = self.config.rope_parameters
+        dim = getattr(self.config, "head_dim", None) or (
+            self.config.hidden_size // self.config.num_attention_heads
+        )
+        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        if rope["rope_type"] == "llama3":
+            old = rope["original_max_position_embeddings"]
+            lo, hi, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+            wavelen = 2 * math.pi / inv
+            smooth = (old / wavelen - lo) / (hi - lo)
+            mid = (1 - smooth) * inv / factor + smooth * inv
+            inv = torch.where(wavelen > old / lo, inv / factor, inv)
+            inv = torch.where((wavelen >= old / hi) & (wavelen <= old / lo), mid, inv)
+        freqs = position_ids[..., None].to(torch.float64) * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    patches = []
+    for mod, prefix in [
+        (modeling_llama, "Llama"),
+        (modeling_qwen2, "Qwen2"),
+        (modeling_qwen3, "Qwen3"),
+    ]:
+        patches += [
+            (getattr(mod, f"{prefix}RMSNorm"), "forward", norm_forward),
+            (getattr(mod, f"{prefix}RotaryEmbedding"), "forward", rotary_forward),
+            (mod, "eager_attention_forward", eager),
+        ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    try:
+        for obj, attr, new in patches:
+            setattr(obj, attr, new)
+        yield
+    finally:
+        for obj, attr, old in saved:
+            setattr(obj, attr, old)
+
+
+def precision_report(spec: Spec) -> None:
+    """Compares the stock float64 run (float32 islands) with a fully float64 one."""
+    runs = []
+    for pure in (False, True):
+        with pure_float64() if pure else contextlib.nullcontext():
+            model = build_model(spec)
+            input_ids, targets = make_batch(spec, model.config.vocab_size)
+            model.double()
+            model.train()
+            runs.append(train(model, input_ids, targets))
+    stock, exact = runs
+    parts = []
+    for key in ("logits", "loss", "losses", "grad_norms", "grad."):
+        names = [k for k in exact if k == key or (key.endswith(".") and k.startswith(key))]
+        rel = max(
+            float((stock[k] - exact[k]).abs().max() / exact[k].abs().max().clamp_min(1e-300))
+            for k in names
+        )
+        parts.append(f"{key} {rel:.1e}")
+    text = ", ".join(parts)
+    lr = ADAMW["lr"]
+    step3 = max(float((stock[k] - exact[k]).abs().max()) for k in exact if k.startswith("step3."))
+    print(
+        f"{spec.name}: max|stock - pure f64| / max|pure f64| per tensor: {text}; "
+        f"step3. max|stock - pure f64| = {step3 / lr:.1e} * lr"
+    )
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main() -> int:
+    repo = Path(__file__).resolve().parent.parent
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=repo / "crates/testkit/fixtures/golden")
+    ap.add_argument("--check", action="store_true", help="run twice and compare sha256")
+    ap.add_argument(
+        "--precision-report",
+        action="store_true",
+        help="also measure the effect of transformers' float32 islands (writes nothing extra)",
+    )
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    results = [make_one(spec, args.out, verbose=True) for spec in SPECS]
+    total = 0
+    for r in results:
+        size = r["path"].stat().st_size
+        total += size
+        losses = ", ".join(f"{x:.6f}" for x in r["losses"])
+        norms = ", ".join(f"{x:.6f}" for x in r["grad_norms"])
+        print(
+            f"{r['name']:13s} params {r['n_params']:6d}  targets {r['n_targets']}  "
+            f"losses [{losses}]  grad_norms [{norms}]  {size} bytes  {sha256(r['path'])[:16]}"
+        )
+    print(f"total {total} bytes in {len(results)} safetensors files")
+    if not any(r["grad_norms"][0] > MAX_NORM for r in results):
+        print("error: no model has a step-0 grad norm above the clip threshold", file=sys.stderr)
+        return 1
+
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            again = [make_one(spec, Path(tmp), verbose=False) for spec in SPECS]
+            for r, s in zip(results, again):
+                for ext in (".safetensors", ".config.json"):
+                    a = r["path"].with_name(r["name"] + ext)
+                    b = s["path"].with_name(s["name"] + ext)
+                    if sha256(a) != sha256(b):
+                        print(f"error: {a.name} differs between two runs", file=sys.stderr)
+                        return 1
+        print("check: a second run produced byte-identical files")
+
+    if args.precision_report:
+        for spec in SPECS:
+            precision_report(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
