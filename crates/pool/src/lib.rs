@@ -1,1 +1,230 @@
-//! placeholder
+//! Device buffer pool: every long-lived buffer the step program uses on the compute device.
+//!
+//! - an N-deep ring of weight slots, each a flat 1-D tensor holding one decoder layer laid out by
+//!   the layer [`mt_core::UnitLayout`] (templates bind views into it, no copy);
+//! - the outer slot (embedding, final norm, LM head), resident for a whole step;
+//! - a ring of layer gradient buffers (fp32 accumulation; two let one download while the next
+//!   layer's backward accumulates) and the outer gradient buffer;
+//! - the checkpoint store: the input of every layer for every token chunk (plus the head's
+//!   input), the only memory that grows with the batch;
+//! - the activation-gradient store: dL/dx at the current layer boundary for every chunk.
+//!
+//! On the CPU backend all of it is plain memory behind the same interface.
+//!
+//! Architecture Invariant: the pool allocates and accounts; it knows nothing about streams or
+//! about when a buffer may be reused. The step program (mt-sched) owns that ordering.
+#![forbid(unsafe_code)]
+
+use candle_core::{DType, Device, Tensor};
+
+/// Errors of the pool.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Allocation or tensor error from candle.
+    #[error("device buffer pool: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// A checkpoint was read before being written (a scheduling bug).
+    #[error("checkpoint for boundary {boundary}, chunk {chunk} is missing")]
+    MissingCheckpoint {
+        /// Layer boundary (input of layer `boundary`; `n_layers` = head input).
+        boundary: usize,
+        /// Token chunk.
+        chunk: usize,
+    },
+    /// A requested configuration is invalid.
+    #[error("invalid pool configuration: {0}")]
+    Config(String),
+}
+
+/// Result alias.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// What to allocate.
+#[derive(Debug, Clone)]
+pub struct PoolSpec {
+    /// Weight slots in the ring (1 disables overlap; 2 is double buffering).
+    pub ring_depth: usize,
+    /// Elements of one layer record.
+    pub layer_len: usize,
+    /// Elements of the outer record.
+    pub outer_len: usize,
+    /// Weight dtype on the device.
+    pub weight_dtype: DType,
+    /// Gradient accumulation dtype on the device.
+    pub grad_dtype: DType,
+    /// Layer gradient buffers in their ring.
+    pub n_grad_bufs: usize,
+    /// Number of decoder layers (checkpoint boundaries = layers + 1).
+    pub n_layers: usize,
+    /// Token chunks per step.
+    pub n_chunks: usize,
+}
+
+/// Bytes held by each kind of buffer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolBytes {
+    /// Weight ring.
+    pub weight_ring: usize,
+    /// Outer slot.
+    pub outer: usize,
+    /// Layer and outer gradient buffers.
+    pub grads: usize,
+    /// Checkpoints currently held.
+    pub checkpoints: usize,
+    /// Activation gradients currently held.
+    pub act_grads: usize,
+}
+
+impl PoolBytes {
+    /// Sum of all buffers.
+    pub fn total(&self) -> usize {
+        self.weight_ring + self.outer + self.grads + self.checkpoints + self.act_grads
+    }
+}
+
+/// The pool. Buffers are public fields: the scheduler indexes them by slot/buffer number.
+#[derive(Debug)]
+pub struct DevicePool {
+    /// Weight slot ring.
+    pub slots: Vec<Tensor>,
+    /// Outer slot.
+    pub outer_slot: Tensor,
+    /// Layer gradient buffer ring.
+    pub grad_bufs: Vec<Tensor>,
+    /// Outer gradient buffer.
+    pub outer_grad: Tensor,
+    checkpoints: Vec<Vec<Option<Tensor>>>,
+    act_grads: Vec<Option<Tensor>>,
+    spec: PoolSpec,
+}
+
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl DevicePool {
+    /// Allocates every fixed buffer on `device`.
+    pub fn new(spec: &PoolSpec, device: &Device) -> Result<Self> {
+        if spec.ring_depth == 0 || spec.n_grad_bufs == 0 || spec.n_chunks == 0 {
+            return Err(Error::Config(format!(
+                "ring_depth ({}), n_grad_bufs ({}) and n_chunks ({}) must all be at least 1",
+                spec.ring_depth, spec.n_grad_bufs, spec.n_chunks
+            )));
+        }
+        let slots = (0..spec.ring_depth)
+            .map(|_| Tensor::zeros(spec.layer_len, spec.weight_dtype, device))
+            .collect::<candle_core::Result<_>>()?;
+        let grad_bufs = (0..spec.n_grad_bufs)
+            .map(|_| Tensor::zeros(spec.layer_len, spec.grad_dtype, device))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(DevicePool {
+            slots,
+            outer_slot: Tensor::zeros(spec.outer_len, spec.weight_dtype, device)?,
+            grad_bufs,
+            outer_grad: Tensor::zeros(spec.outer_len, spec.grad_dtype, device)?,
+            checkpoints: vec![vec![None; spec.n_chunks]; spec.n_layers + 1],
+            act_grads: vec![None; spec.n_chunks],
+            spec: spec.clone(),
+        })
+    }
+
+    /// The spec the pool was built from.
+    pub fn spec(&self) -> &PoolSpec {
+        &self.spec
+    }
+
+    /// Stores the input of layer `boundary` (or of the head, at `n_layers`) for `chunk`.
+    pub fn put_checkpoint(&mut self, boundary: usize, chunk: usize, x: Tensor) {
+        self.checkpoints[boundary][chunk] = Some(x);
+    }
+
+    /// The checkpoint of `boundary`/`chunk`.
+    pub fn checkpoint(&self, boundary: usize, chunk: usize) -> Result<&Tensor> {
+        self.checkpoints[boundary][chunk].as_ref().ok_or(Error::MissingCheckpoint { boundary, chunk })
+    }
+
+    /// Frees every checkpoint of a boundary once backward has consumed it.
+    pub fn drop_checkpoints(&mut self, boundary: usize) {
+        self.checkpoints[boundary].iter_mut().for_each(|c| *c = None);
+    }
+
+    /// Replaces the activation gradient of `chunk`.
+    pub fn put_act_grad(&mut self, chunk: usize, g: Tensor) {
+        self.act_grads[chunk] = Some(g);
+    }
+
+    /// Takes the activation gradient of `chunk`.
+    pub fn take_act_grad(&mut self, chunk: usize) -> Option<Tensor> {
+        self.act_grads[chunk].take()
+    }
+
+    /// Zeroes a gradient buffer in place (views of it stay valid).
+    pub fn zero(buf: &Tensor) -> Result<()> {
+        buf.zero_set()?;
+        Ok(())
+    }
+
+    /// Bytes currently held, by kind.
+    pub fn bytes(&self) -> PoolBytes {
+        let held = |v: &[Option<Tensor>]| v.iter().flatten().map(tensor_bytes).sum::<usize>();
+        PoolBytes {
+            weight_ring: self.slots.iter().map(tensor_bytes).sum(),
+            outer: tensor_bytes(&self.outer_slot),
+            grads: self.grad_bufs.iter().map(tensor_bytes).sum::<usize>() + tensor_bytes(&self.outer_grad),
+            checkpoints: self.checkpoints.iter().map(|c| held(c)).sum(),
+            act_grads: held(&self.act_grads),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> PoolSpec {
+        PoolSpec {
+            ring_depth: 2,
+            layer_len: 128,
+            outer_len: 64,
+            weight_dtype: DType::F32,
+            grad_dtype: DType::F32,
+            n_grad_bufs: 2,
+            n_layers: 3,
+            n_chunks: 2,
+        }
+    }
+
+    #[test]
+    fn allocates_and_accounts() {
+        let mut p = DevicePool::new(&spec(), &Device::Cpu).unwrap();
+        let b = p.bytes();
+        assert_eq!(b.weight_ring, 2 * 128 * 4);
+        assert_eq!(b.grads, (2 * 128 + 64) * 4);
+        assert_eq!(b.checkpoints, 0);
+        p.put_checkpoint(1, 1, Tensor::zeros((2, 3, 4), DType::F32, &Device::Cpu).unwrap());
+        assert_eq!(p.bytes().checkpoints, 24 * 4);
+        assert!(p.checkpoint(1, 1).is_ok());
+        let err = p.checkpoint(1, 0).unwrap_err().to_string();
+        assert!(err.contains("boundary 1, chunk 0"), "{err}");
+        p.drop_checkpoints(1);
+        assert_eq!(p.bytes().checkpoints, 0);
+    }
+
+    #[test]
+    fn zeroing_is_in_place_and_visible_through_views() {
+        let p = DevicePool::new(&spec(), &Device::Cpu).unwrap();
+        let buf = &p.grad_bufs[0];
+        buf.slice_set(&Tensor::ones(128, DType::F32, &Device::Cpu).unwrap(), 0, 0).unwrap();
+        let view = buf.narrow(0, 10, 5).unwrap();
+        assert_eq!(view.sum_all().unwrap().to_scalar::<f32>().unwrap(), 5.0);
+        DevicePool::zero(buf).unwrap();
+        assert_eq!(view.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn zero_depth_ring_is_refused() {
+        let err = DevicePool::new(&PoolSpec { ring_depth: 0, ..spec() }, &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("ring_depth (0)"));
+    }
+}

@@ -41,6 +41,7 @@ pub(crate) mod off {
     pub(crate) const PENDING: usize = 40;
     pub(crate) const PENDING_GRAD_SCALE: usize = 48;
     pub(crate) const GRAD_NORM: usize = 56;
+    pub(crate) const PENDING_LR: usize = 64;
 }
 
 pub(crate) fn put_u64(page: &mut [u8], at: usize, v: u64) {

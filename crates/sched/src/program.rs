@@ -1,0 +1,311 @@
+//! The step program: everything one training step does, in issue order, as data.
+//!
+//! Each instruction runs on one [`Stream`] and lists the instructions it must wait for. The
+//! executor only interprets this list; nothing about ordering is inferred at run time. Tests
+//! check the schedule's invariants on the data alone (every layer fetched before use, at most
+//! `ring_depth` slots live, each gradient offloaded exactly once, updates in forward order).
+//!
+//! Layer-major order (engine-brief "Step program"): the outer unit (embedding, final norm, LM
+//! head) is uploaded once and stays resident; layer `i` is uploaded for forward (all chunks),
+//! the loss runs chunk by chunk, then layers `L-1..0` are uploaded again, recomputed and
+//! back-propagated over all chunks, and each layer's gradient is downloaded once.
+
+use mt_core::Unit;
+
+/// A logical stream. Instructions on one stream run in program order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stream {
+    /// CPU worker: optimizer updates, casts into staging, gradient landing.
+    Host,
+    /// Host-to-device copies.
+    H2D,
+    /// Device compute.
+    Compute,
+    /// Device-to-host copies.
+    D2H,
+}
+
+/// A device weight slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Slot {
+    /// Slot `k` of the layer ring.
+    Ring(usize),
+    /// The outer unit's dedicated slot.
+    Outer,
+}
+
+/// A host-side buffer of a ring (staging for uploads, landing for downloads), or the outer
+/// unit's dedicated one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostBuf {
+    /// Buffer `k` of the ring.
+    Ring(usize),
+    /// The outer unit's dedicated buffer.
+    Outer,
+}
+
+/// Optimizer placement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimMode {
+    /// Exact global-norm clipping: a unit's update for step `t` runs during step `t+1`'s forward,
+    /// fused with the cast into its upload staging, just ahead of its upload.
+    Exact,
+    /// Each unit is updated as soon as its gradient lands during backward (clipping, if any,
+    /// uses the previous step's global norm).
+    Lean,
+}
+
+/// One operation of the step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// Host: cast the unit's master weights into a staging buffer; with `update`, first apply
+    /// the pending AdamW update in the same pass.
+    Stage {
+        /// Unit.
+        unit: Unit,
+        /// Staging buffer.
+        staging: HostBuf,
+        /// Apply the deferred update (exact mode, forward phase).
+        update: bool,
+    },
+    /// H2D: staging buffer into a device slot.
+    Upload {
+        /// Unit.
+        unit: Unit,
+        /// Source staging buffer.
+        staging: HostBuf,
+        /// Destination slot.
+        slot: Slot,
+    },
+    /// Compute: zero the outer gradient and embed every chunk (checkpoint boundary 0).
+    Embed,
+    /// Compute: layer forward over every chunk (boundary `layer` to `layer + 1`).
+    Forward {
+        /// Layer.
+        layer: usize,
+        /// Slot holding its weights.
+        slot: usize,
+    },
+    /// Compute: final norm, LM head, cross-entropy and their backward, chunk by chunk.
+    Loss,
+    /// Compute: zero a gradient buffer, recompute the layer from its checkpoints and
+    /// back-propagate every chunk, accumulating the weight gradient.
+    Backward {
+        /// Layer.
+        layer: usize,
+        /// Slot holding its weights.
+        slot: usize,
+        /// Gradient buffer of the ring to accumulate into.
+        grad_buf: usize,
+    },
+    /// Compute: embedding backward (accumulates into the outer gradient).
+    EmbedBackward,
+    /// D2H: a unit's accumulated gradient into a landing buffer.
+    Download {
+        /// Unit.
+        unit: Unit,
+        /// Device gradient buffer (ring index; `None` = the outer gradient buffer).
+        grad_buf: Option<usize>,
+        /// Landing buffer.
+        landing: HostBuf,
+    },
+    /// Host: landing buffer into the store's gradient buffer (+ its sum of squares); with
+    /// `update`, apply AdamW right away (lean mode).
+    Land {
+        /// Unit.
+        unit: Unit,
+        /// Landing buffer.
+        landing: HostBuf,
+        /// Apply the update now.
+        update: bool,
+    },
+}
+
+/// An instruction: an op on a stream after its dependencies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Instr {
+    /// Stream it runs on.
+    pub stream: Stream,
+    /// What it does.
+    pub op: Op,
+    /// Indices of the instructions it waits for.
+    pub waits: Vec<usize>,
+}
+
+/// Shape of the rings the program uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgramSpec {
+    /// Decoder layers.
+    pub n_layers: usize,
+    /// Device weight slots (1 = no overlap, 2 = double buffering).
+    pub ring_depth: usize,
+    /// Upload staging buffers for layers.
+    pub n_staging: usize,
+    /// Device gradient buffers for layers.
+    pub n_grad_bufs: usize,
+    /// Gradient landing buffers for layers.
+    pub n_landing: usize,
+    /// Optimizer placement.
+    pub mode: OptimMode,
+    /// Whether a deferred (exact-mode) update is pending from the previous step.
+    pub pending_update: bool,
+}
+
+/// The instructions of one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Program {
+    /// Instructions in issue order.
+    pub instrs: Vec<Instr>,
+    /// The spec it was built from.
+    pub spec: ProgramSpec,
+}
+
+/// Remembers, per reusable resource, the last instruction that used it, so the next writer
+/// waits for it.
+#[derive(Default)]
+struct LastUse(std::collections::HashMap<(u8, usize), usize>);
+
+impl LastUse {
+    fn take(&mut self, kind: u8, idx: usize, now: usize) -> Option<usize> {
+        self.0.insert((kind, idx), now)
+    }
+}
+
+const K_STAGING: u8 = 0;
+const K_SLOT: u8 = 1;
+const K_GRAD: u8 = 2;
+const K_LANDING: u8 = 3;
+
+fn buf_idx(b: HostBuf) -> usize {
+    match b {
+        HostBuf::Ring(k) => k,
+        HostBuf::Outer => usize::MAX,
+    }
+}
+
+struct Builder {
+    instrs: Vec<Instr>,
+    last: LastUse,
+}
+
+impl Builder {
+    fn push(&mut self, stream: Stream, op: Op, mut waits: Vec<usize>) -> usize {
+        waits.sort_unstable();
+        waits.dedup();
+        self.instrs.push(Instr { stream, op, waits });
+        self.instrs.len() - 1
+    }
+
+    /// The next id, for resource bookkeeping before pushing.
+    fn next(&self) -> usize {
+        self.instrs.len()
+    }
+
+    /// Stage + upload of a unit; returns the upload's id.
+    fn fetch(&mut self, unit: Unit, staging: HostBuf, slot: Slot, update: bool) -> usize {
+        // The previous upload out of this staging buffer must be done before it is rewritten.
+        let id = self.next();
+        let prev_reader = self.last.take(K_STAGING, buf_idx(staging), id + 1);
+        let stage = self.push(Stream::Host, Op::Stage { unit, staging, update }, prev_reader.into_iter().collect());
+        let mut waits = vec![stage];
+        if let Slot::Ring(k) = slot {
+            // The previous compute that read this slot must be done before it is overwritten.
+            if let Some(&reader) = self.last.0.get(&(K_SLOT, k)) {
+                waits.push(reader);
+            }
+        }
+        self.push(Stream::H2D, Op::Upload { unit, staging, slot }, waits)
+    }
+}
+
+impl Program {
+    /// Builds the program of one step.
+    ///
+    /// Issue order matters as much as the waits: the executor issues instructions in this order
+    /// and the CPU backend runs compute inline. Slot uses are numbered `k = 0..2L` (forward
+    /// layers, then backward layers); the fetch for use `k + N` is issued right after compute
+    /// `k` (the last reader of its slot), so with `N >= 2` it overlaps compute `k + 1..`, and with
+    /// `N = 1` there is no overlap (the ablation). The fetch is issued before the gradient
+    /// download and landing of use `k`, so a prefetch never queues behind an offload on the
+    /// host stream.
+    pub fn build(spec: ProgramSpec) -> Program {
+        assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
+        let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
+        let lean = spec.mode == OptimMode::Lean;
+        let n = spec.n_layers;
+        let mut b = Builder { instrs: Vec::new(), last: LastUse::default() };
+        // Use k: (layer, is_backward).
+        let uses: Vec<(usize, bool)> = (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
+        let mut uploads = vec![usize::MAX; uses.len()];
+        let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, k: usize| {
+            let (layer, backward) = uses[k];
+            let staging = HostBuf::Ring(k % spec.n_staging);
+            let slot = Slot::Ring(k % spec.ring_depth);
+            uploads[k] = b.fetch(Unit::Layer(layer), staging, slot, exact_update && !backward);
+        };
+
+        // Forward order = update order: the outer unit first, then layers 0..L-1.
+        let up_outer = b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update);
+        for k in 0..spec.ring_depth.min(uses.len()) {
+            fetch(&mut b, &mut uploads, k);
+        }
+        b.push(Stream::Compute, Op::Embed, vec![up_outer]);
+        let mut n_grads = 0usize;
+        for (k, &(layer, backward)) in uses.iter().enumerate() {
+            if k == n {
+                b.push(Stream::Compute, Op::Loss, vec![]);
+            }
+            let slot = k % spec.ring_depth;
+            let id = b.next();
+            b.last.take(K_SLOT, slot, id);
+            if !backward {
+                b.push(Stream::Compute, Op::Forward { layer, slot }, vec![uploads[k]]);
+                if k + spec.ring_depth < uses.len() {
+                    fetch(&mut b, &mut uploads, k + spec.ring_depth);
+                }
+                continue;
+            }
+            let grad_buf = n_grads % spec.n_grad_bufs;
+            let landing = HostBuf::Ring(n_grads % spec.n_landing);
+            n_grads += 1;
+            // Wait for the previous download out of this gradient buffer before zeroing it.
+            let mut waits = vec![uploads[k]];
+            waits.extend(b.last.0.get(&(K_GRAD, grad_buf)).copied());
+            let bwd = b.push(Stream::Compute, Op::Backward { layer, slot, grad_buf }, waits);
+            if k + spec.ring_depth < uses.len() {
+                fetch(&mut b, &mut uploads, k + spec.ring_depth);
+            }
+            let unit = Unit::Layer(layer);
+            let mut waits = vec![bwd];
+            waits.extend(b.last.0.get(&(K_LANDING, buf_idx(landing))).copied()); // previous land
+            let dl = b.push(Stream::D2H, Op::Download { unit, grad_buf: Some(grad_buf), landing }, waits);
+            b.last.take(K_GRAD, grad_buf, dl);
+            let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, vec![dl]);
+            b.last.take(K_LANDING, buf_idx(landing), land);
+        }
+        if n == 0 {
+            b.push(Stream::Compute, Op::Loss, vec![]);
+        }
+        let eb = b.push(Stream::Compute, Op::EmbedBackward, vec![]);
+        let landing = HostBuf::Outer;
+        let dl = b.push(Stream::D2H, Op::Download { unit: Unit::Outer, grad_buf: None, landing }, vec![eb]);
+        b.push(Stream::Host, Op::Land { unit: Unit::Outer, landing, update: lean }, vec![dl]);
+        Program { instrs: b.instrs, spec }
+    }
+
+    /// Units whose upload bytes cross the bus in this step, in order (for accounting).
+    pub fn uploads(&self) -> impl Iterator<Item = Unit> + '_ {
+        self.instrs.iter().filter_map(|i| match i.op {
+            Op::Upload { unit, .. } => Some(unit),
+            _ => None,
+        })
+    }
+
+    /// Units whose gradients are downloaded, in order.
+    pub fn downloads(&self) -> impl Iterator<Item = Unit> + '_ {
+        self.instrs.iter().filter_map(|i| match i.op {
+            Op::Download { unit, .. } => Some(unit),
+            _ => None,
+        })
+    }
+}

@@ -1,0 +1,208 @@
+//! Schedule invariants of the step program, checked on the data alone.
+
+use std::collections::{HashMap, HashSet};
+
+use mt_core::Unit;
+
+use crate::program::{HostBuf, Instr, OptimMode, Op, Program, ProgramSpec, Slot, Stream};
+use crate::simulate::simulate;
+
+fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> ProgramSpec {
+    ProgramSpec { n_layers, ring_depth, n_staging: 2, n_grad_bufs: 2, n_landing: 2, mode, pending_update: pending }
+}
+
+fn all_specs() -> Vec<ProgramSpec> {
+    let mut v = Vec::new();
+    for l in [1, 2, 5] {
+        for n in [1, 2, 3, 4] {
+            for mode in [OptimMode::Exact, OptimMode::Lean] {
+                for pending in [false, true] {
+                    v.push(spec(l, n, mode, pending));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// Transitive predecessors of every instruction (including same-stream program order).
+fn ancestors(p: &Program) -> Vec<HashSet<usize>> {
+    let mut last_on: HashMap<Stream, usize> = HashMap::new();
+    let mut anc: Vec<HashSet<usize>> = Vec::new();
+    for (i, ins) in p.instrs.iter().enumerate() {
+        let mut set = HashSet::new();
+        let mut direct: Vec<usize> = ins.waits.clone();
+        direct.extend(last_on.get(&ins.stream).copied());
+        for d in direct {
+            assert!(d < i, "instruction {i} waits for a later one ({d})");
+            set.insert(d);
+            set.extend(anc[d].iter().copied());
+        }
+        last_on.insert(ins.stream, i);
+        anc.push(set);
+    }
+    anc
+}
+
+fn slot_of(op: &Op) -> Option<(Slot, Unit)> {
+    match *op {
+        Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } => Some((Slot::Ring(slot), Unit::Layer(layer))),
+        Op::Embed | Op::Loss | Op::EmbedBackward => Some((Slot::Outer, Unit::Outer)),
+        _ => None,
+    }
+}
+
+#[test]
+fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() {
+    for s in all_specs() {
+        let p = Program::build(s);
+        let anc = ancestors(&p);
+        for (i, ins) in p.instrs.iter().enumerate() {
+            let Some((slot, unit)) = slot_of(&ins.op) else { continue };
+            // The latest upload into this slot issued before i must be this unit's, and i must
+            // depend on it.
+            let up = p.instrs[..i]
+                .iter()
+                .enumerate()
+                .rev()
+                .find(|(_, x)| matches!(x.op, Op::Upload { slot: s2, .. } if s2 == slot))
+                .map(|(j, x)| (j, x.op.clone()));
+            let (j, op) = up.unwrap_or_else(|| panic!("{s:?}: instr {i} {:?} has no upload before it", ins.op));
+            assert!(matches!(op, Op::Upload { unit: u, .. } if u == unit), "{s:?}: {i} reads {unit:?} but slot holds {op:?}");
+            assert!(anc[i].contains(&j), "{s:?}: compute {i} does not wait for its upload {j}");
+            // Any later upload into the slot must wait for this compute.
+            for (k, x) in p.instrs.iter().enumerate().skip(i + 1) {
+                if matches!(x.op, Op::Upload { slot: s2, .. } if s2 == slot) {
+                    assert!(anc[k].contains(&i), "{s:?}: upload {k} may overwrite slot in use by {i}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once() {
+    for s in all_specs() {
+        let p = Program::build(s);
+        let slots: HashSet<Slot> = p.instrs.iter().filter_map(|i| slot_of(&i.op).map(|x| x.0)).collect();
+        assert!(slots.iter().all(|s2| matches!(s2, Slot::Outer) || matches!(s2, Slot::Ring(k) if *k < s.ring_depth)));
+        assert!(slots.len() <= s.ring_depth + 1);
+        let mut ups: HashMap<Unit, usize> = HashMap::new();
+        p.uploads().for_each(|u| *ups.entry(u).or_default() += 1);
+        let mut downs: HashMap<Unit, usize> = HashMap::new();
+        p.downloads().for_each(|u| *downs.entry(u).or_default() += 1);
+        assert_eq!(ups.get(&Unit::Outer), Some(&1));
+        assert_eq!(downs.get(&Unit::Outer), Some(&1));
+        for l in 0..s.n_layers {
+            assert_eq!(ups.get(&Unit::Layer(l)), Some(&2), "{s:?}: layer {l} uploads");
+            assert_eq!(downs.get(&Unit::Layer(l)), Some(&1), "{s:?}: layer {l} downloads");
+        }
+    }
+}
+
+#[test]
+fn host_buffers_are_not_reused_before_their_reader_is_done() {
+    for s in all_specs() {
+        let p = Program::build(s);
+        let anc = ancestors(&p);
+        let mut last_upload_of: HashMap<HostBuf, usize> = HashMap::new();
+        let mut last_land_of: HashMap<HostBuf, usize> = HashMap::new();
+        let mut last_download_of: HashMap<Option<usize>, usize> = HashMap::new();
+        for (i, ins) in p.instrs.iter().enumerate() {
+            match ins.op {
+                Op::Stage { staging, .. } => {
+                    if let Some(&u) = last_upload_of.get(&staging) {
+                        assert!(anc[i].contains(&u), "{s:?}: stage {i} rewrites staging before upload {u}");
+                    }
+                }
+                Op::Upload { staging, .. } => {
+                    last_upload_of.insert(staging, i);
+                }
+                Op::Backward { grad_buf, .. } => {
+                    if let Some(&d) = last_download_of.get(&Some(grad_buf)) {
+                        assert!(anc[i].contains(&d), "{s:?}: backward {i} zeroes grad buffer before download {d}");
+                    }
+                }
+                Op::Download { grad_buf, landing, .. } => {
+                    if let Some(&l) = last_land_of.get(&landing) {
+                        assert!(anc[i].contains(&l), "{s:?}: download {i} overwrites landing before land {l}");
+                    }
+                    last_download_of.insert(grad_buf, i);
+                }
+                Op::Land { landing, .. } => {
+                    last_land_of.insert(landing, i);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[test]
+fn updates_run_in_forward_order_only_where_the_mode_says() {
+    for s in all_specs() {
+        let p = Program::build(s);
+        let stage_updates: Vec<Unit> = p
+            .instrs
+            .iter()
+            .filter_map(|i| match i.op {
+                Op::Stage { unit, update: true, .. } => Some(unit),
+                _ => None,
+            })
+            .collect();
+        let land_updates = p.instrs.iter().filter(|i| matches!(i.op, Op::Land { update: true, .. })).count();
+        match (s.mode, s.pending_update) {
+            (OptimMode::Exact, true) => {
+                let expected: Vec<Unit> =
+                    std::iter::once(Unit::Outer).chain((0..s.n_layers).map(Unit::Layer)).collect();
+                assert_eq!(stage_updates, expected, "{s:?}");
+                assert_eq!(land_updates, 0);
+            }
+            (OptimMode::Exact, false) => assert!(stage_updates.is_empty() && land_updates == 0),
+            (OptimMode::Lean, _) => {
+                assert!(stage_updates.is_empty());
+                assert_eq!(land_updates, s.n_layers + 1);
+            }
+        }
+    }
+}
+
+/// With copies cheaper than compute, double buffering hides every upload after the first;
+/// a single slot serialises copy and compute. This is what the ablation will measure.
+#[test]
+fn depth_two_hides_uploads_behind_compute_and_depth_one_does_not() {
+    let cost = |i: &Instr| match i.op {
+        Op::Forward { .. } => 10.0,
+        Op::Backward { .. } => 20.0,
+        Op::Upload { .. } | Op::Download { .. } => 6.0,
+        Op::Stage { .. } | Op::Land { .. } => 2.0,
+        _ => 1.0,
+    };
+    let l = 8;
+    let t1 = simulate(&Program::build(spec(l, 1, OptimMode::Exact, true)), cost);
+    let t2 = simulate(&Program::build(spec(l, 2, OptimMode::Exact, true)), cost);
+    let t3 = simulate(&Program::build(spec(l, 3, OptimMode::Exact, true)), cost);
+    // Idle time of the compute stream between the start of layer 0's forward and the end of
+    // layer 0's backward: the time compute waited for copies or the host.
+    let idle = |p: &Program, t: &crate::simulate::Timeline| {
+        let spans: Vec<(f64, f64)> = p
+            .instrs
+            .iter()
+            .zip(&t.spans)
+            .filter(|(i, _)| matches!(i.op, Op::Forward { .. } | Op::Backward { .. } | Op::Loss))
+            .map(|(_, s)| *s)
+            .collect();
+        let busy: f64 = spans.iter().map(|(a, b)| b - a).sum();
+        spans.last().unwrap().1 - spans[0].0 - busy
+    };
+    let p1 = Program::build(spec(l, 1, OptimMode::Exact, true));
+    let p2 = Program::build(spec(l, 2, OptimMode::Exact, true));
+    assert_eq!(idle(&p2, &t2), 0.0, "depth 2 leaves compute idle");
+    assert_eq!(idle(&Program::build(spec(l, 3, OptimMode::Exact, true)), &t3), 0.0);
+    // Depth 1: every upload after the first is exposed (6 each), except that the first
+    // backward upload overlaps the loss (1).
+    assert_eq!(idle(&p1, &t1), (2 * l - 1) as f64 * 6.0 - 1.0, "depth 1 idle");
+    assert!(t1.makespan > t2.makespan + (2 * l - 2) as f64 * 6.0);
+    assert!(t3.makespan <= t2.makespan + 1e-9);
+}
+
