@@ -1,1 +1,32 @@
-//! placeholder
+//! Stateless layer templates of the streamed training engine, on candle tensors: the decoder
+//! layer of Llama / Mistral / Qwen2 / Qwen3 and the outer unit (embedding, final norm, LM head,
+//! chunked cross-entropy), each with an explicit forward and a hand-written backward.
+//!
+//! The numerics follow Hugging Face transformers' eager implementation operation by operation
+//! (which dtype each step runs in, scaling after `q kᵀ`, f32 RoPE tables, f32 statistics for
+//! half-precision inputs), so that an f32 run reproduces transformers to f32 rounding.
+//!
+//! Architecture Invariant: no autograd graph is built or kept by the library. Weights arrive as
+//! views into a flat slot ([`LayerWeights::bind`], [`OuterWeights::bind`]: `narrow` + `reshape`,
+//! no copy); gradients leave by being added into a flat gradient buffer ([`GradSink`]); a
+//! template holds nothing but the model configuration.
+//!
+//! Architecture Invariant: the loss never materialises `[b·t, V]` logits; at most
+//! `rows_per_block` rows of logits (and of their gradient) are alive at once.
+#![forbid(unsafe_code)]
+
+mod attention;
+mod decoder;
+mod error;
+mod grads;
+mod ops;
+mod outer;
+mod rope;
+mod weights;
+
+pub use decoder::DecoderLayer;
+pub use error::{Error, Result};
+pub use grads::GradSink;
+pub use outer::Outer;
+pub use rope::Rope;
+pub use weights::{names, LayerWeights, OuterWeights};

@@ -1,0 +1,110 @@
+//! Causal grouped-query attention (transformers' eager path) with its backward.
+//!
+//! Layout trick for GQA: query head `i` uses key/value head `i / g` (`g = nh / nkv`), so the
+//! `nh` query heads are viewed as `[nkv, g]` and the `g` heads of a group are stacked along the
+//! query-time axis: `q: [b, nkv, g·t, hd]` against `k, v: [b, nkv, t, hd]`. Key and value are
+//! never repeated, and in the backward the sum of dK/dV over the heads of a group falls out of
+//! the matrix product over the stacked axis.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::ops::stat_dtype;
+use crate::Result;
+
+/// Shapes of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub(crate) b: usize,
+    pub(crate) t: usize,
+    pub(crate) nh: usize,
+    pub(crate) nkv: usize,
+    pub(crate) hd: usize,
+}
+
+impl Dims {
+    fn g(&self) -> usize {
+        self.nh / self.nkv
+    }
+}
+
+/// What the backward needs from the forward.
+#[derive(Debug)]
+pub(crate) struct AttnCache {
+    /// Queries `[b, nkv, g·t, hd]`, compute dtype.
+    q: Tensor,
+    /// Keys `[b, nkv, t, hd]`.
+    k: Tensor,
+    /// Values `[b, nkv, t, hd]`.
+    v: Tensor,
+    /// Probabilities `[b, nkv, g·t, t]` in the statistics dtype.
+    p: Tensor,
+}
+
+/// Additive causal mask `[t, t]`: 0 where key `j <= ` query `i`, `-inf` above the diagonal.
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let v: Vec<f32> =
+        (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    Ok(Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)?)
+}
+
+/// `[b, t, heads, hd]` → `[b, heads, t, hd]`, contiguous.
+fn heads_first(x: &Tensor) -> Result<Tensor> {
+    Ok(x.transpose(1, 2)?.contiguous()?)
+}
+
+/// Softmax over the last dimension with the row maximum subtracted (a constant per row, so it
+/// takes no part in the gradient and is detached).
+fn softmax_last(s: &Tensor) -> Result<Tensor> {
+    let m = s.max_keepdim(D::Minus1)?.detach();
+    let e = s.broadcast_sub(&m)?.exp()?;
+    let z = e.sum_keepdim(D::Minus1)?;
+    Ok(e.broadcast_div(&z)?)
+}
+
+/// Forward. `q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]` (after RoPE), compute dtype.
+/// `scores = (q kᵀ) · hd^-1/2` in the compute dtype (transformers scales after the product),
+/// causal mask, softmax in the statistics dtype, probabilities cast back, `o = P v`.
+/// Returns `o: [b, t, nh·hd]`.
+pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Tensor, AttnCache)> {
+    let Dims { b, t, nh, nkv, hd } = d;
+    let dtype = q.dtype();
+    let sd = stat_dtype(dtype);
+    let g = d.g();
+    let q = heads_first(q)?.reshape((b, nkv, g * t, hd))?;
+    let k = heads_first(k)?;
+    let v = heads_first(v)?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let s = (q.matmul(&k.t()?)? * scale)?;
+    let mask = causal_mask(t, sd, q.device())?;
+    let s = s.to_dtype(sd)?.reshape((b, nkv, g, t, t))?.broadcast_add(&mask)?.reshape((b, nkv, g * t, t))?;
+    let p = softmax_last(&s)?;
+    let o = p.to_dtype(dtype)?.matmul(&v)?;
+    let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+    Ok((o, AttnCache { q, k, v, p }))
+}
+
+/// Backward. `d_o: [b, t, nh·hd]`. Returns `(dq [b,t,nh,hd], dk [b,t,nkv,hd], dv [b,t,nkv,hd])`.
+///
+/// With `S = c Q Kᵀ` (`c = hd^-1/2`), `P = softmax(S)`, `O = P V`:
+/// `dV = Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ⊙ (dP - rowsum(dP ⊙ P))` (softmax Jacobian; masked
+/// entries have `P = 0` and so `dS = 0`), `dQ = c dS K`, `dK = c dSᵀ Q`. Over the stacked
+/// `g·t` axis the products `Pᵀ dO` and `dSᵀ Q` sum the contributions of the `g` query heads
+/// that share a key/value head.
+pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims) -> Result<(Tensor, Tensor, Tensor)> {
+    let Dims { b, t, nh, nkv, hd } = d;
+    let dtype = d_o.dtype();
+    let g = d.g();
+    let scale = 1.0 / (hd as f64).sqrt();
+    let d_o = d_o.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?.reshape((b, nkv, g * t, hd))?;
+    let p = cache.p.to_dtype(dtype)?;
+    let dv = p.t()?.matmul(&d_o)?;
+    let dp = d_o.matmul(&cache.v.t()?)?.to_dtype(cache.p.dtype())?;
+    let row = (&dp * &cache.p)?.sum_keepdim(D::Minus1)?;
+    let ds = (&cache.p * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
+    let dq = (ds.matmul(&cache.k)? * scale)?;
+    let dk = (ds.t()?.matmul(&cache.q)? * scale)?;
+    let dq = dq.reshape((b, nh, t, hd))?.transpose(1, 2)?.contiguous()?;
+    let dk = dk.transpose(1, 2)?.contiguous()?;
+    let dv = dv.transpose(1, 2)?.contiguous()?;
+    Ok((dq, dk, dv))
+}

@@ -1,0 +1,246 @@
+//! The decoder layer template: explicit forward, and a backward that recomputes the forward
+//! from the checkpointed layer input and accumulates every weight gradient into a `GradSink`.
+
+use candle_core::Tensor;
+use mt_core::ModelConfig;
+
+use crate::attention::{self, AttnCache, Dims};
+use crate::ops::{linear, linear_backward, rms_norm, rms_norm_backward, silu_grad, LinearGrads, RmsCache};
+use crate::rope::{self, Rope};
+use crate::weights::{names, LayerWeights};
+use crate::{Error, GradSink, Result};
+
+/// Template for one decoder layer (Llama / Mistral / Qwen2 / Qwen3). Stateless: it holds only
+/// the configuration; weights are passed in as views on every call.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    cfg: ModelConfig,
+}
+
+/// Everything the backward needs, recomputed from the layer input.
+struct Saved {
+    rows: usize,
+    dims: Dims,
+    cos: Tensor,
+    sin: Tensor,
+    norm1: RmsCache,
+    /// Input-norm output `[N, h]`.
+    a: Tensor,
+    q_norm: Option<RmsCache>,
+    k_norm: Option<RmsCache>,
+    attn: AttnCache,
+    /// Attention output before `o_proj` `[N, nh·hd]`.
+    o: Tensor,
+    norm2: RmsCache,
+    /// Post-attention-norm output `[N, h]`.
+    c: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    /// `silu(gate)`.
+    act: Tensor,
+    /// `silu(gate) ⊙ up`, the input of `down_proj`.
+    mid: Tensor,
+}
+
+impl DecoderLayer {
+    /// A template for layers of this model.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        DecoderLayer { cfg: cfg.clone() }
+    }
+
+    /// The configuration the template was built for.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Forward of `x: [b, t, h]` (the weights' dtype) at positions `0..t` of every sequence.
+    pub fn forward(&self, w: &LayerWeights, x: &Tensor, rope: &Rope) -> Result<Tensor> {
+        self.forward_at(w, x, rope, 0)
+    }
+
+    /// Forward at positions `start..start + t` of every sequence.
+    pub fn forward_at(&self, w: &LayerWeights, x: &Tensor, rope: &Rope, start: usize) -> Result<Tensor> {
+        let (out, _) = self.run(w, x, rope, start)?;
+        Ok(out)
+    }
+
+    /// Recomputes the forward from the checkpointed input `x`, back-propagates `dy: [b, t, h]`,
+    /// accumulates every weight gradient into `grads` and returns `dx` (in `x`'s dtype).
+    pub fn backward(
+        &self,
+        w: &LayerWeights,
+        x: &Tensor,
+        dy: &Tensor,
+        rope: &Rope,
+        grads: &GradSink,
+    ) -> Result<Tensor> {
+        self.backward_at(w, x, dy, rope, 0, grads)
+    }
+
+    /// [`DecoderLayer::backward`] at positions `start..start + t`.
+    pub fn backward_at(
+        &self,
+        w: &LayerWeights,
+        x: &Tensor,
+        dy: &Tensor,
+        rope: &Rope,
+        start: usize,
+        grads: &GradSink,
+    ) -> Result<Tensor> {
+        if dy.dims() != x.dims() || dy.dtype() != x.dtype() {
+            return Err(Error::shape(
+                "dy",
+                format!("the shape and dtype of x: {:?} {:?}", x.dims(), x.dtype()),
+                dy.dims(),
+            ));
+        }
+        let (_, s) = self.run(w, x, rope, start)?;
+        let h = self.cfg.hidden_size;
+        let Dims { b, t, nh, nkv, hd } = s.dims;
+        let n = s.rows;
+        let dy = dy.reshape((n, h))?;
+
+        // MLP: out = x1 + down(silu(gate(c)) ⊙ up(c)), c = norm2(x1).
+        let down = linear_backward(&dy, &s.mid, &w.down, false)?;
+        grads.accumulate(names::DOWN, &down.dw)?;
+        let d_act = (&down.dx * &s.up)?;
+        let d_up = (&down.dx * &s.act)?;
+        let d_gate = (d_act * silu_grad(&s.gate)?)?;
+        let gate = linear_backward(&d_gate, &s.c, &w.gate, false)?;
+        let up = linear_backward(&d_up, &s.c, &w.up, false)?;
+        grads.accumulate(names::GATE, &gate.dw)?;
+        grads.accumulate(names::UP, &up.dw)?;
+        let dc = (gate.dx + up.dx)?;
+        let (dx1_norm, d_post) = rms_norm_backward(&dc, &w.post_norm, &s.norm2)?;
+        grads.accumulate(names::POST_NORM, &d_post)?;
+        // Residual: x1 feeds both the MLP branch and the output.
+        let dx1 = (&dy + dx1_norm)?;
+
+        // Attention: x1 = x + o_proj(attn(rope(q), rope(k), v)).
+        let o = linear_backward(&dx1, &s.o, &w.o, w.o_bias.is_some())?;
+        put(grads, names::O, names::O_BIAS, &o)?;
+        let (dq, dk, dv) = attention::backward(&o.dx.reshape((b, t, nh * hd))?, &s.attn, s.dims)?;
+        let mut dq = rope::apply_backward(&dq, &s.cos, &s.sin)?;
+        let mut dk = rope::apply_backward(&dk, &s.cos, &s.sin)?;
+        if let (Some(cache), Some(wn)) = (&s.q_norm, &w.q_norm) {
+            let (d, dw) = rms_norm_backward(&dq, wn, cache)?;
+            grads.accumulate(names::Q_NORM, &dw)?;
+            dq = d;
+        }
+        if let (Some(cache), Some(wn)) = (&s.k_norm, &w.k_norm) {
+            let (d, dw) = rms_norm_backward(&dk, wn, cache)?;
+            grads.accumulate(names::K_NORM, &dw)?;
+            dk = d;
+        }
+        let dq = dq.reshape((n, nh * hd))?;
+        let dk = dk.reshape((n, nkv * hd))?;
+        let dv = dv.reshape((n, nkv * hd))?;
+        let gq = linear_backward(&dq, &s.a, &w.q, w.q_bias.is_some())?;
+        let gk = linear_backward(&dk, &s.a, &w.k, w.k_bias.is_some())?;
+        let gv = linear_backward(&dv, &s.a, &w.v, w.v_bias.is_some())?;
+        put(grads, names::Q, names::Q_BIAS, &gq)?;
+        put(grads, names::K, names::K_BIAS, &gk)?;
+        put(grads, names::V, names::V_BIAS, &gv)?;
+        // a feeds q, k and v: its gradient is the sum of the three.
+        let da = ((gq.dx + gk.dx)? + gv.dx)?;
+        let (dx_norm, d_in) = rms_norm_backward(&da, &w.input_norm, &s.norm1)?;
+        grads.accumulate(names::INPUT_NORM, &d_in)?;
+        let dx = (dx1 + dx_norm)?;
+        Ok(dx.reshape((b, t, h))?)
+    }
+
+    fn check_input(&self, w: &LayerWeights, x: &Tensor, rope: &Rope) -> Result<(usize, usize)> {
+        let h = self.cfg.hidden_size;
+        let (b, t) = match x.dims() {
+            [b, t, hh] if *hh == h => (*b, *t),
+            d => return Err(Error::shape("layer input x", format!("[b, t, {h}]"), d)),
+        };
+        if x.dtype() != w.dtype() {
+            return Err(Error::dtype(
+                "layer input x",
+                format!("{:?} (the weights' dtype)", w.dtype()),
+                x.dtype(),
+            ));
+        }
+        if rope.dtype() != w.dtype() {
+            return Err(Error::dtype(
+                "RoPE table",
+                format!("{:?} (the weights' dtype)", w.dtype()),
+                rope.dtype(),
+            ));
+        }
+        self.cfg.check_seq_len(t)?;
+        Ok((b, t))
+    }
+
+    /// The forward, keeping what the backward needs.
+    fn run(&self, w: &LayerWeights, x: &Tensor, rope: &Rope, start: usize) -> Result<(Tensor, Saved)> {
+        let cfg = &self.cfg;
+        let (b, t) = self.check_input(w, x, rope)?;
+        let (h, nh, nkv, hd) =
+            (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let dims = Dims { b, t, nh, nkv, hd };
+        let n = b * t;
+        let eps = cfg.rms_norm_eps;
+        let (cos, sin) = rope.cos_sin(start, t)?;
+        let xf = x.reshape((n, h))?;
+
+        let (a, norm1) = rms_norm(&xf, &w.input_norm, eps)?;
+        let q = linear(&a, &w.q, w.q_bias.as_ref())?.reshape((b, t, nh, hd))?;
+        let k = linear(&a, &w.k, w.k_bias.as_ref())?.reshape((b, t, nkv, hd))?;
+        let v = linear(&a, &w.v, w.v_bias.as_ref())?.reshape((b, t, nkv, hd))?;
+        let (q, q_norm) = norm_opt(q, w.q_norm.as_ref(), eps)?;
+        let (k, k_norm) = norm_opt(k, w.k_norm.as_ref(), eps)?;
+        let q = rope::apply(&q, &cos, &sin)?;
+        let k = rope::apply(&k, &cos, &sin)?;
+        let (o, attn) = attention::forward(&q, &k, &v, dims)?;
+        let o = o.reshape((n, nh * hd))?;
+        let x1 = (&xf + linear(&o, &w.o, w.o_bias.as_ref())?)?;
+
+        let (c, norm2) = rms_norm(&x1, &w.post_norm, eps)?;
+        let gate = linear(&c, &w.gate, None)?;
+        let up = linear(&c, &w.up, None)?;
+        let act = gate.silu()?;
+        let mid = (&act * &up)?;
+        let out = (&x1 + linear(&mid, &w.down, None)?)?.reshape((b, t, h))?;
+        let saved = Saved {
+            rows: n,
+            dims,
+            cos,
+            sin,
+            norm1,
+            a,
+            q_norm,
+            k_norm,
+            attn,
+            o,
+            norm2,
+            c,
+            gate,
+            up,
+            act,
+            mid,
+        };
+        Ok((out, saved))
+    }
+}
+
+/// Per-head RMSNorm over the head dimension (Qwen3's q/k norm), when the layer has one.
+fn norm_opt(x: Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Option<RmsCache>)> {
+    match w {
+        Some(w) => {
+            let (y, cache) = rms_norm(&x, w, eps)?;
+            Ok((y, Some(cache)))
+        }
+        None => Ok((x, None)),
+    }
+}
+
+/// Accumulates a projection's weight gradient (and bias gradient, when it has a bias).
+fn put(grads: &GradSink, weight: &str, bias: &str, g: &LinearGrads) -> Result<()> {
+    grads.accumulate(weight, &g.dw)?;
+    if let Some(db) = &g.db {
+        grads.accumulate(bias, db)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,81 @@
+//! Gradient accumulation straight into a unit's flat gradient buffer (f32 or f64), laid out by
+//! the same `UnitLayout` as the weight slot. The sink only ever adds: a second backward over
+//! the same buffer accumulates, which is how chunks and micro-batches sum to the step gradient.
+
+use candle_core::{DType, Tensor};
+use mt_core::UnitLayout;
+
+use crate::{Error, Result};
+
+/// Adds gradients into `buf[offset .. offset + numel]` of each named tensor, in place (the
+/// write goes through the buffer's storage, so every view of it sees the new values).
+#[derive(Debug, Clone, Copy)]
+pub struct GradSink<'a> {
+    layout: &'a UnitLayout,
+    buf: &'a Tensor,
+}
+
+impl<'a> GradSink<'a> {
+    /// Wraps `buf`: a contiguous 1-D f32 or f64 tensor of at least `layout.len` elements.
+    pub fn new(layout: &'a UnitLayout, buf: &'a Tensor) -> Result<Self> {
+        if !matches!(buf.dtype(), DType::F32 | DType::F64) {
+            return Err(Error::dtype("gradient buffer", "f32 or f64", buf.dtype()));
+        }
+        let found = match buf.dims() {
+            [n] => *n,
+            dims => return Err(Error::shape("gradient buffer", "1-D", dims)),
+        };
+        if !buf.is_contiguous() {
+            return Err(Error::shape("gradient buffer", "a contiguous tensor", buf.dims()));
+        }
+        if found < layout.len {
+            return Err(Error::SlotTooShort { what: "gradient buffer", expected: layout.len, found });
+        }
+        Ok(GradSink { layout, buf })
+    }
+
+    /// The buffer's dtype (gradients are converted to it before they are added).
+    pub fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+
+    /// `buf[name] += g`, with `g` of exactly the tensor's shape in the layout (any float dtype).
+    pub fn accumulate(&self, name: &str, g: &Tensor) -> Result<()> {
+        let spec = self.layout.get(name)?;
+        if g.dims() != spec.shape.as_slice() {
+            return Err(Error::shape(format!("gradient of {name}"), format!("{:?}", spec.shape), g.dims()));
+        }
+        let n = spec.numel();
+        let g = g.to_dtype(self.buf.dtype())?.flatten_all()?;
+        let sum = (self.buf.narrow(0, spec.offset, n)? + g)?.contiguous()?;
+        self.buf.slice_set(&sum, 0, spec.offset)?;
+        Ok(())
+    }
+
+    /// `buf[name][rows[i], :] += src[i, :]` for every `i` (repeated rows add up): the backward of
+    /// an embedding lookup. Only the addressed rows are touched. `name` must be a matrix
+    /// `[n_rows, width]`, `rows` a 1-D u32 tensor of length `k`, `src` `[k, width]`.
+    pub fn index_add_rows(&self, name: &str, rows: &Tensor, src: &Tensor) -> Result<()> {
+        let spec = self.layout.get(name)?;
+        let width = match spec.shape.as_slice() {
+            [_, w] => *w,
+            s => return Err(Error::shape(format!("layout entry {name}"), "a matrix", s)),
+        };
+        if rows.dtype() != DType::U32 {
+            return Err(Error::dtype("row indices", "u32", rows.dtype()));
+        }
+        let k = rows.dims1()?;
+        if src.dims() != [k, width] {
+            return Err(Error::shape(
+                format!("row gradients of {name}"),
+                format!("[{k}, {width}]"),
+                src.dims(),
+            ));
+        }
+        let view = self.buf.narrow(0, spec.offset, spec.numel())?.reshape(spec.shape.as_slice())?;
+        let src = src.to_dtype(self.buf.dtype())?.contiguous()?;
+        let idx = rows.unsqueeze(1)?.broadcast_as((k, width))?.contiguous()?;
+        view.scatter_add_set(&idx, &src, 0)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,90 @@
+//! Building blocks with their backward: RMSNorm, linear projections, SiLU. Each backward is
+//! written out by hand and derived in its doc comment; none relies on autograd.
+
+use candle_core::{DType, Tensor, D};
+
+use crate::Result;
+
+/// The dtype in which statistics (norm variance, softmax, loss) are computed: f32 for the
+/// half-precision types, the compute dtype itself otherwise.
+pub(crate) fn stat_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+/// What RMSNorm's backward needs from its forward.
+#[derive(Debug)]
+pub(crate) struct RmsCache {
+    /// The input in the statistics dtype.
+    xs: Tensor,
+    /// `r = rsqrt(mean(x²) + eps)`, `[.., 1]`, statistics dtype.
+    r: Tensor,
+    /// `x * r` cast to the compute dtype (what the weight multiplies).
+    xhat: Tensor,
+}
+
+/// RMSNorm over the last dimension, as transformers computes it: statistics in the statistics
+/// dtype, `x * r` cast back to the input dtype, then multiplied by the weight in that dtype.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsCache)> {
+    let dtype = x.dtype();
+    let xs = x.to_dtype(stat_dtype(dtype))?;
+    let var = xs.sqr()?.mean_keepdim(D::Minus1)?;
+    let r = (var + eps)?.sqrt()?.recip()?;
+    let xhat = xs.broadcast_mul(&r)?.to_dtype(dtype)?;
+    let y = xhat.broadcast_mul(w)?;
+    Ok((y, RmsCache { xs, r, xhat }))
+}
+
+/// Backward of [`rms_norm`]. With `r = (mean(x²) + eps)^(-1/2)` over the `n` features and
+/// `g = dy ⊙ w`: `y_j = w_j x_j r` and `∂r/∂x_k = -r³ x_k / n`, so
+/// `dx_k = r g_k - x_k r³ mean(g ⊙ x)` and `dw = Σ_rows dy ⊙ x r`.
+/// Returns `(dx` in the compute dtype, `dw` in the statistics dtype`)`.
+pub(crate) fn rms_norm_backward(dy: &Tensor, w: &Tensor, cache: &RmsCache) -> Result<(Tensor, Tensor)> {
+    let dtype = dy.dtype();
+    let sd = cache.xs.dtype();
+    let n = cache.xs.dim(D::Minus1)?;
+    let rows = cache.xs.elem_count() / n;
+    let dys = dy.to_dtype(sd)?;
+    let dw = (&dys * cache.xhat.to_dtype(sd)?)?.reshape((rows, n))?.sum(0)?;
+    let g = dy.broadcast_mul(w)?.to_dtype(sd)?;
+    let gx_mean = (&g * &cache.xs)?.mean_keepdim(D::Minus1)?;
+    let r3 = ((&cache.r * &cache.r)? * &cache.r)?;
+    let dx = (g.broadcast_mul(&cache.r)? - cache.xs.broadcast_mul(&(r3 * gx_mean)?)?)?;
+    Ok((dx.to_dtype(dtype)?, dw))
+}
+
+/// `y = x Wᵀ (+ b)`, `x: [N, in]`, `W: [out, in]` (a strided view is fine), `b: [out]`.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(&w.t()?)?;
+    Ok(match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
+/// Gradients of [`linear`] for `dy: [N, out]`: `dx = dy W` `[N, in]`, `dW = dyᵀ x` `[out, in]`
+/// (the sum over rows of the outer products), and `db = Σ_rows dy` (in the statistics dtype).
+pub(crate) struct LinearGrads {
+    pub(crate) dx: Tensor,
+    pub(crate) dw: Tensor,
+    pub(crate) db: Option<Tensor>,
+}
+
+/// Backward of [`linear`]; `with_bias` says whether `db` is wanted.
+pub(crate) fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor, with_bias: bool) -> Result<LinearGrads> {
+    let dx = dy.matmul(w)?;
+    let dw = dy.t()?.matmul(x)?;
+    let db = if with_bias { Some(dy.to_dtype(stat_dtype(dy.dtype()))?.sum(0)?) } else { None };
+    Ok(LinearGrads { dx, dw, db })
+}
+
+/// Derivative of `silu(g) = g σ(g)`: `σ(g) (1 + g (1 - σ(g)))`, evaluated in the statistics
+/// dtype and returned in `g`'s dtype.
+pub(crate) fn silu_grad(g: &Tensor) -> Result<Tensor> {
+    let gs = g.to_dtype(stat_dtype(g.dtype()))?;
+    let sig = (gs.neg()?.exp()? + 1.0)?.recip()?;
+    let d = (&sig * ((&gs * (1.0 - &sig)?)? + 1.0)?)?;
+    Ok(d.to_dtype(g.dtype())?)
+}

@@ -1,0 +1,149 @@
+//! Rotary position embedding: the frequency table (with `linear` and `llama3` scaling, computed
+//! in f32 exactly as transformers does) and the rotation with its backward.
+
+use candle_core::{DType, Device, Tensor, D};
+use mt_core::{ModelConfig, RopeScaling};
+
+use crate::{Error, Result};
+
+/// Precomputed `cos` and `sin` tables, `[max_t, head_dim]` in the compute dtype, each row being
+/// `cat(freqs, freqs)` with `freqs[pos, i] = pos * inv_freq[i]` (transformers' layout).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    max_t: usize,
+}
+
+impl Rope {
+    /// The inverse frequencies `inv_freq[i]`, `i < head_dim / 2`, after RoPE scaling.
+    ///
+    /// transformers computes them in f32 with Python-float scalars rounded to f32 at each
+    /// operation (`1 / base ** (arange(0, dim, 2).float() / dim)`, then the scaling); every step
+    /// below is the same f32 operation in the same order, so the table matches bit for bit up to
+    /// the last-ulp accuracy of `powf`.
+    pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
+        let dim = cfg.head_dim;
+        let base = cfg.rope_theta as f32;
+        let default = (0..dim).step_by(2).map(|i| {
+            let exponent = i as f32 / dim as f32;
+            // powf in f64 of the f32 operands, rounded once: the correctly rounded f32 power.
+            let p = (f64::from(base).powf(f64::from(exponent))) as f32;
+            1.0f32 / p
+        });
+        match &cfg.rope_scaling {
+            None => default.collect(),
+            Some(RopeScaling::Linear { factor }) => {
+                let factor = *factor as f32;
+                default.map(|f| f / factor).collect()
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            }) => {
+                // transformers' `_compute_llama3_parameters`, scalar by scalar.
+                let low_wavelen = (old / low_freq_factor) as f32;
+                let high_wavelen = (old / high_freq_factor) as f32;
+                let two_pi = (2.0 * std::f64::consts::PI) as f32;
+                let (factor32, low32) = (*factor as f32, *low_freq_factor as f32);
+                let band = (high_freq_factor - low_freq_factor) as f32;
+                let old32 = *old as f32;
+                default
+                    .map(|f| {
+                        let wavelen = two_pi / f;
+                        let inv_l = if wavelen > low_wavelen { f / factor32 } else { f };
+                        let smooth = (old32 / wavelen - low32) / band;
+                        let smoothed = (1.0 - smooth) * inv_l / factor32 + smooth * inv_l;
+                        // transformers: `~(wavelen < high) * ~(wavelen > low)`; wavelen is never NaN.
+                        let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+                        if medium {
+                            smoothed
+                        } else {
+                            inv_l
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Builds the tables for positions `0..max_t`. The angle `pos * inv_freq` is the f32 product
+    /// (as in transformers); its cosine and sine are evaluated in f64 and rounded to f32 (the
+    /// correctly rounded value of transformers' f32 `cos`), then cast to `dtype`, except that an
+    /// f64 table keeps the f64 values.
+    pub fn new(cfg: &ModelConfig, max_t: usize, dtype: DType, device: &Device) -> Result<Self> {
+        if !dtype.is_float() {
+            return Err(Error::dtype("RoPE table", "a float dtype", dtype));
+        }
+        let inv = Self::inv_freq(cfg);
+        let (hd, half) = (cfg.head_dim, inv.len());
+        let mut cos = Vec::with_capacity(max_t * hd);
+        let mut sin = Vec::with_capacity(max_t * hd);
+        for pos in 0..max_t {
+            for _copy in 0..2 {
+                for &f in &inv {
+                    let angle = f64::from(pos as f32 * f);
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+        }
+        debug_assert_eq!(2 * half, hd);
+        let table = |v: Vec<f64>| -> Result<Tensor> {
+            let t = if dtype == DType::F64 {
+                Tensor::from_vec(v, (max_t, hd), device)?
+            } else {
+                let v32: Vec<f32> = v.into_iter().map(|x| x as f32).collect();
+                Tensor::from_vec(v32, (max_t, hd), device)?.to_dtype(dtype)?
+            };
+            Ok(t)
+        };
+        Ok(Rope { cos: table(cos)?, sin: table(sin)?, max_t })
+    }
+
+    /// Number of positions in the table.
+    pub fn max_t(&self) -> usize {
+        self.max_t
+    }
+
+    /// The table's dtype.
+    pub fn dtype(&self) -> DType {
+        self.cos.dtype()
+    }
+
+    /// `cos` and `sin` rows for positions `start..start + t`, `[t, head_dim]` views.
+    pub fn cos_sin(&self, start: usize, t: usize) -> Result<(Tensor, Tensor)> {
+        let end = start + t;
+        if end > self.max_t {
+            return Err(Error::Positions { start, end, max_t: self.max_t });
+        }
+        Ok((self.cos.narrow(0, start, t)?, self.sin.narrow(0, start, t)?))
+    }
+}
+
+/// `rotate_half(x) = cat(-x[..., hd/2:], x[..., :hd/2])` over the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
+}
+
+/// Rotates `x: [b, t, heads, hd]` with `cos, sin: [t, hd]`: `x * cos + rotate_half(x) * sin`.
+pub(crate) fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (t, hd) = cos.dims2()?;
+    let cos = cos.reshape((1, t, 1, hd))?;
+    let sin = sin.reshape((1, t, 1, hd))?;
+    Ok((x.broadcast_mul(&cos)? + rotate_half(x)?.broadcast_mul(&sin)?)?)
+}
+
+/// Backward of [`apply`]. With `R` the matrix of `rotate_half`, `y = cos ⊙ x + sin ⊙ (R x)`, so
+/// `dx = cos ⊙ dy + Rᵀ (sin ⊙ dy)`. `R` is a signed permutation with `Rᵀ = -R`, and because
+/// `sin = cat(f, f)` has equal halves, `R (sin ⊙ dy) = sin ⊙ (R dy)`. Hence
+/// `dx = cos ⊙ dy + (-sin) ⊙ (R dy)`: the forward rotation with `sin` negated (the inverse
+/// rotation, since the rotation is orthogonal).
+pub(crate) fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    apply(dy, cos, &sin.neg()?)
+}

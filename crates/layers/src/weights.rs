@@ -1,0 +1,196 @@
+//! Binding: named views of one unit's weights inside a flat 1-D slot tensor. A view is a
+//! `narrow` + `reshape` of the slot, so binding copies nothing and a later write into the slot
+//! is visible through every view.
+
+use candle_core::{DType, Tensor};
+use mt_core::{ModelConfig, UnitLayout};
+
+use crate::{Error, Result};
+
+/// Names of the tensors of a decoder layer and of the outer unit, as in the layout table
+/// (Hugging Face names, without the `model.layers.{i}.` prefix for layers).
+pub mod names {
+    /// `input_layernorm.weight` `[h]`.
+    pub const INPUT_NORM: &str = "input_layernorm.weight";
+    /// `self_attn.q_proj.weight` `[nh * hd, h]`.
+    pub const Q: &str = "self_attn.q_proj.weight";
+    /// `self_attn.q_proj.bias` `[nh * hd]`.
+    pub const Q_BIAS: &str = "self_attn.q_proj.bias";
+    /// `self_attn.k_proj.weight` `[nkv * hd, h]`.
+    pub const K: &str = "self_attn.k_proj.weight";
+    /// `self_attn.k_proj.bias` `[nkv * hd]`.
+    pub const K_BIAS: &str = "self_attn.k_proj.bias";
+    /// `self_attn.v_proj.weight` `[nkv * hd, h]`.
+    pub const V: &str = "self_attn.v_proj.weight";
+    /// `self_attn.v_proj.bias` `[nkv * hd]`.
+    pub const V_BIAS: &str = "self_attn.v_proj.bias";
+    /// `self_attn.o_proj.weight` `[h, nh * hd]`.
+    pub const O: &str = "self_attn.o_proj.weight";
+    /// `self_attn.o_proj.bias` `[h]`.
+    pub const O_BIAS: &str = "self_attn.o_proj.bias";
+    /// `self_attn.q_norm.weight` `[hd]` (Qwen3).
+    pub const Q_NORM: &str = "self_attn.q_norm.weight";
+    /// `self_attn.k_norm.weight` `[hd]` (Qwen3).
+    pub const K_NORM: &str = "self_attn.k_norm.weight";
+    /// `post_attention_layernorm.weight` `[h]`.
+    pub const POST_NORM: &str = "post_attention_layernorm.weight";
+    /// `mlp.gate_proj.weight` `[f, h]`.
+    pub const GATE: &str = "mlp.gate_proj.weight";
+    /// `mlp.up_proj.weight` `[f, h]`.
+    pub const UP: &str = "mlp.up_proj.weight";
+    /// `mlp.down_proj.weight` `[h, f]`.
+    pub const DOWN: &str = "mlp.down_proj.weight";
+    /// `model.embed_tokens.weight` `[V, h]`.
+    pub const EMBED: &str = "model.embed_tokens.weight";
+    /// `model.norm.weight` `[h]`.
+    pub const FINAL_NORM: &str = "model.norm.weight";
+    /// `lm_head.weight` `[V, h]` (absent when the embeddings are tied).
+    pub const LM_HEAD: &str = "lm_head.weight";
+}
+
+/// Checks that `slot` is a 1-D float tensor holding at least `layout.len` elements.
+fn check_slot(layout: &UnitLayout, slot: &Tensor) -> Result<()> {
+    if !slot.dtype().is_float() {
+        return Err(Error::dtype("weight slot", "a float dtype", slot.dtype()));
+    }
+    let found = match slot.dims() {
+        [n] => *n,
+        dims => return Err(Error::shape("weight slot", "1-D", dims)),
+    };
+    if found < layout.len {
+        return Err(Error::SlotTooShort { what: "weight slot", expected: layout.len, found });
+    }
+    Ok(())
+}
+
+/// A view of the tensor `name` of `layout` inside `slot`, checked against the shape the config
+/// implies (so a layout built for another config is refused, not misread).
+fn view(layout: &UnitLayout, slot: &Tensor, name: &str, shape: &[usize]) -> Result<Tensor> {
+    let spec = layout.get(name)?;
+    if spec.shape != shape {
+        return Err(Error::shape(format!("layout entry {name}"), format!("{shape:?}"), &spec.shape));
+    }
+    Ok(slot.narrow(0, spec.offset, spec.numel())?.reshape(shape)?)
+}
+
+fn view_if(
+    on: bool,
+    layout: &UnitLayout,
+    slot: &Tensor,
+    name: &str,
+    shape: &[usize],
+) -> Result<Option<Tensor>> {
+    on.then(|| view(layout, slot, name, shape)).transpose()
+}
+
+/// Views of one decoder layer's weights. Linear weights are `[out, in]` (PyTorch convention).
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// `input_layernorm.weight` `[h]`.
+    pub input_norm: Tensor,
+    /// `q_proj.weight` `[nh * hd, h]`.
+    pub q: Tensor,
+    /// `q_proj.bias` `[nh * hd]`, when `cfg.qkv_bias`.
+    pub q_bias: Option<Tensor>,
+    /// `k_proj.weight` `[nkv * hd, h]`.
+    pub k: Tensor,
+    /// `k_proj.bias` `[nkv * hd]`, when `cfg.qkv_bias`.
+    pub k_bias: Option<Tensor>,
+    /// `v_proj.weight` `[nkv * hd, h]`.
+    pub v: Tensor,
+    /// `v_proj.bias` `[nkv * hd]`, when `cfg.qkv_bias`.
+    pub v_bias: Option<Tensor>,
+    /// `o_proj.weight` `[h, nh * hd]`.
+    pub o: Tensor,
+    /// `o_proj.bias` `[h]`, when `cfg.o_bias`.
+    pub o_bias: Option<Tensor>,
+    /// `q_norm.weight` `[hd]`, when `cfg.qk_norm`.
+    pub q_norm: Option<Tensor>,
+    /// `k_norm.weight` `[hd]`, when `cfg.qk_norm`.
+    pub k_norm: Option<Tensor>,
+    /// `post_attention_layernorm.weight` `[h]`.
+    pub post_norm: Tensor,
+    /// `gate_proj.weight` `[f, h]`.
+    pub gate: Tensor,
+    /// `up_proj.weight` `[f, h]`.
+    pub up: Tensor,
+    /// `down_proj.weight` `[h, f]`.
+    pub down: Tensor,
+}
+
+impl LayerWeights {
+    /// Binds views into `slot` (1-D, any float dtype, at least `layout.len` elements). No copy.
+    pub fn bind(cfg: &ModelConfig, layout: &UnitLayout, slot: &Tensor) -> Result<Self> {
+        use names::*;
+        check_slot(layout, slot)?;
+        let (h, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+        let v = |name: &str, shape: &[usize]| view(layout, slot, name, shape);
+        let v_if = |on: bool, name: &str, shape: &[usize]| view_if(on, layout, slot, name, shape);
+        Ok(LayerWeights {
+            input_norm: v(INPUT_NORM, &[h])?,
+            q: v(Q, &[q, h])?,
+            q_bias: v_if(cfg.qkv_bias, Q_BIAS, &[q])?,
+            k: v(K, &[kv, h])?,
+            k_bias: v_if(cfg.qkv_bias, K_BIAS, &[kv])?,
+            v: v(V, &[kv, h])?,
+            v_bias: v_if(cfg.qkv_bias, V_BIAS, &[kv])?,
+            o: v(O, &[h, q])?,
+            o_bias: v_if(cfg.o_bias, O_BIAS, &[h])?,
+            q_norm: v_if(cfg.qk_norm, Q_NORM, &[hd])?,
+            k_norm: v_if(cfg.qk_norm, K_NORM, &[hd])?,
+            post_norm: v(POST_NORM, &[h])?,
+            gate: v(GATE, &[f, h])?,
+            up: v(UP, &[f, h])?,
+            down: v(DOWN, &[h, f])?,
+        })
+    }
+
+    /// The compute dtype (the slot's dtype).
+    pub fn dtype(&self) -> DType {
+        self.q.dtype()
+    }
+}
+
+/// Views of the outer unit's weights.
+#[derive(Debug, Clone)]
+pub struct OuterWeights {
+    /// `model.embed_tokens.weight` `[V, h]`.
+    pub embed: Tensor,
+    /// `model.norm.weight` `[h]`.
+    pub norm: Tensor,
+    /// `lm_head.weight` `[V, h]`; `None` when the head is tied to the embedding.
+    pub lm_head: Option<Tensor>,
+}
+
+impl OuterWeights {
+    /// Binds views into `slot` (1-D, any float dtype, at least `layout.len` elements). No copy.
+    pub fn bind(cfg: &ModelConfig, layout: &UnitLayout, slot: &Tensor) -> Result<Self> {
+        check_slot(layout, slot)?;
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        Ok(OuterWeights {
+            embed: view(layout, slot, names::EMBED, &[v, h])?,
+            norm: view(layout, slot, names::FINAL_NORM, &[h])?,
+            lm_head: view_if(!cfg.tie_word_embeddings, layout, slot, names::LM_HEAD, &[v, h])?,
+        })
+    }
+
+    /// The LM head matrix `[V, h]`: `lm_head.weight`, or the embedding when tied.
+    pub fn head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Name of the tensor that receives the LM head's gradient.
+    pub fn head_name(&self) -> &'static str {
+        if self.lm_head.is_some() {
+            names::LM_HEAD
+        } else {
+            names::EMBED
+        }
+    }
+
+    /// The compute dtype (the slot's dtype).
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+}
