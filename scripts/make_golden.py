@@ -471,6 +471,45 @@ def precision_report(spec: Spec) -> None:
     )
 
 
+def f32_control(spec: Spec, out_dir: Path) -> None:
+    """Control experiment: PyTorch itself in float32 against the committed float64 fixture.
+
+    Prints, per model, the worst per-tensor relative error (max|a-b| / max|b|) of the step-0
+    gradients and of the parameters after 3 steps. It tells how close any float32
+    implementation can be expected to get to the fixture: the engine's tests are held to
+    bars that PyTorch-f32 itself meets.
+    """
+    ref = safetensors.torch.load_file(out_dir / f"{spec.name}.safetensors")
+    model = build_model(spec)
+    model.float()
+    model.train()
+    input_ids, targets = make_batch(spec, model.config.vocab_size)
+    got = train(model, input_ids, targets)
+
+    def worst(prefix: str) -> tuple[float, str]:
+        w = (0.0, "")
+        for k, v in got.items():
+            if k.startswith(prefix):
+                e = ref[k].double()
+                r = float((v.double() - e).abs().max() / e.abs().max())
+                w = max(w, (r, k))
+        return w
+
+    g, p = worst("grad."), worst("step3.")
+    n = n_within = 0
+    worst_abs = 0.0
+    for k, v in got.items():
+        if k.startswith("step3."):
+            e = ref[k].double()
+            d = (v.double() - e).abs()
+            n += d.numel()
+            n_within += int((d / e.abs().max() <= 1e-5).sum())
+            worst_abs = max(worst_abs, float(d.max()))
+    print(f"{spec.name}: torch-f32 vs fixture: worst grad {g[0]:.2e} ({g[1]}), "
+          f"worst param after 3 steps {p[0]:.2e} ({p[1]}), "
+          f"{100.0 * n_within / n:.4f}% of elements within 1e-5, worst abs {worst_abs / ADAMW['lr']:.2e}*lr")
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -485,6 +524,11 @@ def main() -> int:
         action="store_true",
         help="also measure the effect of transformers' float32 islands (writes nothing extra)",
     )
+    ap.add_argument(
+        "--f32-control",
+        action="store_true",
+        help="only compare a float32 PyTorch run against the committed fixtures (writes nothing)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -493,6 +537,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    if args.f32_control:
+        for spec in SPECS:
+            f32_control(spec, args.out)
+        return 0
     results = [make_one(spec, args.out, verbose=True) for spec in SPECS]
     total = 0
     for r in results:

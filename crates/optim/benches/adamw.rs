@@ -1,1 +1,64 @@
-fn main(){}
+//! Criterion benchmark of the fused AdamW step and the gradient sum of squares on 64M parameters.
+//!
+//! Throughput is `Elements(n)` with one element per parameter, so criterion's "Gelem/s" is Gparam/s
+//! (the unit of the torch and DeepSpeed CPU AdamW figures in shared/notes/measured.md; torch's fused
+//! CPU AdamW writes no upload copy, so compare it with `f32_grad+no_upload`). A rayon-parallel f32
+//! copy of the same size is timed beside them as a bandwidth yardstick for the machine at hand.
+#![allow(missing_docs)]
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
+use half::bf16;
+use mt_optim::{cast_into, step_fused, sum_squares, AdamW, Grad, StepArgs, Upload, CHUNK};
+use rayon::prelude::*;
+
+const N: usize = 64 << 20;
+
+/// Deterministic, normal-range values (no denormals to slow anything down).
+fn pattern(n: usize, scale: f32, offset: f32) -> Vec<f32> {
+    (0..n).map(|i| ((i % 1021) as f32 / 1021.0 - 0.5) * scale + offset).collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let grad = pattern(N, 2e-2, 0.0);
+    let grad_bf16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut master = pattern(N, 2.0, 0.0);
+    let mut m = pattern(N, 2e-3, 0.0);
+    let mut v = pattern(N, 1e-6, 1e-6);
+    let mut upload = vec![bf16::ZERO; N];
+    let h = AdamW::default();
+    let a = StepArgs { step: 100, lr: 1e-4, grad_scale: 0.5 };
+
+    let mut g = c.benchmark_group("adamw_64M");
+    g.sample_size(10).sampling_mode(SamplingMode::Flat).warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(4));
+    g.throughput(Throughput::Elements(N as u64));
+    g.bench_function(BenchmarkId::new("step_fused", "f32_grad+bf16_upload"), |b| {
+        b.iter(|| {
+            step_fused(&h, &a, Grad::F32(&grad), &mut master, &mut m, &mut v, Upload::Bf16(&mut upload))
+                .unwrap()
+        })
+    });
+    g.bench_function(BenchmarkId::new("step_fused", "f32_grad+no_upload"), |b| {
+        b.iter(|| step_fused(&h, &a, Grad::F32(&grad), &mut master, &mut m, &mut v, Upload::None).unwrap())
+    });
+    g.bench_function(BenchmarkId::new("step_fused", "bf16_grad+bf16_upload"), |b| {
+        b.iter(|| {
+            step_fused(&h, &a, Grad::Bf16(&grad_bf16), &mut master, &mut m, &mut v, Upload::Bf16(&mut upload))
+                .unwrap()
+        })
+    });
+    g.bench_function(BenchmarkId::new("cast_into", "bf16"), |b| {
+        b.iter(|| cast_into(&master, Upload::Bf16(&mut upload)).unwrap())
+    });
+    g.bench_function(BenchmarkId::new("sum_squares", "f32"), |b| b.iter(|| sum_squares(Grad::F32(&grad))));
+    // 8 B of traffic per element (plus 4 B if the stores allocate the line first).
+    g.bench_function(BenchmarkId::new("yardstick", "par_copy_f32"), |b| {
+        b.iter(|| m.par_chunks_mut(CHUNK).zip(grad.par_chunks(CHUNK)).for_each(|(d, s)| d.copy_from_slice(s)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -53,7 +53,7 @@ pub struct StoreState {
     /// Gradient scale (clip coefficient) to apply with the pending update.
     pub pending_grad_scale: f32,
     /// Learning rate to apply with the pending update.
-    pub pending_lr: f32,
+    pub pending_lr: f64,
     /// Global gradient norm of the last completed step (before clipping).
     pub grad_norm: f64,
 }
@@ -298,7 +298,7 @@ impl HostStore {
             step: header::get_u64(p, off::STEP),
             pending_update: header::get_u64(p, off::PENDING) != 0,
             pending_grad_scale: f32::from_bits(header::get_u32(p, off::PENDING_GRAD_SCALE)),
-            pending_lr: f32::from_bits(header::get_u32(p, off::PENDING_LR)),
+            pending_lr: f64::from_bits(header::get_u64(p, off::PENDING_LR)),
             grad_norm: f64::from_bits(header::get_u64(p, off::GRAD_NORM)),
         })
     }
@@ -309,7 +309,7 @@ impl HostStore {
             header::put_u64(p, off::STEP, s.step);
             header::put_u64(p, off::PENDING, u64::from(s.pending_update));
             header::put_u32(p, off::PENDING_GRAD_SCALE, s.pending_grad_scale.to_bits());
-            header::put_u32(p, off::PENDING_LR, s.pending_lr.to_bits());
+            header::put_u64(p, off::PENDING_LR, s.pending_lr.to_bits());
             header::put_u64(p, off::GRAD_NORM, s.grad_norm.to_bits());
         })
     }

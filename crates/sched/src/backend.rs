@@ -1,0 +1,69 @@
+//! The backend abstraction: streams that run operations in order, and events that order
+//! operations across streams. The executor issues every instruction of a [`crate::Program`]
+//! through it; nothing else in the engine knows how a stream is implemented.
+//!
+//! Architecture Invariant: ordering is only ever expressed as "wait for these events". A
+//! backend may run streams truly concurrently (CUDA streams, CPU worker threads); a program
+//! whose waits are complete gives the same bits on every backend and at every timing.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Device, Tensor};
+use mt_store::Staging;
+
+use crate::program::Stream;
+use crate::Result;
+
+/// A CPU-side job for the host stream.
+pub type HostJob = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
+
+/// One executed operation's time span, for busy fractions, idle gaps and traces.
+#[derive(Debug, Clone)]
+pub struct Span {
+    /// Stream it ran on.
+    pub stream: Stream,
+    /// Short description.
+    pub name: String,
+    /// Start, seconds since the step began.
+    pub start_s: f64,
+    /// End, seconds since the step began.
+    pub end_s: f64,
+}
+
+/// Streams, events and the transfers between host and device.
+pub trait Backend {
+    /// Completion marker of an operation.
+    type Event: Clone + Send + Sync + 'static;
+
+    /// The compute device (where slots, gradient buffers and checkpoints live).
+    fn device(&self) -> &Device;
+
+    /// H2D stream: copy a staging buffer into a device slot after `waits`.
+    fn upload(&self, waits: &[Self::Event], src: Arc<Mutex<Staging>>, dst: Tensor, name: String) -> Self::Event;
+
+    /// D2H stream: copy a device gradient buffer into a landing buffer after `waits`.
+    fn download(&self, waits: &[Self::Event], src: Tensor, dst: Arc<Mutex<Vec<f32>>>, name: String)
+        -> Self::Event;
+
+    /// Host stream: run a CPU job after `waits`.
+    fn host(&self, waits: &[Self::Event], job: HostJob, name: String) -> Self::Event;
+
+    /// Make the compute stream wait for `waits` (surfacing their errors).
+    fn compute_wait(&self, waits: &[Self::Event]) -> Result<()>;
+
+    /// Mark the compute stream's current position, after an operation named `name` that started
+    /// at `start_s` (seconds since the step began).
+    fn compute_record(&self, name: String, start_s: f64) -> Self::Event;
+
+    /// Wait for every stream to drain; returns the first error any operation hit.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Starts a new step's clock and clears recorded spans.
+    fn begin_step(&self);
+
+    /// Seconds since `begin_step`.
+    fn now_s(&self) -> f64;
+
+    /// Spans recorded since `begin_step`.
+    fn spans(&self) -> Vec<Span>;
+}

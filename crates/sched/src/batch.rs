@@ -1,0 +1,158 @@
+//! A training batch (token ids and aligned next-token targets), its validation, and its split
+//! into token chunks (contiguous groups of sequences).
+
+use candle_core::{DType, Device, Tensor};
+use mt_core::{Error as CoreError, ModelConfig};
+
+use crate::Result;
+
+/// Target value that excludes a position from the loss (HF convention).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// A global batch: `batch` sequences of `seq` tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Token ids, row-major `[batch, seq]`.
+    pub input_ids: Vec<u32>,
+    /// Next-token target of every position (`IGNORE_INDEX` = not trained on), `[batch, seq]`.
+    pub targets: Vec<i64>,
+}
+
+impl Batch {
+    /// Builds a batch from HF-style `input_ids`/`labels` rows (labels unshifted: the target of
+    /// position t is `labels[t + 1]`).
+    pub fn from_labels(batch: usize, seq: usize, input_ids: Vec<u32>, labels: &[i64]) -> Self {
+        let mut targets = vec![IGNORE_INDEX; batch * seq];
+        for b in 0..batch {
+            for t in 0..seq.saturating_sub(1) {
+                targets[b * seq + t] = labels[b * seq + t + 1];
+            }
+        }
+        Batch { batch, seq, input_ids, targets }
+    }
+
+    /// Non-masked targets (the loss normaliser).
+    pub fn n_targets(&self) -> usize {
+        self.targets.iter().filter(|&&t| t != IGNORE_INDEX).count()
+    }
+
+    /// Checks shapes and ranges against the model.
+    pub fn validate(&self, cfg: &ModelConfig) -> Result<()> {
+        let data = |m: String| CoreError::Data(m);
+        if self.batch == 0 || self.seq == 0 {
+            return Err(data(format!("empty batch ({} sequences x {} tokens)", self.batch, self.seq)).into());
+        }
+        let n = self.batch * self.seq;
+        if self.input_ids.len() != n || self.targets.len() != n {
+            return Err(data(format!(
+                "batch of {} x {} needs {n} ids and targets, got {} ids and {} targets",
+                self.batch,
+                self.seq,
+                self.input_ids.len(),
+                self.targets.len()
+            ))
+            .into());
+        }
+        let v = cfg.vocab_size;
+        if let Some((i, id)) = self.input_ids.iter().enumerate().find(|(_, &id)| id as usize >= v) {
+            return Err(data(format!("token id {id} at position {i} is outside the vocabulary (size {v})")).into());
+        }
+        if let Some((i, t)) =
+            self.targets.iter().enumerate().find(|(_, &t)| t != IGNORE_INDEX && (t < 0 || t as usize >= v))
+        {
+            return Err(data(format!(
+                "target {t} at position {i} is neither {IGNORE_INDEX} (ignored) nor a token id below {v}"
+            ))
+            .into());
+        }
+        cfg.check_seq_len(self.seq)?;
+        if self.n_targets() == 0 {
+            return Err(CoreError::NoTargetTokens.into());
+        }
+        Ok(())
+    }
+}
+
+/// One token chunk on the device: a contiguous group of sequences.
+#[derive(Debug, Clone)]
+pub struct Chunk {
+    /// `[b, t]` u32 token ids.
+    pub ids: Tensor,
+    /// `[b, t]` u32 targets (ignored positions hold 0 and weight 0).
+    pub targets: Tensor,
+    /// `[b, t]` f32 loss weights: `1 / N_global` where trained, 0 elsewhere.
+    pub weights: Tensor,
+}
+
+/// Sequence ranges of `n_chunks` near-equal contiguous groups.
+pub fn chunk_ranges(batch: usize, n_chunks: usize) -> Vec<std::ops::Range<usize>> {
+    let n = n_chunks.min(batch).max(1);
+    (0..n).map(|c| (c * batch / n)..((c + 1) * batch / n)).collect()
+}
+
+/// Splits a validated batch into device chunks; the loss weights are normalised by the number of
+/// non-masked targets of the whole batch, so any chunking yields the same gradient (to rounding).
+pub fn make_chunks(b: &Batch, n_chunks: usize, device: &Device) -> Result<Vec<Chunk>> {
+    let inv_n = 1.0 / b.n_targets() as f64;
+    chunk_ranges(b.batch, n_chunks)
+        .into_iter()
+        .map(|r| {
+            let (lo, hi) = (r.start * b.seq, r.end * b.seq);
+            let shape = (r.len(), b.seq);
+            let tg = &b.targets[lo..hi];
+            let targets: Vec<u32> = tg.iter().map(|&t| if t == IGNORE_INDEX { 0 } else { t as u32 }).collect();
+            let weights: Vec<f32> =
+                tg.iter().map(|&t| if t == IGNORE_INDEX { 0.0 } else { inv_n as f32 }).collect();
+            Ok(Chunk {
+                ids: Tensor::from_slice(&b.input_ids[lo..hi], shape, device)?,
+                targets: Tensor::from_slice(&targets, shape, device)?,
+                weights: Tensor::from_slice(&weights, shape, device)?.to_dtype(DType::F32)?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_ranges_cover_the_batch_once() {
+        for batch in 1..9 {
+            for n in 1..6 {
+                let r = chunk_ranges(batch, n);
+                assert_eq!(r.first().unwrap().start, 0);
+                assert_eq!(r.last().unwrap().end, batch);
+                assert!(r.windows(2).all(|w| w[0].end == w[1].start && !w[1].is_empty()));
+            }
+        }
+    }
+
+    #[test]
+    fn from_labels_shifts_like_transformers() {
+        let b = Batch::from_labels(1, 4, vec![5, 6, 7, 8], &[5, 6, -100, 8]);
+        assert_eq!(b.targets, vec![6, -100, 8, -100]);
+    }
+
+    #[test]
+    fn bad_batches_are_refused_with_a_reason() {
+        let cfg = ModelConfig::tiny_llama();
+        let ok = Batch { batch: 1, seq: 3, input_ids: vec![1, 2, 3], targets: vec![2, 3, -100] };
+        assert!(ok.validate(&cfg).is_ok());
+        let cases = [
+            (Batch { input_ids: vec![1, 2, 999], ..ok.clone() }, "999"),
+            (Batch { targets: vec![2, -5, -100], ..ok.clone() }, "-5"),
+            (Batch { targets: vec![-100; 3], ..ok.clone() }, "no target tokens"),
+            (Batch { input_ids: vec![1, 2], ..ok.clone() }, "needs 3 ids"),
+            (Batch { batch: 0, ..ok.clone() }, "empty batch"),
+        ];
+        for (b, needle) in cases {
+            let e = b.validate(&cfg).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e:?} should mention {needle:?}");
+        }
+    }
+}

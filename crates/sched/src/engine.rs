@@ -1,0 +1,536 @@
+//! The engine: owns the host store, the device pool, the templates and a backend, and runs one
+//! training step by building the step [`Program`] and issuing its instructions in order.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Tensor};
+use half::{bf16, f16};
+use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
+use mt_layers::{DecoderLayer, GradSink, LayerWeights, Outer, OuterWeights, Rope};
+use mt_optim::{AdamW, Grad, StepArgs, Upload};
+use mt_pool::{DevicePool, PoolSpec};
+use mt_store::{GradMut, HostStore, Staging, StoreState, UploadDtype};
+
+use crate::backend::{Backend, HostJob, Span};
+use crate::batch::{make_chunks, Batch, Chunk};
+use crate::program::{HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
+use crate::stats::{stream_stats, StreamStats};
+use crate::{Error, Result};
+
+/// How the engine runs.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Weight dtype on the device (and of upload staging): F32, BF16 or F16.
+    pub weight_dtype: DType,
+    /// Device weight slots (1 = no overlap, 2 = double buffering, 3 = triple).
+    pub ring_depth: usize,
+    /// Token chunks per step (each a contiguous group of sequences).
+    pub n_chunks: usize,
+    /// Optimizer placement.
+    pub mode: OptimMode,
+    /// AdamW hyper-parameters (the learning rate is given per step).
+    pub adamw: AdamW,
+    /// Global-norm clipping threshold (`None` = no clipping).
+    pub clip: Option<f64>,
+    /// Rows of logits alive at once in the loss.
+    pub rows_per_block: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            weight_dtype: DType::F32,
+            ring_depth: 2,
+            n_chunks: 1,
+            mode: OptimMode::Exact,
+            adamw: AdamW::default(),
+            clip: Some(1.0),
+            rows_per_block: 1024,
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// Mean cross-entropy over the batch's non-masked targets.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens processed (batch x seq).
+    pub n_tokens: usize,
+    /// Non-masked targets (the loss normaliser).
+    pub n_targets: usize,
+    /// Wall time of the step.
+    pub step_s: f64,
+    /// Bytes copied host to device.
+    pub h2d_bytes: u64,
+    /// Bytes copied device to host.
+    pub d2h_bytes: u64,
+    /// Per-stream busy time and idle gaps.
+    pub streams: Vec<StreamStats>,
+    /// Every operation's span (for traces).
+    pub spans: Vec<Span>,
+}
+
+/// The streamed training engine.
+pub struct Engine<B: Backend> {
+    cfg: ModelConfig,
+    layout: ModelLayout,
+    store: Arc<HostStore>,
+    backend: B,
+    pool: DevicePool,
+    layer_t: DecoderLayer,
+    outer_t: Outer,
+    rope: Option<Rope>,
+    staging: Vec<Arc<Mutex<Staging>>>,
+    outer_staging: Arc<Mutex<Staging>>,
+    landing: Vec<Arc<Mutex<Vec<f32>>>>,
+    outer_landing: Arc<Mutex<Vec<f32>>>,
+    sumsq: Arc<Mutex<Vec<f64>>>,
+    opts: EngineOptions,
+}
+
+impl<B: Backend> std::fmt::Debug for Engine<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("opts", &self.opts).finish_non_exhaustive()
+    }
+}
+
+const N_STAGING: usize = 2;
+const N_GRAD_BUFS: usize = 2;
+const N_LANDING: usize = 2;
+
+fn upload_dtype(d: DType) -> Result<UploadDtype> {
+    match d {
+        DType::F32 => Ok(UploadDtype::F32),
+        DType::BF16 => Ok(UploadDtype::Bf16),
+        DType::F16 => Ok(UploadDtype::F16),
+        other => Err(Error::Options(format!("weight dtype {other:?}; use f32, bf16 or f16"))),
+    }
+}
+
+fn grad_view<'a>(g: &'a GradMut<'_>) -> Grad<'a> {
+    match g {
+        GradMut::F32(g) => Grad::F32(g),
+        GradMut::Bf16(g) => Grad::Bf16(g),
+    }
+}
+
+fn upload_view(s: &mut Staging, n: usize) -> Upload<'_> {
+    match s {
+        Staging::F32(v) => Upload::F32(&mut v[..n]),
+        Staging::Bf16(v) => Upload::Bf16(&mut v[..n]),
+        Staging::F16(v) => Upload::F16(&mut v[..n]),
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Builds an engine over an initialised store.
+    pub fn new(cfg: &ModelConfig, store: Arc<HostStore>, backend: B, opts: EngineOptions) -> Result<Self> {
+        let layout = ModelLayout::new(cfg);
+        if store.layout() != &layout {
+            return Err(Error::Options("the host store was built for a different model layout".into()));
+        }
+        if opts.ring_depth == 0 || opts.n_chunks == 0 || opts.rows_per_block == 0 {
+            return Err(Error::Options(format!(
+                "ring_depth ({}), n_chunks ({}) and rows_per_block ({}) must be at least 1",
+                opts.ring_depth, opts.n_chunks, opts.rows_per_block
+            )));
+        }
+        let up = upload_dtype(opts.weight_dtype)?;
+        let pool = DevicePool::new(
+            &PoolSpec {
+                ring_depth: opts.ring_depth,
+                layer_len: layout.layer.len,
+                outer_len: layout.outer.len,
+                weight_dtype: opts.weight_dtype,
+                grad_dtype: DType::F32,
+                n_grad_bufs: N_GRAD_BUFS,
+                n_layers: layout.n_layers,
+                n_chunks: opts.n_chunks,
+            },
+            backend.device(),
+        )?;
+        let mk = |n| Arc::new(Mutex::new(Staging::new(up, n)));
+        Ok(Engine {
+            cfg: cfg.clone(),
+            staging: (0..N_STAGING).map(|_| mk(layout.layer.len)).collect(),
+            outer_staging: mk(layout.outer.len),
+            landing: (0..N_LANDING).map(|_| Arc::new(Mutex::new(Vec::new()))).collect(),
+            outer_landing: Arc::new(Mutex::new(Vec::new())),
+            sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
+            layer_t: DecoderLayer::new(cfg),
+            outer_t: Outer::new(cfg, opts.rows_per_block),
+            rope: None,
+            layout,
+            store,
+            backend,
+            pool,
+            opts,
+        })
+    }
+
+    /// The host store.
+    pub fn store(&self) -> &Arc<HostStore> {
+        &self.store
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The options.
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    /// Bytes of device memory held by the pool right now.
+    pub fn device_bytes(&self) -> mt_pool::PoolBytes {
+        self.pool.bytes()
+    }
+
+    /// One training step on `batch` with learning rate `lr`.
+    ///
+    /// Exact mode: the step computes and lands the gradients; their update is applied during the
+    /// next step's forward (or by [`Engine::flush_pending`]). Lean mode: each unit is updated as
+    /// its gradient lands.
+    pub fn step(&mut self, batch: &Batch, lr: f64) -> Result<StepReport> {
+        self.step_with(batch, lr, |_| {})
+    }
+
+    /// [`Engine::step`] with a hook that may alter the program before it runs. Exists so tests
+    /// can prove that removing a wait breaks the result; not for production use.
+    #[doc(hidden)]
+    pub fn step_with(&mut self, batch: &Batch, lr: f64, edit: impl FnOnce(&mut Program)) -> Result<StepReport> {
+        batch.validate(&self.cfg)?;
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(Error::Options(format!("learning rate {lr} must be finite and non-negative")));
+        }
+        let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
+        self.ensure_rope(batch.seq)?;
+        let state = self.store.state();
+        let mut program = Program::build(ProgramSpec {
+            n_layers: self.layout.n_layers,
+            ring_depth: self.opts.ring_depth,
+            n_staging: N_STAGING,
+            n_grad_bufs: N_GRAD_BUFS,
+            n_landing: N_LANDING,
+            mode: self.opts.mode,
+            pending_update: state.pending_update,
+        });
+        edit(&mut program);
+        // Arguments of the updates this step applies.
+        let update_args = match self.opts.mode {
+            OptimMode::Exact => StepArgs {
+                step: state.step + 1,
+                lr: state.pending_lr,
+                grad_scale: state.pending_grad_scale,
+            },
+            OptimMode::Lean => StepArgs {
+                step: state.step + 1,
+                lr,
+                // Lean mode clips with the previous step's norm (none before the first step).
+                grad_scale: match (self.opts.clip, state.step) {
+                    (Some(c), s) if s > 0 => mt_optim::clip_coef(state.grad_norm, c),
+                    _ => 1.0,
+                },
+            },
+        };
+        self.backend.begin_step();
+        let loss = self.execute(&program, &chunks, update_args)?;
+        let step_s = self.backend.now_s();
+        let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
+        let coef = self.opts.clip.map_or(1.0, |c| mt_optim::clip_coef(norm, c));
+        let new_state = match self.opts.mode {
+            OptimMode::Exact => StoreState {
+                step: state.step + u64::from(state.pending_update),
+                pending_update: true,
+                pending_grad_scale: coef,
+                pending_lr: lr,
+                grad_norm: norm,
+            },
+            OptimMode::Lean => StoreState {
+                step: state.step + 1,
+                pending_update: false,
+                pending_grad_scale: 1.0,
+                pending_lr: lr,
+                grad_norm: norm,
+            },
+        };
+        self.store.set_state(new_state);
+        let spans = self.backend.spans();
+        let (h2d_bytes, d2h_bytes) = self.transfer_bytes(&program);
+        Ok(StepReport {
+            loss,
+            grad_norm: norm,
+            n_tokens: batch.batch * batch.seq,
+            n_targets: batch.n_targets(),
+            step_s,
+            h2d_bytes,
+            d2h_bytes,
+            streams: stream_stats(&spans, step_s),
+            spans,
+        })
+    }
+
+    /// Applies a pending (exact-mode) update to every unit now, e.g. before saving or exporting.
+    /// Bitwise the same as letting the next step apply it.
+    pub fn flush_pending(&mut self) -> Result<()> {
+        let state = self.store.state();
+        if !state.pending_update {
+            return Ok(());
+        }
+        let args = StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
+        for u in self.layout.units() {
+            let r = self.store.record(u);
+            let g = grad_view(&r.grad);
+            // Disjoint fields of the guard: the gradient is read while master, m, v are written.
+            let (master, m, v) = (&mut *r.master, &mut *r.m, &mut *r.v);
+            mt_optim::step_fused(&self.opts.adamw, &args, g, master, m, v, Upload::None)?;
+        }
+        self.store.set_state(StoreState { step: state.step + 1, pending_update: false, ..state });
+        Ok(())
+    }
+
+    /// Logits `[b, t, V]` (f32) of the store's current master weights, computed layer by layer
+    /// without training (pending updates are not applied: flush first to see them).
+    pub fn logits(&mut self, batch: &Batch) -> Result<Tensor> {
+        batch.validate(&self.cfg)?;
+        self.ensure_rope(batch.seq)?;
+        let device = self.backend.device().clone();
+        let ids = Tensor::from_slice(&batch.input_ids, (batch.batch, batch.seq), &device)?;
+        let load = |u: Unit, dst: &Tensor| -> Result<()> {
+            let r = self.store.record(u);
+            let t = Tensor::from_slice(&r.master[..], r.master.len(), &device)?;
+            dst.slice_set(&t.to_dtype(dst.dtype())?, 0, 0)?;
+            Ok(())
+        };
+        load(Unit::Outer, &self.pool.outer_slot)?;
+        let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
+        let mut x = self.outer_t.embed(&ow, &ids)?;
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        for l in 0..self.layout.n_layers {
+            load(Unit::Layer(l), &self.pool.slots[0])?;
+            let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &self.pool.slots[0])?;
+            x = self.layer_t.forward(&w, &x, rope)?;
+        }
+        Ok(self.outer_t.logits(&ow, &x)?)
+    }
+
+    fn ensure_rope(&mut self, seq: usize) -> Result<()> {
+        if self.rope.as_ref().is_none_or(|r| r.max_t() < seq) {
+            self.rope = Some(Rope::new(&self.cfg, seq, self.opts.weight_dtype, self.backend.device())?);
+        }
+        Ok(())
+    }
+
+    fn transfer_bytes(&self, program: &Program) -> (u64, u64) {
+        let wsize = self.opts.weight_dtype.size_in_bytes() as u64;
+        let len = |u: Unit| self.layout.unit(u).len as u64;
+        let h2d = program.uploads().map(|u| len(u) * wsize).sum();
+        let d2h = program.downloads().map(|u| len(u) * 4).sum();
+        (h2d, d2h)
+    }
+
+    fn execute(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
+        let mut events: Vec<B::Event> = Vec::with_capacity(program.instrs.len());
+        let mut loss = 0.0;
+        for ins in &program.instrs {
+            let waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
+            let ev = match ins.stream {
+                Stream::Compute => {
+                    let r = self.backend.compute_wait(&waits).and_then(|()| {
+                        let t0 = self.backend.now_s();
+                        self.run_compute(&ins.op, chunks, &mut loss)?;
+                        Ok(t0)
+                    });
+                    match r {
+                        Ok(t0) => self.backend.compute_record(format!("{:?}", ins.op), t0),
+                        Err(e) => {
+                            // Drain the other streams before reporting, so no job outlives the step.
+                            let _ = self.backend.synchronize();
+                            return Err(e);
+                        }
+                    }
+                }
+                _ => self.issue_transfer(&ins.op, &waits, args)?,
+            };
+            events.push(ev);
+        }
+        self.backend.synchronize()?;
+        Ok(loss)
+    }
+
+    fn staging_of(&self, b: HostBuf) -> Arc<Mutex<Staging>> {
+        match b {
+            HostBuf::Ring(k) => Arc::clone(&self.staging[k]),
+            HostBuf::Outer => Arc::clone(&self.outer_staging),
+        }
+    }
+
+    fn landing_of(&self, b: HostBuf) -> Arc<Mutex<Vec<f32>>> {
+        match b {
+            HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
+            HostBuf::Outer => Arc::clone(&self.outer_landing),
+        }
+    }
+
+    fn issue_transfer(&self, op: &Op, waits: &[B::Event], args: StepArgs) -> Result<B::Event> {
+        let name = format!("{op:?}");
+        let hyper = self.opts.adamw;
+        Ok(match *op {
+            Op::Stage { unit, staging, update } => {
+                let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
+                let job: HostJob = Box::new(move || {
+                    let r = store.record(unit);
+                    let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
+                    let n = r.master.len();
+                    let up = upload_view(&mut s, n);
+                    if update {
+                        let g = grad_view(&r.grad);
+                        let (master, m, v) = (&mut *r.master, &mut *r.m, &mut *r.v);
+                        mt_optim::step_fused(&hyper, &args, g, master, m, v, up)?;
+                    } else {
+                        mt_optim::cast_into(r.master, up)?;
+                    }
+                    Ok(())
+                });
+                self.backend.host(waits, job, name)
+            }
+            Op::Upload { staging, slot, .. } => {
+                let dst = match slot {
+                    Slot::Ring(k) => self.pool.slots[k].clone(),
+                    Slot::Outer => self.pool.outer_slot.clone(),
+                };
+                self.backend.upload(waits, self.staging_of(staging), dst, name)
+            }
+            Op::Download { grad_buf, landing, .. } => {
+                let src = match grad_buf {
+                    Some(k) => self.pool.grad_bufs[k].clone(),
+                    None => self.pool.outer_grad.clone(),
+                };
+                self.backend.download(waits, src, self.landing_of(landing), name)
+            }
+            Op::Land { unit, landing, update } => {
+                let (store, land, sumsq) = (Arc::clone(&self.store), self.landing_of(landing), Arc::clone(&self.sumsq));
+                let job: HostJob = Box::new(move || {
+                    let src = land.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut r = store.record(unit);
+                    if src.len() != r.master.len() {
+                        return Err(Error::Stream {
+                            stream: "host",
+                            msg: format!("landed {} gradient elements for a {}-element record", src.len(), r.master.len()),
+                        });
+                    }
+                    match &mut r.grad {
+                        GradMut::F32(g) => g.copy_from_slice(&src),
+                        GradMut::Bf16(g) => g.iter_mut().zip(src.iter()).for_each(|(d, s)| *d = bf16::from_f32(*s)),
+                    }
+                    let ss = mt_optim::sum_squares(grad_view(&r.grad));
+                    sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
+                    if update {
+                        let g = grad_view(&r.grad);
+                        let (master, m, v) = (&mut *r.master, &mut *r.m, &mut *r.v);
+                        mt_optim::step_fused(&hyper, &args, g, master, m, v, Upload::None)?;
+                    }
+                    Ok(())
+                });
+                self.backend.host(waits, job, name)
+            }
+            _ => return Err(Error::Options(format!("{op:?} is not a transfer or host op"))),
+        })
+    }
+
+    fn run_compute(&mut self, op: &Op, chunks: &[Chunk], loss: &mut f64) -> Result<()> {
+        let (cfg, layout) = (&self.cfg, &self.layout);
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        let n_layers = layout.n_layers;
+        match *op {
+            Op::Embed => {
+                let _s = tracing::debug_span!("embed").entered();
+                DevicePool::zero(&self.pool.outer_grad)?;
+                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
+                for (c, ch) in chunks.iter().enumerate() {
+                    let x = self.outer_t.embed(&w, &ch.ids)?;
+                    self.pool.put_checkpoint(0, c, x);
+                }
+            }
+            Op::Forward { layer, slot } => {
+                let _s = tracing::debug_span!("forward", layer).entered();
+                let w = LayerWeights::bind(cfg, &layout.layer, &self.pool.slots[slot])?;
+                for c in 0..chunks.len() {
+                    let x = self.pool.checkpoint(layer, c)?.clone();
+                    let y = self.layer_t.forward(&w, &x, rope)?;
+                    self.pool.put_checkpoint(layer + 1, c, y);
+                }
+            }
+            Op::Loss => {
+                let _s = tracing::debug_span!("loss").entered();
+                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
+                let gbuf = self.pool.outer_grad.clone();
+                let sink = GradSink::new(&layout.outer, &gbuf)?;
+                for (c, ch) in chunks.iter().enumerate() {
+                    let x = self.pool.checkpoint(n_layers, c)?.clone();
+                    let (l, dx) = self.outer_t.loss_backward(&w, &x, &ch.targets, &ch.weights, &sink)?;
+                    *loss += l;
+                    self.pool.put_act_grad(c, dx);
+                }
+                self.pool.drop_checkpoints(n_layers);
+            }
+            Op::Backward { layer, slot, grad_buf } => {
+                let _s = tracing::debug_span!("backward", layer).entered();
+                let gbuf = self.pool.grad_bufs[grad_buf].clone();
+                DevicePool::zero(&gbuf)?;
+                let sink = GradSink::new(&layout.layer, &gbuf)?;
+                let w = LayerWeights::bind(cfg, &layout.layer, &self.pool.slots[slot])?;
+                for c in 0..chunks.len() {
+                    let x = self.pool.checkpoint(layer, c)?.clone();
+                    let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
+                    let dx = self.layer_t.backward(&w, &x, &dy, rope, &sink)?;
+                    self.pool.put_act_grad(c, dx);
+                }
+                self.pool.drop_checkpoints(layer);
+            }
+            Op::EmbedBackward => {
+                let _s = tracing::debug_span!("embed_backward").entered();
+                let gbuf = self.pool.outer_grad.clone();
+                let sink = GradSink::new(&layout.outer, &gbuf)?;
+                for (c, ch) in chunks.iter().enumerate() {
+                    let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
+                    self.outer_t.embed_backward(&ch.ids, &dx, &sink)?;
+                }
+            }
+            _ => return Err(Error::Options(format!("{op:?} is not a compute op"))),
+        }
+        Ok(())
+    }
+}
+
+fn missing_grad(layer: usize, chunk: usize) -> Error {
+    CoreError::Plan(format!("activation gradient for layer {layer}, chunk {chunk} missing (scheduling bug)")).into()
+}
+
+/// Initialises a store's master weights from named f32 tensors (HF names), zeroing moments.
+pub fn load_params<'a>(
+    store: &HostStore,
+    params: impl IntoIterator<Item = (&'a String, &'a [f32])>,
+) -> Result<usize> {
+    let mut n = 0;
+    for (name, data) in params {
+        store.write_param(name, data)?;
+        n += 1;
+    }
+    let expected = store.layout().all_params().len();
+    if n != expected {
+        return Err(CoreError::Data(format!("loaded {n} parameters, the model has {expected}")).into());
+    }
+    Ok(n)
+}
+
+#[allow(dead_code)]
+fn _assert_send() {
+    fn s<T: Send>() {}
+    s::<f16>();
+}

@@ -1,0 +1,36 @@
+//! Errors of the scheduler and engine.
+
+/// Everything the engine can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Configuration, data or store error.
+    #[error(transparent)]
+    Core(#[from] mt_core::Error),
+    /// Template (layer math) error.
+    #[error("layer template: {0}")]
+    Layers(#[from] mt_layers::Error),
+    /// Device buffer pool error.
+    #[error(transparent)]
+    Pool(#[from] mt_pool::Error),
+    /// Optimizer error.
+    #[error("optimizer: {0}")]
+    Optim(#[from] mt_optim::Error),
+    /// Tensor library error.
+    #[error("tensor backend: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// An operation on a stream failed; surfaced at the next synchronisation point.
+    #[error("{stream} stream: {msg}")]
+    Stream {
+        /// Stream name.
+        stream: &'static str,
+        /// What failed.
+        msg: String,
+    },
+    /// Invalid engine options.
+    #[error("invalid engine options: {0}")]
+    Options(String),
+}
+
+/// Result alias.
+pub type Result<T> = std::result::Result<T, Error>;

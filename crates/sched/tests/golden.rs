@@ -1,0 +1,117 @@
+//! Oracle tests: the streamed engine against HF transformers' golden fixtures and against the
+//! resident candle-autograd reference model, tensor by tensor.
+//!
+//! Fixtures: crates/testkit/fixtures/golden, made by scripts/make_golden.py.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use candle_core::DType;
+use mt_store::GradDtype;
+use mt_testkit::golden::{self, GOLDEN_NAMES};
+use mt_testkit::tol::{compare_maps, diff, Tolerance};
+use mt_testkit::ReferenceModel;
+
+use common::*;
+
+/// Loss, logits and every gradient of step 0 equal the HF fixture and the f64 reference.
+#[test]
+fn gradients_match_transformers_and_the_reference_model() {
+    for name in GOLDEN_NAMES {
+        let g = golden::load(name).unwrap();
+        let store = store_with(&g.cfg, &g.params, GradDtype::F32);
+        let mut e = engine(&g.cfg, store.clone(), golden_opts(), 200);
+        let batch = golden_batch(&g);
+
+        let logits = e.logits(&batch).unwrap();
+        let d = diff(&logits, &g.logits).unwrap();
+        assert!(Tolerance::F32_GOLDEN.accepts(d.rel_err), "{name}: logits rel err {:.3e}", d.rel_err);
+
+        let report = e.step(&batch, 1e-3).unwrap();
+        let loss_rel = (report.loss - g.loss).abs() / g.loss.abs();
+        assert!(loss_rel <= 1e-6, "{name}: loss {} vs golden {} (rel {loss_rel:.2e})", report.loss, g.loss);
+        let norm_rel = (report.grad_norm - g.grad_norms[0]).abs() / g.grad_norms[0];
+        assert!(norm_rel <= 1e-5, "{name}: grad norm {} vs {}", report.grad_norm, g.grad_norms[0]);
+
+        let grads = grads_of(&store);
+        let vs_hf = compare_maps(&grads, &g.grads, Tolerance::F32_GOLDEN);
+        eprintln!("{name}: engine grads vs transformers:\n{vs_hf}");
+        vs_hf.assert_ok(&format!("{name}: engine vs transformers"));
+
+        let reference = ReferenceModel::new(&g.cfg, &g.params, DType::F64).unwrap();
+        let (ref_loss, ref_grads) = reference.loss_and_grads(&g.input_tensor().unwrap(), &g.targets).unwrap();
+        assert!((report.loss - ref_loss).abs() / ref_loss <= 1e-6, "{name}: loss vs reference");
+        let vs_ref = compare_maps(&grads, &ref_grads, Tolerance::F32_GOLDEN);
+        vs_ref.assert_ok(&format!("{name}: engine vs reference model"));
+        let (w_hf, w_ref) = (vs_hf.worst().unwrap(), vs_ref.worst().unwrap());
+        eprintln!(
+            "SUMMARY {name}: logits {:.2e}, loss {loss_rel:.2e}, worst grad vs HF {:.2e} ({}), vs reference {:.2e} ({})",
+            d.rel_err,
+            w_hf.rel_err(),
+            w_hf.name,
+            w_ref.rel_err(),
+            w_ref.name
+        );
+    }
+}
+
+/// Three exact-mode steps (deferred, fused AdamW with global-norm clipping) reproduce
+/// torch.optim.AdamW + clip_grad_norm_ on the same batch.
+///
+/// What is asserted, and why not "every element within 1e-5":
+/// - every step's loss (≤ 1e-6 rel) and pre-clip grad norm (≤ 1e-5 rel): a wrong update, clip
+///   or ordering would move the step-1 and step-2 losses far more than that;
+/// - ≥ 99.5% of all parameter elements within 1e-5 of their tensor's scale, and every element
+///   within 0.25·lr absolute.
+///
+/// Where a gradient element is comparable to AdamW's eps, m̂/(√v̂+eps) turns f32 rounding of g
+/// (~1e-7·max|g|) into an O(0.1·lr) update difference (qwen3_qknorm o_proj[752]: step-0
+/// gradient 1.8e-9 in torch, 5.4e-9 here, both noise), and the perturbed weights then nudge
+/// later gradients. PyTorch itself in float32 misses the float64 fixture by up to 5.4e-4
+/// relative after 3 steps (`scripts/make_golden.py --f32-control`: 99.952-99.997% of elements
+/// within 1e-5, worst 0.042·lr); an Adam update is at most ~lr per step, so a wrong-sign update
+/// (~2·lr) still fails the absolute bound, and a wrong formula fails the fraction.
+#[test]
+fn three_adamw_steps_match_torch() {
+    const LR: f64 = 1e-3;
+    for name in GOLDEN_NAMES {
+        let g = golden::load(name).unwrap();
+        let store = store_with(&g.cfg, &g.params, GradDtype::F32);
+        let mut e = engine(&g.cfg, store.clone(), golden_opts(), 200);
+        let batch = golden_batch(&g);
+        for k in 0..3 {
+            let r = e.step(&batch, LR).unwrap();
+            let rel = (r.loss - g.losses[k]).abs() / g.losses[k];
+            assert!(rel <= 1e-6, "{name}: step {k} loss {} vs torch {} ({rel:.2e})", r.loss, g.losses[k]);
+            let nrel = (r.grad_norm - g.grad_norms[k]).abs() / g.grad_norms[k];
+            assert!(nrel <= 1e-5, "{name}: step {k} grad norm {} vs {}", r.grad_norm, g.grad_norms[k]);
+        }
+        e.flush_pending().unwrap();
+        assert_eq!(store.state().step, 3);
+        let ours = params_of(&store);
+        let (mut n, mut n_over, mut worst, mut worst_name, mut worst_abs) = (0usize, 0usize, 0.0f64, String::new(), 0.0f64);
+        for (pname, expected) in &g.step3 {
+            let a = ours[pname].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let b = expected.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let scale = b.iter().fold(0f64, |m, x| m.max(f64::from(x.abs())));
+            for i in 0..a.len() {
+                let d = f64::from((a[i] - b[i]).abs());
+                n += 1;
+                n_over += usize::from(d / scale > Tolerance::F32_GOLDEN.rel);
+                worst_abs = worst_abs.max(d);
+                if d / scale > worst {
+                    (worst, worst_name) = (d / scale, format!("{pname}[{i}]"));
+                }
+            }
+        }
+        eprintln!(
+            "SUMMARY {name}: params after 3 steps: {} of {n} elements within 1e-5 ({:.4}%), worst rel {worst:.2e} ({worst_name}), worst abs {:.2e}·lr",
+            n - n_over,
+            100.0 * (n - n_over) as f64 / n as f64,
+            worst_abs / LR
+        );
+        assert!(n_over * 200 <= n, "{name}: {n_over} of {n} elements beyond 1e-5");
+        assert!(worst_abs <= 0.25 * LR, "{name}: an element differs by {:.3e}·lr", worst_abs / LR);
+    }
+}
