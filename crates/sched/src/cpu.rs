@@ -63,13 +63,34 @@ struct Worker {
     handle: Option<JoinHandle<()>>,
 }
 
-/// Options of the CPU backend.
+/// Options of the CPU backend. Each worker stream sleeps a random time in `[max/2, max]`
+/// microseconds before every job (0 = never), to shake out missing waits in tests.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuOptions {
-    /// Sleep a random 0..=max microseconds before each worker job (0 = never).
-    pub max_delay_us: u64,
+    /// Delay bound of the host stream.
+    pub host_delay_us: u64,
+    /// Delay bound of the H2D stream.
+    pub h2d_delay_us: u64,
+    /// Delay bound of the D2H stream.
+    pub d2h_delay_us: u64,
     /// Seed of the delays.
     pub seed: u64,
+}
+
+impl CpuOptions {
+    /// The same delay bound on every worker stream.
+    pub fn uniform(max_delay_us: u64, seed: u64) -> Self {
+        CpuOptions { host_delay_us: max_delay_us, h2d_delay_us: max_delay_us, d2h_delay_us: max_delay_us, seed }
+    }
+
+    fn delay_of(&self, s: Stream) -> u64 {
+        match s {
+            Stream::Host => self.host_delay_us,
+            Stream::H2D => self.h2d_delay_us,
+            Stream::D2H => self.d2h_delay_us,
+            Stream::Compute => 0,
+        }
+    }
 }
 
 struct Clock {
@@ -131,6 +152,7 @@ impl CpuBackend {
                 let (tx, rx) = channel::<Job>();
                 let clock = Arc::clone(&clock);
                 let mut rng = StdRng::seed_from_u64(opts.seed.wrapping_add(i as u64 * 0x9e37_79b9));
+                let max_delay_us = opts.delay_of(stream);
                 let handle = std::thread::Builder::new()
                     .name(format!("mt-{}", stream_name(stream)))
                     .spawn(move || {
@@ -139,8 +161,8 @@ impl CpuBackend {
                             let outcome = match dep {
                                 Some(e) => Err(format!("skipped {} (a dependency failed: {e})", job.name)),
                                 None => {
-                                    if opts.max_delay_us > 0 {
-                                        let us = rng.random_range(0..=opts.max_delay_us);
+                                    if max_delay_us > 0 {
+                                        let us = rng.random_range(max_delay_us / 2..=max_delay_us);
                                         std::thread::sleep(Duration::from_micros(us));
                                     }
                                     let t0 = clock.now();

@@ -44,7 +44,12 @@ pub fn engine(
     opts: EngineOptions,
     max_delay_us: u64,
 ) -> Engine<CpuBackend> {
-    Engine::new(cfg, store, CpuBackend::new(CpuOptions { max_delay_us, seed: 7 }), opts).unwrap()
+    engine_on(cfg, store, opts, CpuOptions::uniform(max_delay_us, 7))
+}
+
+/// An engine on a CPU backend with the given stream delays.
+pub fn engine_on(cfg: &ModelConfig, store: Arc<HostStore>, opts: EngineOptions, cpu: CpuOptions) -> Engine<CpuBackend> {
+    Engine::new(cfg, store, CpuBackend::new(cpu), opts).unwrap()
 }
 
 fn shaped(store: &HostStore, read: impl Fn(&str) -> Vec<f32>) -> BTreeMap<String, Tensor> {

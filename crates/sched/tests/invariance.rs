@@ -1,0 +1,168 @@
+//! Invariance tests of the step program (engine-brief "Oracles" 4): ring depth changes nothing,
+//! chunking changes results only by rounding, the loss is normalised by the global target count,
+//! and a missing wait is caught as a wrong gradient.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Tensor};
+use mt_core::{ModelConfig, Unit};
+use mt_sched::program::{Op, Stream};
+use mt_sched::{Batch, CpuOptions, EngineOptions, OptimMode, IGNORE_INDEX};
+use mt_store::GradDtype;
+use mt_testkit::golden;
+use mt_testkit::init::{random_batch, random_params};
+use mt_testkit::tol::{assert_bitwise_eq, compare_maps, Tolerance};
+use mt_testkit::ReferenceModel;
+
+use common::*;
+
+fn config() -> ModelConfig {
+    // Llama with GQA and llama3 rope scaling, 2 layers (the golden llama_gqa shape) but 4 layers
+    // so that a depth-3 ring wraps around.
+    let mut cfg = golden::load("llama_gqa").unwrap().cfg;
+    cfg.num_hidden_layers = 4;
+    cfg
+}
+
+fn batch(cfg: &ModelConfig, b: usize, seed: u64) -> Batch {
+    let (input_ids, targets) = random_batch(cfg, b, 12, seed, 0.2);
+    Batch { batch: b, seq: 12, input_ids, targets }
+}
+
+/// Runs `steps` steps (then flushes) and returns (losses, params, grads of the last step, m).
+fn run(
+    cfg: &ModelConfig,
+    opts: EngineOptions,
+    batches: &[Batch],
+    delay_us: u64,
+) -> (Vec<u64>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>, Vec<f32>) {
+    let store = store_with(cfg, &random_params(cfg, 11), GradDtype::F32);
+    let mut e = engine(cfg, store.clone(), opts, delay_us);
+    let losses = batches.iter().map(|b| e.step(b, 1e-3).unwrap().loss.to_bits()).collect();
+    let grads = grads_of(&store);
+    e.flush_pending().unwrap();
+    let m = store.record(Unit::Layer(1)).m.to_vec();
+    (losses, params_of(&store), grads, m)
+}
+
+#[test]
+fn ring_depth_1_2_3_give_bitwise_identical_training() {
+    let cfg = config();
+    let batches: Vec<Batch> = (0..3).map(|s| batch(&cfg, 3, s)).collect();
+    for mode in [OptimMode::Exact, OptimMode::Lean] {
+        let opts = |d| EngineOptions { ring_depth: d, n_chunks: 2, mode, ..golden_opts() };
+        let (l1, p1, g1, m1) = run(&cfg, opts(1), &batches, 300);
+        for depth in [2, 3] {
+            let (l, p, g, m) = run(&cfg, opts(depth), &batches, 300);
+            assert_eq!(l, l1, "{mode:?}: losses differ between depth 1 and {depth}");
+            assert_bitwise_eq(&p, &p1, &format!("{mode:?} params, depth {depth} vs 1"));
+            assert_bitwise_eq(&g, &g1, &format!("{mode:?} grads, depth {depth} vs 1"));
+            assert!(m.iter().zip(&m1).all(|(a, b)| a.to_bits() == b.to_bits()), "{mode:?} moments differ");
+        }
+    }
+}
+
+#[test]
+fn one_chunk_and_four_chunks_agree_to_rounding() {
+    let cfg = config();
+    let b = batch(&cfg, 4, 5);
+    let opts = |c| EngineOptions { n_chunks: c, ..golden_opts() };
+    let (l1, _, g1, _) = run(&cfg, opts(1), std::slice::from_ref(&b), 0);
+    let (l4, _, g4, _) = run(&cfg, opts(4), std::slice::from_ref(&b), 200);
+    let (a, c) = (f64::from_bits(l1[0]), f64::from_bits(l4[0]));
+    assert!((a - c).abs() / a <= 1e-6, "loss {a} vs {c}");
+    let r = compare_maps(&g4, &g1, Tolerance::F32_TIGHT);
+    r.assert_ok("4 chunks vs 1 chunk");
+    eprintln!("SUMMARY 1 vs 4 chunks: loss rel {:.2e}, worst grad {:.2e} ({})", (a - c).abs() / a, r.worst().unwrap().rel_err(), r.worst().unwrap().name);
+}
+
+/// The loss is the mean over the non-masked targets of the whole batch, however they are spread
+/// over chunks. A per-chunk mean (MegaTrain's accumulation) would weight chunk 0's two targets
+/// like chunk 1's twenty-four.
+#[test]
+fn loss_is_normalised_by_the_global_count_of_targets() {
+    let cfg = config();
+    let mut b = batch(&cfg, 2, 9);
+    for t in 0..b.seq {
+        b.targets[t] = if t < 2 { b.input_ids[t + 1] as i64 } else { IGNORE_INDEX }; // padding
+        if t + 1 < b.seq {
+            b.targets[b.seq + t] = b.input_ids[b.seq + t + 1] as i64;
+        }
+    }
+    b.targets[2 * b.seq - 1] = IGNORE_INDEX;
+    assert_eq!(b.n_targets(), 2 + 11);
+    let params = random_params(&cfg, 11);
+    let reference = ReferenceModel::new(&cfg, &params, DType::F64).unwrap();
+    let ids = Tensor::from_slice(&b.input_ids, (b.batch, b.seq), &candle_core::Device::Cpu).unwrap();
+    let (ref_loss, ref_grads) = reference.loss_and_grads(&ids, &b.targets).unwrap();
+    for chunks in [1, 2] {
+        let store = store_with(&cfg, &params, GradDtype::F32);
+        let mut e = engine(&cfg, store.clone(), EngineOptions { n_chunks: chunks, ..golden_opts() }, 0);
+        let r = e.step(&b, 1e-3).unwrap();
+        assert_eq!(r.n_targets, 13);
+        assert!((r.loss - ref_loss).abs() / ref_loss <= 1e-6, "{chunks} chunks: loss {} vs {ref_loss}", r.loss);
+        compare_maps(&grads_of(&store), &ref_grads, Tolerance::F32_GOLDEN).assert_ok(&format!("{chunks} chunks"));
+    }
+    // What per-chunk normalisation would have given: clearly different.
+    let per_chunk: f64 = (0..2)
+        .map(|s| {
+            let ids = ids.narrow(0, s, 1).unwrap();
+            reference.loss(&ids, &b.targets[s * b.seq..(s + 1) * b.seq]).unwrap().to_scalar::<f64>().unwrap()
+        })
+        .sum::<f64>()
+        / 2.0;
+    assert!((per_chunk - ref_loss).abs() > 1e-3, "test batch does not discriminate");
+}
+
+/// The CPU copy streams run on threads with random delays: if the compute stream did not wait
+/// for an upload, it would read stale weights; if a backward did not wait for the download out
+/// of its gradient buffer, it would zero the buffer under the download. Removing those waits
+/// must therefore break the result — proof that the invariance tests above would catch a
+/// missing wait. (On the CPU backend compute runs inline in issue order, so only races in which
+/// a worker stream runs late are observable; the program tests check the other direction.)
+#[test]
+fn a_missing_wait_shows_up_as_a_wrong_gradient() {
+    let cfg = config();
+    let b = batch(&cfg, 2, 3);
+    let params = random_params(&cfg, 11);
+    let good = {
+        let store = store_with(&cfg, &params, GradDtype::F32);
+        engine(&cfg, store.clone(), golden_opts(), 0).step(&b, 1e-3).unwrap();
+        grads_of(&store)
+    };
+    type Edit = fn(&mut mt_sched::Program);
+    let slow_h2d = CpuOptions { h2d_delay_us: 4000, seed: 1, ..CpuOptions::default() };
+    let slow_d2h = CpuOptions { d2h_delay_us: 8000, seed: 1, ..CpuOptions::default() };
+    let edits: [(&str, CpuOptions, Edit); 2] = [
+        ("compute does not wait for uploads", slow_h2d, |p| {
+            for i in &mut p.instrs {
+                if matches!(i.op, Op::Forward { .. } | Op::Backward { .. }) {
+                    i.waits.clear();
+                }
+            }
+        }),
+        ("backward does not wait for the download out of its gradient buffer", slow_d2h, |p| {
+            let downloads: Vec<usize> =
+                p.instrs.iter().enumerate().filter(|(_, i)| i.stream == Stream::D2H).map(|(k, _)| k).collect();
+            for i in &mut p.instrs {
+                if matches!(i.op, Op::Backward { .. }) {
+                    i.waits.retain(|w| !downloads.contains(w));
+                }
+            }
+        }),
+    ];
+    for (what, cpu, edit) in edits {
+        let store = store_with(&cfg, &params, GradDtype::F32);
+        let mut e = engine_on(&cfg, store.clone(), golden_opts(), cpu);
+        match e.step_with(&b, 1e-3, edit) {
+            Ok(_) => {
+                let r = compare_maps(&grads_of(&store), &good, Tolerance::F32_GOLDEN);
+                assert!(!r.is_ok(), "{what}: gradients still correct — the delay does not expose races");
+                eprintln!("{what}: caught, worst {:.2e} ({})", r.worst().unwrap().rel_err(), r.worst().unwrap().name);
+            }
+            Err(err) => eprintln!("{what}: step failed instead ({err}) — also caught"),
+        }
+    }
+}
