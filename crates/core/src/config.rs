@@ -105,9 +105,7 @@ fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     match get(obj, key) {
         None => Ok(None),
         Some(v) => {
-            let x = v
-                .as_f64()
-                .ok_or_else(|| Error::config(key, format!("expected a number, found {v}")))?;
+            let x = v.as_f64().ok_or_else(|| Error::config(key, format!("expected a number, found {v}")))?;
             if !x.is_finite() {
                 return Err(Error::config(key, "must be finite"));
             }
@@ -128,9 +126,7 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
 
 fn parse_rope(obj: &Map<String, Value>, field: &str) -> Result<(Option<f64>, Option<RopeScaling>)> {
     let Some(v) = get(obj, field) else { return Ok((None, None)) };
-    let r = v
-        .as_object()
-        .ok_or_else(|| Error::config(field, format!("expected an object, found {v}")))?;
+    let r = v.as_object().ok_or_else(|| Error::config(field, format!("expected an object, found {v}")))?;
     let theta = opt_f64(r, "rope_theta")?;
     let kind = get(r, "rope_type")
         .or_else(|| get(r, "type"))
@@ -169,18 +165,17 @@ fn parse_rope(obj: &Map<String, Value>, field: &str) -> Result<(Option<f64>, Opt
 impl ModelConfig {
     /// Reads and validates an HF `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Io { path: path.to_owned(), source })?;
-        let value: Value = serde_json::from_str(&text)
-            .map_err(|source| Error::Json { path: path.to_owned(), source })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
+        let value: Value =
+            serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_owned(), source })?;
         Self::from_json(&value)
     }
 
     /// Validates an already parsed `config.json` document.
     pub fn from_json(value: &Value) -> Result<Self> {
-        let obj = value
-            .as_object()
-            .ok_or_else(|| Error::config("<root>", "config.json must be a JSON object"))?;
+        let obj =
+            value.as_object().ok_or_else(|| Error::config("<root>", "config.json must be a JSON object"))?;
         let model_type = get(obj, "model_type")
             .and_then(Value::as_str)
             .ok_or_else(|| Error::config("model_type", "missing or not a string"))?;
@@ -204,8 +199,7 @@ impl ModelConfig {
         }
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
-        let num_key_value_heads =
-            opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let num_key_value_heads = opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(Error::config(
                 "num_key_value_heads",
@@ -370,13 +364,62 @@ mod tests {
     fn bad_configs_name_the_problem() {
         let cases: Vec<(Value, &str)> = vec![
             (json!([1, 2]), "JSON object"),
-            ({ let mut v = base(); v["model_type"] = json!("gpt2"); v }, "gpt2"),
-            ({ let mut v = base(); v.as_object_mut().unwrap().remove("hidden_size"); v }, "hidden_size"),
-            ({ let mut v = base(); v["hidden_size"] = json!("big"); v }, "hidden_size"),
-            ({ let mut v = base(); v["num_key_value_heads"] = json!(3); v }, "num_key_value_heads"),
-            ({ let mut v = base(); v["hidden_act"] = json!("gelu"); v }, "gelu"),
-            ({ let mut v = base(); v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0}); v }, "yarn"),
-            ({ let mut v = base(); v["vocab_size"] = json!(0); v }, "vocab_size"),
+            (
+                {
+                    let mut v = base();
+                    v["model_type"] = json!("gpt2");
+                    v
+                },
+                "gpt2",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v.as_object_mut().unwrap().remove("hidden_size");
+                    v
+                },
+                "hidden_size",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["hidden_size"] = json!("big");
+                    v
+                },
+                "hidden_size",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["num_key_value_heads"] = json!(3);
+                    v
+                },
+                "num_key_value_heads",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["hidden_act"] = json!("gelu");
+                    v
+                },
+                "gelu",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+                    v
+                },
+                "yarn",
+            ),
+            (
+                {
+                    let mut v = base();
+                    v["vocab_size"] = json!(0);
+                    v
+                },
+                "vocab_size",
+            ),
         ];
         for (v, needle) in cases {
             let err = ModelConfig::from_json(&v).unwrap_err().to_string();

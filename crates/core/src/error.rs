@@ -51,7 +51,9 @@ pub enum Error {
     #[error("unknown parameter `{0}`")]
     UnknownParam(String),
     /// A batch has no target token left after masking, so the loss is undefined.
-    #[error("the batch has no target tokens after masking (every label is the ignore index); nothing to train on")]
+    #[error(
+        "the batch has no target tokens after masking (every label is the ignore index); nothing to train on"
+    )]
     NoTargetTokens,
     /// Input data is invalid (token ids out of range, ragged batches, ...).
     #[error("invalid input data: {0}")]

@@ -51,10 +51,7 @@ impl UnitLayout {
 
     /// Looks up a tensor by its name within the unit.
     pub fn get(&self, name: &str) -> Result<&TensorSpec> {
-        self.tensors
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| Error::UnknownParam(name.to_owned()))
+        self.tensors.iter().find(|t| t.name == name).ok_or_else(|| Error::UnknownParam(name.to_owned()))
     }
 
     /// Number of parameters (padding excluded).
@@ -108,10 +105,8 @@ impl ModelLayout {
     pub fn new(cfg: &ModelConfig) -> Self {
         let (h, v, f) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
         let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let mut outer = vec![
-            (outer_names::EMBED.to_owned(), vec![v, h]),
-            (outer_names::NORM.to_owned(), vec![h]),
-        ];
+        let mut outer =
+            vec![(outer_names::EMBED.to_owned(), vec![v, h]), (outer_names::NORM.to_owned(), vec![h])];
         if !cfg.tie_word_embeddings {
             outer.push((outer_names::LM_HEAD.to_owned(), vec![v, h]));
         }
@@ -184,9 +179,7 @@ impl ModelLayout {
     /// Resolves an HF parameter name to its unit and tensor spec.
     pub fn resolve(&self, hf_name: &str) -> Result<(Unit, &TensorSpec)> {
         if let Some(rest) = hf_name.strip_prefix("model.layers.") {
-            let (idx, local) = rest
-                .split_once('.')
-                .ok_or_else(|| Error::UnknownParam(hf_name.to_owned()))?;
+            let (idx, local) = rest.split_once('.').ok_or_else(|| Error::UnknownParam(hf_name.to_owned()))?;
             let i: usize = idx.parse().map_err(|_| Error::UnknownParam(hf_name.to_owned()))?;
             if i >= self.n_layers {
                 return Err(Error::UnknownParam(hf_name.to_owned()));
@@ -201,9 +194,7 @@ impl ModelLayout {
     /// Every HF parameter name with its unit and spec, in store order.
     pub fn all_params(&self) -> Vec<(String, Unit, &TensorSpec)> {
         self.units()
-            .flat_map(|u| {
-                self.unit(u).tensors.iter().map(move |t| (self.hf_name(u, &t.name), u, t))
-            })
+            .flat_map(|u| self.unit(u).tensors.iter().map(move |t| (self.hf_name(u, &t.name), u, t)))
             .collect()
     }
 }

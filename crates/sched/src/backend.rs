@@ -39,11 +39,22 @@ pub trait Backend {
     fn device(&self) -> &Device;
 
     /// H2D stream: copy a staging buffer into a device slot after `waits`.
-    fn upload(&self, waits: &[Self::Event], src: Arc<Mutex<Staging>>, dst: Tensor, name: String) -> Self::Event;
+    fn upload(
+        &self,
+        waits: &[Self::Event],
+        src: Arc<Mutex<Staging>>,
+        dst: Tensor,
+        name: String,
+    ) -> Self::Event;
 
     /// D2H stream: copy a device gradient buffer into a landing buffer after `waits`.
-    fn download(&self, waits: &[Self::Event], src: Tensor, dst: Arc<Mutex<Vec<f32>>>, name: String)
-        -> Self::Event;
+    fn download(
+        &self,
+        waits: &[Self::Event],
+        src: Tensor,
+        dst: Arc<Mutex<Vec<f32>>>,
+        name: String,
+    ) -> Self::Event;
 
     /// Host stream: run a CPU job after `waits`.
     fn host(&self, waits: &[Self::Event], job: HostJob, name: String) -> Self::Event;

@@ -59,7 +59,9 @@ impl Batch {
         }
         let v = cfg.vocab_size;
         if let Some((i, id)) = self.input_ids.iter().enumerate().find(|(_, &id)| id as usize >= v) {
-            return Err(data(format!("token id {id} at position {i} is outside the vocabulary (size {v})")).into());
+            return Err(
+                data(format!("token id {id} at position {i} is outside the vocabulary (size {v})")).into()
+            );
         }
         if let Some((i, t)) =
             self.targets.iter().enumerate().find(|(_, &t)| t != IGNORE_INDEX && (t < 0 || t as usize >= v))
@@ -104,7 +106,8 @@ pub fn make_chunks(b: &Batch, n_chunks: usize, device: &Device) -> Result<Vec<Ch
             let (lo, hi) = (r.start * b.seq, r.end * b.seq);
             let shape = (r.len(), b.seq);
             let tg = &b.targets[lo..hi];
-            let targets: Vec<u32> = tg.iter().map(|&t| if t == IGNORE_INDEX { 0 } else { t as u32 }).collect();
+            let targets: Vec<u32> =
+                tg.iter().map(|&t| if t == IGNORE_INDEX { 0 } else { t as u32 }).collect();
             let weights: Vec<f32> =
                 tg.iter().map(|&t| if t == IGNORE_INDEX { 0.0 } else { inv_n as f32 }).collect();
             Ok(Chunk {

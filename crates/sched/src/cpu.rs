@@ -80,7 +80,12 @@ pub struct CpuOptions {
 impl CpuOptions {
     /// The same delay bound on every worker stream.
     pub fn uniform(max_delay_us: u64, seed: u64) -> Self {
-        CpuOptions { host_delay_us: max_delay_us, h2d_delay_us: max_delay_us, d2h_delay_us: max_delay_us, seed }
+        CpuOptions {
+            host_delay_us: max_delay_us,
+            h2d_delay_us: max_delay_us,
+            d2h_delay_us: max_delay_us,
+            seed,
+        }
     }
 
     fn delay_of(&self, s: Stream) -> u64 {

@@ -203,7 +203,12 @@ impl<B: Backend> Engine<B> {
     /// [`Engine::step`] with a hook that may alter the program before it runs. Exists so tests
     /// can prove that removing a wait breaks the result; not for production use.
     #[doc(hidden)]
-    pub fn step_with(&mut self, batch: &Batch, lr: f64, edit: impl FnOnce(&mut Program)) -> Result<StepReport> {
+    pub fn step_with(
+        &mut self,
+        batch: &Batch,
+        lr: f64,
+        edit: impl FnOnce(&mut Program),
+    ) -> Result<StepReport> {
         batch.validate(&self.cfg)?;
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::Options(format!("learning rate {lr} must be finite and non-negative")));
@@ -223,11 +228,9 @@ impl<B: Backend> Engine<B> {
         edit(&mut program);
         // Arguments of the updates this step applies.
         let update_args = match self.opts.mode {
-            OptimMode::Exact => StepArgs {
-                step: state.step + 1,
-                lr: state.pending_lr,
-                grad_scale: state.pending_grad_scale,
-            },
+            OptimMode::Exact => {
+                StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale }
+            }
             OptimMode::Lean => StepArgs {
                 step: state.step + 1,
                 lr,
@@ -282,7 +285,8 @@ impl<B: Backend> Engine<B> {
         if !state.pending_update {
             return Ok(());
         }
-        let args = StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
+        let args =
+            StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
         for u in self.layout.units() {
             let r = self.store.record(u);
             let g = grad_view(&r.grad);
@@ -414,19 +418,26 @@ impl<B: Backend> Engine<B> {
                 self.backend.download(waits, src, self.landing_of(landing), name)
             }
             Op::Land { unit, landing, update } => {
-                let (store, land, sumsq) = (Arc::clone(&self.store), self.landing_of(landing), Arc::clone(&self.sumsq));
+                let (store, land, sumsq) =
+                    (Arc::clone(&self.store), self.landing_of(landing), Arc::clone(&self.sumsq));
                 let job: HostJob = Box::new(move || {
                     let src = land.lock().unwrap_or_else(|p| p.into_inner());
                     let mut r = store.record(unit);
                     if src.len() != r.master.len() {
                         return Err(Error::Stream {
                             stream: "host",
-                            msg: format!("landed {} gradient elements for a {}-element record", src.len(), r.master.len()),
+                            msg: format!(
+                                "landed {} gradient elements for a {}-element record",
+                                src.len(),
+                                r.master.len()
+                            ),
                         });
                     }
                     match &mut r.grad {
                         GradMut::F32(g) => g.copy_from_slice(&src),
-                        GradMut::Bf16(g) => g.iter_mut().zip(src.iter()).for_each(|(d, s)| *d = bf16::from_f32(*s)),
+                        GradMut::Bf16(g) => {
+                            g.iter_mut().zip(src.iter()).for_each(|(d, s)| *d = bf16::from_f32(*s))
+                        }
                     }
                     let ss = mt_optim::sum_squares(grad_view(&r.grad));
                     sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
@@ -509,7 +520,8 @@ impl<B: Backend> Engine<B> {
 }
 
 fn missing_grad(layer: usize, chunk: usize) -> Error {
-    CoreError::Plan(format!("activation gradient for layer {layer}, chunk {chunk} missing (scheduling bug)")).into()
+    CoreError::Plan(format!("activation gradient for layer {layer}, chunk {chunk} missing (scheduling bug)"))
+        .into()
 }
 
 /// Initialises a store's master weights from named f32 tensors (HF names), zeroing moments.

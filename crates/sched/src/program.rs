@@ -206,7 +206,8 @@ impl Builder {
         // The previous upload out of this staging buffer must be done before it is rewritten.
         let id = self.next();
         let prev_reader = self.last.take(K_STAGING, buf_idx(staging), id + 1);
-        let stage = self.push(Stream::Host, Op::Stage { unit, staging, update }, prev_reader.into_iter().collect());
+        let stage =
+            self.push(Stream::Host, Op::Stage { unit, staging, update }, prev_reader.into_iter().collect());
         let mut waits = vec![stage];
         if let Slot::Ring(k) = slot {
             // The previous compute that read this slot must be done before it is overwritten.
@@ -235,7 +236,8 @@ impl Program {
         let n = spec.n_layers;
         let mut b = Builder { instrs: Vec::new(), last: LastUse::default() };
         // Use k: (layer, is_backward).
-        let uses: Vec<(usize, bool)> = (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
+        let uses: Vec<(usize, bool)> =
+            (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
         let mut uploads = vec![usize::MAX; uses.len()];
         let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, k: usize| {
             let (layer, backward) = uses[k];

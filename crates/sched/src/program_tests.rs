@@ -4,11 +4,19 @@ use std::collections::{HashMap, HashSet};
 
 use mt_core::Unit;
 
-use crate::program::{HostBuf, Instr, OptimMode, Op, Program, ProgramSpec, Slot, Stream};
+use crate::program::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 use crate::simulate::simulate;
 
 fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> ProgramSpec {
-    ProgramSpec { n_layers, ring_depth, n_staging: 2, n_grad_bufs: 2, n_landing: 2, mode, pending_update: pending }
+    ProgramSpec {
+        n_layers,
+        ring_depth,
+        n_staging: 2,
+        n_grad_bufs: 2,
+        n_landing: 2,
+        mode,
+        pending_update: pending,
+    }
 }
 
 fn all_specs() -> Vec<ProgramSpec> {
@@ -46,7 +54,9 @@ fn ancestors(p: &Program) -> Vec<HashSet<usize>> {
 
 fn slot_of(op: &Op) -> Option<(Slot, Unit)> {
     match *op {
-        Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } => Some((Slot::Ring(slot), Unit::Layer(layer))),
+        Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } => {
+            Some((Slot::Ring(slot), Unit::Layer(layer)))
+        }
         Op::Embed | Op::Loss | Op::EmbedBackward => Some((Slot::Outer, Unit::Outer)),
         _ => None,
     }
@@ -67,8 +77,12 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
                 .rev()
                 .find(|(_, x)| matches!(x.op, Op::Upload { slot: s2, .. } if s2 == slot))
                 .map(|(j, x)| (j, x.op.clone()));
-            let (j, op) = up.unwrap_or_else(|| panic!("{s:?}: instr {i} {:?} has no upload before it", ins.op));
-            assert!(matches!(op, Op::Upload { unit: u, .. } if u == unit), "{s:?}: {i} reads {unit:?} but slot holds {op:?}");
+            let (j, op) =
+                up.unwrap_or_else(|| panic!("{s:?}: instr {i} {:?} has no upload before it", ins.op));
+            assert!(
+                matches!(op, Op::Upload { unit: u, .. } if u == unit),
+                "{s:?}: {i} reads {unit:?} but slot holds {op:?}"
+            );
             assert!(anc[i].contains(&j), "{s:?}: compute {i} does not wait for its upload {j}");
             // Any later upload into the slot must wait for this compute.
             for (k, x) in p.instrs.iter().enumerate().skip(i + 1) {
@@ -85,7 +99,9 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
     for s in all_specs() {
         let p = Program::build(s);
         let slots: HashSet<Slot> = p.instrs.iter().filter_map(|i| slot_of(&i.op).map(|x| x.0)).collect();
-        assert!(slots.iter().all(|s2| matches!(s2, Slot::Outer) || matches!(s2, Slot::Ring(k) if *k < s.ring_depth)));
+        assert!(slots
+            .iter()
+            .all(|s2| matches!(s2, Slot::Outer) || matches!(s2, Slot::Ring(k) if *k < s.ring_depth)));
         assert!(slots.len() <= s.ring_depth + 1);
         let mut ups: HashMap<Unit, usize> = HashMap::new();
         p.uploads().for_each(|u| *ups.entry(u).or_default() += 1);
@@ -120,12 +136,18 @@ fn host_buffers_are_not_reused_before_their_reader_is_done() {
                 }
                 Op::Backward { grad_buf, .. } => {
                     if let Some(&d) = last_download_of.get(&Some(grad_buf)) {
-                        assert!(anc[i].contains(&d), "{s:?}: backward {i} zeroes grad buffer before download {d}");
+                        assert!(
+                            anc[i].contains(&d),
+                            "{s:?}: backward {i} zeroes grad buffer before download {d}"
+                        );
                     }
                 }
                 Op::Download { grad_buf, landing, .. } => {
                     if let Some(&l) = last_land_of.get(&landing) {
-                        assert!(anc[i].contains(&l), "{s:?}: download {i} overwrites landing before land {l}");
+                        assert!(
+                            anc[i].contains(&l),
+                            "{s:?}: download {i} overwrites landing before land {l}"
+                        );
                     }
                     last_download_of.insert(grad_buf, i);
                 }
@@ -205,4 +227,3 @@ fn depth_two_hides_uploads_behind_compute_and_depth_one_does_not() {
     assert!(t1.makespan > t2.makespan + (2 * l - 2) as f64 * 6.0);
     assert!(t3.makespan <= t2.makespan + 1e-9);
 }
-

@@ -26,8 +26,16 @@ fn malformed_or_unsupported_config_json_is_refused_with_the_reason() {
     let cases = [
         ("truncated.json", good[..good.len() / 2].to_owned(), "truncated.json"),
         ("gpt2.json", good.replace("\"llama\"", "\"gpt2\""), "gpt2"),
-        ("no_heads.json", good.replace("\"num_attention_heads\"", "\"num_heads_typo\""), "num_attention_heads"),
-        ("bad_kv.json", good.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"), "num_key_value_heads"),
+        (
+            "no_heads.json",
+            good.replace("\"num_attention_heads\"", "\"num_heads_typo\""),
+            "num_attention_heads",
+        ),
+        (
+            "bad_kv.json",
+            good.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"),
+            "num_key_value_heads",
+        ),
         ("yarn.json", good.replace("\"llama3\"", "\"yarn\""), "yarn"),
     ];
     for (file, text, needle) in cases {
@@ -46,7 +54,11 @@ fn shape_mismatched_fixture_is_refused_naming_the_tensor() {
     std::fs::copy(src.join("llama_gqa.config.json"), dir.path().join("llama_gqa.config.json")).unwrap();
     // Same fixture, but the config claims a wider MLP: every MLP tensor is now the wrong shape.
     let cfg = std::fs::read_to_string(dir.path().join("llama_gqa.config.json")).unwrap();
-    std::fs::write(dir.path().join("llama_gqa.config.json"), cfg.replace("\"intermediate_size\": 96", "\"intermediate_size\": 128")).unwrap();
+    std::fs::write(
+        dir.path().join("llama_gqa.config.json"),
+        cfg.replace("\"intermediate_size\": 96", "\"intermediate_size\": 128"),
+    )
+    .unwrap();
     std::fs::copy(src.join("llama_gqa.safetensors"), dir.path().join("llama_gqa.safetensors")).unwrap();
     let err = golden::load_from(dir.path(), "llama_gqa").unwrap_err().to_string();
     assert!(err.contains("mlp") && err.contains("96") && err.contains("128"), "{err}");
@@ -83,8 +95,9 @@ fn a_store_for_another_model_is_refused_by_the_engine() {
     let mut other = g.cfg.clone();
     other.intermediate_size += 8;
     let store = std::sync::Arc::new(HostStore::anonymous(&ModelLayout::new(&other), GradDtype::F32).unwrap());
-    let err = mt_sched::Engine::new(&g.cfg, store, mt_sched::CpuBackend::new(Default::default()), golden_opts())
-        .unwrap_err()
-        .to_string();
+    let err =
+        mt_sched::Engine::new(&g.cfg, store, mt_sched::CpuBackend::new(Default::default()), golden_opts())
+            .unwrap_err()
+            .to_string();
     assert!(err.contains("different model layout"), "{err}");
 }

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
 use candle_core::DType;
 use mt_store::GradDtype;
 use mt_testkit::golden::{self, GOLDEN_NAMES};
@@ -90,7 +88,8 @@ fn three_adamw_steps_match_torch() {
         e.flush_pending().unwrap();
         assert_eq!(store.state().step, 3);
         let ours = params_of(&store);
-        let (mut n, mut n_over, mut worst, mut worst_name, mut worst_abs) = (0usize, 0usize, 0.0f64, String::new(), 0.0f64);
+        let (mut n, mut n_over, mut worst, mut worst_name, mut worst_abs) =
+            (0usize, 0usize, 0.0f64, String::new(), 0.0f64);
         for (pname, expected) in &g.step3 {
             let a = ours[pname].flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let b = expected.flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -31,13 +31,11 @@ fn batch(cfg: &ModelConfig, b: usize, seed: u64) -> Batch {
     Batch { batch: b, seq: 12, input_ids, targets }
 }
 
-/// Runs `steps` steps (then flushes) and returns (losses, params, grads of the last step, m).
-fn run(
-    cfg: &ModelConfig,
-    opts: EngineOptions,
-    batches: &[Batch],
-    delay_us: u64,
-) -> (Vec<u64>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>, Vec<f32>) {
+/// What a run leaves behind: loss bits per step, params, grads of the last step, one layer's m.
+type Outcome = (Vec<u64>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>, Vec<f32>);
+
+/// Runs one step per batch (then flushes the pending update).
+fn run(cfg: &ModelConfig, opts: EngineOptions, batches: &[Batch], delay_us: u64) -> Outcome {
     let store = store_with(cfg, &random_params(cfg, 11), GradDtype::F32);
     let mut e = engine(cfg, store.clone(), opts, delay_us);
     let losses = batches.iter().map(|b| e.step(b, 1e-3).unwrap().loss.to_bits()).collect();
@@ -75,7 +73,12 @@ fn one_chunk_and_four_chunks_agree_to_rounding() {
     assert!((a - c).abs() / a <= 1e-6, "loss {a} vs {c}");
     let r = compare_maps(&g4, &g1, Tolerance::F32_TIGHT);
     r.assert_ok("4 chunks vs 1 chunk");
-    eprintln!("SUMMARY 1 vs 4 chunks: loss rel {:.2e}, worst grad {:.2e} ({})", (a - c).abs() / a, r.worst().unwrap().rel_err(), r.worst().unwrap().name);
+    eprintln!(
+        "SUMMARY 1 vs 4 chunks: loss rel {:.2e}, worst grad {:.2e} ({})",
+        (a - c).abs() / a,
+        r.worst().unwrap().rel_err(),
+        r.worst().unwrap().name
+    );
 }
 
 /// The loss is the mean over the non-masked targets of the whole batch, however they are spread
@@ -102,8 +105,13 @@ fn loss_is_normalised_by_the_global_count_of_targets() {
         let mut e = engine(&cfg, store.clone(), EngineOptions { n_chunks: chunks, ..golden_opts() }, 0);
         let r = e.step(&b, 1e-3).unwrap();
         assert_eq!(r.n_targets, 13);
-        assert!((r.loss - ref_loss).abs() / ref_loss <= 1e-6, "{chunks} chunks: loss {} vs {ref_loss}", r.loss);
-        compare_maps(&grads_of(&store), &ref_grads, Tolerance::F32_GOLDEN).assert_ok(&format!("{chunks} chunks"));
+        assert!(
+            (r.loss - ref_loss).abs() / ref_loss <= 1e-6,
+            "{chunks} chunks: loss {} vs {ref_loss}",
+            r.loss
+        );
+        compare_maps(&grads_of(&store), &ref_grads, Tolerance::F32_GOLDEN)
+            .assert_ok(&format!("{chunks} chunks"));
     }
     // What per-chunk normalisation would have given: clearly different.
     let per_chunk: f64 = (0..2)
@@ -144,8 +152,13 @@ fn a_missing_wait_shows_up_as_a_wrong_gradient() {
             }
         }),
         ("backward does not wait for the download out of its gradient buffer", slow_d2h, |p| {
-            let downloads: Vec<usize> =
-                p.instrs.iter().enumerate().filter(|(_, i)| i.stream == Stream::D2H).map(|(k, _)| k).collect();
+            let downloads: Vec<usize> = p
+                .instrs
+                .iter()
+                .enumerate()
+                .filter(|(_, i)| i.stream == Stream::D2H)
+                .map(|(k, _)| k)
+                .collect();
             for i in &mut p.instrs {
                 if matches!(i.op, Op::Backward { .. }) {
                     i.waits.retain(|w| !downloads.contains(w));
@@ -160,7 +173,11 @@ fn a_missing_wait_shows_up_as_a_wrong_gradient() {
             Ok(_) => {
                 let r = compare_maps(&grads_of(&store), &good, Tolerance::F32_GOLDEN);
                 assert!(!r.is_ok(), "{what}: gradients still correct — the delay does not expose races");
-                eprintln!("{what}: caught, worst {:.2e} ({})", r.worst().unwrap().rel_err(), r.worst().unwrap().name);
+                eprintln!(
+                    "{what}: caught, worst {:.2e} ({})",
+                    r.worst().unwrap().rel_err(),
+                    r.worst().unwrap().name
+                );
             }
             Err(err) => eprintln!("{what}: step failed instead ({err}) — also caught"),
         }

@@ -25,10 +25,14 @@ fn batches(cfg: &ModelConfig) -> Vec<Batch> {
 }
 
 fn moments(store: &HostStore) -> Vec<u32> {
-    store.layout().units().flat_map(|u: Unit| {
-        let r = store.record(u);
-        r.m.iter().chain(r.v.iter()).map(|x| x.to_bits()).collect::<Vec<_>>()
-    }).collect()
+    store
+        .layout()
+        .units()
+        .flat_map(|u: Unit| {
+            let r = store.record(u);
+            r.m.iter().chain(r.v.iter()).map(|x| x.to_bits()).collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 #[test]
@@ -43,7 +47,8 @@ fn reopened_store_continues_bitwise() {
             // Uninterrupted: 4 steps in RAM.
             let straight = store_with(&cfg, &params, grad);
             let mut e = engine(&cfg, straight.clone(), opts.clone(), 100);
-            let straight_losses: Vec<u64> = data.iter().map(|b| e.step(b, 1e-3).unwrap().loss.to_bits()).collect();
+            let straight_losses: Vec<u64> =
+                data.iter().map(|b| e.step(b, 1e-3).unwrap().loss.to_bits()).collect();
             e.flush_pending().unwrap();
 
             // Interrupted: 2 steps into a file, drop everything, reopen, 2 more.
@@ -58,7 +63,11 @@ fn reopened_store_continues_bitwise() {
                 e.store().flush().unwrap();
             }
             let store = Arc::new(HostStore::open(&path, &layout).unwrap());
-            assert_eq!(store.state().pending_update, mode == OptimMode::Exact, "{mode:?}: pending flag persisted");
+            assert_eq!(
+                store.state().pending_update,
+                mode == OptimMode::Exact,
+                "{mode:?}: pending flag persisted"
+            );
             let mut e = engine(&cfg, store.clone(), opts, 100);
             losses.extend(data[2..].iter().map(|b| e.step(b, 1e-3).unwrap().loss.to_bits()));
             e.flush_pending().unwrap();

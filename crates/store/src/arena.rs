@@ -172,10 +172,10 @@ impl HostStore {
     /// An anonymous (RAM-backed, zero-filled) store.
     pub fn anonymous(layout: &ModelLayout, grad: GradDtype) -> Result<Self> {
         let (records, total) = plan(layout, grad);
-        let map = MmapOptions::new().len(total).map_anon().map_err(|source| Error::Io {
-            path: PathBuf::from("<anonymous store>"),
-            source,
-        })?;
+        let map = MmapOptions::new()
+            .len(total)
+            .map_anon()
+            .map_err(|source| Error::Io { path: PathBuf::from("<anonymous store>"), source })?;
         let store = Self::assemble(map, None, None, layout, grad, records, total);
         store.init_header();
         Ok(store)

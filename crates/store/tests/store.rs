@@ -49,7 +49,13 @@ fn params_survive_reopen_and_state_is_persisted() {
         let s = HostStore::create(&path, &l, GradDtype::F32).unwrap();
         s.write_param(name, &data).unwrap();
         s.record(Unit::Layer(2)).m[7] = 3.25;
-        s.set_state(StoreState { step: 7, pending_update: true, pending_grad_scale: 0.5, pending_lr: 1e-3, grad_norm: 2.0 });
+        s.set_state(StoreState {
+            step: 7,
+            pending_update: true,
+            pending_grad_scale: 0.5,
+            pending_lr: 1e-3,
+            grad_norm: 2.0,
+        });
         s.flush().unwrap();
     }
     let s = HostStore::open(&path, &l).unwrap();
@@ -57,7 +63,13 @@ fn params_survive_reopen_and_state_is_persisted() {
     assert_eq!(s.record(Unit::Layer(2)).m[7], 3.25);
     assert_eq!(
         s.state(),
-        StoreState { step: 7, pending_update: true, pending_grad_scale: 0.5, pending_lr: 1e-3, grad_norm: 2.0 }
+        StoreState {
+            step: 7,
+            pending_update: true,
+            pending_grad_scale: 0.5,
+            pending_lr: 1e-3,
+            grad_norm: 2.0
+        }
     );
 }
 

@@ -48,7 +48,12 @@ pub fn engine(
 }
 
 /// An engine on a CPU backend with the given stream delays.
-pub fn engine_on(cfg: &ModelConfig, store: Arc<HostStore>, opts: EngineOptions, cpu: CpuOptions) -> Engine<CpuBackend> {
+pub fn engine_on(
+    cfg: &ModelConfig,
+    store: Arc<HostStore>,
+    opts: EngineOptions,
+    cpu: CpuOptions,
+) -> Engine<CpuBackend> {
     Engine::new(cfg, store, CpuBackend::new(cpu), opts).unwrap()
 }
 

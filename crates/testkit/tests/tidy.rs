@@ -1,0 +1,102 @@
+//! Workspace tidiness checks that run with `cargo test` (rust-analyzer's habit): every Rust
+//! source file says what it is for in a `//!` header, and `unsafe` lives only in the crates
+//! ARCHITECTURE.md allows it in, each use with a SAFETY comment.
+
+use std::path::{Path, PathBuf};
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("crates/testkit is two levels down")
+        .to_owned()
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let p = e.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if p.is_dir() && name != "target" && !name.starts_with('.') {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+fn sources() -> Vec<PathBuf> {
+    let root = workspace_root();
+    let mut files = Vec::new();
+    for d in ["crates", "bench-harness", "kernels"] {
+        rust_files(&root.join(d), &mut files);
+    }
+    assert!(files.len() > 20, "found only {} Rust files under {}", files.len(), root.display());
+    files
+}
+
+#[test]
+fn every_source_file_starts_with_a_doc_header() {
+    let missing: Vec<String> = sources()
+        .into_iter()
+        .filter(|p| {
+            let text = std::fs::read_to_string(p).unwrap_or_default();
+            !text.trim_start().starts_with("//!")
+        })
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "files without a `//!` header saying what they are for:\n{}",
+        missing.join("\n")
+    );
+}
+
+/// Crates allowed to contain `unsafe` (mmap and, later, CUDA FFI / pinned memory).
+const UNSAFE_CRATES: [&str; 1] = ["crates/store/"];
+
+#[test]
+fn unsafe_only_in_allowed_crates_and_always_explained() {
+    let root = workspace_root();
+    let mut problems = Vec::new();
+    for p in sources() {
+        let rel = p.strip_prefix(&root).unwrap_or(&p).display().to_string();
+        if rel.ends_with("testkit/tests/tidy.rs") {
+            continue; // this file names the patterns it looks for
+        }
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if !(code.contains("unsafe {") || code.contains("unsafe impl") || code.contains("unsafe fn")) {
+                continue;
+            }
+            if !UNSAFE_CRATES.iter().any(|c| rel.starts_with(c)) {
+                problems.push(format!("{rel}:{}: unsafe outside {UNSAFE_CRATES:?}", i + 1));
+            }
+            let explained =
+                lines[i.saturating_sub(8)..i].iter().any(|l| l.contains("SAFETY:") || l.contains("# Safety"));
+            if !explained {
+                problems.push(format!("{rel}:{}: unsafe without a SAFETY comment just above", i + 1));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn safe_crates_forbid_unsafe_code() {
+    let root = workspace_root();
+    let mut missing = Vec::new();
+    for p in sources() {
+        let rel = p.strip_prefix(&root).unwrap_or(&p).display().to_string();
+        let is_root = rel.ends_with("src/lib.rs") || rel.ends_with("src/main.rs");
+        if is_root && !UNSAFE_CRATES.iter().any(|c| rel.starts_with(c)) {
+            let text = std::fs::read_to_string(&p).unwrap_or_default();
+            if !text.contains("#![forbid(unsafe_code)]") {
+                missing.push(rel);
+            }
+        }
+    }
+    assert!(missing.is_empty(), "crate roots without #![forbid(unsafe_code)]:\n{}", missing.join("\n"));
+}
