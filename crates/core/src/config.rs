@@ -151,13 +151,26 @@ fn parse_rope(obj: &Map<String, Value>, field: &str) -> Result<(Option<f64>, Opt
             )))
         }
     };
-    if let Some(RopeScaling::Llama3 { low_freq_factor, high_freq_factor, factor, .. }) = &scaling {
-        if high_freq_factor <= low_freq_factor || *factor <= 0.0 {
+    match &scaling {
+        Some(RopeScaling::Linear { factor }) if *factor <= 0.0 => {
+            return Err(Error::config(format!("{field}.factor"), "linear rope scaling needs factor > 0"));
+        }
+        Some(RopeScaling::Llama3 {
+            low_freq_factor,
+            high_freq_factor,
+            factor,
+            original_max_position_embeddings,
+        }) if high_freq_factor <= low_freq_factor
+            || *factor <= 0.0
+            || *low_freq_factor <= 0.0
+            || *original_max_position_embeddings <= 0.0 =>
+        {
             return Err(Error::config(
                 field,
-                "llama3 rope scaling needs factor > 0 and high_freq_factor > low_freq_factor",
+                "llama3 rope scaling needs factor > 0, original_max_position_embeddings > 0 and high_freq_factor > low_freq_factor > 0",
             ));
         }
+        _ => {}
     }
     Ok((theta, scaling))
 }

@@ -181,7 +181,8 @@ impl ModelLayout {
         if let Some(rest) = hf_name.strip_prefix("model.layers.") {
             let (idx, local) = rest.split_once('.').ok_or_else(|| Error::UnknownParam(hf_name.to_owned()))?;
             let i: usize = idx.parse().map_err(|_| Error::UnknownParam(hf_name.to_owned()))?;
-            if i >= self.n_layers {
+            // Canonical spelling only: "01" or "+1" would silently alias layer 1.
+            if i >= self.n_layers || idx != i.to_string() {
                 return Err(Error::UnknownParam(hf_name.to_owned()));
             }
             let spec = self.layer.get(local).map_err(|_| Error::UnknownParam(hf_name.to_owned()))?;
@@ -235,6 +236,7 @@ mod tests {
         assert_eq!(t.shape, vec![128, 344]);
         assert!(l.resolve("model.layers.4.mlp.down_proj.weight").is_err());
         assert!(l.resolve("model.layers.0.mlp.nonsense").is_err());
+        assert!(l.resolve("model.layers.01.mlp.down_proj.weight").is_err());
         assert_eq!(l.resolve("lm_head.weight").unwrap().0, Unit::Outer);
         assert_eq!(l.all_params().len(), 3 + 4 * 9);
     }

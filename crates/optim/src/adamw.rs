@@ -50,7 +50,9 @@ impl AdamW {
         StepArgs { step, lr: self.lr, grad_scale: 1.0 }
     }
 
-    fn validate(&self, a: &StepArgs) -> Result<(), Error> {
+    /// Checks the hyper-parameters and step arguments with torch's constructor's ranges (every
+    /// step function does this before writing anything).
+    pub fn validate(&self, a: &StepArgs) -> Result<(), Error> {
         if a.step == 0 {
             return Err(Error::ZeroStep);
         }

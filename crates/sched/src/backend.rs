@@ -77,4 +77,8 @@ pub trait Backend {
 
     /// Spans recorded since `begin_step`.
     fn spans(&self) -> Vec<Span>;
+
+    /// Bytes actually copied host-to-device and device-to-host since `begin_step` (counted by
+    /// the copy operations themselves, not derived from the program).
+    fn transferred(&self) -> (u64, u64);
 }

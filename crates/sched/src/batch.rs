@@ -25,14 +25,23 @@ pub struct Batch {
 impl Batch {
     /// Builds a batch from HF-style `input_ids`/`labels` rows (labels unshifted: the target of
     /// position t is `labels[t + 1]`).
-    pub fn from_labels(batch: usize, seq: usize, input_ids: Vec<u32>, labels: &[i64]) -> Self {
-        let mut targets = vec![IGNORE_INDEX; batch * seq];
+    pub fn from_labels(batch: usize, seq: usize, input_ids: Vec<u32>, labels: &[i64]) -> Result<Self> {
+        let n = batch * seq;
+        if input_ids.len() != n || labels.len() != n {
+            return Err(CoreError::Data(format!(
+                "a batch of {batch} x {seq} needs {n} input ids and labels, got {} and {}",
+                input_ids.len(),
+                labels.len()
+            ))
+            .into());
+        }
+        let mut targets = vec![IGNORE_INDEX; n];
         for b in 0..batch {
             for t in 0..seq.saturating_sub(1) {
                 targets[b * seq + t] = labels[b * seq + t + 1];
             }
         }
-        Batch { batch, seq, input_ids, targets }
+        Ok(Batch { batch, seq, input_ids, targets })
     }
 
     /// Non-masked targets (the loss normaliser).
@@ -137,8 +146,10 @@ mod tests {
 
     #[test]
     fn from_labels_shifts_like_transformers() {
-        let b = Batch::from_labels(1, 4, vec![5, 6, 7, 8], &[5, 6, -100, 8]);
+        let b = Batch::from_labels(1, 4, vec![5, 6, 7, 8], &[5, 6, -100, 8]).unwrap();
         assert_eq!(b.targets, vec![6, -100, 8, -100]);
+        let err = Batch::from_labels(2, 4, vec![5, 6, 7, 8], &[5, 6, -100, 8]).unwrap_err().to_string();
+        assert!(err.contains("needs 8"), "{err}");
     }
 
     #[test]

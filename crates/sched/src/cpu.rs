@@ -3,6 +3,7 @@
 //! before every worker job shakes the timing so that a missing wait shows up in tests as a wrong
 //! gradient instead of passing by luck.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -99,6 +100,8 @@ impl CpuOptions {
 }
 
 struct Clock {
+    h2d_bytes: AtomicU64,
+    d2h_bytes: AtomicU64,
     start: Mutex<Instant>,
     spans: Mutex<Vec<Span>>,
     first_error: Mutex<Option<String>>,
@@ -146,6 +149,8 @@ impl CpuBackend {
     /// Starts the worker threads.
     pub fn new(opts: CpuOptions) -> Self {
         let clock = Arc::new(Clock {
+            h2d_bytes: AtomicU64::new(0),
+            d2h_bytes: AtomicU64::new(0),
             start: Mutex::new(Instant::now()),
             spans: Mutex::new(Vec::new()),
             first_error: Mutex::new(None),
@@ -225,6 +230,7 @@ impl Backend for CpuBackend {
 
     fn upload(&self, waits: &[CpuEvent], src: Arc<Mutex<Staging>>, dst: Tensor, name: String) -> CpuEvent {
         let device = self.device.clone();
+        let clock = Arc::clone(&self.clock);
         let job: HostJob = Box::new(move || {
             let staging = src.lock().unwrap_or_else(|p| p.into_inner());
             let t = match &*staging {
@@ -233,13 +239,18 @@ impl Backend for CpuBackend {
                 Staging::F16(v) => Tensor::from_slice(v, v.len(), &device)?,
             };
             dst.slice_set(&t, 0, 0)?;
+            clock.h2d_bytes.fetch_add((t.elem_count() * t.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
             Ok(())
         });
         self.submit(Stream::H2D, waits, job, name)
     }
 
     fn download(&self, waits: &[CpuEvent], src: Tensor, dst: Arc<Mutex<Vec<f32>>>, name: String) -> CpuEvent {
+        let clock = Arc::clone(&self.clock);
         let job: HostJob = Box::new(move || {
+            clock
+                .d2h_bytes
+                .fetch_add((src.elem_count() * src.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
             let v = src.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
             let mut d = dst.lock().unwrap_or_else(|p| p.into_inner());
             d.clear();
@@ -282,12 +293,18 @@ impl Backend for CpuBackend {
     }
 
     fn begin_step(&self) {
+        self.clock.h2d_bytes.store(0, Ordering::Relaxed);
+        self.clock.d2h_bytes.store(0, Ordering::Relaxed);
         *self.clock.start.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         self.clock.spans.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 
     fn now_s(&self) -> f64 {
         self.clock.now()
+    }
+
+    fn transferred(&self) -> (u64, u64) {
+        (self.clock.h2d_bytes.load(Ordering::Relaxed), self.clock.d2h_bytes.load(Ordering::Relaxed))
     }
 
     fn spans(&self) -> Vec<Span> {

@@ -4,12 +4,12 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
-use half::{bf16, f16};
+use half::bf16;
 use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, GradSink, LayerWeights, Outer, OuterWeights, Rope};
 use mt_optim::{AdamW, Grad, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
-use mt_store::{GradMut, HostStore, Staging, StoreState, UploadDtype};
+use mt_store::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, Staging, StoreState, UploadDtype};
 
 use crate::backend::{Backend, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
@@ -110,11 +110,39 @@ fn upload_dtype(d: DType) -> Result<UploadDtype> {
     }
 }
 
-fn grad_view<'a>(g: &'a GradMut<'_>) -> Grad<'a> {
+fn grad_view(g: GradRef<'_>) -> Grad<'_> {
     match g {
-        GradMut::F32(g) => Grad::F32(g),
-        GradMut::Bf16(g) => Grad::Bf16(g),
+        GradRef::F32(g) => Grad::F32(g),
+        GradRef::Bf16(g) => Grad::Bf16(g),
     }
+}
+
+/// Applies optimizer step `args.step` to one unit — once: if the record says the update was
+/// already applied (a failed step is being retried), only the upload copy is refreshed. The
+/// gradient is `landed` when given (lean mode, straight from the landing buffer), else the
+/// record's gradient buffer.
+fn update_unit(
+    r: &mut RecordGuard<'_>,
+    hyper: &AdamW,
+    args: &StepArgs,
+    landed: Option<&[f32]>,
+    upload: Upload<'_>,
+) -> Result<()> {
+    if r.applied_step() >= args.step {
+        mt_optim::cast_into(r.master(), upload)?;
+        return Ok(());
+    }
+    let p = r.parts();
+    let grad = match (landed, p.grad) {
+        (Some(l), _) => Grad::F32(l),
+        (None, Some(g)) => grad_view(g),
+        (None, None) => {
+            return Err(Error::Options("an exact-mode update needs a store with gradient buffers".into()))
+        }
+    };
+    mt_optim::step_fused(hyper, args, grad, p.master, p.m, p.v, upload)?;
+    r.set_applied_step(args.step);
+    Ok(())
 }
 
 fn upload_view(s: &mut Staging, n: usize) -> Upload<'_> {
@@ -137,6 +165,19 @@ impl<B: Backend> Engine<B> {
                 "ring_depth ({}), n_chunks ({}) and rows_per_block ({}) must be at least 1",
                 opts.ring_depth, opts.n_chunks, opts.rows_per_block
             )));
+        }
+        opts.adamw.validate(&opts.adamw.args(1))?;
+        if let Some(c) = opts.clip {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::Options(format!(
+                    "clip threshold {c} must be finite and > 0 (None = no clipping)"
+                )));
+            }
+        }
+        if opts.mode == OptimMode::Exact && store.grad_dtype() == GradDtype::None {
+            return Err(Error::Options(
+                "exact mode keeps each step's gradient until the next step: the store needs gradient buffers (f32 or bf16)".into(),
+            ));
         }
         let up = upload_dtype(opts.weight_dtype)?;
         let pool = DevicePool::new(
@@ -213,6 +254,10 @@ impl<B: Backend> Engine<B> {
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::Options(format!("learning rate {lr} must be finite and non-negative")));
         }
+        if self.opts.mode == OptimMode::Lean && self.store.state().pending_update {
+            // The store was last trained in exact mode: apply its pending update first.
+            self.flush_pending()?;
+        }
         let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
         self.ensure_rope(batch.seq)?;
         let state = self.store.state();
@@ -226,6 +271,7 @@ impl<B: Backend> Engine<B> {
             pending_update: state.pending_update,
         });
         edit(&mut program);
+        program.validate()?;
         // Arguments of the updates this step applies.
         let update_args = match self.opts.mode {
             OptimMode::Exact => {
@@ -264,7 +310,7 @@ impl<B: Backend> Engine<B> {
         };
         self.store.set_state(new_state);
         let spans = self.backend.spans();
-        let (h2d_bytes, d2h_bytes) = self.transfer_bytes(&program);
+        let (h2d_bytes, d2h_bytes) = self.backend.transferred();
         Ok(StepReport {
             loss,
             grad_norm: norm,
@@ -288,11 +334,7 @@ impl<B: Backend> Engine<B> {
         let args =
             StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
         for u in self.layout.units() {
-            let r = self.store.record(u);
-            let g = grad_view(&r.grad);
-            // Disjoint fields of the guard: the gradient is read while master, m, v are written.
-            let (master, m, v) = (&mut *r.master, &mut *r.m, &mut *r.v);
-            mt_optim::step_fused(&self.opts.adamw, &args, g, master, m, v, Upload::None)?;
+            update_unit(&mut self.store.record(u), &self.opts.adamw, &args, None, Upload::None)?;
         }
         self.store.set_state(StoreState { step: state.step + 1, pending_update: false, ..state });
         Ok(())
@@ -307,7 +349,7 @@ impl<B: Backend> Engine<B> {
         let ids = Tensor::from_slice(&batch.input_ids, (batch.batch, batch.seq), &device)?;
         let load = |u: Unit, dst: &Tensor| -> Result<()> {
             let r = self.store.record(u);
-            let t = Tensor::from_slice(&r.master[..], r.master.len(), &device)?;
+            let t = Tensor::from_slice(r.master(), r.master().len(), &device)?;
             dst.slice_set(&t.to_dtype(dst.dtype())?, 0, 0)?;
             Ok(())
         };
@@ -330,7 +372,9 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    fn transfer_bytes(&self, program: &Program) -> (u64, u64) {
+    /// Bytes the program plans to move (H2D, D2H): 2 uploads per layer + 1 of the outer unit in
+    /// the weight dtype, 1 fp32 gradient download per unit.
+    pub fn planned_transfer_bytes(&self, program: &Program) -> (u64, u64) {
         let wsize = self.opts.weight_dtype.size_in_bytes() as u64;
         let len = |u: Unit| self.layout.unit(u).len as u64;
         let h2d = program.uploads().map(|u| len(u) * wsize).sum();
@@ -388,18 +432,14 @@ impl<B: Backend> Engine<B> {
             Op::Stage { unit, staging, update } => {
                 let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
                 let job: HostJob = Box::new(move || {
-                    let r = store.record(unit);
+                    let mut r = store.record(unit);
                     let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
-                    let n = r.master.len();
-                    let up = upload_view(&mut s, n);
+                    let up = upload_view(&mut s, r.master().len());
                     if update {
-                        let g = grad_view(&r.grad);
-                        let (master, m, v) = (&mut *r.master, &mut *r.m, &mut *r.v);
-                        mt_optim::step_fused(&hyper, &args, g, master, m, v, up)?;
+                        update_unit(&mut r, &hyper, &args, None, up)
                     } else {
-                        mt_optim::cast_into(r.master, up)?;
+                        Ok(mt_optim::cast_into(r.master(), up)?)
                     }
-                    Ok(())
                 });
                 self.backend.host(waits, job, name)
             }
@@ -423,28 +463,32 @@ impl<B: Backend> Engine<B> {
                 let job: HostJob = Box::new(move || {
                     let src = land.lock().unwrap_or_else(|p| p.into_inner());
                     let mut r = store.record(unit);
-                    if src.len() != r.master.len() {
+                    if src.len() != r.master().len() {
                         return Err(Error::Stream {
                             stream: "host",
                             msg: format!(
                                 "landed {} gradient elements for a {}-element record",
                                 src.len(),
-                                r.master.len()
+                                r.master().len()
                             ),
                         });
                     }
-                    match &mut r.grad {
-                        GradMut::F32(g) => g.copy_from_slice(&src),
-                        GradMut::Bf16(g) => {
+                    match r.grad_mut() {
+                        Some(GradMut::F32(g)) => g.copy_from_slice(&src),
+                        Some(GradMut::Bf16(g)) => {
                             g.iter_mut().zip(src.iter()).for_each(|(d, s)| *d = bf16::from_f32(*s))
                         }
+                        None => {}
                     }
-                    let ss = mt_optim::sum_squares(grad_view(&r.grad));
+                    // The norm of the gradient the optimizer will use: the landed f32 one when
+                    // updating now (lean), the stored (possibly bf16) one otherwise.
+                    let ss = match r.grad() {
+                        Some(g) if !update => mt_optim::sum_squares(grad_view(g)),
+                        _ => mt_optim::sum_squares(Grad::F32(&src)),
+                    };
                     sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
                     if update {
-                        let g = grad_view(&r.grad);
-                        let (master, m, v) = (&mut *r.master, &mut *r.m, &mut *r.v);
-                        mt_optim::step_fused(&hyper, &args, g, master, m, v, Upload::None)?;
+                        update_unit(&mut r, &hyper, &args, Some(&src), Upload::None)?;
                     }
                     Ok(())
                 });
@@ -525,24 +569,24 @@ fn missing_grad(layer: usize, chunk: usize) -> Error {
 }
 
 /// Initialises a store's master weights from named f32 tensors (HF names), zeroing moments.
+/// Every parameter of the model must be given exactly once.
 pub fn load_params<'a>(
     store: &HostStore,
     params: impl IntoIterator<Item = (&'a String, &'a [f32])>,
 ) -> Result<usize> {
-    let mut n = 0;
+    let mut seen = std::collections::BTreeSet::new();
     for (name, data) in params {
         store.write_param(name, data)?;
-        n += 1;
+        if !seen.insert(name.clone()) {
+            return Err(CoreError::Data(format!("parameter {name} given twice")).into());
+        }
     }
-    let expected = store.layout().all_params().len();
-    if n != expected {
-        return Err(CoreError::Data(format!("loaded {n} parameters, the model has {expected}")).into());
+    let missing: Vec<String> =
+        store.layout().all_params().into_iter().map(|(n, _, _)| n).filter(|n| !seen.contains(n)).collect();
+    if !missing.is_empty() {
+        return Err(
+            CoreError::Data(format!("{} parameters missing, e.g. {}", missing.len(), missing[0])).into()
+        );
     }
-    Ok(n)
-}
-
-#[allow(dead_code)]
-fn _assert_send() {
-    fn s<T: Send>() {}
-    s::<f16>();
+    Ok(seen.len())
 }

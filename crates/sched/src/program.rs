@@ -186,6 +186,8 @@ fn buf_idx(b: HostBuf) -> usize {
 struct Builder {
     instrs: Vec<Instr>,
     last: LastUse,
+    /// The Stage that applies a unit's pending update in this step, if any.
+    update_of: std::collections::HashMap<Unit, usize>,
 }
 
 impl Builder {
@@ -208,6 +210,9 @@ impl Builder {
         let prev_reader = self.last.take(K_STAGING, buf_idx(staging), id + 1);
         let stage =
             self.push(Stream::Host, Op::Stage { unit, staging, update }, prev_reader.into_iter().collect());
+        if update {
+            self.update_of.insert(unit, stage);
+        }
         let mut waits = vec![stage];
         if let Slot::Ring(k) = slot {
             // The previous compute that read this slot must be done before it is overwritten.
@@ -234,7 +239,7 @@ impl Program {
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
         let n = spec.n_layers;
-        let mut b = Builder { instrs: Vec::new(), last: LastUse::default() };
+        let mut b = Builder { instrs: Vec::new(), last: LastUse::default(), update_of: Default::default() };
         // Use k: (layer, is_backward).
         let uses: Vec<(usize, bool)> =
             (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
@@ -282,7 +287,9 @@ impl Program {
             waits.extend(b.last.0.get(&(K_LANDING, buf_idx(landing))).copied()); // previous land
             let dl = b.push(Stream::D2H, Op::Download { unit, grad_buf: Some(grad_buf), landing }, waits);
             b.last.take(K_GRAD, grad_buf, dl);
-            let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, vec![dl]);
+            // Landing overwrites the gradient the pending update reads: after that update.
+            let waits = std::iter::once(dl).chain(b.update_of.get(&unit).copied()).collect();
+            let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, waits);
             b.last.take(K_LANDING, buf_idx(landing), land);
         }
         if n == 0 {
@@ -291,8 +298,22 @@ impl Program {
         let eb = b.push(Stream::Compute, Op::EmbedBackward, vec![]);
         let landing = HostBuf::Outer;
         let dl = b.push(Stream::D2H, Op::Download { unit: Unit::Outer, grad_buf: None, landing }, vec![eb]);
-        b.push(Stream::Host, Op::Land { unit: Unit::Outer, landing, update: lean }, vec![dl]);
+        let waits = std::iter::once(dl).chain(b.update_of.get(&Unit::Outer).copied()).collect();
+        b.push(Stream::Host, Op::Land { unit: Unit::Outer, landing, update: lean }, waits);
         Program { instrs: b.instrs, spec }
+    }
+
+    /// Checks that every wait points to an earlier instruction (the executor relies on it).
+    pub fn validate(&self) -> Result<(), crate::Error> {
+        for (i, ins) in self.instrs.iter().enumerate() {
+            if let Some(&w) = ins.waits.iter().find(|&&w| w >= i) {
+                return Err(crate::Error::Options(format!(
+                    "invalid program: instruction {i} ({:?}) waits for instruction {w}, which is not earlier",
+                    ins.op
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Units whose upload bytes cross the bus in this step, in order (for accounting).

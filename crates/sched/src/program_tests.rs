@@ -227,3 +227,32 @@ fn depth_two_hides_uploads_behind_compute_and_depth_one_does_not() {
     assert!(t1.makespan > t2.makespan + (2 * l - 2) as f64 * 6.0);
     assert!(t3.makespan <= t2.makespan + 1e-9);
 }
+
+#[test]
+fn landing_a_gradient_waits_for_the_update_that_reads_the_previous_one() {
+    for s in all_specs() {
+        let p = Program::build(s);
+        let anc = ancestors(&p);
+        for (i, ins) in p.instrs.iter().enumerate() {
+            let Op::Land { unit, .. } = ins.op else { continue };
+            for (j, x) in p.instrs.iter().enumerate() {
+                if matches!(x.op, Op::Stage { unit: u, update: true, .. } if u == unit) {
+                    // Direct wait, not just host-stream order: a multi-threaded host stream must
+                    // keep it.
+                    assert!(ins.waits.contains(&j), "{s:?}: land {i} does not wait for update {j}");
+                    assert!(anc[i].contains(&j));
+                }
+            }
+        }
+        assert!(p.validate().is_ok());
+    }
+}
+
+#[test]
+fn a_program_waiting_on_a_later_instruction_is_refused() {
+    let mut p = Program::build(spec(2, 2, OptimMode::Exact, true));
+    let n = p.instrs.len();
+    p.instrs[0].waits.push(n - 1);
+    let err = p.validate().unwrap_err().to_string();
+    assert!(err.contains("instruction 0") && err.contains("not earlier"), "{err}");
+}

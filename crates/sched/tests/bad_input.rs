@@ -101,3 +101,20 @@ fn a_store_for_another_model_is_refused_by_the_engine() {
             .to_string();
     assert!(err.contains("different model layout"), "{err}");
 }
+
+#[test]
+fn loading_parameters_requires_each_exactly_once() {
+    let g = golden::load("qwen3_qknorm").unwrap();
+    let store = HostStore::anonymous(&ModelLayout::new(&g.cfg), GradDtype::F32).unwrap();
+    let flat: Vec<(String, Vec<f32>)> = g
+        .params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    let all = || flat.iter().map(|(n, v)| (n, v.as_slice()));
+    assert_eq!(mt_sched::load_params(&store, all()).unwrap(), flat.len());
+    let err = mt_sched::load_params(&store, all().skip(1)).unwrap_err().to_string();
+    assert!(err.contains("1 parameters missing") && err.contains(&flat[0].0), "{err}");
+    let err = mt_sched::load_params(&store, all().chain(all().take(1))).unwrap_err().to_string();
+    assert!(err.contains("given twice"), "{err}");
+}

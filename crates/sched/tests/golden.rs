@@ -6,6 +6,7 @@
 mod common;
 
 use candle_core::DType;
+use mt_sched::EngineOptions;
 use mt_store::GradDtype;
 use mt_testkit::golden::{self, GOLDEN_NAMES};
 use mt_testkit::tol::{compare_maps, diff, Tolerance};
@@ -112,5 +113,28 @@ fn three_adamw_steps_match_torch() {
         );
         assert!(n_over * 200 <= n, "{name}: {n_over} of {n} elements beyond 1e-5");
         assert!(worst_abs <= 0.25 * LR, "{name}: an element differs by {:.3e}·lr", worst_abs / LR);
+    }
+}
+
+/// The GPU's default precision, on the CPU backend: bf16 weights and activations (fp32
+/// statistics, fp32 gradient accumulation), small loss row blocks, 2 chunks.
+///
+/// Held to 3e-2 against transformers' float64 gradients: bf16 carries 8 significant bits
+/// (eps 7.8e-3) and Qwen3's q/k RMSNorm amplifies it (measured worst: 2.4e-2, q_norm). The 2e-2
+/// bar of the CUDA issue compares GPU bf16 with this CPU engine, a different pair.
+#[test]
+fn bf16_engine_matches_transformers_within_bf16_tolerance() {
+    for name in GOLDEN_NAMES {
+        let g = golden::load(name).unwrap();
+        let store = store_with(&g.cfg, &g.params, GradDtype::F32);
+        let opts =
+            EngineOptions { weight_dtype: DType::BF16, rows_per_block: 7, n_chunks: 2, ..golden_opts() };
+        let mut e = engine(&g.cfg, store.clone(), opts, 100);
+        let r = e.step(&golden_batch(&g), 1e-3).unwrap();
+        assert!((r.loss - g.loss).abs() / g.loss <= 1e-2, "{name}: bf16 loss {} vs {}", r.loss, g.loss);
+        let report = compare_maps(&grads_of(&store), &g.grads, Tolerance { rel: 3e-2 });
+        report.assert_ok(&format!("{name}: bf16 engine vs transformers"));
+        let w = report.worst().unwrap();
+        eprintln!("SUMMARY {name}: bf16 engine, worst grad {:.2e} ({})", w.rel_err(), w.name);
     }
 }

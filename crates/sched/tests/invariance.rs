@@ -41,7 +41,7 @@ fn run(cfg: &ModelConfig, opts: EngineOptions, batches: &[Batch], delay_us: u64)
     let losses = batches.iter().map(|b| e.step(b, 1e-3).unwrap().loss.to_bits()).collect();
     let grads = grads_of(&store);
     e.flush_pending().unwrap();
-    let m = store.record(Unit::Layer(1)).m.to_vec();
+    let m = store.record(Unit::Layer(1)).m().to_vec();
     (losses, params_of(&store), grads, m)
 }
 

@@ -30,7 +30,7 @@ fn moments(store: &HostStore) -> Vec<u32> {
         .units()
         .flat_map(|u: Unit| {
             let r = store.record(u);
-            r.m.iter().chain(r.v.iter()).map(|x| x.to_bits()).collect::<Vec<_>>()
+            r.m().iter().chain(r.v().iter()).map(|x| x.to_bits()).collect::<Vec<_>>()
         })
         .collect()
 }

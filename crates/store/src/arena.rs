@@ -18,6 +18,9 @@ pub enum GradDtype {
     F32,
     /// bf16 gradients (14 B/param records): the default for large models.
     Bf16,
+    /// No gradient buffer (12 B/param records): lean mode updates straight from the landed
+    /// gradient, so the store never holds one.
+    None,
 }
 
 impl GradDtype {
@@ -25,18 +28,21 @@ impl GradDtype {
         match self {
             GradDtype::F32 => 4,
             GradDtype::Bf16 => 2,
+            GradDtype::None => 0,
         }
     }
     fn code(self) -> u32 {
         match self {
             GradDtype::F32 => 1,
             GradDtype::Bf16 => 2,
+            GradDtype::None => 3,
         }
     }
     fn from_code(c: u32) -> Option<Self> {
         match c {
             1 => Some(GradDtype::F32),
             2 => Some(GradDtype::Bf16),
+            3 => Some(GradDtype::None),
             _ => None,
         }
     }
@@ -96,23 +102,87 @@ impl GradRef<'_> {
     }
 }
 
-/// Exclusive access to one unit's record: typed views of its four regions.
+/// Exclusive access to one unit's record: typed views of its regions, valid only while the
+/// guard (and so the record's lock) lives. The views are private so that no slice can escape the
+/// guard's lifetime; borrow them through the accessors.
 #[derive(Debug)]
 pub struct RecordGuard<'a> {
-    /// fp32 master weights.
-    pub master: &'a mut [f32],
-    /// AdamW first moment.
-    pub m: &'a mut [f32],
-    /// AdamW second moment.
-    pub v: &'a mut [f32],
-    /// Gradient buffer (the landed gradient of the last backward).
-    pub grad: GradMut<'a>,
+    master: &'a mut [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    grad: Option<GradMut<'a>>,
+    applied: &'a mut u64,
     _lock: MutexGuard<'a, ()>,
+}
+
+/// Simultaneous views of a record for one optimizer pass: the state it writes and the gradient
+/// it reads.
+#[derive(Debug)]
+pub struct RecordParts<'r> {
+    /// fp32 master weights.
+    pub master: &'r mut [f32],
+    /// AdamW first moment.
+    pub m: &'r mut [f32],
+    /// AdamW second moment.
+    pub v: &'r mut [f32],
+    /// Landed gradient (absent in a store without gradient buffers).
+    pub grad: Option<GradRef<'r>>,
+}
+
+impl RecordGuard<'_> {
+    /// fp32 master weights.
+    pub fn master(&self) -> &[f32] {
+        self.master
+    }
+    /// Mutable fp32 master weights.
+    pub fn master_mut(&mut self) -> &mut [f32] {
+        self.master
+    }
+    /// AdamW first moment.
+    pub fn m(&self) -> &[f32] {
+        self.m
+    }
+    /// AdamW second moment.
+    pub fn v(&self) -> &[f32] {
+        self.v
+    }
+    /// Landed gradient, if the store keeps gradient buffers.
+    pub fn grad(&self) -> Option<GradRef<'_>> {
+        self.grad.as_ref().map(GradMut::as_ref)
+    }
+    /// Mutable gradient buffer, if the store keeps one. The slice is reborrowed for the guard's
+    /// borrow only, so it cannot be swapped out and kept past the lock.
+    pub fn grad_mut(&mut self) -> Option<GradMut<'_>> {
+        match &mut self.grad {
+            Some(GradMut::F32(g)) => Some(GradMut::F32(g)),
+            Some(GradMut::Bf16(g)) => Some(GradMut::Bf16(g)),
+            None => None,
+        }
+    }
+    /// Master, moments (mutable) and gradient (shared) at once, for a fused optimizer pass.
+    pub fn parts(&mut self) -> RecordParts<'_> {
+        RecordParts {
+            master: self.master,
+            m: self.m,
+            v: self.v,
+            grad: self.grad.as_ref().map(GradMut::as_ref),
+        }
+    }
+    /// Number of optimizer updates applied to this unit so far (kept in the record, under its
+    /// lock, so an update interrupted by an error is never applied twice).
+    pub fn applied_step(&self) -> u64 {
+        *self.applied
+    }
+    /// Records that the update of optimizer step `t` has been applied to this unit.
+    pub fn set_applied_step(&mut self, t: u64) {
+        *self.applied = t;
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
 struct RecordLoc {
-    /// Byte offset of the record in the arena.
+    /// Byte offset of the record in the arena: a metadata page (applied-update counter), then
+    /// the regions.
     base: usize,
     /// Elements per region.
     len: usize,
@@ -122,7 +192,7 @@ struct RecordLoc {
 
 impl RecordLoc {
     fn bytes(&self, grad: GradDtype) -> usize {
-        3 * self.f32_region + round_page(self.len * grad.size())
+        PAGE + 3 * self.f32_region + round_page(self.len * grad.size())
     }
 }
 
@@ -315,26 +385,34 @@ impl HostStore {
     }
 
     /// Locks one unit's record for exclusive access.
+    ///
+    /// # Panics
+    /// If `u` is not a unit of the store's layout (units come from the layout, never from user
+    /// input; names from users go through [`ModelLayout::resolve`]).
     pub fn record(&self, u: Unit) -> RecordGuard<'_> {
         let idx = u.index();
+        assert!(idx < self.records.len(), "{u:?} is not a unit of this store ({} units)", self.records.len());
         let lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
         let loc = self.records[idx];
         let n = loc.len;
         // SAFETY: `loc` was planned inside the mapping (`plan` sums every region into
-        // `total_len`, the mapping's size); its four regions are disjoint, page-aligned (so the
-        // f32/bf16 casts are aligned), and disjoint from every other record and the header.
-        // The record's mutex, held by the returned guard, makes these the only references.
+        // `total_len`, the mapping's size); its metadata page and regions are disjoint,
+        // page-aligned (so the u64/f32/bf16 casts are aligned), and disjoint from every other
+        // record and the header. The record's mutex, held by the returned guard, makes these the
+        // only references, and the guard's fields are private so none outlives the lock.
         unsafe {
             let at = |o: usize| self.base.add(loc.base + o);
-            let master = std::slice::from_raw_parts_mut(at(0).cast::<f32>(), n);
-            let m = std::slice::from_raw_parts_mut(at(loc.f32_region).cast::<f32>(), n);
-            let v = std::slice::from_raw_parts_mut(at(2 * loc.f32_region).cast::<f32>(), n);
-            let g = at(3 * loc.f32_region);
+            let applied = &mut *at(0).cast::<u64>();
+            let master = std::slice::from_raw_parts_mut(at(PAGE).cast::<f32>(), n);
+            let m = std::slice::from_raw_parts_mut(at(PAGE + loc.f32_region).cast::<f32>(), n);
+            let v = std::slice::from_raw_parts_mut(at(PAGE + 2 * loc.f32_region).cast::<f32>(), n);
+            let g = at(PAGE + 3 * loc.f32_region);
             let grad = match self.grad {
-                GradDtype::F32 => GradMut::F32(std::slice::from_raw_parts_mut(g.cast::<f32>(), n)),
-                GradDtype::Bf16 => GradMut::Bf16(std::slice::from_raw_parts_mut(g.cast::<bf16>(), n)),
+                GradDtype::F32 => Some(GradMut::F32(std::slice::from_raw_parts_mut(g.cast::<f32>(), n))),
+                GradDtype::Bf16 => Some(GradMut::Bf16(std::slice::from_raw_parts_mut(g.cast::<bf16>(), n))),
+                GradDtype::None => None,
             };
-            RecordGuard { master, m, v, grad, _lock: lock }
+            RecordGuard { master, m, v, grad, applied, _lock: lock }
         }
     }
 
@@ -348,11 +426,12 @@ impl HostStore {
                 found: vec![data.len()],
             });
         }
-        let r = self.record(u);
+        let mut r = self.record(u);
         let range = spec.offset..spec.offset + data.len();
-        r.master[range.clone()].copy_from_slice(data);
-        r.m[range.clone()].fill(0.0);
-        r.v[range].fill(0.0);
+        let p = r.parts();
+        p.master[range.clone()].copy_from_slice(data);
+        p.m[range.clone()].fill(0.0);
+        p.v[range].fill(0.0);
         Ok(())
     }
 
@@ -360,14 +439,18 @@ impl HostStore {
     pub fn read_param(&self, hf_name: &str) -> Result<Vec<f32>> {
         let (u, spec) = self.layout.resolve(hf_name)?;
         let r = self.record(u);
-        Ok(r.master[spec.offset..spec.offset + spec.numel()].to_vec())
+        Ok(r.master()[spec.offset..spec.offset + spec.numel()].to_vec())
     }
 
     /// Reads a parameter's landed gradient (by HF name), widened to f32.
     pub fn read_grad(&self, hf_name: &str) -> Result<Vec<f32>> {
         let (u, spec) = self.layout.resolve(hf_name)?;
         let r = self.record(u);
-        Ok(r.grad.as_ref().to_f32(spec.offset, spec.numel()))
+        let g = r.grad().ok_or_else(|| Error::Store {
+            path: self.path.clone().unwrap_or_else(|| PathBuf::from("<anonymous store>")),
+            msg: "this store keeps no gradient buffers (lean mode, 12 B/param)".into(),
+        })?;
+        Ok(g.to_f32(spec.offset, spec.numel()))
     }
 
     /// Flushes a file-backed store to disk (no-op for anonymous stores).

@@ -6,10 +6,12 @@
 //! [`mt_core::UnitLayout`]:
 //!
 //! ```text
-//! [ header page ][ unit 0: master f32 | m f32 | v f32 | grad (f32|bf16) ][ unit 1: ... ] ...
+//! [ header page ][ unit 0: meta page | master f32 | m f32 | v f32 | grad (f32|bf16|none) ][ unit 1: ... ]
 //! ```
 //!
-//! Exact mode keeps a bf16 gradient buffer: 4 + 4 + 4 + 2 = 14 bytes per parameter.
+//! Exact mode keeps a bf16 gradient buffer: 4 + 4 + 4 + 2 = 14 bytes per parameter; lean mode
+//! keeps none: 12. A record's meta page holds the number of optimizer updates applied to the
+//! unit, so an update is applied exactly once even if a step fails half-way and is retried.
 //!
 //! Architecture Invariant: the store knows nothing about devices, streams or tensors. It hands
 //! out typed views of records under a per-record lock; ordering between records is the
@@ -21,7 +23,7 @@ mod arena;
 mod header;
 mod staging;
 
-pub use arena::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, StoreState};
+pub use arena::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, RecordParts, StoreState};
 pub use staging::{Staging, UploadDtype};
 
 /// Size of a page; every record region starts on a page boundary (DMA-friendly).
