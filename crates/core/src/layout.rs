@@ -2,6 +2,7 @@
 //! shapes and element offsets of its tensors inside one flat record. Host store records, device
 //! slots and gradient buffers all share this layout, so binding is a matter of making views.
 
+use crate::names::*;
 use crate::{Arch, Error, ModelConfig, Result};
 
 /// Every tensor in a flat record starts at a multiple of this many elements (256 bytes in f32),
@@ -79,16 +80,6 @@ impl Unit {
     }
 }
 
-/// Names of the outer unit's tensors (HF names).
-pub mod outer_names {
-    /// Token embedding `[vocab, hidden]`.
-    pub const EMBED: &str = "model.embed_tokens.weight";
-    /// Final RMSNorm `[hidden]`.
-    pub const NORM: &str = "model.norm.weight";
-    /// LM head `[vocab, hidden]` (absent when tied).
-    pub const LM_HEAD: &str = "lm_head.weight";
-}
-
 /// The layouts of every unit of a model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelLayout {
@@ -105,38 +96,37 @@ impl ModelLayout {
     pub fn new(cfg: &ModelConfig) -> Self {
         let (h, v, f) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
         let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let mut outer =
-            vec![(outer_names::EMBED.to_owned(), vec![v, h]), (outer_names::NORM.to_owned(), vec![h])];
+        let mut outer = vec![(EMBED.to_owned(), vec![v, h]), (FINAL_NORM.to_owned(), vec![h])];
         if !cfg.tie_word_embeddings {
-            outer.push((outer_names::LM_HEAD.to_owned(), vec![v, h]));
+            outer.push((LM_HEAD.to_owned(), vec![v, h]));
         }
         let mut layer: Vec<(String, Vec<usize>)> = Vec::new();
         let mut p = |n: &str, s: Vec<usize>| layer.push((n.to_owned(), s));
-        p("input_layernorm.weight", vec![h]);
-        p("self_attn.q_proj.weight", vec![q, h]);
+        p(INPUT_NORM, vec![h]);
+        p(Q, vec![q, h]);
         if cfg.qkv_bias {
-            p("self_attn.q_proj.bias", vec![q]);
+            p(Q_BIAS, vec![q]);
         }
-        p("self_attn.k_proj.weight", vec![kv, h]);
+        p(K, vec![kv, h]);
         if cfg.qkv_bias {
-            p("self_attn.k_proj.bias", vec![kv]);
+            p(K_BIAS, vec![kv]);
         }
-        p("self_attn.v_proj.weight", vec![kv, h]);
+        p(V, vec![kv, h]);
         if cfg.qkv_bias {
-            p("self_attn.v_proj.bias", vec![kv]);
+            p(V_BIAS, vec![kv]);
         }
-        p("self_attn.o_proj.weight", vec![h, q]);
+        p(O, vec![h, q]);
         if cfg.o_bias {
-            p("self_attn.o_proj.bias", vec![h]);
+            p(O_BIAS, vec![h]);
         }
         if cfg.qk_norm {
-            p("self_attn.q_norm.weight", vec![hd]);
-            p("self_attn.k_norm.weight", vec![hd]);
+            p(Q_NORM, vec![hd]);
+            p(K_NORM, vec![hd]);
         }
-        p("post_attention_layernorm.weight", vec![h]);
-        p("mlp.gate_proj.weight", vec![f, h]);
-        p("mlp.up_proj.weight", vec![f, h]);
-        p("mlp.down_proj.weight", vec![h, f]);
+        p(POST_NORM, vec![h]);
+        p(GATE, vec![f, h]);
+        p(UP, vec![f, h]);
+        p(DOWN, vec![h, f]);
         debug_assert!(cfg.arch == Arch::Qwen3 || !cfg.qk_norm);
         ModelLayout {
             outer: UnitLayout::build(outer),

@@ -9,7 +9,8 @@
 mod config;
 mod error;
 mod layout;
+pub mod names;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use layout::{outer_names, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};
+pub use layout::{ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};

@@ -1,0 +1,40 @@
+//! Names of the tensors of a decoder layer and of the outer unit, as in the layout table
+//! (Hugging Face names, without the `model.layers.{i}.` prefix for layers). The one place these
+//! strings are spelled.
+
+/// `input_layernorm.weight` `[h]`.
+pub const INPUT_NORM: &str = "input_layernorm.weight";
+/// `self_attn.q_proj.weight` `[nh * hd, h]`.
+pub const Q: &str = "self_attn.q_proj.weight";
+/// `self_attn.q_proj.bias` `[nh * hd]`.
+pub const Q_BIAS: &str = "self_attn.q_proj.bias";
+/// `self_attn.k_proj.weight` `[nkv * hd, h]`.
+pub const K: &str = "self_attn.k_proj.weight";
+/// `self_attn.k_proj.bias` `[nkv * hd]`.
+pub const K_BIAS: &str = "self_attn.k_proj.bias";
+/// `self_attn.v_proj.weight` `[nkv * hd, h]`.
+pub const V: &str = "self_attn.v_proj.weight";
+/// `self_attn.v_proj.bias` `[nkv * hd]`.
+pub const V_BIAS: &str = "self_attn.v_proj.bias";
+/// `self_attn.o_proj.weight` `[h, nh * hd]`.
+pub const O: &str = "self_attn.o_proj.weight";
+/// `self_attn.o_proj.bias` `[h]`.
+pub const O_BIAS: &str = "self_attn.o_proj.bias";
+/// `self_attn.q_norm.weight` `[hd]` (Qwen3).
+pub const Q_NORM: &str = "self_attn.q_norm.weight";
+/// `self_attn.k_norm.weight` `[hd]` (Qwen3).
+pub const K_NORM: &str = "self_attn.k_norm.weight";
+/// `post_attention_layernorm.weight` `[h]`.
+pub const POST_NORM: &str = "post_attention_layernorm.weight";
+/// `mlp.gate_proj.weight` `[f, h]`.
+pub const GATE: &str = "mlp.gate_proj.weight";
+/// `mlp.up_proj.weight` `[f, h]`.
+pub const UP: &str = "mlp.up_proj.weight";
+/// `mlp.down_proj.weight` `[h, f]`.
+pub const DOWN: &str = "mlp.down_proj.weight";
+/// `model.embed_tokens.weight` `[V, h]`.
+pub const EMBED: &str = "model.embed_tokens.weight";
+/// `model.norm.weight` `[h]`.
+pub const FINAL_NORM: &str = "model.norm.weight";
+/// `lm_head.weight` `[V, h]` (absent when the embeddings are tied).
+pub const LM_HEAD: &str = "lm_head.weight";
