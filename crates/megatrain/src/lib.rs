@@ -1,1 +1,28 @@
-//! placeholder
+//! The `megatrain` command line as a library: option parsing ([`cli`]), training data
+//! ([`data`]), seeded initialisation ([`init`]), the learning-rate schedule ([`schedule`]), the
+//! training loop ([`train`]), the JSON Lines metrics log ([`metrics`]) and what the user sees
+//! ([`report`]). `src/main.rs` only parses, sets up logging and calls [`run`].
+//!
+//! Architecture Invariant: this is the only crate that prints to the terminal, and the only one
+//! that uses `anyhow`; everything below it returns typed errors and logs through `tracing`.
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod data;
+pub mod init;
+pub mod metrics;
+pub mod report;
+pub mod schedule;
+pub mod train;
+
+pub use cli::{Cli, Command, TrainArgs};
+pub use report::TrainSummary;
+pub use train::train;
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Train(args) => train(&args)?.print(),
+    }
+    Ok(())
+}

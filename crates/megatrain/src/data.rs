@@ -1,0 +1,164 @@
+//! Training data: the built-in corpus with its byte tokenizer, the synthetic arithmetic
+//! sequences, and the deterministic sampler that turns (seed, step) into a [`Batch`].
+//!
+//! Every sequence is a window of `seq + 1` tokens: the first `seq` are the inputs and the last
+//! `seq` the targets (next token at every position, the last position predicting the token after
+//! the window), so no position is masked. The batch of global step `k` depends only on the seed
+//! and `k`, which is what makes a run resumed from a store see the same data as an uninterrupted
+//! one.
+
+use mt_core::{Error, Result};
+use mt_sched::Batch;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::cli::DataKind;
+
+/// The built-in training text (original prose, ASCII).
+pub const CORPUS: &str = include_str!("../data/corpus.txt");
+
+/// Vocabulary size of the byte tokenizer.
+pub const BYTE_VOCAB: usize = 256;
+
+/// Largest stride of the synthetic sequences (strides are drawn from `1..=MAX_STRIDE`).
+pub const MAX_STRIDE: u32 = 3;
+
+/// Byte-level tokenizer: one token per byte, ids 0..256.
+pub fn encode_bytes(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// A source of training batches.
+#[derive(Debug, Clone)]
+pub enum Dataset {
+    /// Windows of a token stream, read cyclically (the end wraps to the beginning).
+    Text {
+        /// Token ids.
+        tokens: Vec<u32>,
+    },
+    /// Sequences `t_i = (a + i * d) mod vocab`, with `a` and `d in 1..=MAX_STRIDE` drawn per
+    /// sequence: after two tokens the rest is determined, so the loss can fall far.
+    Synthetic {
+        /// Vocabulary size (token ids are below it).
+        vocab: u32,
+    },
+}
+
+impl Dataset {
+    /// The dataset for `kind`, checked against the model's vocabulary.
+    pub fn new(kind: DataKind, vocab_size: usize) -> Result<Self> {
+        match kind {
+            DataKind::Builtin => {
+                if vocab_size < BYTE_VOCAB {
+                    return Err(Error::Data(format!(
+                        "the built-in text is tokenised as bytes and needs vocab_size >= {BYTE_VOCAB}, \
+                         but the model's vocab_size is {vocab_size}; use --data synthetic or a larger vocabulary"
+                    )));
+                }
+                Ok(Dataset::Text { tokens: encode_bytes(CORPUS) })
+            }
+            DataKind::Synthetic => {
+                let vocab = u32::try_from(vocab_size).ok().filter(|&v| v >= 2).ok_or_else(|| {
+                    Error::Data(format!("synthetic data needs 2 <= vocab_size < 2^32, found {vocab_size}"))
+                })?;
+                Ok(Dataset::Synthetic { vocab })
+            }
+        }
+    }
+
+    /// The batch of global step `step`: `batch` sequences of `seq` tokens with next-token
+    /// targets. Deterministic in (`seed`, `step`).
+    pub fn batch(&self, seed: u64, step: u64, batch: usize, seq: usize) -> Batch {
+        let mut rng = StdRng::seed_from_u64(step_seed(seed, step));
+        let mut input_ids = Vec::with_capacity(batch * seq);
+        let mut targets = Vec::with_capacity(batch * seq);
+        let mut window = Vec::with_capacity(seq + 1);
+        for _ in 0..batch {
+            window.clear();
+            match self {
+                Dataset::Text { tokens } => {
+                    let start = rng.random_range(0..tokens.len());
+                    window.extend(tokens.iter().cycle().skip(start).take(seq + 1));
+                }
+                Dataset::Synthetic { vocab } => {
+                    let v = u64::from(*vocab);
+                    let a = rng.random_range(0..v);
+                    let d = rng.random_range(1..=u64::from(MAX_STRIDE)) % v;
+                    // Each id is reduced mod `vocab` (a u32), so the cast is lossless.
+                    window.extend((0..=seq as u64).map(|i| ((a + i % v * d) % v) as u32));
+                }
+            }
+            input_ids.extend_from_slice(&window[..seq]);
+            targets.extend(window[1..].iter().map(|&t| i64::from(t)));
+        }
+        Batch { batch, seq, input_ids, targets }
+    }
+}
+
+/// Mixes the run seed and a step index into the seed of that step's sampler (SplitMix64
+/// finaliser), so neighbouring steps get unrelated streams.
+fn step_seed(seed: u64, step: u64) -> u64 {
+    let mut z = seed ^ step.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use mt_core::ModelConfig;
+
+    use super::*;
+
+    #[test]
+    fn the_corpus_is_a_few_kilobytes_of_ascii() {
+        assert!(CORPUS.is_ascii());
+        assert!((3_000..20_000).contains(&CORPUS.len()), "{}", CORPUS.len());
+    }
+
+    #[test]
+    fn targets_are_the_next_token_of_the_window() {
+        let d = Dataset::new(DataKind::Builtin, 256).unwrap();
+        let b = d.batch(3, 7, 4, 16);
+        assert!(b.validate(&ModelConfig::tiny_llama()).is_ok());
+        assert_eq!(b.n_targets(), 4 * 16);
+        for r in 0..4 {
+            let (ids, tg) = (&b.input_ids[r * 16..(r + 1) * 16], &b.targets[r * 16..(r + 1) * 16]);
+            for t in 0..15 {
+                assert_eq!(i64::from(ids[t + 1]), tg[t]);
+            }
+            let text = String::from_utf8(ids.iter().map(|&i| i as u8).collect()).unwrap();
+            assert!(format!("{CORPUS}{CORPUS}").contains(&text), "{text:?} is not a window of the corpus");
+        }
+    }
+
+    #[test]
+    fn batches_depend_only_on_seed_and_step() {
+        for kind in [DataKind::Builtin, DataKind::Synthetic] {
+            let d = Dataset::new(kind, 256).unwrap();
+            assert_eq!(d.batch(1, 5, 3, 8), d.batch(1, 5, 3, 8));
+            assert_ne!(d.batch(1, 5, 3, 8), d.batch(1, 6, 3, 8));
+            assert_ne!(d.batch(1, 5, 3, 8), d.batch(2, 5, 3, 8));
+        }
+    }
+
+    #[test]
+    fn synthetic_sequences_are_arithmetic_mod_vocab() {
+        let d = Dataset::new(DataKind::Synthetic, 7).unwrap();
+        let b = d.batch(0, 0, 5, 20);
+        for r in 0..5 {
+            let w = &b.input_ids[r * 20..(r + 1) * 20];
+            let step = (w[1] + 7 - w[0]) % 7;
+            assert!((1..=MAX_STRIDE).contains(&step), "{w:?}");
+            assert!(w.windows(2).all(|p| (p[1] + 7 - p[0]) % 7 == step), "{w:?}");
+            assert!(w.iter().all(|&t| t < 7));
+        }
+    }
+
+    #[test]
+    fn bytes_need_a_byte_vocabulary() {
+        let e = Dataset::new(DataKind::Builtin, 100).unwrap_err().to_string();
+        assert!(e.contains("vocab_size") && e.contains("--data synthetic"), "{e}");
+        assert!(Dataset::new(DataKind::Synthetic, 100).is_ok());
+    }
+}

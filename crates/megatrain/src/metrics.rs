@@ -1,0 +1,201 @@
+//! The `--metrics` JSON Lines log: its schema and its writer.
+//!
+//! One JSON object per line, appended to the file (a resumed run adds to the same log). Each
+//! invocation writes one `run` record, then one `step` record per optimizer step. Units are in the
+//! field names. Schema version [`SCHEMA_VERSION`]:
+//!
+//! `{"type": "run", ...}`
+//! - `schema_version` (1), `megatrain_version`, `machine` (`os`, `arch`, `cpus`)
+//! - `model`: `source` (config path or `"builtin:tiny_llama"`), `arch`, `vocab_size`,
+//!   `hidden_size`, `intermediate_size`, `num_hidden_layers`, `num_attention_heads`,
+//!   `num_key_value_heads`, `head_dim`, `max_position_embeddings`, `tie_word_embeddings`
+//! - `options`: every `megatrain train` option as given (defaults filled in)
+//! - `n_params`, `start_step`, `resumed`, `tokens_per_step`
+//! - `store_bytes`, `store_bytes_per_param`, `store_path` (null for an anonymous store)
+//! - `model_flops_per_step` and `flops_formula`: `6*N*T + 12*L*q_dim*S*T` (N parameters, T
+//!   tokens per step, L layers, S sequence length; recompute not counted, causal mask ignored)
+//!
+//! `{"type": "step", ...}`
+//! - `step`: global step number after this step (1-based); `loss` (mean cross-entropy over the
+//!   step's targets, nats, f64 written in shortest round-trip form: equal strings = equal bits);
+//!   `lr` (the rate of this step's gradient); `grad_norm` (global L2 norm before clipping)
+//! - `tokens`, `step_ms`, `tokens_per_s`, `h2d_bytes`, `d2h_bytes`
+//! - per stream `S` in `host`, `h2d`, `compute`, `d2h`: `S_busy_frac` (busy time / step time) and
+//!   `S_max_gap_ms` (longest idle gap between two of its operations)
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use clap::ValueEnum;
+use mt_core::{Error, ModelConfig, Result};
+use mt_sched::program::Stream;
+use mt_sched::stats::StreamStats;
+use mt_sched::StepReport;
+use mt_store::HostStore;
+use serde_json::{json, Map, Value};
+
+use crate::cli::TrainArgs;
+
+/// Version of the record layout above; bump on any incompatible change.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Short name of a stream, as used in field names and the summary.
+pub fn stream_name(s: Stream) -> &'static str {
+    match s {
+        Stream::Host => "host",
+        Stream::H2D => "h2d",
+        Stream::Compute => "compute",
+        Stream::D2H => "d2h",
+    }
+}
+
+/// An open metrics log.
+#[derive(Debug)]
+pub struct MetricsLog {
+    out: BufWriter<File>,
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    /// Opens `path` for appending, creating it if missing.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|source| Error::Io { path: path.to_owned(), source })?;
+        Ok(MetricsLog { out: BufWriter::new(file), path: path.to_owned() })
+    }
+
+    /// Appends one record as a line and flushes it (a crashed run leaves a readable log).
+    pub fn write(&mut self, record: &Value) -> Result<()> {
+        let io = |source| Error::Io { path: self.path.clone(), source };
+        serde_json::to_writer(&mut self.out, record)
+            .map_err(|e| Error::Io { path: self.path.clone(), source: e.into() })?;
+        self.out.write_all(b"\n").map_err(io)?;
+        self.out.flush().map_err(io)
+    }
+}
+
+/// What the `run` record describes.
+#[derive(Debug)]
+pub struct RunInfo<'a> {
+    /// The options of this invocation.
+    pub args: &'a TrainArgs,
+    /// The model.
+    pub cfg: &'a ModelConfig,
+    /// Where the model came from (config path or `builtin:tiny_llama`).
+    pub source: &'a str,
+    /// The host store.
+    pub store: &'a HostStore,
+    /// Global step this invocation starts at (steps already in the store).
+    pub start_step: u64,
+    /// Whether training continues an existing store.
+    pub resumed: bool,
+}
+
+/// Model FLOPs of one step: `6*N*T + 12*L*q_dim*S*T` (see the module docs).
+pub fn model_flops_per_step(cfg: &ModelConfig, n_params: usize, batch: usize, seq: usize) -> f64 {
+    let t = (batch * seq) as f64;
+    let attn = 12.0 * cfg.num_hidden_layers as f64 * cfg.q_dim() as f64 * seq as f64;
+    6.0 * n_params as f64 * t + attn * t
+}
+
+fn name_of<E: ValueEnum>(e: &E) -> Value {
+    e.to_possible_value().map_or(Value::Null, |v| json!(v.get_name()))
+}
+
+/// The `run` record that opens an invocation's part of the log.
+pub fn run_record(info: &RunInfo<'_>) -> Value {
+    let (a, c) = (info.args, info.cfg);
+    let n_params = info.store.layout().n_params();
+    json!({
+        "type": "run",
+        "schema_version": SCHEMA_VERSION,
+        "megatrain_version": env!("CARGO_PKG_VERSION"),
+        "machine": {
+            "os": std::env::consts::OS,
+            "arch": std::env::consts::ARCH,
+            "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        },
+        "model": {
+            "source": info.source,
+            "arch": format!("{:?}", c.arch).to_lowercase(),
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "max_position_embeddings": c.max_position_embeddings,
+            "tie_word_embeddings": c.tie_word_embeddings,
+        },
+        "options": {
+            "config": a.config,
+            "data": name_of(&a.data),
+            "steps": a.steps,
+            "batch_size": a.batch_size,
+            "seq_len": a.seq_len,
+            "chunks": a.chunks,
+            "lr": a.lr,
+            "weight_decay": a.weight_decay,
+            "clip": a.clip,
+            "warmup": a.warmup,
+            "schedule": name_of(&a.schedule),
+            "schedule_steps": a.schedule_steps,
+            "seed": a.seed,
+            "ring_depth": a.ring_depth,
+            "optim_mode": name_of(&a.optim_mode),
+            "precision": name_of(&a.precision),
+            "device": name_of(&a.device),
+            "store": a.store,
+            "grad_dtype": name_of(&a.grad_dtype),
+            "delay_us": a.delay_us,
+        },
+        "n_params": n_params,
+        "start_step": info.start_step,
+        "resumed": info.resumed,
+        "tokens_per_step": a.batch_size * a.seq_len,
+        "store_bytes": info.store.bytes(),
+        "store_bytes_per_param": info.store.bytes_per_param(),
+        "store_path": info.store.path(),
+        "model_flops_per_step": model_flops_per_step(c, n_params, a.batch_size, a.seq_len),
+        "flops_formula": "6*N*T + 12*L*q_dim*S*T",
+    })
+}
+
+/// The `step` record of global step `step` (1-based), trained at learning rate `lr`.
+pub fn step_record(step: u64, lr: f64, r: &StepReport) -> Value {
+    let mut m = Map::new();
+    m.insert("type".into(), json!("step"));
+    m.insert("step".into(), json!(step));
+    m.insert("loss".into(), json!(r.loss));
+    m.insert("lr".into(), json!(lr));
+    m.insert("grad_norm".into(), json!(r.grad_norm));
+    m.insert("tokens".into(), json!(r.n_tokens));
+    m.insert("step_ms".into(), json!(r.step_s * 1e3));
+    m.insert("tokens_per_s".into(), json!(tokens_per_s(r)));
+    m.insert("h2d_bytes".into(), json!(r.h2d_bytes));
+    m.insert("d2h_bytes".into(), json!(r.d2h_bytes));
+    for s in &r.streams {
+        add_stream(&mut m, s);
+    }
+    Value::Object(m)
+}
+
+fn add_stream(m: &mut Map<String, Value>, s: &StreamStats) {
+    let name = stream_name(s.stream);
+    m.insert(format!("{name}_busy_frac"), json!(s.busy_frac));
+    m.insert(format!("{name}_max_gap_ms"), json!(s.max_gap_s * 1e3));
+}
+
+/// Tokens per second of one step (0 when the step took no measurable time).
+pub fn tokens_per_s(r: &StepReport) -> f64 {
+    if r.step_s > 0.0 {
+        r.n_tokens as f64 / r.step_s
+    } else {
+        0.0
+    }
+}
