@@ -24,7 +24,7 @@ pub const BUILTIN_MODEL: &str = "builtin:tiny_llama";
 /// Runs `megatrain train`; progress and log lines go to the terminal, the summary is returned.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     let t0 = Instant::now();
-    if args.device == DeviceKind::Cuda {
+    if args.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
         bail!("--device cuda: this megatrain was built without the cuda feature; use --device cpu");
     }
     let (cfg, source) = match &args.config {
@@ -44,7 +44,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     if !resumed {
         init_store(&store, args.seed).context("initialising the model")?;
     }
-    let mut engine = Engine::new(&cfg, Arc::clone(&store), backend(args), engine_options(args))?;
+    let mut engine = Engine::new(&cfg, Arc::clone(&store), backend(args)?, engine_options(args))?;
     // A store left by a crashed exact-mode run may hold a complete step's gradients whose
     // update was never applied; applying it now is bitwise what the next step would do.
     engine.flush_pending()?;
@@ -170,8 +170,15 @@ fn open_store(args: &TrainArgs, layout: &ModelLayout) -> Result<(HostStore, bool
     }
 }
 
-fn backend(args: &TrainArgs) -> CpuBackend {
-    CpuBackend::new(CpuOptions::uniform(args.delay_us, args.seed))
+/// The backend for `--device`. On CUDA this is the threaded backend over candle's CUDA device:
+/// correct, but its copies do not overlap compute yet (see `mt_sched::cpu`).
+fn backend(args: &TrainArgs) -> Result<CpuBackend> {
+    let opts = CpuOptions::uniform(args.delay_us, args.seed);
+    let device = match args.device {
+        DeviceKind::Cpu => candle_core::Device::Cpu,
+        DeviceKind::Cuda => candle_core::Device::new_cuda(0).context("--device cuda: cannot open GPU 0")?,
+    };
+    Ok(CpuBackend::on_device(device, opts))
 }
 
 fn engine_options(args: &TrainArgs) -> EngineOptions {

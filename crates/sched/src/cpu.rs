@@ -2,6 +2,12 @@
 //! worker threads that run their jobs in order, each after its events. An optional random delay
 //! before every worker job shakes the timing so that a missing wait shows up in tests as a wrong
 //! gradient instead of passing by luck.
+//!
+//! The same backend also runs over candle's CUDA device ([`CpuBackend::on_device`], `cuda`
+//! feature): every copy and kernel is then enqueued on candle's one CUDA stream, in the order the
+//! waits allow, so results are correct but copies do not overlap compute. It exists to check the
+//! GPU numerics against the CPU engine; the overlapped backend (dedicated cudarc streams, events,
+//! page-locked staging) is separate work.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -146,8 +152,13 @@ fn stream_name(s: Stream) -> &'static str {
 }
 
 impl CpuBackend {
-    /// Starts the worker threads.
+    /// Starts the worker threads; tensors live on the CPU.
     pub fn new(opts: CpuOptions) -> Self {
+        Self::on_device(Device::Cpu, opts)
+    }
+
+    /// Starts the worker threads; tensors (slots, gradient buffers, checkpoints) live on `device`.
+    pub fn on_device(device: Device, opts: CpuOptions) -> Self {
         let clock = Arc::new(Clock {
             h2d_bytes: AtomicU64::new(0),
             d2h_bytes: AtomicU64::new(0),
@@ -191,7 +202,7 @@ impl CpuBackend {
                 (stream, Worker { tx: Some(tx), handle: Some(handle) })
             })
             .collect();
-        CpuBackend { device: Device::Cpu, workers, clock }
+        CpuBackend { device, workers, clock }
     }
 
     fn submit(&self, stream: Stream, waits: &[CpuEvent], run: HostJob, name: String) -> CpuEvent {

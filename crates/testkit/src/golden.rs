@@ -22,9 +22,13 @@ pub const GOLDEN_NAMES: [&str; 4] = ["llama_gqa", "llama_tied", "qwen2_bias", "q
 /// Key prefixes of the per-parameter tensors.
 const PARAM_PREFIXES: [&str; 3] = ["param.", "grad.", "step3."];
 
-/// Where the committed fixtures live (`crates/testkit/fixtures/golden`).
+/// Where the committed fixtures live (`crates/testkit/fixtures/golden`), or `$MT_GOLDEN_DIR` if
+/// set (test binaries carried to another machine, where the source tree sits elsewhere).
 pub fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("golden")
+    match std::env::var_os("MT_GOLDEN_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("golden"),
+    }
 }
 
 /// One golden fixture, validated.
