@@ -372,16 +372,6 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Bytes the program plans to move (H2D, D2H): 2 uploads per layer + 1 of the outer unit in
-    /// the weight dtype, 1 fp32 gradient download per unit.
-    pub fn planned_transfer_bytes(&self, program: &Program) -> (u64, u64) {
-        let wsize = self.opts.weight_dtype.size_in_bytes() as u64;
-        let len = |u: Unit| self.layout.unit(u).len as u64;
-        let h2d = program.uploads().map(|u| len(u) * wsize).sum();
-        let d2h = program.downloads().map(|u| len(u) * 4).sum();
-        (h2d, d2h)
-    }
-
     fn execute(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
         let mut events: Vec<B::Event> = Vec::with_capacity(program.instrs.len());
         let mut loss = 0.0;

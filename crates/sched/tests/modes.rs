@@ -160,10 +160,16 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
             let opts = EngineOptions { weight_dtype: dtype, n_chunks: chunks, ..golden_opts() };
             let mut e = engine(&cfg, store, opts, 0);
             let (input_ids, targets) = random_batch(&cfg, batch, 8, 1, 0.0);
-            let r = e.step(&Batch { batch, seq: 8, input_ids, targets }, 1e-3).unwrap();
+            let mut planned = (0, 0);
+            let r = e
+                .step_with(&Batch { batch, seq: 8, input_ids, targets }, 1e-3, |p| {
+                    planned = (p.uploads().count(), p.downloads().count())
+                })
+                .unwrap();
             let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
             assert_eq!(r.h2d_bytes, (2 * n * l + o) * size, "{dtype:?}, batch {batch}");
             assert_eq!(r.d2h_bytes, (n * l + o) * 4, "{dtype:?}, batch {batch}");
+            assert_eq!(planned, (2 * n as usize + 1, n as usize + 1), "the program plans what was copied");
         }
     }
 }

@@ -83,8 +83,3 @@ pub fn grads_of(store: &HostStore) -> BTreeMap<String, Tensor> {
 pub fn golden_batch(g: &Golden) -> Batch {
     Batch { batch: g.batch, seq: g.seq, input_ids: g.input_ids.clone(), targets: g.targets.clone() }
 }
-
-/// Prefixes every key (to compare maps of differently named tensors).
-pub fn strip(map: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
-    map.clone()
-}
