@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
-use mt_store::Staging;
+use mt_store::{HostVec, Staging};
 
 use crate::program::Stream;
 use crate::Result;
@@ -52,12 +52,21 @@ pub trait Backend {
         &self,
         waits: &[Self::Event],
         src: Tensor,
-        dst: Arc<Mutex<Vec<f32>>>,
+        dst: Arc<Mutex<HostVec<f32>>>,
         name: String,
     ) -> Self::Event;
 
     /// Host stream: run a CPU job after `waits`.
     fn host(&self, waits: &[Self::Event], job: HostJob, name: String) -> Self::Event;
+
+    /// Whether staging and landing buffers should be page-locked ([`HostVec::pin`]) once at
+    /// start (true for a real GPU: asynchronous DMA needs it).
+    fn pins_host_buffers(&self) -> bool {
+        false
+    }
+
+    /// Marks the start of a compute operation (the CUDA backend records a timing event).
+    fn compute_begin(&self) {}
 
     /// Make the compute stream wait for `waits` (surfacing their errors).
     fn compute_wait(&self, waits: &[Self::Event]) -> Result<()>;

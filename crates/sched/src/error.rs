@@ -27,6 +27,12 @@ pub enum Error {
         /// What failed.
         msg: String,
     },
+    /// Page-locking a staging or landing buffer failed.
+    #[error(transparent)]
+    Pin(#[from] mt_store::PinError),
+    /// A CUDA driver call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// Invalid engine options.
     #[error("invalid engine options: {0}")]
     Options(String),

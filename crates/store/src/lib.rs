@@ -21,9 +21,11 @@
 
 mod arena;
 mod header;
+mod host_vec;
 mod staging;
 
 pub use arena::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, RecordParts, StoreState};
+pub use host_vec::{HostVec, PinError};
 pub use staging::{Staging, UploadDtype};
 
 /// Size of a page; every record region starts on a page boundary (DMA-friendly).

@@ -6,6 +6,8 @@
 
 use half::{bf16, f16};
 
+use crate::host_vec::{HostVec, PinError};
+
 /// Element type of weights on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UploadDtype {
@@ -31,20 +33,20 @@ impl UploadDtype {
 #[derive(Debug, Clone)]
 pub enum Staging {
     /// fp32 staging.
-    F32(Vec<f32>),
+    F32(HostVec<f32>),
     /// bf16 staging.
-    Bf16(Vec<bf16>),
+    Bf16(HostVec<bf16>),
     /// fp16 staging.
-    F16(Vec<f16>),
+    F16(HostVec<f16>),
 }
 
 impl Staging {
     /// A zeroed buffer of `len` elements.
     pub fn new(dtype: UploadDtype, len: usize) -> Self {
         match dtype {
-            UploadDtype::F32 => Staging::F32(vec![0.0; len]),
-            UploadDtype::Bf16 => Staging::Bf16(vec![bf16::ZERO; len]),
-            UploadDtype::F16 => Staging::F16(vec![f16::ZERO; len]),
+            UploadDtype::F32 => Staging::F32(HostVec::zeroed(len)),
+            UploadDtype::Bf16 => Staging::Bf16(HostVec::zeroed(len)),
+            UploadDtype::F16 => Staging::F16(HostVec::zeroed(len)),
         }
     }
 
@@ -69,5 +71,23 @@ impl Staging {
     /// Whether the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Page-locks the buffer (CUDA; see [`HostVec::pin`]).
+    pub fn pin(&mut self) -> Result<(), PinError> {
+        match self {
+            Staging::F32(b) => b.pin(),
+            Staging::Bf16(b) => b.pin(),
+            Staging::F16(b) => b.pin(),
+        }
+    }
+
+    /// The raw bytes (what an upload copies).
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Staging::F32(b) => bytemuck::cast_slice(b),
+            Staging::Bf16(b) => bytemuck::cast_slice(b),
+            Staging::F16(b) => bytemuck::cast_slice(b),
+        }
     }
 }

@@ -1,0 +1,161 @@
+//! The CUDA driver calls the overlapped backend needs that have no safe wrapper: asynchronous
+//! copies between page-locked host rings and device buffers, the allocator's release threshold,
+//! and turning off cudarc's per-buffer event tracking (the step program orders every access).
+//!
+//! This is the only module of mt-sched with `unsafe`; each call says why it is sound.
+//!
+//! Module invariant the copy functions rely on (the caller, `cuda.rs`, keeps it by executing a
+//! validated step `Program`): a staging buffer is not written until the upload reading it has
+//! completed (Stage waits for that upload's CUDA event); a landing buffer is not read until the
+//! download writing it has completed (Land waits for it); every buffer outlives its copies (the
+//! backend drains all streams at the end of each step and before it is dropped).
+
+use std::sync::Mutex;
+
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Storage, Tensor};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DevicePtr};
+use half::{bf16, f16};
+use mt_store::{HostVec, Staging};
+
+use crate::{Error, Result};
+
+fn check(what: &str, r: sys::CUresult) -> Result<()> {
+    if r == sys::cudaError_enum::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!("{what}: {r:?}")))
+    }
+}
+
+/// Turns off cudarc's automatic cross-stream event tracking for buffers allocated from now on.
+/// Must be called before the pool allocates anything.
+pub(crate) fn disable_event_tracking(dev: &CudaDevice) {
+    // SAFETY: from here on the step program orders every cross-stream access (uploads wait for the
+    // last compute reader of a slot, downloads wait for the backward that wrote the buffer, compute
+    // waits for its upload), pool buffers are allocated before any copy touches them and the
+    // engine synchronises after allocating them, and every stream is drained before a buffer is
+    // freed (CudaBackend's Drop and the end of every step).
+    unsafe { dev.disable_event_tracking() }
+}
+
+/// Keeps memory freed by stream-ordered frees in the device's default pool instead of returning
+/// it to the driver at every synchronisation (the equivalent of a caching allocator).
+pub(crate) fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: pool is a valid out-pointer; the device handle comes from a live context.
+    check("cuDeviceGetDefaultMemPool", unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+    })?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: RELEASE_THRESHOLD takes a pointer to a u64, which lives across the call.
+    check("cuMemPoolSetAttribute(RELEASE_THRESHOLD)", unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    })
+}
+
+// The original (pre-12.8) entry point: every driver since CUDA 2 exports it for old binaries,
+// while cudarc's CUDA-13 bindings only name `cuEventElapsedTime_v2`, which the Debian libcuda
+// this project links against at build time (535) lacks.
+#[link(name = "cuda")]
+extern "C" {
+    fn cuEventElapsedTime(ms: *mut f32, start: sys::CUevent, end: sys::CUevent) -> sys::CUresult;
+}
+
+/// Milliseconds between two completed timing events. Calls `cuEventElapsedTime` (not cudarc's
+/// `_v2` spelling, which the build machine's libcuda lacks; the GPU machine's driver has both).
+pub(crate) fn elapsed_ms(start: &CudaEvent, end: &CudaEvent) -> Result<f32> {
+    let mut ms = 0f32;
+    // SAFETY: both handles are live events owned by the CudaEvent values; ms is a valid
+    // out-pointer for the duration of the call.
+    let r = unsafe { cuEventElapsedTime(&mut ms, start.cu_event(), end.cu_event()) };
+    check("cuEventElapsedTime", r)?;
+    Ok(ms)
+}
+
+/// Enqueues a copy of `src` into device memory at `dst` on `stream`.
+///
+/// # Safety
+/// `dst` must point to at least `src.len()` bytes of live device memory; `src` must stay alive and
+/// unmodified until the copy has completed on `stream` (the caller orders that with events).
+unsafe fn htod_async(dst: sys::CUdeviceptr, src: &[u8], stream: &CudaStream) -> Result<()> {
+    // SAFETY: forwarded to the caller's contract above.
+    unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+        .map_err(|e| Error::Cuda(format!("cuMemcpyHtoDAsync of {} bytes: {e}", src.len())))
+}
+
+/// Enqueues a copy of `bytes` bytes of device memory at `src` into host memory at `dst`.
+///
+/// # Safety
+/// `dst` must point to `bytes` bytes of live host memory that nothing else reads or writes until
+/// the copy has completed on `stream`; `src` must point to at least `bytes` bytes of live device
+/// memory.
+unsafe fn dtoh_async(dst: *mut u8, bytes: usize, src: sys::CUdeviceptr, stream: &CudaStream) -> Result<()> {
+    // SAFETY: forwarded to the caller's contract above.
+    let r = unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream.cu_stream()) };
+    check(&format!("cuMemcpyDtoHAsync of {bytes} bytes"), r)
+}
+
+/// Device address and size in bytes of a whole, contiguous CUDA tensor.
+fn device_ptr(t: &Tensor, stream: &CudaStream) -> Result<(sys::CUdeviceptr, usize)> {
+    let (storage, layout) = t.storage_and_layout();
+    if !layout.is_contiguous() || layout.start_offset() != 0 {
+        return Err(Error::Cuda("a transfer buffer must be a whole contiguous tensor".into()));
+    }
+    let Storage::Cuda(cs) = &*storage else {
+        return Err(Error::Cuda("a transfer buffer is not on the CUDA device".into()));
+    };
+    let ptr = match t.dtype() {
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(stream).0,
+        DType::BF16 => cs.as_cuda_slice::<bf16>()?.device_ptr(stream).0,
+        DType::F16 => cs.as_cuda_slice::<f16>()?.device_ptr(stream).0,
+        other => return Err(Error::Cuda(format!("transfer buffers are f32/bf16/f16, not {other:?}"))),
+    };
+    Ok((ptr, t.elem_count() * t.dtype().size_in_bytes()))
+}
+
+/// Enqueues the upload of a page-locked staging buffer into a whole device slot on `stream`;
+/// returns the bytes copied. Sound under the module invariant.
+pub(crate) fn enqueue_upload(staging: &Staging, dst: &Tensor, stream: &CudaStream) -> Result<u64> {
+    let bytes = staging.as_bytes();
+    let (dptr, dbytes) = device_ptr(dst, stream)?;
+    if dst.dtype().size_in_bytes() != staging.dtype().size() || dbytes != bytes.len() {
+        return Err(Error::Cuda(format!(
+            "upload of {} staged bytes ({:?}) into a {dbytes}-byte {:?} slot",
+            bytes.len(),
+            staging.dtype(),
+            dst.dtype()
+        )));
+    }
+    // SAFETY: dptr is the start of dst's whole allocation of dbytes == bytes.len() bytes, kept
+    // alive by `dst` (a pool buffer); the staging buffer stays untouched until the copy completes
+    // and outlives it (module invariant).
+    unsafe { htod_async(dptr, bytes, stream)? };
+    Ok(bytes.len() as u64)
+}
+
+/// Enqueues the download of a whole f32 device gradient buffer into a page-locked landing buffer
+/// on `stream`; returns the bytes copied. Sound under the module invariant.
+pub(crate) fn enqueue_download(src: &Tensor, dst: &Mutex<HostVec<f32>>, stream: &CudaStream) -> Result<u64> {
+    let (sptr, sbytes) = device_ptr(src, stream)?;
+    let mut land = dst.lock().unwrap_or_else(|p| p.into_inner());
+    if src.dtype() != DType::F32 || sbytes != land.len() * 4 {
+        return Err(Error::Cuda(format!(
+            "download of a {sbytes}-byte {:?} gradient into a {}-element f32 landing buffer",
+            src.dtype(),
+            land.len()
+        )));
+    }
+    let dst_ptr = land.as_mut_ptr().cast::<u8>();
+    drop(land);
+    // SAFETY: dst_ptr addresses the landing buffer's sbytes bytes, which nothing reads or writes
+    // until this copy completes and which outlive it (module invariant); sptr is the whole
+    // gradient buffer, alive in the pool.
+    unsafe { dtoh_async(dst_ptr, sbytes, sptr, stream)? };
+    Ok(sbytes as u64)
+}
