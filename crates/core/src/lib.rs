@@ -13,4 +13,4 @@ pub mod names;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use layout::{ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};
+pub use layout::{model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};

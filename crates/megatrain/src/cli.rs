@@ -50,9 +50,19 @@ pub struct TrainArgs {
     pub seq_len: usize,
 
     /// Token chunks per step: the batch runs through each layer in this many groups of
-    /// sequences (gradient accumulation within the step; the gradient is the same to rounding).
-    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
-    pub chunks: usize,
+    /// sequences (gradient accumulation within the step; the gradient is the same to rounding)
+    /// [default: the fewest that fit in device memory, chosen by the planner].
+    #[arg(long, value_parser = at_least_one)]
+    pub chunks: Option<usize>,
+
+    /// Device memory the plan may assume, in GiB [default: the GPU's total memory; on the CPU,
+    /// the available host memory].
+    #[arg(long, value_name = "GIB", value_parser = positive_f64)]
+    pub gpu_mem: Option<f64>,
+
+    /// Host memory the plan may assume, in GiB [default: MemAvailable from /proc/meminfo].
+    #[arg(long, value_name = "GIB", value_parser = positive_f64)]
+    pub host_mem: Option<f64>,
 
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-2, value_parser = non_negative, allow_negative_numbers = true)]
@@ -129,6 +139,17 @@ pub struct TrainArgs {
     /// the schema).
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,
+
+    /// Write a Chrome trace (Trace Event Format; open in Perfetto or chrome://tracing) of one
+    /// step to PATH: every host (CPU optimizer), H2D, compute and D2H operation with its start
+    /// and duration. See the `trace` module docs for the layout.
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
+
+    /// Which step of this invocation --trace records (1-based, at most --steps) [default: 2, or 1
+    /// when --steps is 1: the first step is a warm-up that allocates buffers and starts threads].
+    #[arg(long, value_name = "N", value_parser = at_least_one, requires = "trace")]
+    pub trace_step: Option<usize>,
 }
 
 impl Default for TrainArgs {
@@ -241,6 +262,14 @@ fn non_negative(s: &str) -> Result<f64, String> {
     Ok(x)
 }
 
+fn positive_f64(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
+    if !(x.is_finite() && x > 0.0) {
+        return Err(format!("must be a finite number > 0, found {x}"));
+    }
+    Ok(x)
+}
+
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
@@ -255,7 +284,7 @@ mod tests {
     #[test]
     fn defaults_parse() {
         let a = TrainArgs::default();
-        assert_eq!((a.steps, a.batch_size, a.seq_len, a.chunks), (60, 16, 64, 1));
+        assert_eq!((a.steps, a.batch_size, a.seq_len, a.chunks), (60, 16, 64, None));
         assert!(a.config.is_none() && a.store.is_none());
     }
 

@@ -1,13 +1,19 @@
 //! Seeded, deterministic model initialisation written straight into the host store: matrices
 //! (embeddings, projections, LM head) ~ N(0, 0.02²), norm weights 1, biases 0.
 //!
-//! Each tensor draws from its own generator, seeded from the run seed and the tensor's HF name,
-//! so a tensor's initial value does not depend on which other tensors the model has.
+//! Each tensor draws from its own generators, seeded from the run seed and the tensor's HF name,
+//! so a tensor's initial value does not depend on which other tensors the model has. A tensor is
+//! drawn in blocks of [`INIT_BLOCK`] elements, each with its own generator, in parallel (a 3.6B
+//! model initialises in seconds, not minutes); block 0's generator is the tensor's own seed.
 
 use mt_core::Result;
 use mt_store::HostStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+/// Elements per independently seeded block of a tensor.
+pub const INIT_BLOCK: usize = 1 << 20;
 
 /// Standard deviation of the initial matrices (the `initializer_range` of HF Llama).
 pub const INIT_STD: f64 = 0.02;
@@ -44,8 +50,14 @@ pub fn init_store(store: &HostStore, seed: u64) -> Result<usize> {
             InitKind::Ones => vec![1.0; n],
             InitKind::Zeros => vec![0.0; n],
             InitKind::Normal(std) => {
-                let mut rng = StdRng::seed_from_u64(seed ^ fnv1a(name.as_bytes()));
-                normal_samples(&mut rng, n, std)
+                let base = seed ^ fnv1a(name.as_bytes());
+                let mut data = vec![0f32; n];
+                data.par_chunks_mut(INIT_BLOCK).enumerate().for_each(|(b, out)| {
+                    let mut rng =
+                        StdRng::seed_from_u64(base ^ (b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                    normal_samples(&mut rng, out, std);
+                });
+                data
             }
         };
         store.write_param(name, &data)?;
@@ -53,20 +65,20 @@ pub fn init_store(store: &HostStore, seed: u64) -> Result<usize> {
     Ok(params.len())
 }
 
-/// `n` draws from N(0, std²) by the Box–Muller transform (computed in f64, rounded to f32).
-fn normal_samples(rng: &mut StdRng, n: usize, std: f64) -> Vec<f32> {
-    let mut out = Vec::with_capacity(n + 1);
-    while out.len() < n {
+/// Fills `out` with draws from N(0, std²) by the Box–Muller transform (computed in f64, rounded
+/// to f32).
+fn normal_samples(rng: &mut StdRng, out: &mut [f32], std: f64) {
+    for pair in out.chunks_mut(2) {
         // 1 - u lies in (0, 1], so the logarithm is finite.
         let u1: f64 = 1.0 - rng.random::<f64>();
         let u2: f64 = rng.random::<f64>();
         let r = (-2.0 * u1.ln()).sqrt() * std;
         let theta = std::f64::consts::TAU * u2;
-        out.push((r * theta.cos()) as f32);
-        out.push((r * theta.sin()) as f32);
+        pair[0] = (r * theta.cos()) as f32;
+        if let Some(x) = pair.get_mut(1) {
+            *x = (r * theta.sin()) as f32;
+        }
     }
-    out.truncate(n);
-    out
 }
 
 /// 64-bit FNV-1a: a fixed, portable hash of a tensor name.

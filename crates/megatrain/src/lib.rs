@@ -1,7 +1,8 @@
 //! The `megatrain` command line as a library: option parsing ([`cli`]), training data
 //! ([`data`]), seeded initialisation ([`init`]), the learning-rate schedule ([`schedule`]), the
-//! training loop ([`train`]), the JSON Lines metrics log ([`metrics`]) and what the user sees
-//! ([`report`]). `src/main.rs` only parses, sets up logging and calls [`run`].
+//! training loop ([`train`]), the JSON Lines metrics log ([`metrics`]), the Chrome trace of one
+//! step ([`trace`]) and what the user sees ([`report`]). `src/main.rs` only parses, sets up
+//! logging and calls [`run`].
 //!
 //! Architecture Invariant: this is the only crate that prints to the terminal, and the only one
 //! that uses `anyhow`; everything below it returns typed errors and logs through `tracing`.
@@ -13,6 +14,7 @@ pub mod init;
 pub mod metrics;
 pub mod report;
 pub mod schedule;
+pub mod trace;
 pub mod train;
 
 pub use cli::{Cli, Command, TrainArgs};

@@ -12,16 +12,18 @@
 //! - `options`: every `megatrain train` option as given (defaults filled in)
 //! - `n_params`, `start_step`, `resumed`, `tokens_per_step`
 //! - `store_bytes`, `store_bytes_per_param`, `store_path` (null for an anonymous store)
-//! - `model_flops_per_step` and `flops_formula`: `6*N*T + 12*L*q_dim*S*T` (N parameters, T
-//!   tokens per step, L layers, S sequence length; recompute not counted, causal mask ignored)
+//! - `model_flops_per_step` and `flops_formula`: `6*N*T + 6*L*S*H*T` (N parameters, T
+//!   tokens per step, L layers, S sequence length, H hidden size; recompute not counted, causal
+//!   mask ignored; `mt_core::model_flops_per_step`)
 //!
 //! `{"type": "step", ...}`
 //! - `step`: global step number after this step (1-based); `loss` (mean cross-entropy over the
 //!   step's targets, nats, f64 written in shortest round-trip form: equal strings = equal bits);
 //!   `lr` (the rate of this step's gradient); `grad_norm` (global L2 norm before clipping)
-//! - `tokens`, `step_ms`, `tokens_per_s`, `h2d_bytes`, `d2h_bytes`
-//! - per stream `S` in `host`, `h2d`, `compute`, `d2h`: `S_busy_frac` (busy time / step time) and
-//!   `S_max_gap_ms` (longest idle gap between two of its operations)
+//! - `tokens`, `step_ms`, `tokens_per_s`, `model_tflops`, `h2d_bytes`, `d2h_bytes`
+//! - per stream `S` in `host` (the CPU optimizer: staging casts, AdamW updates, gradient
+//!   landing), `h2d`, `compute`, `d2h`: `S_busy_frac` (busy time / step time) and `S_max_gap_ms`
+//!   (longest idle gap between two of its operations)
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -32,6 +34,9 @@ use mt_core::{Error, ModelConfig, Result};
 use mt_sched::program::Stream;
 use mt_sched::stats::StreamStats;
 use mt_sched::StepReport;
+
+/// The FLOPs convention, as written into the run record.
+pub const FLOPS_FORMULA: &str = "6*N*T + 6*L*S*H*T";
 use mt_store::HostStore;
 use serde_json::{json, Map, Value};
 
@@ -95,13 +100,6 @@ pub struct RunInfo<'a> {
     pub resumed: bool,
 }
 
-/// Model FLOPs of one step: `6*N*T + 12*L*q_dim*S*T` (see the module docs).
-pub fn model_flops_per_step(cfg: &ModelConfig, n_params: usize, batch: usize, seq: usize) -> f64 {
-    let t = (batch * seq) as f64;
-    let attn = 12.0 * cfg.num_hidden_layers as f64 * cfg.q_dim() as f64 * seq as f64;
-    6.0 * n_params as f64 * t + attn * t
-}
-
 fn name_of<E: ValueEnum>(e: &E) -> Value {
     e.to_possible_value().map_or(Value::Null, |v| json!(v.get_name()))
 }
@@ -161,13 +159,13 @@ pub fn run_record(info: &RunInfo<'_>) -> Value {
         "store_bytes": info.store.bytes(),
         "store_bytes_per_param": info.store.bytes_per_param(),
         "store_path": info.store.path(),
-        "model_flops_per_step": model_flops_per_step(c, n_params, a.batch_size, a.seq_len),
-        "flops_formula": "6*N*T + 12*L*q_dim*S*T",
+        "model_flops_per_step": mt_core::model_flops_per_step(c, a.batch_size, a.seq_len),
+        "flops_formula": FLOPS_FORMULA,
     })
 }
 
 /// The `step` record of global step `step` (1-based), trained at learning rate `lr`.
-pub fn step_record(step: u64, lr: f64, r: &StepReport) -> Value {
+pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64) -> Value {
     let mut m = Map::new();
     m.insert("type".into(), json!("step"));
     m.insert("step".into(), json!(step));
@@ -177,6 +175,10 @@ pub fn step_record(step: u64, lr: f64, r: &StepReport) -> Value {
     m.insert("tokens".into(), json!(r.n_tokens));
     m.insert("step_ms".into(), json!(r.step_s * 1e3));
     m.insert("tokens_per_s".into(), json!(tokens_per_s(r)));
+    m.insert(
+        "model_tflops".into(),
+        json!(if r.step_s > 0.0 { flops_per_step / r.step_s / 1e12 } else { 0.0 }),
+    );
     m.insert("h2d_bytes".into(), json!(r.h2d_bytes));
     m.insert("d2h_bytes".into(), json!(r.d2h_bytes));
     for s in &r.streams {

@@ -1,5 +1,6 @@
 //! What the user sees: the progress bar (indicatif, on stderr, hidden when stderr is not a
-//! terminal), periodic log lines and the final summary (on stdout).
+//! terminal), periodic log lines and the final summary (on stdout), with the per-stream means
+//! ([`StepTotals`]) it reports.
 // The CLI is the one place in megatrain-rs that prints: libraries below it use tracing only.
 #![allow(clippy::print_stdout)]
 
@@ -7,7 +8,8 @@ use std::fmt;
 use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use mt_sched::stats::StreamStats;
+use mt_sched::program::Stream;
+use mt_sched::StepReport;
 
 use crate::metrics::stream_name;
 
@@ -98,14 +100,104 @@ pub struct TrainSummary {
     pub store_bytes: usize,
     /// Host store bytes per parameter.
     pub store_bytes_per_param: f64,
+    /// Resident set size of the process at the end (`None` where it cannot be read).
+    pub rss_bytes: Option<u64>,
+    /// Model FLOPs per step (the planner's `6·N·T + attention`).
+    pub flops_per_step: f64,
+    /// Mean step time of the run's steps after the first (warm-up excluded); `None` for a
+    /// one-step run.
+    pub later_step_s: Option<f64>,
     /// Backing file of the store (`None` = anonymous memory).
     pub store_path: Option<PathBuf>,
-    /// Host-to-device bytes of the last step.
-    pub h2d_bytes_per_step: u64,
-    /// Device-to-host bytes of the last step.
-    pub d2h_bytes_per_step: u64,
-    /// Per-stream statistics of the last step.
-    pub last_streams: Vec<StreamStats>,
+    /// Host-to-device bytes per step, mean over the run's steps.
+    pub h2d_bytes_per_step: f64,
+    /// Device-to-host bytes per step, mean over the run's steps.
+    pub d2h_bytes_per_step: f64,
+    /// Per-stream busy fractions and idle gaps, averaged over the run's steps.
+    pub streams: Vec<StreamMean>,
+}
+
+/// One stream's busy fraction and idle gaps, averaged over the steps of a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StreamMean {
+    /// Stream (`Host` is the CPU optimizer: staging casts, updates, gradient landing).
+    pub stream: Stream,
+    /// Mean over steps of the step's busy fraction (busy time / step time): the mean of the
+    /// metrics log's `S_busy_frac` column.
+    pub busy_frac: f64,
+    /// Mean over steps of the step's longest idle gap between two operations.
+    pub max_gap_s: f64,
+    /// Longest idle gap between two operations in any step.
+    pub worst_gap_s: f64,
+}
+
+/// Running sums of the per-step PCIe bytes and stream statistics of a run, for its summary.
+#[derive(Debug, Clone, Default)]
+pub struct StepTotals {
+    steps: u64,
+    h2d_bytes: u64,
+    d2h_bytes: u64,
+    /// Per stream: sums of busy fractions and of longest gaps, and the longest gap.
+    streams: Vec<StreamMean>,
+}
+
+impl StepTotals {
+    /// Adds one step.
+    pub fn add(&mut self, r: &StepReport) {
+        self.steps += 1;
+        self.h2d_bytes += r.h2d_bytes;
+        self.d2h_bytes += r.d2h_bytes;
+        for s in &r.streams {
+            let i = match self.streams.iter().position(|t| t.stream == s.stream) {
+                Some(i) => i,
+                None => {
+                    let zero =
+                        StreamMean { stream: s.stream, busy_frac: 0.0, max_gap_s: 0.0, worst_gap_s: 0.0 };
+                    self.streams.push(zero);
+                    self.streams.len() - 1
+                }
+            };
+            let t = &mut self.streams[i];
+            t.busy_frac += s.busy_frac;
+            t.max_gap_s += s.max_gap_s;
+            t.worst_gap_s = t.worst_gap_s.max(s.max_gap_s);
+        }
+    }
+
+    /// Steps added.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    fn mean(&self, sum: f64) -> f64 {
+        if self.steps > 0 {
+            sum / self.steps as f64
+        } else {
+            0.0
+        }
+    }
+
+    /// Mean host-to-device bytes per step (0 before any step).
+    pub fn h2d_bytes_per_step(&self) -> f64 {
+        self.mean(self.h2d_bytes as f64)
+    }
+
+    /// Mean device-to-host bytes per step (0 before any step).
+    pub fn d2h_bytes_per_step(&self) -> f64 {
+        self.mean(self.d2h_bytes as f64)
+    }
+
+    /// Per-stream means, in the order the streams first appeared.
+    pub fn stream_means(&self) -> Vec<StreamMean> {
+        self.streams
+            .iter()
+            .map(|t| StreamMean {
+                busy_frac: self.mean(t.busy_frac),
+                max_gap_s: self.mean(t.max_gap_s),
+                ..*t
+            })
+            .collect()
+    }
 }
 
 impl TrainSummary {
@@ -154,6 +246,15 @@ impl fmt::Display for TrainSummary {
             self.tokens_per_step,
             1e3 * self.train_s / self.steps().max(1) as f64
         )?;
+        if let Some(t) = self.later_step_s {
+            writeln!(
+                f,
+                "steady state (steps after the first): {:.1} ms/step, {:.0} tokens/s, {:.1} model TFLOP/s",
+                1e3 * t,
+                self.tokens_per_step as f64 / t,
+                self.flops_per_step / t / 1e12
+            )?;
+        }
         let place = match &self.store_path {
             Some(p) => format!("file {}", p.display()),
             None => "anonymous memory".to_owned(),
@@ -164,14 +265,23 @@ impl fmt::Display for TrainSummary {
             mb(self.store_bytes as f64),
             self.store_bytes_per_param
         )?;
+        if let Some(rss) = self.rss_bytes {
+            writeln!(
+                f,
+                "host RSS at end: {} = {:.2} bytes/param (store, pinned rings, code, allocator)",
+                mb(rss as f64),
+                rss as f64 / self.n_params.max(1) as f64
+            )?;
+        }
+        let n = self.steps();
         writeln!(
             f,
-            "pcie per step: h2d {}, d2h {}",
-            mb(self.h2d_bytes_per_step as f64),
-            mb(self.d2h_bytes_per_step as f64)
+            "pcie per step (mean of {n} steps): h2d {}, d2h {}",
+            mb(self.h2d_bytes_per_step),
+            mb(self.d2h_bytes_per_step)
         )?;
         let streams: Vec<String> = self
-            .last_streams
+            .streams
             .iter()
             .map(|s| {
                 format!(
@@ -182,6 +292,99 @@ impl fmt::Display for TrainSummary {
                 )
             })
             .collect();
-        writeln!(f, "streams (last step): {}", streams.join(" | "))
+        writeln!(f, "streams (mean of {n} steps; host = CPU optimizer): {}", streams.join(" | "))?;
+        if let Some(c) = self.streams.iter().find(|s| s.stream == Stream::Compute) {
+            writeln!(
+                f,
+                "compute idle: {:.1}% of step time, longest gap {:.2} ms (mean per step), {:.2} ms (worst step)",
+                100.0 * (1.0 - c.busy_frac).max(0.0),
+                1e3 * c.max_gap_s,
+                1e3 * c.worst_gap_s
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mt_sched::backend::Span;
+    use mt_sched::stats::stream_stats;
+
+    use super::*;
+
+    fn step(step_s: f64, compute: &[(f64, f64)], h2d_bytes: u64) -> StepReport {
+        let spans: Vec<Span> = compute
+            .iter()
+            .map(|&(start_s, end_s)| Span { stream: Stream::Compute, name: "Forward".into(), start_s, end_s })
+            .collect();
+        StepReport {
+            loss: 1.0,
+            grad_norm: 1.0,
+            n_tokens: 8,
+            n_targets: 8,
+            step_s,
+            h2d_bytes,
+            d2h_bytes: 2 * h2d_bytes,
+            streams: stream_stats(&spans, step_s),
+            spans,
+        }
+    }
+
+    #[test]
+    fn totals_average_busy_fractions_gaps_and_bytes_over_steps() {
+        let mut t = StepTotals::default();
+        // Step 1: compute busy 0.5 of 1 s, longest gap 0.3 s; step 2: busy 1.0 of 2 s, gap 0.
+        t.add(&step(1.0, &[(0.0, 0.2), (0.5, 0.8)], 100));
+        t.add(&step(2.0, &[(0.0, 2.0)], 300));
+        assert_eq!(t.steps(), 2);
+        assert_eq!(t.h2d_bytes_per_step(), 200.0);
+        assert_eq!(t.d2h_bytes_per_step(), 400.0);
+        let means = t.stream_means();
+        assert_eq!(means.len(), 4, "every stream, even those without operations");
+        let c = means.iter().find(|s| s.stream == Stream::Compute).unwrap();
+        assert!((c.busy_frac - 0.75).abs() < 1e-12, "{c:?}");
+        assert!((c.max_gap_s - 0.15).abs() < 1e-12, "{c:?}");
+        assert!((c.worst_gap_s - 0.3).abs() < 1e-12, "{c:?}");
+        let h = means.iter().find(|s| s.stream == Stream::Host).unwrap();
+        assert_eq!((h.busy_frac, h.max_gap_s, h.worst_gap_s), (0.0, 0.0, 0.0));
+        assert_eq!(StepTotals::default().h2d_bytes_per_step(), 0.0);
+    }
+
+    #[test]
+    fn the_summary_shows_mean_stream_figures_and_compute_idle_time() {
+        let mut t = StepTotals::default();
+        t.add(&step(1.0, &[(0.0, 0.2), (0.5, 0.8)], 1_000_000));
+        t.add(&step(2.0, &[(0.0, 2.0)], 3_000_000));
+        let s = TrainSummary {
+            model: "m".into(),
+            n_params: 10,
+            n_layers: 1,
+            start_step: 0,
+            end_step: 2,
+            first_loss: 2.0,
+            last_loss: 1.0,
+            tokens_per_step: 8,
+            train_s: 3.0,
+            wall_s: 3.5,
+            store_bytes: 140,
+            store_bytes_per_param: 14.0,
+            rss_bytes: Some(200),
+            flops_per_step: 8e12,
+            later_step_s: Some(2.0),
+            store_path: None,
+            h2d_bytes_per_step: t.h2d_bytes_per_step(),
+            d2h_bytes_per_step: t.d2h_bytes_per_step(),
+            streams: t.stream_means(),
+        }
+        .to_string();
+        assert!(s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB"), "{s}");
+        assert!(
+            s.contains("steady state (steps after the first): 2000.0 ms/step, 4 tokens/s, 4.0 model TFLOP/s"),
+            "{s}"
+        );
+        assert!(s.contains("host RSS at end: 0.00 MB = 20.00 bytes/param"), "{s}");
+        assert!(s.contains("compute busy 75.0% max gap 150.00 ms"), "{s}");
+        assert!(s.contains("compute idle: 25.0% of step time, longest gap 150.00 ms (mean per step), 300.00 ms (worst step)"), "{s}");
     }
 }

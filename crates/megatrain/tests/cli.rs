@@ -1,6 +1,6 @@
 //! End-to-end tests of the `megatrain` binary: training lowers the loss, a run split over two
 //! invocations with a file-backed store continues bitwise, bad input fails with a clear message,
-//! and the metrics log follows its schema.
+//! the metrics log follows its schema, and `--trace` writes a Chrome trace of one step.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -74,7 +74,9 @@ fn training_lowers_the_loss() {
     let (first, last) = summary_losses(&out);
     assert!(first > 5.0, "the first loss of a fresh model is near ln(256) = 5.55, got {first}");
     assert!(last < first - 0.5, "loss did not fall: first {first}, last {last}\n{out}");
-    for needle in ["trained 8 steps", "bytes/param", "pcie per step", "streams (last step)"] {
+    for needle in
+        ["trained 8 steps", "bytes/param", "pcie per step (mean of 8 steps)", "streams (mean of 8 steps"]
+    {
         assert!(out.contains(needle), "summary lacks {needle:?}:\n{out}");
     }
 }
@@ -242,4 +244,71 @@ fn metrics_log_has_a_run_record_and_one_record_per_step() {
     }
     // Warmup: the rate rises over the first steps.
     assert!(recs[1]["lr"].as_f64() < recs[2]["lr"].as_f64());
+}
+
+/// Parses `compute idle: X% of step time, ...` from the summary.
+fn compute_idle_percent(stdout: &str) -> f64 {
+    let line = stdout.lines().find(|l| l.starts_with("compute idle: ")).expect("a compute idle line");
+    let pct = line["compute idle: ".len()..].split('%').next().unwrap();
+    pct.parse().unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+#[test]
+fn trace_of_a_step_has_compute_spans_inside_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("t.json");
+    let out = ok(&["train", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--trace", path_str(&t)]);
+    assert!(out.contains("trace of step 2 (") && out.contains(&t.display().to_string()), "{out}");
+    let idle = compute_idle_percent(&out);
+    assert!((0.0..100.0).contains(&idle), "compute idle {idle}%\n{out}");
+
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&t).unwrap()).expect("the trace is JSON");
+    assert_eq!(v["otherData"]["step"], 2, "the default traced step is the second");
+    let step_us = v["otherData"]["step_s"].as_f64().unwrap() * 1e6;
+    assert!(step_us > 0.0);
+    assert!(v["otherData"]["h2d_bytes"].as_u64().unwrap() > 0);
+    let events = v["traceEvents"].as_array().unwrap();
+    let spans: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    for e in &spans {
+        let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+        assert!(
+            ts >= 0.0 && dur >= 0.0 && ts + dur <= step_us * (1.0 + 1e-9),
+            "{e} outside [0, {step_us}] us"
+        );
+    }
+    let compute_tid = events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["name"] == "thread_name" && e["args"]["name"] == "compute")
+        .expect("a compute thread name")["tid"]
+        .clone();
+    let compute: Vec<&&Value> = spans.iter().filter(|e| e["tid"] == compute_tid).collect();
+    // The tiny Llama: embed, forward and backward of each layer, loss, embedding backward.
+    assert!(compute.len() >= 5, "{} compute spans", compute.len());
+    let busy_us: f64 = compute.iter().map(|e| e["dur"].as_f64().unwrap()).sum();
+    assert!(busy_us > 0.0 && busy_us <= step_us, "compute busy {busy_us} us of {step_us} us");
+    for kind in ["Stage", "Upload", "Forward", "Backward", "Download", "Land"] {
+        assert!(spans.iter().any(|e| e["cat"] == kind), "no {kind} span");
+    }
+    let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(leftovers, 1, "only the trace, no temporary file");
+}
+
+#[test]
+fn a_bad_trace_request_fails_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("s.store");
+    let t = dir.path().join("t.json");
+    let mut args = vec!["train", "--steps", "2", "--trace", path_str(&t), "--trace-step", "3"];
+    args.extend(["--store", path_str(&store)]);
+    args.extend(SMALL);
+    let e = fails(&args, 1);
+    assert!(e.contains("--trace-step 3") && e.contains("--steps 2"), "{e}");
+    assert!(!store.exists() && !t.exists(), "nothing was created");
+
+    let missing = dir.path().join("no_such_dir").join("t.json");
+    let e = fails(&["train", "--steps", "1", "--trace", path_str(&missing)], 1);
+    assert!(e.contains("no_such_dir") && e.contains("does not exist"), "{e}");
+
+    let e = fails(&["train", "--trace-step", "1"], 2);
+    assert!(e.contains("--trace"), "--trace-step needs --trace: {e}");
 }

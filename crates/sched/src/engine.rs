@@ -4,12 +4,13 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
-use half::bf16;
 use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, GradSink, LayerWeights, Outer, OuterWeights, Rope};
 use mt_optim::{AdamW, Grad, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
-use mt_store::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, Staging, StoreState, UploadDtype};
+use mt_store::{
+    GradDtype, GradMut, GradRef, HostStore, HostVec, RecordGuard, Staging, StoreState, UploadDtype,
+};
 
 use crate::backend::{Backend, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
@@ -85,8 +86,8 @@ pub struct Engine<B: Backend> {
     rope: Option<Rope>,
     staging: Vec<Arc<Mutex<Staging>>>,
     outer_staging: Arc<Mutex<Staging>>,
-    landing: Vec<Arc<Mutex<Vec<f32>>>>,
-    outer_landing: Arc<Mutex<Vec<f32>>>,
+    landing: Vec<Arc<Mutex<HostVec<f32>>>>,
+    outer_landing: Arc<Mutex<HostVec<f32>>>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     opts: EngineOptions,
 }
@@ -193,13 +194,31 @@ impl<B: Backend> Engine<B> {
             },
             backend.device(),
         )?;
-        let mk = |n| Arc::new(Mutex::new(Staging::new(up, n)));
+        // The pool was zeroed on the compute stream; copy streams may touch it from step 1 on.
+        backend.synchronize()?;
+        // Staging and landing rings: allocated once, page-locked once when the backend wants it
+        // (never the store itself).
+        let pin = backend.pins_host_buffers();
+        let mk = |n| -> Result<_> {
+            let mut s = Staging::new(up, n);
+            if pin {
+                s.pin()?;
+            }
+            Ok(Arc::new(Mutex::new(s)))
+        };
+        let land = |n| -> Result<_> {
+            let mut v = HostVec::<f32>::zeroed(n);
+            if pin {
+                v.pin()?;
+            }
+            Ok(Arc::new(Mutex::new(v)))
+        };
         Ok(Engine {
             cfg: cfg.clone(),
-            staging: (0..N_STAGING).map(|_| mk(layout.layer.len)).collect(),
-            outer_staging: mk(layout.outer.len),
-            landing: (0..N_LANDING).map(|_| Arc::new(Mutex::new(Vec::new()))).collect(),
-            outer_landing: Arc::new(Mutex::new(Vec::new())),
+            staging: (0..N_STAGING).map(|_| mk(layout.layer.len)).collect::<Result<_>>()?,
+            outer_staging: mk(layout.outer.len)?,
+            landing: (0..N_LANDING).map(|_| land(layout.layer.len)).collect::<Result<_>>()?,
+            outer_landing: land(layout.outer.len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             layer_t: DecoderLayer::new(cfg),
             outer_t: Outer::new(cfg, opts.rows_per_block),
@@ -380,6 +399,7 @@ impl<B: Backend> Engine<B> {
             let ev = match ins.stream {
                 Stream::Compute => {
                     let r = self.backend.compute_wait(&waits).and_then(|()| {
+                        self.backend.compute_begin();
                         let t0 = self.backend.now_s();
                         self.run_compute(&ins.op, chunks, &mut loss)?;
                         Ok(t0)
@@ -408,7 +428,7 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    fn landing_of(&self, b: HostBuf) -> Arc<Mutex<Vec<f32>>> {
+    fn landing_of(&self, b: HostBuf) -> Arc<Mutex<HostVec<f32>>> {
         match b {
             HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
             HostBuf::Outer => Arc::clone(&self.outer_landing),
@@ -463,11 +483,11 @@ impl<B: Backend> Engine<B> {
                             ),
                         });
                     }
+                    // Parallel copy / round-to-nearest cast (a 100M-parameter layer: ~10 ms, not
+                    // the ~100 ms of a serial loop, which would starve the optimizer stream).
                     match r.grad_mut() {
-                        Some(GradMut::F32(g)) => g.copy_from_slice(&src),
-                        Some(GradMut::Bf16(g)) => {
-                            g.iter_mut().zip(src.iter()).for_each(|(d, s)| *d = bf16::from_f32(*s))
-                        }
+                        Some(GradMut::F32(g)) => mt_optim::cast_into(&src, Upload::F32(g))?,
+                        Some(GradMut::Bf16(g)) => mt_optim::cast_into(&src, Upload::Bf16(g))?,
                         None => {}
                     }
                     // The norm of the gradient the optimizer will use: the landed f32 one when

@@ -1,0 +1,337 @@
+//! The memory and throughput planner: given a model, a batch shape, a weight dtype and the
+//! memory of a machine, decides the chunking and ring depth of a step and accounts for every
+//! byte it puts on the GPU and in host memory, the PCIe traffic of a step and its model FLOPs.
+//! Pure arithmetic: no device is touched.
+//!
+//! GPU bytes (`e` = bytes of the weight dtype, `t` = tokens of the largest chunk):
+//! - weight ring: `ring_depth × layer.len × e`; outer slot: `outer.len × e`;
+//! - gradients (fp32): `2 × layer.len × 4 + outer.len × 4`;
+//! - checkpoints: `(n_layers + 1) × batch × seq × hidden × e`; activation gradients:
+//!   `batch × seq × hidden × e` (both grow with the batch, not with the chunking);
+//! - workspace: the larger of one layer's backward-with-recompute and the loss over one chunk
+//!   (they are different compute ops, never alive together), see [`layer_workspace`] and
+//!   [`loss_workspace`].
+//!
+//! Host bytes: exactly the arena of [`mt_store::HostStore`] (header page, per unit a meta page
+//! and page-rounded master, m, v and gradient regions) plus the staging and landing buffers
+//! (page-locked on CUDA): `2 × layer.len × e + outer.len × e` and `2 × layer.len × 4 + outer.len × 4`.
+
+use std::fmt;
+
+use candle_core::DType;
+use mt_core::{ModelConfig, ModelLayout};
+use mt_store::{GradDtype, PAGE};
+
+use crate::batch::chunk_ranges;
+use crate::{Error, OptimMode, Result};
+
+/// Fraction of the GPU's memory the plan may use; the rest is left for the CUDA context, the
+/// RoPE tables, allocator fragmentation and library workspaces (cuBLAS).
+pub const GPU_USABLE_FRACTION: f64 = 0.92;
+/// Default number of weight slots (double buffering: compute never waits for an upload after
+/// layer 0).
+pub const DEFAULT_RING_DEPTH: usize = 2;
+/// Layer gradient buffers, upload staging and landing buffers the engine allocates (two each).
+const N_BUFS: u64 = 2;
+/// `[t, hidden]` tensors alive at the peak of a layer's backward (a, x1, c, output, dy, dx1,
+/// da, dx).
+const HIDDEN_TENSORS: u64 = 8;
+/// `[t, q_dim + 2 kv_dim]` tensors alive (projections, their RoPE'd and heads-first copies,
+/// the three gradients and their RoPE backward).
+const QKV_TENSORS: u64 = 6;
+/// `[t, ffn]` tensors alive (saved gate, up, silu, product; down dx, d_act, d_up, silu', d_gate).
+const FFN_TENSORS: u64 = 9;
+/// f32 `[b, heads, s, s]` tensors alive in the attention backward (P, dP, dP - rowsum, the
+/// product, and the weight-dtype copies of P and dS).
+const SCORE_TENSORS: u64 = 5;
+/// f32 `[rows, vocab]` tensors alive in one loss block (logits, exp, softmax, dlogits, and
+/// the weight-dtype copies).
+const LOGIT_TENSORS: u64 = 5;
+
+/// What to plan for.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    /// The model.
+    pub cfg: ModelConfig,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Weight dtype on the device (F32, BF16 or F16); also the activation dtype.
+    pub weight_dtype: DType,
+    /// Gradient dtype of the host store.
+    pub grad_dtype: GradDtype,
+    /// Optimizer placement (exact mode needs store gradient buffers).
+    pub mode: OptimMode,
+    /// Total GPU memory in bytes.
+    pub gpu_bytes: u64,
+    /// Host memory available for the store and pinned buffers, in bytes.
+    pub host_bytes: u64,
+    /// Weight slots; `None` = [`DEFAULT_RING_DEPTH`].
+    pub ring_depth: Option<usize>,
+    /// Token chunks; `None` = the fewest that fit.
+    pub n_chunks: Option<usize>,
+    /// Rows of logits alive at once in the loss.
+    pub rows_per_block: usize,
+}
+
+/// Where the layer-boundary checkpoints live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Placement {
+    /// In GPU memory for the whole step. (Offloading them to pinned host memory is not
+    /// implemented; a `Host` variant will be added with it.)
+    Gpu,
+}
+
+/// GPU bytes by kind of buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuBytes {
+    /// Weight slot ring.
+    pub weight_ring: u64,
+    /// Outer slot (embedding, final norm, LM head).
+    pub outer: u64,
+    /// fp32 layer gradient buffers and the outer gradient buffer.
+    pub grads: u64,
+    /// Layer-boundary checkpoints of the whole batch.
+    pub checkpoints: u64,
+    /// Activation gradients of the whole batch at one boundary.
+    pub act_grads: u64,
+    /// Transient workspace of the largest chunk.
+    pub workspace: u64,
+    /// Sum of the above.
+    pub total: u64,
+    /// What the plan may use: [`GPU_USABLE_FRACTION`] of the GPU's memory.
+    pub budget: u64,
+}
+
+/// Host bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostBytes {
+    /// The host store's arena.
+    pub store: u64,
+    /// Staging and landing buffers (page-locked on CUDA).
+    pub pinned: u64,
+    /// Sum of the two.
+    pub total: u64,
+}
+
+/// A step plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Token chunks (contiguous groups of whole sequences, as [`crate::batch::chunk_ranges`]).
+    pub n_chunks: usize,
+    /// Sequences in the largest chunk.
+    pub seqs_per_chunk: usize,
+    /// Weight slots.
+    pub ring_depth: usize,
+    /// Where checkpoints live.
+    pub checkpoints: Placement,
+    /// Layers kept resident on the GPU instead of streamed: always 0, the engine does not
+    /// implement residency yet.
+    pub resident_layers: usize,
+    /// GPU bytes.
+    pub gpu: GpuBytes,
+    /// Host bytes.
+    pub host: HostBytes,
+    /// Bytes uploaded per step: `(outer.len + 2 × n_layers × layer.len) × e`.
+    pub pcie_h2d_per_step: u64,
+    /// Bytes downloaded per step: `(n_layers × layer.len + outer.len) × 4`.
+    pub pcie_d2h_per_step: u64,
+    /// Model parameters (padding excluded).
+    pub n_params: u64,
+    /// Model FLOPs per step ([`mt_core::model_flops_per_step`]: `6·N·T + 6·L·s·hidden·T`, all
+    /// parameters, causal masking not discounted, recompute not counted).
+    pub flops_per_step: f64,
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+fn round_page(n: u64) -> u64 {
+    n.div_ceil(PAGE as u64) * PAGE as u64
+}
+
+/// Exactly the bytes [`mt_store::HostStore`] maps for `layout` with `grad` gradients.
+pub fn store_bytes(layout: &ModelLayout, grad: GradDtype) -> u64 {
+    let g = match grad {
+        GradDtype::F32 => 4,
+        GradDtype::Bf16 => 2,
+        GradDtype::None => 0,
+    };
+    let record = |len: u64| PAGE as u64 + 3 * round_page(len * 4) + round_page(len * g);
+    PAGE as u64 + record(layout.outer.len as u64) + layout.n_layers as u64 * record(layout.layer.len as u64)
+}
+
+/// Peak transient bytes of one layer's backward with recompute over a chunk of `b` sequences of
+/// `s` tokens: `t·e·(8·hidden + 6·(q_dim + 2·kv_dim) + 9·ffn) + 5·b·heads·s²·4` plus the largest
+/// weight gradient before accumulation (`numel × (e + 4 + 4)`: the gradient, its f32 copy and
+/// the sum written back).
+pub fn layer_workspace(cfg: &ModelConfig, layout: &ModelLayout, b: usize, s: usize, e: u64) -> u64 {
+    let t = (b * s) as u64;
+    let (h, f) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let qkv = (cfg.q_dim() + 2 * cfg.kv_dim()) as u64;
+    let acts = t * e * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv + FFN_TENSORS * f);
+    let scores = SCORE_TENSORS * (b * cfg.num_attention_heads) as u64 * (s * s) as u64 * 4;
+    let dw = layout.layer.tensors.iter().map(|t| t.numel() as u64).max().unwrap_or(0) * (e + 8);
+    acts + scores + dw
+}
+
+/// Peak transient bytes of the loss over a chunk of `t` tokens: `5 × rows × vocab × 4` for one
+/// block of logits (`rows = min(rows_per_block, t)`), the LM-head gradient before accumulation
+/// (`vocab × hidden × (e + 8)`), and the normed input and its gradient (`2 × t × hidden × e`).
+pub fn loss_workspace(cfg: &ModelConfig, t: usize, rows_per_block: usize, e: u64) -> u64 {
+    let (v, h) = (cfg.vocab_size as u64, cfg.hidden_size as u64);
+    let rows = rows_per_block.min(t) as u64;
+    LOGIT_TENSORS * rows * v * 4 + v * h * (e + 8) + 2 * t as u64 * h * e
+}
+
+/// Plans a step; fails, naming what does not fit and by how much, when it cannot.
+pub fn plan(input: &PlanInput) -> Result<Plan> {
+    let PlanInput { cfg, batch, seq, weight_dtype, .. } = input;
+    let (batch, seq) = (*batch, *seq);
+    let opt = |m: String| Err(Error::Options(m));
+    if batch == 0 || seq == 0 || input.rows_per_block == 0 {
+        return opt(format!(
+            "batch ({batch}), seq ({seq}) and rows_per_block ({}) must be at least 1",
+            input.rows_per_block
+        ));
+    }
+    cfg.check_seq_len(seq)?;
+    if !matches!(weight_dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return opt(format!("weight dtype {weight_dtype:?}; use f32, bf16 or f16"));
+    }
+    if input.mode == OptimMode::Exact && input.grad_dtype == GradDtype::None {
+        return opt("exact mode keeps each step's gradient until the next step: the store needs gradient buffers (f32 or bf16)".into());
+    }
+    let ring_depth = input.ring_depth.unwrap_or(DEFAULT_RING_DEPTH);
+    if ring_depth == 0 {
+        return opt("ring_depth 0: the device needs at least one weight slot".into());
+    }
+    if let Some(n) = input.n_chunks.filter(|&n| n == 0 || n > batch) {
+        return opt(format!(
+            "n_chunks {n}: chunks are groups of whole sequences, so 1..={batch} for a batch of {batch}"
+        ));
+    }
+    let layout = ModelLayout::new(cfg);
+    let e = weight_dtype.size_in_bytes() as u64;
+    let (ll, ol, nl) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
+    let tokens = (batch * seq) as u64;
+    let hid = cfg.hidden_size as u64;
+
+    let store = store_bytes(&layout, input.grad_dtype);
+    let pinned = N_BUFS * ll * e + ol * e + N_BUFS * ll * 4 + ol * 4;
+    let host = HostBytes { store, pinned, total: store + pinned };
+    if host.total > input.host_bytes {
+        return opt(format!(
+            "host store ({:.2} GiB) + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
+            gib(store), gib(pinned), gib(host.total), gib(input.host_bytes), gib(host.total - input.host_bytes)
+        ));
+    }
+
+    let budget = (input.gpu_bytes as f64 * GPU_USABLE_FRACTION) as u64;
+    let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + ol * 4);
+    let fixed = weight_ring + outer + grads;
+    let budget_line =
+        format!("{:.2} GiB usable ({GPU_USABLE_FRACTION} of {:.2} GiB)", gib(budget), gib(input.gpu_bytes));
+    if fixed > budget {
+        return opt(format!(
+            "weights and gradient buffers need {:.2} GiB (ring {:.2}, outer {:.2}, gradients {:.2}), more than the GPU's {budget_line}",
+            gib(fixed), gib(weight_ring), gib(outer), gib(grads)
+        ));
+    }
+    let checkpoints = (nl + 1) * tokens * hid * e;
+    let act_grads = tokens * hid * e;
+    if fixed + checkpoints + act_grads > budget {
+        return opt(format!(
+            "checkpoints for {batch} x {seq} tokens need {:.2} GiB (+ {:.2} GiB activation gradients), the GPU has {:.2} GiB left after weights and gradient buffers ({:.2} GiB) of its {budget_line}; use fewer or shorter sequences",
+            gib(checkpoints), gib(act_grads), gib(budget - fixed), gib(fixed)
+        ));
+    }
+    let left = budget - fixed - checkpoints - act_grads;
+    let workspace_of = |n: usize| {
+        let b = chunk_ranges(batch, n).iter().map(|r| r.len()).max().unwrap_or(batch);
+        let ws = layer_workspace(cfg, &layout, b, seq, e).max(loss_workspace(
+            cfg,
+            b * seq,
+            input.rows_per_block,
+            e,
+        ));
+        (b, ws)
+    };
+    let candidates: Vec<usize> = match input.n_chunks {
+        Some(n) => vec![n],
+        None => (1..=batch).collect(),
+    };
+    let Some((n_chunks, (seqs_per_chunk, workspace))) =
+        candidates.iter().map(|&n| (n, workspace_of(n))).find(|(_, (_, ws))| *ws <= left)
+    else {
+        let n = *candidates.last().unwrap_or(&batch);
+        let (b, ws) = workspace_of(n);
+        return opt(format!(
+            "the workspace of a chunk of {b} x {seq} tokens needs {:.2} GiB, {:.2} GiB more than the {:.2} GiB left after weights, gradients and checkpoints ({:.2} GiB) of the GPU's {budget_line}{}",
+            gib(ws), gib(ws - left), gib(left), gib(budget - left),
+            if input.n_chunks.is_some() && n < batch { "; use more chunks" } else { "; use shorter sequences" }
+        ));
+    };
+    let total = fixed + checkpoints + act_grads + workspace;
+    let gpu = GpuBytes { weight_ring, outer, grads, checkpoints, act_grads, workspace, total, budget };
+
+    Ok(Plan {
+        batch,
+        seq,
+        n_chunks,
+        seqs_per_chunk,
+        ring_depth,
+        checkpoints: Placement::Gpu,
+        resident_layers: 0,
+        gpu,
+        host,
+        pcie_h2d_per_step: (ol + 2 * nl * ll) * e,
+        pcie_d2h_per_step: (nl * ll + ol) * 4,
+        n_params: layout.n_params() as u64,
+        flops_per_step: mt_core::model_flops_per_step(cfg, batch, seq),
+    })
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (g, h) = (&self.gpu, &self.host);
+        writeln!(
+            f,
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} resident layers",
+            self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers
+        )?;
+        writeln!(f, "GPU (GiB)   ring {:.2} | outer {:.2} | grads {:.2} | checkpoints {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
+            gib(g.weight_ring), gib(g.outer), gib(g.grads), gib(g.checkpoints), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
+        writeln!(
+            f,
+            "host (GiB)  store {:.2} | pinned {:.2} | total {:.2}",
+            gib(h.store),
+            gib(h.pinned),
+            gib(h.total)
+        )?;
+        writeln!(
+            f,
+            "PCIe per step: H2D {} B ({:.2} GiB), D2H {} B ({:.2} GiB)",
+            self.pcie_h2d_per_step,
+            gib(self.pcie_h2d_per_step),
+            self.pcie_d2h_per_step,
+            gib(self.pcie_d2h_per_step)
+        )?;
+        write!(
+            f,
+            "model FLOPs per step: {:.4e} (6·N·T + 6·L·s·hidden·T); {} parameters",
+            self.flops_per_step, self.n_params
+        )
+    }
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

@@ -1,0 +1,151 @@
+//! Tests of the planner: byte accounting against the store and the step program, closed-form
+//! numbers for a Llama-3-shaped 3.6B model, and the choice (or refusal) of a chunking.
+
+use super::*;
+use crate::program::ProgramSpec;
+use crate::Program;
+use mt_core::Unit;
+use mt_store::HostStore;
+
+const GIB: u64 = 1 << 30;
+const H200: u64 = 143_771_000_000;
+
+/// Llama-3-shaped 3.6B (untied), as an HF config.json.
+fn llama3_3b() -> ModelConfig {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    std::fs::write(
+        &path,
+        r#"{"model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
+            "num_attention_heads": 24, "num_key_value_heads": 8, "intermediate_size": 8192,
+            "vocab_size": 128256, "tie_word_embeddings": false, "hidden_act": "silu",
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0}"#,
+    )
+    .unwrap();
+    ModelConfig::from_file(&path).unwrap()
+}
+
+fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInput {
+    PlanInput {
+        cfg,
+        batch,
+        seq,
+        weight_dtype: DType::BF16,
+        grad_dtype: GradDtype::Bf16,
+        mode: OptimMode::Exact,
+        gpu_bytes,
+        host_bytes: 128 * GIB,
+        ring_depth: None,
+        n_chunks: None,
+        rows_per_block: 1024,
+    }
+}
+
+fn err(i: &PlanInput) -> String {
+    plan(i).unwrap_err().to_string()
+}
+
+#[test]
+fn store_bytes_equal_what_the_host_store_maps() {
+    let cfg = ModelConfig::tiny_llama();
+    let layout = ModelLayout::new(&cfg);
+    for g in [GradDtype::F32, GradDtype::Bf16, GradDtype::None] {
+        let store = HostStore::anonymous(&layout, g).unwrap();
+        assert_eq!(store_bytes(&layout, g), store.bytes() as u64, "{g:?}");
+        let p = plan(&PlanInput { grad_dtype: g, mode: OptimMode::Lean, ..input(cfg.clone(), 2, 16, GIB) })
+            .unwrap();
+        assert_eq!(p.host.store, store.bytes() as u64);
+    }
+}
+
+#[test]
+fn pcie_bytes_equal_the_step_programs_copies() {
+    let cfg = ModelConfig::tiny_llama();
+    let layout = ModelLayout::new(&cfg);
+    let len = |u: Unit| layout.unit(u).len as u64;
+    for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
+        let prog = Program::build(ProgramSpec {
+            n_layers: layout.n_layers,
+            ring_depth: 2,
+            n_staging: 2,
+            n_grad_bufs: 2,
+            n_landing: 2,
+            mode,
+            pending_update: pending,
+        });
+        for (dtype, e) in [(DType::BF16, 2), (DType::F32, 4)] {
+            let p = plan(&PlanInput { weight_dtype: dtype, ..input(cfg.clone(), 2, 16, GIB) }).unwrap();
+            assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * e);
+            assert_eq!(p.pcie_d2h_per_step, prog.downloads().map(len).sum::<u64>() * 4);
+        }
+    }
+}
+
+#[test]
+fn llama3_3b_parameters_pcie_and_flops_match_the_closed_form() {
+    let p = plan(&input(llama3_3b(), 16, 2048, H200)).unwrap();
+    // Per layer: norms 2·3072 + q, o 2·3072² + k, v 2·1024·3072 + MLP 3·8192·3072
+    // = 6_144 + 18_874_368 + 6_291_456 + 75_497_472 = 100_669_440 (no padding: all multiples of 64).
+    // Outer: embedding + head 2·128_256·3072 + norm 3072 = 788_007_936.
+    // Total: 28 · 100_669_440 + 788_007_936 = 3_606_752_256.
+    assert_eq!(p.n_params, 3_606_752_256);
+    assert!((p.n_params as f64 / 3.6e9 - 1.0).abs() < 0.01);
+    // Uploads: (788_007_936 + 2 · 28 · 100_669_440) · 2 B; downloads: 3_606_752_256 · 4 B.
+    assert_eq!(p.pcie_h2d_per_step, 12_850_993_152);
+    assert_eq!(p.pcie_d2h_per_step, 14_427_009_024);
+    // FLOPs (measured.md's convention): 6 · N · T + 6 · L · seq · hidden · T, all parameters;
+    // at this size 7.78e14 per step (329 TFLOP/s = 14_505 tok/s at 4 x 2048, as measured.md).
+    let want = 6.0 * 3_606_752_256.0 * 32_768.0 + 6.0 * 28.0 * 2048.0 * 3072.0 * 32_768.0;
+    assert_eq!(p.flops_per_step, want);
+    // Checkpoints: 29 boundaries · 32_768 tokens · 3072 · 2 B.
+    assert_eq!(p.gpu.checkpoints, 29 * 32_768 * 3072 * 2);
+    assert_eq!(p.gpu.grads, (2 * 100_669_440 + 788_007_936) * 4);
+    assert!(p.gpu.total <= p.gpu.budget);
+    assert_eq!(p.resident_layers, 0);
+}
+
+#[test]
+fn a_plan_that_cannot_fit_names_what_does_not() {
+    let e = err(&input(llama3_3b(), 16, 2048, 8 * GIB));
+    assert!(e.contains("checkpoints for 16 x 2048 tokens need 5.44 GiB"), "{e}");
+    let e = err(&input(llama3_3b(), 16, 2048, 4 * GIB));
+    assert!(e.contains("weights and gradient buffers need 5.53 GiB"), "{e}");
+    let e = err(&PlanInput { host_bytes: 32 * GIB, ..input(llama3_3b(), 1, 2048, H200) });
+    assert!(e.contains("host store (47.") && e.contains("32.00 GiB"), "{e}");
+    let e = err(&input(llama3_3b(), 1, 131_072, H200));
+    assert!(e.contains("workspace of a chunk of 1 x 131072 tokens"), "{e}");
+}
+
+#[test]
+fn a_larger_gpu_gives_fewer_chunks_and_each_choice_is_the_fewest_that_fit() {
+    let chunks = |gpu: u64| {
+        let p = plan(&input(llama3_3b(), 16, 2048, gpu)).unwrap();
+        assert!(p.gpu.total <= p.gpu.budget);
+        if p.n_chunks > 1 {
+            let fewer = PlanInput { n_chunks: Some(p.n_chunks - 1), ..input(llama3_3b(), 16, 2048, gpu) };
+            assert!(err(&fewer).contains("use more chunks"));
+        }
+        p.n_chunks
+    };
+    let (small, large) = (chunks(24 * GIB), chunks(80 * GIB));
+    assert!(small > large, "{small} vs {large}");
+}
+
+#[test]
+fn bad_user_choices_are_refused() {
+    let base = input(ModelConfig::tiny_llama(), 4, 16, GIB);
+    assert!(err(&PlanInput { n_chunks: Some(5), ..base.clone() }).contains("n_chunks 5"));
+    assert!(err(&PlanInput { n_chunks: Some(0), ..base.clone() }).contains("n_chunks 0"));
+    assert!(err(&PlanInput { ring_depth: Some(0), ..base.clone() }).contains("ring_depth 0"));
+    let lean_less = PlanInput { grad_dtype: GradDtype::None, ..base.clone() };
+    assert!(err(&lean_less).contains("exact mode"));
+    let p = plan(&PlanInput { n_chunks: Some(3), ring_depth: Some(3), ..base }).unwrap();
+    assert_eq!((p.n_chunks, p.seqs_per_chunk, p.ring_depth), (3, 2, 3));
+}
+
+#[test]
+fn display_shows_the_pcie_line() {
+    let s = plan(&input(llama3_3b(), 16, 2048, H200)).unwrap().to_string();
+    assert!(s.contains("PCIe per step: H2D 12850993152 B (11.97 GiB), D2H 14427009024 B"), "{s}");
+    assert!(s.contains("ring depth 2") && s.contains("checkpoints on Gpu"), "{s}");
+}
