@@ -74,6 +74,14 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Te
     let k = heads_first(k)?;
     let v = heads_first(v)?;
     let scale = 1.0 / (hd as f64).sqrt();
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && dtype == DType::BF16 {
+        // One fused kernel for scale, mask and softmax (kernels/softmax.cu).
+        let p = crate::cuda_kernels::causal_softmax(&q.matmul(&k.t()?)?, scale)?;
+        let o = p.to_dtype(dtype)?.matmul(&v)?;
+        let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        return Ok((o, AttnCache { q, k, v, p }));
+    }
     let s = (q.matmul(&k.t()?)? * scale)?;
     let mask = causal_mask(t, sd, q.device())?;
     let s = s.to_dtype(sd)?.reshape((b, nkv, g, t, t))?.broadcast_add(&mask)?.reshape((b, nkv, g * t, t))?;
@@ -98,11 +106,23 @@ pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims) -> Result<(Tens
     let d_o = d_o.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?.reshape((b, nkv, g * t, hd))?;
     let p = cache.p.to_dtype(dtype)?;
     let dv = p.t()?.matmul(&d_o)?;
+    #[cfg(feature = "cuda")]
+    if d_o.device().is_cuda() && dtype == DType::BF16 {
+        // dS with the scale folded in, in one kernel (kernels/softmax.cu).
+        let ds = crate::cuda_kernels::softmax_backward(&d_o.matmul(&cache.v.t()?)?, &cache.p, scale)?;
+        return heads_last(ds.matmul(&cache.k)?, ds.t()?.matmul(&cache.q)?, dv, d);
+    }
     let dp = d_o.matmul(&cache.v.t()?)?.to_dtype(cache.p.dtype())?;
     let row = (&dp * &cache.p)?.sum_keepdim(D::Minus1)?;
     let ds = (&cache.p * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
     let dq = (ds.matmul(&cache.k)? * scale)?;
     let dk = (ds.t()?.matmul(&cache.q)? * scale)?;
+    heads_last(dq, dk, dv, d)
+}
+
+/// `dq [b, nkv, g·t, hd]`, `dk, dv [b, nkv, t, hd]` back to `[b, t, heads, hd]`, contiguous.
+fn heads_last(dq: Tensor, dk: Tensor, dv: Tensor, d: Dims) -> Result<(Tensor, Tensor, Tensor)> {
+    let Dims { b, t, nh, hd, .. } = d;
     let dq = dq.reshape((b, nh, t, hd))?.transpose(1, 2)?.contiguous()?;
     let dk = dk.transpose(1, 2)?.contiguous()?;
     let dv = dv.transpose(1, 2)?.contiguous()?;

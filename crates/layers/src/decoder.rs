@@ -6,6 +6,7 @@ use mt_core::ModelConfig;
 
 use crate::attention::{self, AttnCache, Dims};
 use crate::ops::{linear, linear_backward, rms_norm, rms_norm_backward, silu_grad, LinearGrads, RmsCache};
+use crate::profile::{mark, start as prof_start};
 use crate::rope::{self, Rope};
 use crate::weights::{names, LayerWeights};
 use crate::{Error, GradSink, Result};
@@ -37,7 +38,8 @@ struct Saved {
     gate: Tensor,
     up: Tensor,
     /// `silu(gate)`.
-    act: Tensor,
+    /// `silu(gate)`; `None` on the fused CUDA path (recomputed by the backward kernel).
+    act: Option<Tensor>,
     /// `silu(gate) ⊙ up`, the input of `down_proj`.
     mid: Tensor,
 }
@@ -99,27 +101,33 @@ impl DecoderLayer {
         let Dims { b, t, nh, nkv, hd } = s.dims;
         let n = s.rows;
         let dy = dy.reshape((n, h))?;
+        let dev = x.device();
+        prof_start(dev);
 
         // MLP: out = x1 + down(silu(gate(c)) ⊙ up(c)), c = norm2(x1).
         let down = linear_backward(&dy, &s.mid, &w.down, false)?;
         grads.accumulate(names::DOWN, &down.dw)?;
-        let d_act = (&down.dx * &s.up)?;
-        let d_up = (&down.dx * &s.act)?;
-        let d_gate = (d_act * silu_grad(&s.gate)?)?;
+        mark(dev, "bwd 9 down proj (2 GEMMs + accumulate)");
+        let (d_gate, d_up) = swiglu_backward(&down.dx, &s.gate, &s.up, s.act.as_ref())?;
+        mark(dev, "bwd 8 silu * up");
         let gate = linear_backward(&d_gate, &s.c, &w.gate, false)?;
         let up = linear_backward(&d_up, &s.c, &w.up, false)?;
         grads.accumulate(names::GATE, &gate.dw)?;
         grads.accumulate(names::UP, &up.dw)?;
         let dc = (gate.dx + up.dx)?;
+        mark(dev, "bwd 7 gate/up proj (4 GEMMs + accumulate)");
         let (dx1_norm, d_post) = rms_norm_backward(&dc, &w.post_norm, &s.norm2)?;
         grads.accumulate(names::POST_NORM, &d_post)?;
         // Residual: x1 feeds both the MLP branch and the output.
         let dx1 = (&dy + dx1_norm)?;
+        mark(dev, "bwd 6 post norm");
 
         // Attention: x1 = x + o_proj(attn(rope(q), rope(k), v)).
         let o = linear_backward(&dx1, &s.o, &w.o, w.o_bias.is_some())?;
         put(grads, names::O, names::O_BIAS, &o)?;
+        mark(dev, "bwd 5 o proj (2 GEMMs + accumulate)");
         let (dq, dk, dv) = attention::backward(&o.dx.reshape((b, t, nh * hd))?, &s.attn, s.dims)?;
+        mark(dev, "bwd 4 attention");
         let mut dq = rope::apply_backward(&dq, &s.cos, &s.sin)?;
         let mut dk = rope::apply_backward(&dk, &s.cos, &s.sin)?;
         if let (Some(cache), Some(wn)) = (&s.q_norm, &w.q_norm) {
@@ -132,6 +140,7 @@ impl DecoderLayer {
             grads.accumulate(names::K_NORM, &dw)?;
             dk = d;
         }
+        mark(dev, "bwd 3 qk norm + rope");
         let dq = dq.reshape((n, nh * hd))?;
         let dk = dk.reshape((n, nkv * hd))?;
         let dv = dv.reshape((n, nkv * hd))?;
@@ -143,9 +152,11 @@ impl DecoderLayer {
         put(grads, names::V, names::V_BIAS, &gv)?;
         // a feeds q, k and v: its gradient is the sum of the three.
         let da = ((gq.dx + gk.dx)? + gv.dx)?;
+        mark(dev, "bwd 2 qkv proj (6 GEMMs + accumulate)");
         let (dx_norm, d_in) = rms_norm_backward(&da, &w.input_norm, &s.norm1)?;
         grads.accumulate(names::INPUT_NORM, &d_in)?;
         let dx = (dx1 + dx_norm)?;
+        mark(dev, "bwd 1 input norm");
         Ok(dx.reshape((b, t, h))?)
     }
 
@@ -184,25 +195,35 @@ impl DecoderLayer {
         let eps = cfg.rms_norm_eps;
         let (cos, sin) = rope.cos_sin(start, t)?;
         let xf = x.reshape((n, h))?;
+        let dev = x.device();
+        prof_start(dev);
 
         let (a, norm1) = rms_norm(&xf, &w.input_norm, eps)?;
+        mark(dev, "fwd 1 input norm");
         let q = linear(&a, &w.q, w.q_bias.as_ref())?.reshape((b, t, nh, hd))?;
         let k = linear(&a, &w.k, w.k_bias.as_ref())?.reshape((b, t, nkv, hd))?;
         let v = linear(&a, &w.v, w.v_bias.as_ref())?.reshape((b, t, nkv, hd))?;
+        mark(dev, "fwd 2 qkv proj (GEMM)");
         let (q, q_norm) = norm_opt(q, w.q_norm.as_ref(), eps)?;
         let (k, k_norm) = norm_opt(k, w.k_norm.as_ref(), eps)?;
         let q = rope::apply(&q, &cos, &sin)?;
         let k = rope::apply(&k, &cos, &sin)?;
+        mark(dev, "fwd 3 qk norm + rope");
         let (o, attn) = attention::forward(&q, &k, &v, dims)?;
         let o = o.reshape((n, nh * hd))?;
+        mark(dev, "fwd 4 attention");
         let x1 = (&xf + linear(&o, &w.o, w.o_bias.as_ref())?)?;
+        mark(dev, "fwd 5 o proj (GEMM) + residual");
 
         let (c, norm2) = rms_norm(&x1, &w.post_norm, eps)?;
+        mark(dev, "fwd 6 post norm");
         let gate = linear(&c, &w.gate, None)?;
         let up = linear(&c, &w.up, None)?;
-        let act = gate.silu()?;
-        let mid = (&act * &up)?;
+        mark(dev, "fwd 7 gate/up proj (GEMM)");
+        let (act, mid) = swiglu(&gate, &up)?;
+        mark(dev, "fwd 8 silu * up");
         let out = (&x1 + linear(&mid, &w.down, None)?)?.reshape((b, t, h))?;
+        mark(dev, "fwd 9 down proj (GEMM) + residual");
         let saved = Saved {
             rows: n,
             dims,
@@ -226,6 +247,32 @@ impl DecoderLayer {
 }
 
 /// Per-head RMSNorm over the head dimension (Qwen3's q/k norm), when the layer has one.
+/// `(silu(gate), silu(gate) ⊙ up)`; on CUDA in bf16 one fused kernel that keeps no `silu(gate)`.
+fn swiglu(gate: &Tensor, up: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda_kernels::applies(gate) {
+        return Ok((None, crate::cuda_kernels::swiglu(gate, up)?));
+    }
+    let act = gate.silu()?;
+    let mid = (&act * up)?;
+    Ok((Some(act), mid))
+}
+
+/// `(d_gate, d_up)` from `d = dL/d(mid)`.
+fn swiglu_backward(d: &Tensor, gate: &Tensor, up: &Tensor, act: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    match act {
+        Some(act) => {
+            let d_act = (d * up)?;
+            let d_up = (d * act)?;
+            Ok(((d_act * silu_grad(gate)?)?, d_up))
+        }
+        #[cfg(feature = "cuda")]
+        None => Ok(crate::cuda_kernels::swiglu_backward(d, gate, up)?),
+        #[cfg(not(feature = "cuda"))]
+        None => unreachable!("silu(gate) is only dropped by the cuda feature's fused path"),
+    }
+}
+
 fn norm_opt(x: Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Option<RmsCache>)> {
     match w {
         Some(w) => {

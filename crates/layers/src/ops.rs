@@ -21,20 +21,26 @@ pub(crate) struct RmsCache {
     xs: Tensor,
     /// `r = rsqrt(mean(x²) + eps)`, `[.., 1]`, statistics dtype.
     r: Tensor,
-    /// `x * r` cast to the compute dtype (what the weight multiplies).
-    xhat: Tensor,
+    /// `x * r` cast to the compute dtype (what the weight multiplies); `None` on the fused CUDA
+    /// path, where `xs` is the bf16 input itself and `r` is `[rows]`.
+    xhat: Option<Tensor>,
 }
 
 /// RMSNorm over the last dimension, as transformers computes it: statistics in the statistics
 /// dtype, `x * r` cast back to the input dtype, then multiplied by the weight in that dtype.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsCache)> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda_kernels::applies(x) && w.dtype() == DType::BF16 {
+        let (y, r) = crate::cuda_kernels::rms_norm(x, w, eps)?;
+        return Ok((y, RmsCache { xs: x.clone(), r, xhat: None }));
+    }
     let dtype = x.dtype();
     let xs = x.to_dtype(stat_dtype(dtype))?;
     let var = xs.sqr()?.mean_keepdim(D::Minus1)?;
     let r = (var + eps)?.sqrt()?.recip()?;
     let xhat = xs.broadcast_mul(&r)?.to_dtype(dtype)?;
     let y = xhat.broadcast_mul(w)?;
-    Ok((y, RmsCache { xs, r, xhat }))
+    Ok((y, RmsCache { xs, r, xhat: Some(xhat) }))
 }
 
 /// Backward of [`rms_norm`]. With `r = (mean(x²) + eps)^(-1/2)` over the `n` features and
@@ -42,17 +48,28 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsC
 /// `dx_k = r g_k - x_k r³ mean(g ⊙ x)` and `dw = Σ_rows dy ⊙ x r`.
 /// Returns `(dx` in the compute dtype, `dw` in the statistics dtype`)`.
 pub(crate) fn rms_norm_backward(dy: &Tensor, w: &Tensor, cache: &RmsCache) -> Result<(Tensor, Tensor)> {
+    let Some(xhat) = &cache.xhat else { return fused_rms_backward(dy, w, cache) };
     let dtype = dy.dtype();
     let sd = cache.xs.dtype();
     let n = cache.xs.dim(D::Minus1)?;
     let rows = cache.xs.elem_count() / n;
     let dys = dy.to_dtype(sd)?;
-    let dw = (&dys * cache.xhat.to_dtype(sd)?)?.reshape((rows, n))?.sum(0)?;
+    let dw = (&dys * xhat.to_dtype(sd)?)?.reshape((rows, n))?.sum(0)?;
     let g = dy.broadcast_mul(w)?.to_dtype(sd)?;
     let gx_mean = (&g * &cache.xs)?.mean_keepdim(D::Minus1)?;
     let r3 = ((&cache.r * &cache.r)? * &cache.r)?;
     let dx = (g.broadcast_mul(&cache.r)? - cache.xs.broadcast_mul(&(r3 * gx_mean)?)?)?;
     Ok((dx.to_dtype(dtype)?, dw))
+}
+
+#[cfg(feature = "cuda")]
+fn fused_rms_backward(dy: &Tensor, w: &Tensor, cache: &RmsCache) -> Result<(Tensor, Tensor)> {
+    Ok(crate::cuda_kernels::rms_norm_backward(dy, &cache.xs, w, &cache.r)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_rms_backward(_: &Tensor, _: &Tensor, _: &RmsCache) -> Result<(Tensor, Tensor)> {
+    unreachable!("RmsCache without xhat is only built by the cuda feature's fused path")
 }
 
 /// `y = x Wᵀ (+ b)`, `x: [N, in]`, `W: [out, in]` (a strided view is fine), `b: [out]`.

@@ -73,7 +73,9 @@ impl Outer {
         weights: &Tensor,
         grads: &GradSink,
     ) -> Result<(f64, Tensor)> {
+        crate::profile::start(x.device());
         let pass = self.run(w, x, targets, weights, Some(grads))?;
+        crate::profile::mark(x.device(), "loss (LM head GEMMs + cross-entropy)");
         let (b, t, h) = (pass.b, pass.t, self.cfg.hidden_size);
         let dxn = match pass.dxn.as_slice() {
             [] => Tensor::zeros((0, h), x.dtype(), x.device())?,
@@ -142,6 +144,21 @@ impl Outer {
             let xb = xn.narrow(0, r0, r)?;
             let tb = tg.narrow(0, r0, r)?;
             let wb = wt.narrow(0, r0, r)?;
+            #[cfg(feature = "cuda")]
+            if crate::cuda_kernels::applies(&xb) {
+                // Fused cross-entropy (kernels/fused.cu): bf16 logits are read, never cast.
+                let logits = linear(&xb, head, None)?;
+                let ce = crate::cuda_kernels::ce_loss(&logits, &tb)?.reshape((r, 1))?;
+                let wce = (ce.to_dtype(DType::F64)? * wb.to_dtype(DType::F64)?)?;
+                loss = (loss + wce.sum_all()?)?;
+                if let Some(grads) = grads {
+                    let dl = crate::cuda_kernels::ce_grad(&logits, &tb, &wb)?;
+                    dxn.push(dl.matmul(head)?);
+                    grads.accumulate(w.head_name(), &dl.t()?.matmul(&xb)?)?;
+                }
+                r0 += r;
+                continue;
+            }
             let logits = linear(&xb, head, None)?.to_dtype(sd)?;
             let m = logits.max_keepdim(D::Minus1)?;
             let e = logits.broadcast_sub(&m)?.exp()?;

@@ -133,6 +133,10 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 
 /// Rotates `x: [b, t, heads, hd]` with `cos, sin: [t, hd]`: `x * cos + rotate_half(x) * sin`.
 pub(crate) fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda_kernels::applies(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() {
+        return Ok(crate::cuda_kernels::rope(x, cos, sin, false)?);
+    }
     let (t, hd) = cos.dims2()?;
     let cos = cos.reshape((1, t, 1, hd))?;
     let sin = sin.reshape((1, t, 1, hd))?;
@@ -145,5 +149,9 @@ pub(crate) fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `dx = cos ⊙ dy + (-sin) ⊙ (R dy)`: the forward rotation with `sin` negated (the inverse
 /// rotation, since the rotation is orthogonal).
 pub(crate) fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda_kernels::applies(dy) && cos.dtype() == dy.dtype() && sin.dtype() == dy.dtype() {
+        return Ok(crate::cuda_kernels::rope(dy, cos, sin, true)?);
+    }
     apply(dy, cos, &sin.neg()?)
 }

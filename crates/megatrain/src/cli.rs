@@ -101,6 +101,16 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     pub ring_depth: usize,
 
+    /// Rows of logits alive at once in the loss (larger = fewer LM-head gradient accumulations,
+    /// more memory: the planner counts it).
+    #[arg(long, default_value_t = 4096, value_parser = at_least_one, hide = true)]
+    pub rows_per_block: usize,
+
+    /// Ablation: run the CPU optimizer (staging, AdamW updates, gradient landing) serially with
+    /// compute instead of overlapped with it.
+    #[arg(long)]
+    pub no_optimizer_overlap: bool,
+
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.
     #[arg(long, value_enum, default_value_t = OptimModeArg::Exact)]

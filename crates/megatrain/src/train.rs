@@ -129,7 +129,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         host_bytes,
         ring_depth: Some(args.ring_depth),
         n_chunks: args.chunks,
-        rows_per_block: EngineOptions::default().rows_per_block,
+        rows_per_block: args.rows_per_block,
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");
@@ -229,6 +229,18 @@ fn run<B: Backend>(
         last = Some(r);
     }
     progress.finish();
+    if mt_layers::profile::enabled() {
+        // MT_PROFILE=1: where the device time went (the device was synchronised per section).
+        let sections = mt_layers::profile::take();
+        let total: f64 = sections.iter().map(|s| s.2).sum();
+        for (name, n, secs) in sections {
+            progress.note(format_args!(
+                "profile {name:<42} {n:>6} calls {:>9.1} ms {:>5.1}%",
+                1e3 * secs,
+                100.0 * secs / total.max(1e-12)
+            ));
+        }
+    }
     engine.flush_pending().context("applying the last update")?;
     store.flush().context("flushing the host store")?;
 
@@ -331,6 +343,8 @@ fn engine_options(args: &TrainArgs) -> EngineOptions {
         n_chunks: args.chunks.unwrap_or(1),
         mode: args.optim_mode.into(),
         clip: (args.clip > 0.0).then_some(args.clip),
+        overlap_optimizer: !args.no_optimizer_overlap,
+        rows_per_block: args.rows_per_block,
         ..EngineOptions::default()
     };
     opts.adamw.lr = args.lr;

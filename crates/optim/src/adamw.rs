@@ -235,7 +235,7 @@ impl GradElem for bf16 {
 }
 
 /// An upload element type the fused kernel and [`cast_into`] write.
-trait UploadElem: Copy + Send + Sync {
+pub(crate) trait UploadElem: Copy + Send + Sync {
     fn narrow(src: &[f32], dst: &mut [Self]);
 }
 

@@ -51,4 +51,4 @@ mod norm;
 
 pub use adamw::{cast_into, step_fused, step_reference, AdamW, Grad, StepArgs, Upload, CHUNK};
 pub use error::Error;
-pub use norm::{clip_coef, sum_squares};
+pub use norm::{cast_sum_squares, clip_coef, sum_squares};

@@ -2,8 +2,9 @@
 
 use rayon::prelude::*;
 
-use crate::adamw::CHUNK;
-use crate::Grad;
+use crate::adamw::{UploadElem, CHUNK};
+use crate::error::{check_len, Error};
+use crate::{Grad, Upload};
 
 /// Independent accumulators per chunk: lets LLVM keep them in SIMD registers while the summation
 /// order stays fixed by the source (lane `j` sums elements `j, j + LANES, ...` of the chunk).
@@ -22,6 +23,35 @@ pub fn sum_squares(grad: Grad<'_>) -> f64 {
         Grad::Bf16(g) => g.par_chunks(CHUNK).map(|c| chunk_sum_squares(c, |x| x.to_f32())).collect(),
     };
     partials.iter().fold(0.0, |acc, s| acc + s)
+}
+
+/// Writes `src` into `dst` (rounded to `dst`'s type) and returns the sum of squares of the values
+/// stored — bitwise [`sum_squares`] of `dst` afterwards (same chunks, same order) — in one pass
+/// over memory instead of two: each chunk is summed while it is still in cache. With
+/// `Upload::None` nothing is written and the sum is over `src`.
+pub fn cast_sum_squares(src: &[f32], dst: Upload<'_>) -> Result<f64, Error> {
+    fn go<U: UploadElem>(
+        src: &[f32],
+        dst: &mut [U],
+        to_f32: impl Fn(U) -> f32 + Sync,
+    ) -> Result<Vec<f64>, Error> {
+        check_len("gradient", src.len(), dst.len())?;
+        Ok(dst
+            .par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .map(|(d, s)| {
+                U::narrow(s, d);
+                chunk_sum_squares(d, &to_f32)
+            })
+            .collect())
+    }
+    let partials = match dst {
+        Upload::None => src.par_chunks(CHUNK).map(|c| chunk_sum_squares(c, |x| x)).collect(),
+        Upload::F32(d) => go(src, d, |x| x)?,
+        Upload::Bf16(d) => go(src, d, |x| x.to_f32())?,
+        Upload::F16(d) => go(src, d, |x| x.to_f32())?,
+    };
+    Ok(partials.iter().fold(0.0, |acc, s| acc + s))
 }
 
 #[inline(always)]
@@ -136,5 +166,30 @@ mod tests {
     fn clip_coef_propagates_nan_like_torch_clamp() {
         assert!(clip_coef(f64::NAN, 1.0).is_nan());
         assert_eq!(clip_coef(f64::INFINITY, 1.0), 0.0);
+    }
+
+    #[test]
+    fn cast_sum_squares_stores_and_sums_like_the_two_passes() {
+        let src: Vec<f32> = (0..100_003).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1.37e-3).collect();
+        for kind in 0..3 {
+            let (fused, two_pass) = match kind {
+                0 => {
+                    let mut d = vec![0f32; src.len()];
+                    let f = cast_sum_squares(&src, Upload::F32(&mut d)).unwrap();
+                    assert_eq!(d, src);
+                    (f, sum_squares(Grad::F32(&d)))
+                }
+                1 => {
+                    let mut d = vec![half::bf16::ZERO; src.len()];
+                    let f = cast_sum_squares(&src, Upload::Bf16(&mut d)).unwrap();
+                    assert!(d.iter().zip(&src).all(|(a, b)| *a == half::bf16::from_f32(*b)));
+                    (f, sum_squares(Grad::Bf16(&d)))
+                }
+                _ => (cast_sum_squares(&src, Upload::None).unwrap(), sum_squares(Grad::F32(&src))),
+            };
+            assert_eq!(fused.to_bits(), two_pass.to_bits(), "kind {kind}");
+        }
+        let mut short = vec![0f32; 3];
+        assert!(cast_sum_squares(&src, Upload::F32(&mut short)).is_err());
     }
 }

@@ -35,6 +35,10 @@ pub struct EngineOptions {
     pub clip: Option<f64>,
     /// Rows of logits alive at once in the loss.
     pub rows_per_block: usize,
+    /// Let the CPU optimizer (stage, update, land) run concurrently with compute. `false` is an
+    /// ablation: every host operation then waits for the compute issued before it and compute
+    /// waits for it, so the optimizer's time adds to the step.
+    pub overlap_optimizer: bool,
 }
 
 impl Default for EngineOptions {
@@ -47,6 +51,7 @@ impl Default for EngineOptions {
             adamw: AdamW::default(),
             clip: Some(1.0),
             rows_per_block: 1024,
+            overlap_optimizer: true,
         }
     }
 }
@@ -394,8 +399,13 @@ impl<B: Backend> Engine<B> {
     fn execute(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
         let mut events: Vec<B::Event> = Vec::with_capacity(program.instrs.len());
         let mut loss = 0.0;
+        let mut last_compute: Option<B::Event> = None;
         for ins in &program.instrs {
-            let waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
+            let mut waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
+            let serialise = !self.opts.overlap_optimizer && ins.stream == Stream::Host;
+            if serialise {
+                waits.extend(last_compute.clone());
+            }
             let ev = match ins.stream {
                 Stream::Compute => {
                     let r = self.backend.compute_wait(&waits).and_then(|()| {
@@ -415,6 +425,12 @@ impl<B: Backend> Engine<B> {
                 }
                 _ => self.issue_transfer(&ins.op, &waits, args)?,
             };
+            if ins.stream == Stream::Compute {
+                last_compute = Some(ev.clone());
+            }
+            if serialise {
+                self.backend.compute_wait(std::slice::from_ref(&ev))?;
+            }
             events.push(ev);
         }
         self.backend.synchronize()?;
@@ -483,18 +499,19 @@ impl<B: Backend> Engine<B> {
                             ),
                         });
                     }
-                    // Parallel copy / round-to-nearest cast (a 100M-parameter layer: ~10 ms, not
-                    // the ~100 ms of a serial loop, which would starve the optimizer stream).
-                    match r.grad_mut() {
-                        Some(GradMut::F32(g)) => mt_optim::cast_into(&src, Upload::F32(g))?,
-                        Some(GradMut::Bf16(g)) => mt_optim::cast_into(&src, Upload::Bf16(g))?,
-                        None => {}
-                    }
-                    // The norm of the gradient the optimizer will use: the landed f32 one when
-                    // updating now (lean), the stored (possibly bf16) one otherwise.
-                    let ss = match r.grad() {
-                        Some(g) if !update => mt_optim::sum_squares(grad_view(g)),
-                        _ => mt_optim::sum_squares(Grad::F32(&src)),
+                    // Store the gradient (parallel cast) and take Σg² of the gradient the
+                    // optimizer will use: the stored (possibly bf16) one, in the same pass; in
+                    // lean mode, which updates from the landed f32 gradient now, of that one.
+                    let stored = match r.grad_mut() {
+                        Some(GradMut::F32(g)) => Upload::F32(g),
+                        Some(GradMut::Bf16(g)) => Upload::Bf16(g),
+                        None => Upload::None,
+                    };
+                    let ss = if update {
+                        mt_optim::cast_into(&src, stored)?;
+                        mt_optim::sum_squares(Grad::F32(&src))
+                    } else {
+                        mt_optim::cast_sum_squares(&src, stored)?
                     };
                     sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
                     if update {

@@ -1,0 +1,713 @@
+//! Our CUDA kernels (`kernels/*.cu`) as candle custom ops: compiled once per process with NVRTC
+//! for the device's architecture (no nvcc at build time, so the CPU-only CI and the GPU machine
+//! build the same way), loaded through candle's module cache and launched on candle's stream.
+//!
+//! - [`causal_softmax`]: scale + causal mask + softmax of bf16 scores in one pass (f32 out);
+//! - [`softmax_backward`]: `c · P ⊙ (dP − rowsum(dP ⊙ P))` in one pass (bf16 out);
+//! - [`rms_norm`] / [`rms_norm_backward`], [`swiglu`] / [`swiglu_backward`], [`rope`]: the
+//!   decoder's elementwise work (`kernels/fused.cu`), each one or two passes instead of 5-12
+//!   candle ops, with the same bf16 roundings as the candle sequence they replace.
+//!
+//! The softmax pair replaces ~10 candle passes over the `[b, heads, t, t]` score tensor each
+//! (casts, scale, broadcast mask, max, subtract, exp, sum, divide) and the per-call upload of a
+//! `t × t` mask.
+//! This is the only module of mt-layers with `unsafe` (allocation and kernel launch).
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Storage, Tensor,
+};
+use half::bf16;
+
+const SOURCE: &str = include_str!("../../../kernels/softmax.cu");
+const MODULE: &str = "mt_softmax";
+const FUSED_SOURCE: &str = include_str!("../../../kernels/fused.cu");
+const FUSED: &str = "mt_fused";
+const THREADS: u32 = 256;
+
+type Compiled = OnceLock<std::result::Result<String, String>>;
+
+fn compile(cell: &'static Compiled, src: &str, name: &str) -> candle_core::Result<&'static str> {
+    let r = cell.get_or_init(|| {
+        let opts = CompileOptions { arch: Some("compute_90"), name: Some(name.into()), ..Default::default() };
+        compile_ptx_with_opts(src, opts).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
+    });
+    r.as_deref().map_err(|e| msg(format!("NVRTC compiling kernels/{name}: {e}")))
+}
+
+fn ptx() -> candle_core::Result<&'static str> {
+    static PTX: Compiled = OnceLock::new();
+    compile(&PTX, SOURCE, "softmax.cu")
+}
+
+fn fused_ptx() -> candle_core::Result<&'static str> {
+    static PTX: Compiled = OnceLock::new();
+    compile(&PTX, FUSED_SOURCE, "fused.cu")
+}
+
+fn msg(m: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(m.into())
+}
+
+/// The bf16 elements of a contiguous CUDA tensor (a view into a weight slot is fine) that is not one of the op's inputs (a
+/// weight held by the op).
+fn with_bf16<R>(
+    t: &Tensor,
+    f: impl FnOnce(&CudaView<'_, bf16>) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (st, l) = t.storage_and_layout();
+    if !l.is_contiguous() || t.dtype() != DType::BF16 {
+        return Err(msg("fused kernel: weights must be contiguous bf16 tensors"));
+    }
+    match &*st {
+        Storage::Cuda(cs) => f(&cs.as_cuda_slice::<bf16>()?.slice(l.start_offset()..)),
+        _ => Err(msg("fused kernel: weight not on the CUDA device")),
+    }
+}
+
+/// Grid-stride launch over `total` elements (at most 32 blocks per SM of an H100/H200).
+fn grid_for(total: usize) -> LaunchConfig {
+    let blocks = total.div_ceil(THREADS as usize).clamp(1, 132 * 32) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn rows_and_t(l: &Layout, what: &str) -> candle_core::Result<(usize, usize)> {
+    if !l.is_contiguous() {
+        return Err(candle_core::Error::Msg(format!("{what}: needs a contiguous tensor")));
+    }
+    let t = *l.dims().last().ok_or_else(|| candle_core::Error::Msg(format!("{what}: scalar input")))?;
+    Ok((l.shape().elem_count() / t.max(1), t))
+}
+
+fn launch_cfg(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+struct CausalSoftmax {
+    scale: f32,
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "mt-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("mt-causal-softmax is a CUDA kernel".into()))
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, t) = rows_and_t(l, "causal softmax")?;
+        let dev = s.device();
+        let src = s.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_causal_softmax_fwd", MODULE, ptx()?)?;
+        // SAFETY: every element is written by the kernel below before anyone reads it.
+        let out = unsafe { dev.alloc::<f32>(rows * t)? };
+        let (t32, c) = (t as i32, self.scale);
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&out);
+        b.arg(&t32);
+        b.arg(&c);
+        // SAFETY: argument types match the kernel's signature (bf16 bits, f32, int, float); one
+        // block per row of t elements; src and out hold rows * t elements.
+        unsafe { b.launch(launch_cfg(rows)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), l.shape().clone()))
+    }
+}
+
+struct SoftmaxBackward {
+    scale: f32,
+}
+
+impl CustomOp2 for SoftmaxBackward {
+    fn name(&self) -> &'static str {
+        "mt-softmax-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg("mt-softmax-backward is a CUDA kernel".into()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        dp: &CudaStorage,
+        ldp: &Layout,
+        p: &CudaStorage,
+        lp: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, t) = rows_and_t(ldp, "softmax backward dP")?;
+        if rows_and_t(lp, "softmax backward P")? != (rows, t) {
+            return Err(candle_core::Error::Msg("softmax backward: dP and P differ in shape".into()));
+        }
+        let dev = dp.device();
+        let dps = dp.as_cuda_slice::<bf16>()?.slice(ldp.start_offset()..);
+        let ps = p.as_cuda_slice::<f32>()?.slice(lp.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_softmax_bwd", MODULE, ptx()?)?;
+        // SAFETY: every element is written by the kernel below before anyone reads it.
+        let out = unsafe { dev.alloc::<bf16>(rows * t)? };
+        let (t32, c) = (t as i32, self.scale);
+        let mut b = func.builder();
+        b.arg(&dps);
+        b.arg(&ps);
+        b.arg(&out);
+        b.arg(&t32);
+        b.arg(&c);
+        // SAFETY: argument types match the kernel's signature; one block per row; all three
+        // buffers hold rows * t elements.
+        unsafe { b.launch(launch_cfg(rows)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), ldp.shape().clone()))
+    }
+}
+
+/// `softmax(scale · s)` over the last axis with the causal mask of query position
+/// `row % t` (see `kernels/softmax.cu`); `s` bf16 on a CUDA device, result f32.
+pub(crate) fn causal_softmax(s: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    if s.dtype() != DType::BF16 {
+        return Err(candle_core::Error::Msg(format!(
+            "causal softmax kernel takes bf16, not {:?}",
+            s.dtype()
+        )));
+    }
+    s.contiguous()?.apply_op1_no_bwd(&CausalSoftmax { scale: scale as f32 })
+}
+
+/// `scale · P ⊙ (dP − rowsum(dP ⊙ P))`; `dp` bf16, `p` f32, result bf16.
+pub(crate) fn softmax_backward(dp: &Tensor, p: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    if dp.dtype() != DType::BF16 || p.dtype() != DType::F32 {
+        return Err(candle_core::Error::Msg("softmax backward kernel takes bf16 dP and f32 P".into()));
+    }
+    dp.contiguous()?.apply_op2_no_bwd(&p.contiguous()?, &SoftmaxBackward { scale: scale as f32 })
+}
+
+macro_rules! no_cpu {
+    ($name:literal) => {
+        fn name(&self) -> &'static str {
+            $name
+        }
+    };
+}
+
+fn cpu_err<T>() -> candle_core::Result<T> {
+    Err(msg("fused kernels run on CUDA only"))
+}
+
+struct RmsStats {
+    eps: f32,
+}
+
+impl CustomOp1 for RmsStats {
+    no_cpu!("mt-rms-stats");
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, n) = rows_and_t(l, "rms stats")?;
+        let dev = x.device();
+        let xs = x.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_rms_stats", FUSED, fused_ptx()?)?;
+        // SAFETY: every element is written by the kernel below.
+        let out = unsafe { dev.alloc::<f32>(rows)? };
+        let (n32, eps) = (n as i32, self.eps);
+        let mut b = func.builder();
+        b.arg(&xs);
+        b.arg(&out);
+        b.arg(&n32);
+        b.arg(&eps);
+        // SAFETY: signature (bf16*, float*, int, float); one block per row of n elements.
+        unsafe { b.launch(launch_cfg(rows)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(rows)))
+    }
+}
+
+struct RmsApply {
+    w: Tensor,
+}
+
+impl CustomOp2 for RmsApply {
+    no_cpu!("mt-rms-apply");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        r: &CudaStorage,
+        lr: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, n) = rows_and_t(lx, "rms apply")?;
+        if lr.shape().elem_count() != rows || self.w.elem_count() != n {
+            return Err(msg("rms apply: r or w does not match x"));
+        }
+        let dev = x.device();
+        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
+        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_rms_apply", FUSED, fused_ptx()?)?;
+        let total = rows * n;
+        // SAFETY: every element is written by the kernel below.
+        let out = unsafe { dev.alloc::<bf16>(total)? };
+        let (tot, n32) = (total as i64, n as i32);
+        with_bf16(&self.w, |ws| {
+            let mut b = func.builder();
+            b.arg(&xs);
+            b.arg(&rs);
+            b.arg(ws);
+            b.arg(&out);
+            b.arg(&tot);
+            b.arg(&n32);
+            // SAFETY: signature (bf16*, float*, bf16*, bf16*, long long, int); sizes checked above.
+            unsafe { b.launch(grid_for(total)) }.w()?;
+            Ok(())
+        })?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
+    }
+}
+
+struct RmsBwdDx {
+    w: Tensor,
+}
+
+impl CustomOp3 for RmsBwdDx {
+    no_cpu!("mt-rms-bwd-dx");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        dy: &CudaStorage,
+        ldy: &Layout,
+        x: &CudaStorage,
+        lx: &Layout,
+        r: &CudaStorage,
+        lr: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, n) = rows_and_t(lx, "rms backward")?;
+        if rows_and_t(ldy, "rms backward dy")? != (rows, n)
+            || lr.shape().elem_count() != rows
+            || self.w.elem_count() != n
+        {
+            return Err(msg("rms backward: dy, r or w does not match x"));
+        }
+        let dev = x.device();
+        let dys = dy.as_cuda_slice::<bf16>()?.slice(ldy.start_offset()..);
+        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
+        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_rms_bwd_dx", FUSED, fused_ptx()?)?;
+        // SAFETY: every element is written by the kernel below.
+        let out = unsafe { dev.alloc::<bf16>(rows * n)? };
+        let n32 = n as i32;
+        with_bf16(&self.w, |ws| {
+            let mut b = func.builder();
+            b.arg(&dys);
+            b.arg(&xs);
+            b.arg(&rs);
+            b.arg(ws);
+            b.arg(&out);
+            b.arg(&n32);
+            // SAFETY: signature (bf16*, bf16*, float*, bf16*, bf16*, int); one block per row.
+            unsafe { b.launch(launch_cfg(rows)) }.w()?;
+            Ok(())
+        })?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
+    }
+}
+
+/// Row groups of the deterministic RMSNorm weight-gradient reduction.
+const DW_GROUPS: usize = 64;
+
+struct RmsBwdDw;
+
+impl CustomOp3 for RmsBwdDw {
+    no_cpu!("mt-rms-bwd-dw");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        dy: &CudaStorage,
+        ldy: &Layout,
+        x: &CudaStorage,
+        lx: &Layout,
+        r: &CudaStorage,
+        lr: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, n) = rows_and_t(lx, "rms dw")?;
+        if rows_and_t(ldy, "rms dw dy")? != (rows, n) || lr.shape().elem_count() != rows {
+            return Err(msg("rms dw: dy or r does not match x"));
+        }
+        let dev = x.device();
+        let dys = dy.as_cuda_slice::<bf16>()?.slice(ldy.start_offset()..);
+        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
+        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_rms_bwd_dw", FUSED, fused_ptx()?)?;
+        let groups = DW_GROUPS.min(rows.max(1));
+        // SAFETY: every element is written by the kernel below (each (group, column) once).
+        let out = unsafe { dev.alloc::<f32>(groups * n)? };
+        let (rows32, n32) = (rows as i32, n as i32);
+        let mut b = func.builder();
+        b.arg(&dys);
+        b.arg(&xs);
+        b.arg(&rs);
+        b.arg(&out);
+        b.arg(&rows32);
+        b.arg(&n32);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(32) as u32, groups as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: signature (bf16*, bf16*, float*, float*, int, int); out holds groups * n.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((groups, n))))
+    }
+}
+
+struct Swiglu;
+
+impl CustomOp2 for Swiglu {
+    no_cpu!("mt-swiglu");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        g: &CudaStorage,
+        lg: &Layout,
+        u: &CudaStorage,
+        lu: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let total = lg.shape().elem_count();
+        if lu.shape() != lg.shape() || !lg.is_contiguous() || !lu.is_contiguous() {
+            return Err(msg("swiglu: gate and up must be contiguous and of one shape"));
+        }
+        let dev = g.device();
+        let gs = g.as_cuda_slice::<bf16>()?.slice(lg.start_offset()..);
+        let us = u.as_cuda_slice::<bf16>()?.slice(lu.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_swiglu_fwd", FUSED, fused_ptx()?)?;
+        // SAFETY: every element is written by the kernel below.
+        let out = unsafe { dev.alloc::<bf16>(total)? };
+        let tot = total as i64;
+        let mut b = func.builder();
+        b.arg(&gs);
+        b.arg(&us);
+        b.arg(&out);
+        b.arg(&tot);
+        // SAFETY: signature (bf16*, bf16*, bf16*, long long); all hold `total` elements.
+        unsafe { b.launch(grid_for(total)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lg.shape().clone()))
+    }
+}
+
+struct SwigluBwd;
+
+impl CustomOp3 for SwigluBwd {
+    no_cpu!("mt-swiglu-bwd");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        d: &CudaStorage,
+        ld: &Layout,
+        g: &CudaStorage,
+        lg: &Layout,
+        u: &CudaStorage,
+        lu: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let total = lg.shape().elem_count();
+        if ld.shape() != lg.shape()
+            || lu.shape() != lg.shape()
+            || !ld.is_contiguous()
+            || !lg.is_contiguous()
+            || !lu.is_contiguous()
+        {
+            return Err(msg("swiglu backward: inputs must be contiguous and of one shape"));
+        }
+        let dev = g.device();
+        let ds = d.as_cuda_slice::<bf16>()?.slice(ld.start_offset()..);
+        let gs = g.as_cuda_slice::<bf16>()?.slice(lg.start_offset()..);
+        let us = u.as_cuda_slice::<bf16>()?.slice(lu.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_swiglu_bwd", FUSED, fused_ptx()?)?;
+        // SAFETY: every element of both halves is written by the kernel below.
+        let out = unsafe { dev.alloc::<bf16>(2 * total)? };
+        let tot = total as i64;
+        let mut b = func.builder();
+        b.arg(&ds);
+        b.arg(&gs);
+        b.arg(&us);
+        b.arg(&out);
+        b.arg(&tot);
+        // SAFETY: signature (bf16*, bf16*, bf16*, bf16*, long long); out holds 2 * total.
+        unsafe { b.launch(grid_for(total)) }.w()?;
+        let mut dims = vec![2];
+        dims.extend_from_slice(lg.dims());
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(dims)))
+    }
+}
+
+struct Rope {
+    sign: f32,
+}
+
+impl CustomOp3 for Rope {
+    no_cpu!("mt-rope");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        c: &CudaStorage,
+        lc: &Layout,
+        s: &CudaStorage,
+        ls: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (t, heads, hd) = match lx.dims() {
+            [_, t, h, d] => (*t, *h, *d),
+            d => return Err(msg(format!("rope: x must be [b, t, heads, hd], found {d:?}"))),
+        };
+        if lc.dims() != [t, hd]
+            || ls.dims() != [t, hd]
+            || !lx.is_contiguous()
+            || !lc.is_contiguous()
+            || !ls.is_contiguous()
+            || hd % 2 != 0
+        {
+            return Err(msg("rope: cos/sin must be contiguous [t, hd] (hd even) and x contiguous"));
+        }
+        let total = lx.shape().elem_count();
+        let dev = x.device();
+        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
+        let cs = c.as_cuda_slice::<bf16>()?.slice(lc.start_offset()..);
+        let ss = s.as_cuda_slice::<bf16>()?.slice(ls.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_rope", FUSED, fused_ptx()?)?;
+        // SAFETY: every element is written by the kernel below.
+        let out = unsafe { dev.alloc::<bf16>(total)? };
+        let (tot, t32, h32, hd32, sign) = (total as i64, t as i32, heads as i32, hd as i32, self.sign);
+        let mut b = func.builder();
+        b.arg(&xs);
+        b.arg(&cs);
+        b.arg(&ss);
+        b.arg(&out);
+        b.arg(&tot);
+        b.arg(&t32);
+        b.arg(&h32);
+        b.arg(&hd32);
+        b.arg(&sign);
+        // SAFETY: signature (bf16*, bf16*, bf16*, bf16*, long long, int, int, int, float).
+        unsafe { b.launch(grid_for(total)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
+    }
+}
+
+/// Whether the fused bf16 kernels apply to `x` (a bf16 tensor on a CUDA device).
+pub(crate) fn applies(x: &Tensor) -> bool {
+    x.device().is_cuda() && x.dtype() == DType::BF16
+}
+
+/// RMSNorm over the last axis: `(y, r)` with `r = 1/sqrt(mean(x²) + eps)` per row (f32).
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<(Tensor, Tensor)> {
+    let x = x.contiguous()?;
+    let r = x.apply_op1_no_bwd(&RmsStats { eps: eps as f32 })?;
+    let y = x.apply_op2_no_bwd(&r, &RmsApply { w: w.contiguous()? })?;
+    Ok((y, r))
+}
+
+/// Backward of [`rms_norm`]: `(dx` bf16, `dw` f32 `[n])`.
+pub(crate) fn rms_norm_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    r: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (dy, x) = (dy.contiguous()?, x.contiguous()?);
+    let dx = dy.apply_op3_no_bwd(&x, r, &RmsBwdDx { w: w.contiguous()? })?;
+    let dw = dy.apply_op3_no_bwd(&x, r, &RmsBwdDw)?.sum(0)?;
+    Ok((dx, dw))
+}
+
+/// `bf16(silu(gate)) * up`.
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &Swiglu)
+}
+
+/// Backward of [`swiglu`] for `d = dL/d(mid)`: `(d_gate, d_up)`.
+pub(crate) fn swiglu_backward(
+    d: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let out = d.contiguous()?.apply_op3_no_bwd(&gate.contiguous()?, &up.contiguous()?, &SwigluBwd)?;
+    Ok((out.get(0)?, out.get(1)?))
+}
+
+/// RoPE of `x [b, t, heads, hd]` with `[t, hd]` tables; `inverse` applies the backward.
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> candle_core::Result<Tensor> {
+    let op = Rope { sign: if inverse { -1.0 } else { 1.0 } };
+    x.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &op)
+}
+
+struct CeLoss;
+
+impl CustomOp2 for CeLoss {
+    no_cpu!("mt-ce-loss");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        l: &CudaStorage,
+        ll: &Layout,
+        t: &CudaStorage,
+        lt: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, v) = rows_and_t(ll, "cross-entropy logits")?;
+        if lt.shape().elem_count() != rows || !lt.is_contiguous() {
+            return Err(msg("cross-entropy: one contiguous target per row needed"));
+        }
+        let dev = l.device();
+        let ls = l.as_cuda_slice::<bf16>()?.slice(ll.start_offset()..);
+        let ts = t.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_ce_loss", FUSED, fused_ptx()?)?;
+        // SAFETY: every element is written by the kernel below (one per row).
+        let out = unsafe { dev.alloc::<f32>(rows)? };
+        let v32 = v as i32;
+        let mut b = func.builder();
+        b.arg(&ls);
+        b.arg(&ts);
+        b.arg(&out);
+        b.arg(&v32);
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: signature (bf16*, unsigned*, float*, int); one block per row of V logits.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(rows)))
+    }
+}
+
+struct CeGrad;
+
+impl CustomOp3 for CeGrad {
+    no_cpu!("mt-ce-grad");
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_err()
+    }
+    fn cuda_fwd(
+        &self,
+        l: &CudaStorage,
+        ll: &Layout,
+        t: &CudaStorage,
+        lt: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, v) = rows_and_t(ll, "cross-entropy logits")?;
+        if lt.shape().elem_count() != rows
+            || lw.shape().elem_count() != rows
+            || !lt.is_contiguous()
+            || !lw.is_contiguous()
+        {
+            return Err(msg("cross-entropy gradient: one contiguous target and weight per row needed"));
+        }
+        let dev = l.device();
+        let ls = l.as_cuda_slice::<bf16>()?.slice(ll.start_offset()..);
+        let ts = t.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
+        let ws = w.as_cuda_slice::<f32>()?.slice(lw.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_ce_grad", FUSED, fused_ptx()?)?;
+        // SAFETY: every element is written by the kernel below.
+        let out = unsafe { dev.alloc::<bf16>(rows * v)? };
+        let v32 = v as i32;
+        let mut b = func.builder();
+        b.arg(&ls);
+        b.arg(&ts);
+        b.arg(&ws);
+        b.arg(&out);
+        b.arg(&v32);
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: signature (bf16*, unsigned*, float*, bf16*, int); one block per row.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), ll.shape().clone()))
+    }
+}
+
+/// Per-row cross-entropy `logsumexp(l) − l[target]` of bf16 logits `[rows, V]` (f32 `[rows]`).
+pub(crate) fn ce_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    logits.contiguous()?.apply_op2_no_bwd(&targets.contiguous()?, &CeLoss)
+}
+
+/// `d(w · ce)/dl = w (softmax(l) − onehot(target))` in bf16, `weights` f32 per row.
+pub(crate) fn ce_grad(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> candle_core::Result<Tensor> {
+    logits.contiguous()?.apply_op3_no_bwd(&targets.contiguous()?, &weights.contiguous()?, &CeGrad)
+}

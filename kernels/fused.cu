@@ -1,0 +1,184 @@
+// Fused elementwise kernels of the decoder layer for bf16 compute: RMSNorm forward/backward,
+// SwiGLU forward/backward, RoPE (forward; the backward is the same kernel with sin negated).
+// Compiled at run time with NVRTC (crates/layers/src/cuda_kernels.rs); no CUDA headers.
+//
+// Each kernel reproduces, in one pass, the rounding of the candle op sequence it replaces
+// (crates/layers/src/ops.rs, rope.rs): every intermediate that candle rounds to bf16 is rounded
+// here too (f2bf), statistics are f32. So the fused path matches the unfused bf16 path to
+// within a last-bit difference of exp/division implementations, not just "approximately".
+
+__device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
+
+__device__ __forceinline__ unsigned short f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }  // round through bf16
+
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < nw ? sh[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) sh[0] = v;
+    }
+    __syncthreads();
+    v = sh[0];
+    __syncthreads();
+    return v;
+}
+
+// r[row] = 1 / sqrt(mean(x^2) + eps). One block per row.
+extern "C" __global__ void mt_rms_stats(const unsigned short* __restrict__ x, float* __restrict__ r, int n, float eps) {
+    __shared__ float sh[32];
+    const unsigned short* xr = x + (size_t)blockIdx.x * n;
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) { float v = bf2f(xr[j]); s += v * v; }
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) r[blockIdx.x] = 1.0f / sqrtf(s / (float)n + eps);
+}
+
+// y = bf16(bf16(x r) w). Grid-stride over rows*n elements.
+extern "C" __global__ void mt_rms_apply(const unsigned short* __restrict__ x, const float* __restrict__ r,
+                                        const unsigned short* __restrict__ w, unsigned short* __restrict__ y,
+                                        long long total, int n) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+        int j = (int)(e % n);
+        float xhat = rbf(bf2f(x[e]) * r[e / n]);
+        y[e] = f2bf(xhat * bf2f(w[j]));
+    }
+}
+
+// dx = bf16(g r - x r^3 mean(g x)), g = bf16(dy w). One block per row.
+extern "C" __global__ void mt_rms_bwd_dx(const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x,
+                                         const float* __restrict__ r, const unsigned short* __restrict__ w,
+                                         unsigned short* __restrict__ dx, int n) {
+    __shared__ float sh[32];
+    const size_t off = (size_t)blockIdx.x * n;
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) s += rbf(bf2f(dy[off + j]) * bf2f(w[j])) * bf2f(x[off + j]);
+    s = block_sum(s, sh);
+    const float rr = r[blockIdx.x];
+    const float k = ((rr * rr) * rr) * (s / (float)n);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float g = rbf(bf2f(dy[off + j]) * bf2f(w[j]));
+        dx[off + j] = f2bf(g * rr - bf2f(x[off + j]) * k);
+    }
+}
+
+// partial[grp, j] = sum over the rows of group grp of dy[row, j] * bf16(x[row, j] r[row]).
+// Block (32, 8): 32 columns, 8 row lanes; grid (ceil(n/32), groups). Deterministic (no atomics);
+// the caller sums the partials over groups.
+extern "C" __global__ void mt_rms_bwd_dw(const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x,
+                                         const float* __restrict__ r, float* __restrict__ partial,
+                                         int rows, int n) {
+    __shared__ float sh[8][33];
+    const int j = blockIdx.x * 32 + threadIdx.x;
+    const int groups = gridDim.y, per = (rows + groups - 1) / groups;
+    const int r0 = blockIdx.y * per, r1 = min(rows, r0 + per);
+    float acc = 0.0f;
+    if (j < n)
+        for (int row = r0 + threadIdx.y; row < r1; row += 8)
+            acc += bf2f(dy[(size_t)row * n + j]) * rbf(bf2f(x[(size_t)row * n + j]) * r[row]);
+    sh[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < n) {
+        float t = 0.0f;
+        for (int k = 0; k < 8; ++k) t += sh[k][threadIdx.x];
+        partial[(size_t)blockIdx.y * n + j] = t;
+    }
+}
+
+__device__ __forceinline__ float silu_bf(float g) { return rbf(g / (1.0f + expf(-g))); }
+
+// mid = bf16(bf16(silu(g)) u).
+extern "C" __global__ void mt_swiglu_fwd(const unsigned short* __restrict__ g, const unsigned short* __restrict__ u,
+                                         unsigned short* __restrict__ mid, long long total) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x)
+        mid[e] = f2bf(silu_bf(bf2f(g[e])) * bf2f(u[e]));
+}
+
+// out[0] = d_gate = bf16(bf16(d u) bf16(silu'(g))), out[1] = d_up = bf16(d bf16(silu(g))).
+extern "C" __global__ void mt_swiglu_bwd(const unsigned short* __restrict__ d, const unsigned short* __restrict__ g,
+                                         const unsigned short* __restrict__ u, unsigned short* __restrict__ out,
+                                         long long total) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+        float gv = bf2f(g[e]), dv = bf2f(d[e]);
+        float s = 1.0f / (1.0f + expf(-gv));
+        float sg = rbf(s * ((gv * (1.0f - s)) + 1.0f));
+        out[e] = f2bf(rbf(dv * bf2f(u[e])) * sg);
+        out[total + e] = f2bf(dv * silu_bf(gv));
+    }
+}
+
+// y = bf16(bf16(x cos) + bf16(rot(x) (sign sin))), rot(x) = cat(-x2, x1) per head of hd;
+// x [b, t, heads, hd], cos/sin [t, hd] bf16. sign = -1 gives the backward.
+extern "C" __global__ void mt_rope(const unsigned short* __restrict__ x, const unsigned short* __restrict__ cs,
+                                   const unsigned short* __restrict__ sn, unsigned short* __restrict__ y,
+                                   long long total, int t, int heads, int hd, float sign) {
+    const int half = hd / 2;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+        int i = (int)(e % hd);
+        int pos = (int)((e / ((long long)hd * heads)) % t);
+        float rot = i < half ? -bf2f(x[e + half]) : bf2f(x[e - half]);
+        float c = bf2f(cs[(size_t)pos * hd + i]), s = rbf(sign * bf2f(sn[(size_t)pos * hd + i]));
+        y[e] = f2bf(rbf(bf2f(x[e]) * c) + rbf(rot * s));
+    }
+}
+
+// Cross-entropy over one block of logits rows (bf16 [rows, V], from the LM-head GEMM), one
+// CUDA block per row, statistics in f32 as the candle path (logits rounded to bf16, then f32):
+//   m = max_j l_j, z = sum_j exp(l_j - m), ce = m + ln z - l[target].
+__device__ __forceinline__ void row_max_sum(const unsigned short* lr, int V, float* sh, float* m_out, float* z_out) {
+    float m = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, bf2f(lr[j]));
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) sh[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < nw ? sh[lane] : __int_as_float(0xff800000);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) sh[0] = m;
+    }
+    __syncthreads();
+    m = sh[0];
+    __syncthreads();
+    float z = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) z += expf(bf2f(lr[j]) - m);
+    z = block_sum(z, sh);
+    *m_out = m;
+    *z_out = z;
+}
+
+// ce[row] = logsumexp(l) - l[target[row]].
+extern "C" __global__ void mt_ce_loss(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
+                                      float* __restrict__ ce, int V) {
+    __shared__ float sh[32];
+    const unsigned short* lr = logits + (size_t)blockIdx.x * V;
+    float m, z;
+    row_max_sum(lr, V, sh, &m, &z);
+    if (threadIdx.x == 0) ce[blockIdx.x] = (m + logf(z)) - bf2f(lr[target[blockIdx.x]]);
+}
+
+// dl[row, j] = bf16(w p_j - w [j == target]), p = softmax(l): d(w ce)/dl.
+extern "C" __global__ void mt_ce_grad(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
+                                      const float* __restrict__ w, unsigned short* __restrict__ dl, int V) {
+    __shared__ float sh[32];
+    const size_t off = (size_t)blockIdx.x * V;
+    float m, z;
+    row_max_sum(logits + off, V, sh, &m, &z);
+    const float wr = w[blockIdx.x];
+    const unsigned tg = target[blockIdx.x];
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float v = (expf(bf2f(logits[off + j]) - m) / z) * wr;
+        if ((unsigned)j == tg) v += -wr;
+        dl[off + j] = f2bf(v);
+    }
+}
