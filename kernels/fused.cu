@@ -2,10 +2,11 @@
 // SwiGLU forward/backward, RoPE (forward; the backward is the same kernel with sin negated).
 // Compiled at run time with NVRTC (crates/layers/src/cuda_kernels.rs); no CUDA headers.
 //
-// Each kernel reproduces, in one pass, the rounding of the candle op sequence it replaces
+// Each kernel reproduces, in one pass, the roundings of the candle op sequence it replaces
 // (crates/layers/src/ops.rs, rope.rs): every intermediate that candle rounds to bf16 is rounded
-// here too (f2bf), statistics are f32. So the fused path matches the unfused bf16 path to
-// within a last-bit difference of exp/division implementations, not just "approximately".
+// here too (f2bf), statistics are f32, every multiply and add is rounded separately (NVRTC runs
+// with --fmad=false) and means are sum * (1/n) as candle computes them. What still differs:
+// the order of the reductions (sums over a row or over rows) and the exp implementation.
 
 __device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
 
@@ -41,7 +42,7 @@ extern "C" __global__ void mt_rms_stats(const unsigned short* __restrict__ x, fl
     float s = 0.0f;
     for (int j = threadIdx.x; j < n; j += blockDim.x) { float v = bf2f(xr[j]); s += v * v; }
     s = block_sum(s, sh);
-    if (threadIdx.x == 0) r[blockIdx.x] = 1.0f / sqrtf(s / (float)n + eps);
+    if (threadIdx.x == 0) r[blockIdx.x] = 1.0f / sqrtf(s * (1.0f / (float)n) + eps);  // candle: sum * (1/n)
 }
 
 // y = bf16(bf16(x r) w). Grid-stride over rows*n elements.
@@ -65,7 +66,7 @@ extern "C" __global__ void mt_rms_bwd_dx(const unsigned short* __restrict__ dy, 
     for (int j = threadIdx.x; j < n; j += blockDim.x) s += rbf(bf2f(dy[off + j]) * bf2f(w[j])) * bf2f(x[off + j]);
     s = block_sum(s, sh);
     const float rr = r[blockIdx.x];
-    const float k = ((rr * rr) * rr) * (s / (float)n);
+    const float k = ((rr * rr) * rr) * (s * (1.0f / (float)n));
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
         float g = rbf(bf2f(dy[off + j]) * bf2f(w[j]));
         dx[off + j] = f2bf(g * rr - bf2f(x[off + j]) * k);

@@ -54,8 +54,7 @@ extern "C" __global__ void mt_causal_softmax_fwd(const unsigned short* __restric
     float z = 0.0f;
     for (int j = threadIdx.x; j <= i; j += blockDim.x) z += expf(c * bf2f(sr[j]) - m);
     z = block_reduce(z, sh, false);
-    const float inv = 1.0f / z;
-    for (int j = threadIdx.x; j < t; j += blockDim.x) pr[j] = j <= i ? expf(c * bf2f(sr[j]) - m) * inv : 0.0f;
+    for (int j = threadIdx.x; j < t; j += blockDim.x) pr[j] = j <= i ? expf(c * bf2f(sr[j]) - m) / z : 0.0f;
 }
 
 extern "C" __global__ void mt_softmax_bwd(const unsigned short* __restrict__ dp, const float* __restrict__ p,

@@ -192,8 +192,9 @@ impl ModelLayout {
 
 /// Model FLOPs of one training step of `batch` sequences of `seq` tokens — the one convention
 /// every figure in this project uses (the peers' in `shared/notes/measured.md`):
-/// `6·N·T + 6·L·seq·hidden·T`, `N` all parameters (embedding included), `T = batch·seq`, `L`
-/// decoder layers. Attention is counted without the causal discount; recompute is not counted.
+/// `6·N·T + 6·L·seq·hidden·T`, `N` all parameters (the input embedding, a lookup, included: +11%
+/// on the `6·N·T` term at the 3.6B Llama-3 shape), `T = batch·seq`, `L` decoder layers. The
+/// attention term is the causal half of the full `12·L·seq·hidden·T`; recompute is not counted.
 pub fn model_flops_per_step(cfg: &ModelConfig, batch: usize, seq: usize) -> f64 {
     let n = ModelLayout::new(cfg).n_params() as f64;
     let t = (batch * seq) as f64;

@@ -34,7 +34,14 @@ type Compiled = OnceLock<std::result::Result<String, String>>;
 
 fn compile(cell: &'static Compiled, src: &str, name: &str) -> candle_core::Result<&'static str> {
     let r = cell.get_or_init(|| {
-        let opts = CompileOptions { arch: Some("compute_90"), name: Some(name.into()), ..Default::default() };
+        // No FMA contraction: candle rounds every multiply and add separately, and the kernels
+        // promise the same roundings (kernels/fused.cu).
+        let opts = CompileOptions {
+            arch: Some("compute_90"),
+            name: Some(name.into()),
+            fmad: Some(false),
+            ..Default::default()
+        };
         compile_ptx_with_opts(src, opts).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
     });
     r.as_deref().map_err(|e| msg(format!("NVRTC compiling kernels/{name}: {e}")))
@@ -557,9 +564,16 @@ impl CustomOp3 for Rope {
     }
 }
 
-/// Whether the fused bf16 kernels apply to `x` (a bf16 tensor on a CUDA device).
+/// Whether the fused bf16 kernels apply to `x`: a bf16 tensor on a CUDA device of compute
+/// capability 9.0 or later (the PTX targets `compute_90`; older GPUs use the candle path).
 pub(crate) fn applies(x: &Tensor) -> bool {
-    x.device().is_cuda() && x.dtype() == DType::BF16
+    static HOPPER: OnceLock<bool> = OnceLock::new();
+    match x.device() {
+        candle_core::Device::Cuda(d) if x.dtype() == DType::BF16 => *HOPPER.get_or_init(|| {
+            d.cuda_stream().context().compute_capability().is_ok_and(|(major, _)| major >= 9)
+        }),
+        _ => false,
+    }
 }
 
 /// RMSNorm over the last axis: `(y, r)` with `r = 1/sqrt(mean(x²) + eps)` per row (f32).

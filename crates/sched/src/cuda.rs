@@ -111,7 +111,9 @@ impl CudaBackend {
     fn timing_event(&self) -> Result<Arc<CudaEvent>> {
         let ev = self
             .ctx
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            // Blocking sync: a host thread waiting on it sleeps instead of spinning a core the
+            // CPU optimizer needs.
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
             .map_err(cuda_err("creating an event"))?;
         Ok(Arc::new(ev))
     }
@@ -275,6 +277,8 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
+        // Binds the context to the calling thread too (the engine's Drop relies on it).
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         let workers = self.workers.drain();
         let streams = [("compute", &self.compute), ("h2d", &self.h2d), ("d2h", &self.d2h)]
             .into_iter()

@@ -81,6 +81,13 @@ pub struct StepReport {
 
 /// The streamed training engine.
 pub struct Engine<B: Backend> {
+    // Field order is drop order: the (page-locked) staging and landing rings are unregistered
+    // while the backend, and with it the CUDA context, is still alive; `Drop` drains every
+    // stream first, so no copy is in flight when they go.
+    staging: Vec<Arc<Mutex<Staging>>>,
+    outer_staging: Arc<Mutex<Staging>>,
+    landing: Vec<Arc<Mutex<HostVec<f32>>>>,
+    outer_landing: Arc<Mutex<HostVec<f32>>>,
     cfg: ModelConfig,
     layout: ModelLayout,
     store: Arc<HostStore>,
@@ -89,12 +96,16 @@ pub struct Engine<B: Backend> {
     layer_t: DecoderLayer,
     outer_t: Outer,
     rope: Option<Rope>,
-    staging: Vec<Arc<Mutex<Staging>>>,
-    outer_staging: Arc<Mutex<Staging>>,
-    landing: Vec<Arc<Mutex<HostVec<f32>>>>,
-    outer_landing: Arc<Mutex<HostVec<f32>>>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     opts: EngineOptions,
+}
+
+impl<B: Backend> Drop for Engine<B> {
+    fn drop(&mut self) {
+        // Also makes the backend's context current on this thread (CUDA), which unregistering
+        // the page-locked rings needs.
+        let _ = self.backend.synchronize();
+    }
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -386,7 +397,10 @@ impl<B: Backend> Engine<B> {
             let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &self.pool.slots[0])?;
             x = self.layer_t.forward(&w, &x, rope)?;
         }
-        Ok(self.outer_t.logits(&ow, &x)?)
+        let logits = self.outer_t.logits(&ow, &x)?;
+        // The slots are read on the compute stream; the next step's uploads must not overtake.
+        self.backend.synchronize()?;
+        Ok(logits)
     }
 
     fn ensure_rope(&mut self, seq: usize) -> Result<()> {
@@ -397,6 +411,17 @@ impl<B: Backend> Engine<B> {
     }
 
     fn execute(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
+        let r = self.issue_all(program, chunks, args);
+        // Every exit drains every stream first, so no job or copy of this step outlives it (a
+        // retried step would otherwise stage into a buffer an old upload still reads) and a
+        // stale stream error cannot fail the next step.
+        let drained = self.backend.synchronize();
+        let loss = r?;
+        drained?;
+        Ok(loss)
+    }
+
+    fn issue_all(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
         let mut events: Vec<B::Event> = Vec::with_capacity(program.instrs.len());
         let mut loss = 0.0;
         let mut last_compute: Option<B::Event> = None;
@@ -408,20 +433,11 @@ impl<B: Backend> Engine<B> {
             }
             let ev = match ins.stream {
                 Stream::Compute => {
-                    let r = self.backend.compute_wait(&waits).and_then(|()| {
-                        self.backend.compute_begin();
-                        let t0 = self.backend.now_s();
-                        self.run_compute(&ins.op, chunks, &mut loss)?;
-                        Ok(t0)
-                    });
-                    match r {
-                        Ok(t0) => self.backend.compute_record(format!("{:?}", ins.op), t0),
-                        Err(e) => {
-                            // Drain the other streams before reporting, so no job outlives the step.
-                            let _ = self.backend.synchronize();
-                            return Err(e);
-                        }
-                    }
+                    self.backend.compute_wait(&waits)?;
+                    self.backend.compute_begin();
+                    let t0 = self.backend.now_s();
+                    self.run_compute(&ins.op, chunks, &mut loss)?;
+                    self.backend.compute_record(format!("{:?}", ins.op), t0)
                 }
                 _ => self.issue_transfer(&ins.op, &waits, args)?,
             };
@@ -433,7 +449,6 @@ impl<B: Backend> Engine<B> {
             }
             events.push(ev);
         }
-        self.backend.synchronize()?;
         Ok(loss)
     }
 

@@ -145,7 +145,7 @@ pub struct Plan {
     /// Model parameters (padding excluded).
     pub n_params: u64,
     /// Model FLOPs per step ([`mt_core::model_flops_per_step`]: `6·N·T + 6·L·s·hidden·T`, all
-    /// parameters, causal masking not discounted, recompute not counted).
+    /// parameters, attention with the causal half, recompute not counted).
     pub flops_per_step: f64,
 }
 

@@ -141,8 +141,10 @@ fn a_missing_wait_shows_up_as_a_wrong_gradient() {
         grads_of(&store)
     };
     type Edit = fn(&mut mt_sched::Program);
-    let slow_h2d = CpuOptions { h2d_delay_us: 4000, seed: 1, ..CpuOptions::default() };
-    let slow_d2h = CpuOptions { d2h_delay_us: 8000, seed: 1, ..CpuOptions::default() };
+    // Delays far longer than a tiny layer's compute even on a loaded 2-core CI machine (a race
+    // window shorter than the compute it races with would pass by luck).
+    let slow_h2d = CpuOptions { h2d_delay_us: 30_000, seed: 1, ..CpuOptions::default() };
+    let slow_d2h = CpuOptions { d2h_delay_us: 60_000, seed: 1, ..CpuOptions::default() };
     let edits: [(&str, CpuOptions, Edit); 2] = [
         ("compute does not wait for uploads", slow_h2d, |p| {
             for i in &mut p.instrs {
