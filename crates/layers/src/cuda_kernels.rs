@@ -95,18 +95,57 @@ fn launch_cfg(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// `name` and a CPU forward that refuses, for an op that exists only as a CUDA kernel; the
+/// argument is the op's arity (1, 2 or 3 inputs).
+macro_rules! cuda_only {
+    ($name:literal, 1) => {
+        cuda_only!(@name $name);
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+            Err(cuda_only!(@err $name))
+        }
+    };
+    ($name:literal, 2) => {
+        cuda_only!(@name $name);
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            Err(cuda_only!(@err $name))
+        }
+    };
+    ($name:literal, 3) => {
+        cuda_only!(@name $name);
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            Err(cuda_only!(@err $name))
+        }
+    };
+    (@name $name:literal) => {
+        fn name(&self) -> &'static str {
+            $name
+        }
+    };
+    (@err $name:literal) => {
+        msg(concat!($name, " is a CUDA kernel (no CPU implementation)"))
+    };
+}
+
 struct CausalSoftmax {
     scale: f32,
 }
 
 impl CustomOp1 for CausalSoftmax {
-    fn name(&self) -> &'static str {
-        "mt-causal-softmax"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("mt-causal-softmax is a CUDA kernel".into()))
-    }
+    cuda_only!("mt-causal-softmax", 1);
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let (rows, t) = rows_and_t(l, "causal softmax")?;
@@ -133,19 +172,7 @@ struct SoftmaxBackward {
 }
 
 impl CustomOp2 for SoftmaxBackward {
-    fn name(&self) -> &'static str {
-        "mt-softmax-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(candle_core::Error::Msg("mt-softmax-backward is a CUDA kernel".into()))
-    }
+    cuda_only!("mt-softmax-backward", 2);
 
     fn cuda_fwd(
         &self,
@@ -198,27 +225,12 @@ pub(crate) fn softmax_backward(dp: &Tensor, p: &Tensor, scale: f64) -> candle_co
     dp.contiguous()?.apply_op2_no_bwd(&p.contiguous()?, &SoftmaxBackward { scale: scale as f32 })
 }
 
-macro_rules! no_cpu {
-    ($name:literal) => {
-        fn name(&self) -> &'static str {
-            $name
-        }
-    };
-}
-
-fn cpu_err<T>() -> candle_core::Result<T> {
-    Err(msg("fused kernels run on CUDA only"))
-}
-
 struct RmsStats {
     eps: f32,
 }
 
 impl CustomOp1 for RmsStats {
-    no_cpu!("mt-rms-stats");
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-rms-stats", 1);
     fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let (rows, n) = rows_and_t(l, "rms stats")?;
         let dev = x.device();
@@ -243,16 +255,7 @@ struct RmsApply {
 }
 
 impl CustomOp2 for RmsApply {
-    no_cpu!("mt-rms-apply");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-rms-apply", 2);
     fn cuda_fwd(
         &self,
         x: &CudaStorage,
@@ -293,18 +296,7 @@ struct RmsBwdDx {
 }
 
 impl CustomOp3 for RmsBwdDx {
-    no_cpu!("mt-rms-bwd-dx");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-rms-bwd-dx", 3);
     fn cuda_fwd(
         &self,
         dy: &CudaStorage,
@@ -351,18 +343,7 @@ const DW_GROUPS: usize = 64;
 struct RmsBwdDw;
 
 impl CustomOp3 for RmsBwdDw {
-    no_cpu!("mt-rms-bwd-dw");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-rms-bwd-dw", 3);
     fn cuda_fwd(
         &self,
         dy: &CudaStorage,
@@ -406,16 +387,7 @@ impl CustomOp3 for RmsBwdDw {
 struct Swiglu;
 
 impl CustomOp2 for Swiglu {
-    no_cpu!("mt-swiglu");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-swiglu", 2);
     fn cuda_fwd(
         &self,
         g: &CudaStorage,
@@ -448,18 +420,7 @@ impl CustomOp2 for Swiglu {
 struct SwigluBwd;
 
 impl CustomOp3 for SwigluBwd {
-    no_cpu!("mt-swiglu-bwd");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-swiglu-bwd", 3);
     fn cuda_fwd(
         &self,
         d: &CudaStorage,
@@ -505,18 +466,7 @@ struct Rope {
 }
 
 impl CustomOp3 for Rope {
-    no_cpu!("mt-rope");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-rope", 3);
     fn cuda_fwd(
         &self,
         x: &CudaStorage,
@@ -621,16 +571,7 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> can
 struct CeLoss;
 
 impl CustomOp2 for CeLoss {
-    no_cpu!("mt-ce-loss");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-ce-loss", 2);
     fn cuda_fwd(
         &self,
         l: &CudaStorage,
@@ -665,18 +606,7 @@ impl CustomOp2 for CeLoss {
 struct CeGrad;
 
 impl CustomOp3 for CeGrad {
-    no_cpu!("mt-ce-grad");
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_err()
-    }
+    cuda_only!("mt-ce-grad", 3);
     fn cuda_fwd(
         &self,
         l: &CudaStorage,
