@@ -306,6 +306,72 @@ impl ModelConfig {
         }
     }
 
+    /// The model as a Hugging Face `config.json` document (transformers-5 spelling, with the
+    /// transformers-4 `rope_theta`/`rope_scaling` keys too), for exporting a model that has no
+    /// source `config.json` (the built-in one, or `megatrain init`). `from_json` of the result
+    /// gives back `self`.
+    pub fn to_hf_json(&self) -> Value {
+        let (model_type, class) = match self.arch {
+            Arch::Llama => ("llama", "LlamaForCausalLM"),
+            Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+            Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+        };
+        let mut rope = serde_json::json!({ "rope_type": "default", "rope_theta": self.rope_theta });
+        match &self.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => {
+                rope["rope_type"] = "linear".into();
+                rope["factor"] = (*factor).into();
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                rope["rope_type"] = "llama3".into();
+                rope["factor"] = (*factor).into();
+                rope["low_freq_factor"] = (*low_freq_factor).into();
+                rope["high_freq_factor"] = (*high_freq_factor).into();
+                rope["original_max_position_embeddings"] = (*original_max_position_embeddings as u64).into();
+            }
+        }
+        let mut v = serde_json::json!({
+            "architectures": [class],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope.clone(),
+            "torch_dtype": "float32",
+        });
+        if self.rope_scaling.is_some() {
+            v["rope_scaling"] = rope;
+        }
+        match self.arch {
+            Arch::Llama => v["attention_bias"] = self.qkv_bias.into(),
+            Arch::Qwen2 | Arch::Qwen3 => {
+                v["use_sliding_window"] = false.into();
+                if self.arch == Arch::Qwen3 {
+                    v["attention_bias"] = self.qkv_bias.into();
+                }
+            }
+        }
+        if let Some(w) = self.sliding_window {
+            v["sliding_window"] = w.into();
+        }
+        v
+    }
+
     /// Query width (`num_attention_heads * head_dim`).
     pub fn q_dim(&self) -> usize {
         self.num_attention_heads * self.head_dim
@@ -340,6 +406,23 @@ mod tests {
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "rms_norm_eps": 1e-5, "hidden_act": "silu"
         })
+    }
+
+    #[test]
+    fn to_hf_json_round_trips_every_golden_config() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testkit/fixtures/golden");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.to_string_lossy().ends_with(".config.json") {
+                let c = ModelConfig::from_file(&p).unwrap();
+                assert_eq!(ModelConfig::from_json(&c.to_hf_json()).unwrap(), c, "{}", p.display());
+                n += 1;
+            }
+        }
+        assert_eq!(n, 4);
+        let t = ModelConfig::tiny_llama();
+        assert_eq!(ModelConfig::from_json(&t.to_hf_json()).unwrap(), t);
     }
 
     #[test]

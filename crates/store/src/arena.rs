@@ -24,21 +24,21 @@ pub enum GradDtype {
 }
 
 impl GradDtype {
-    fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             GradDtype::F32 => 4,
             GradDtype::Bf16 => 2,
             GradDtype::None => 0,
         }
     }
-    fn code(self) -> u32 {
+    pub(crate) fn code(self) -> u32 {
         match self {
             GradDtype::F32 => 1,
             GradDtype::Bf16 => 2,
             GradDtype::None => 3,
         }
     }
-    fn from_code(c: u32) -> Option<Self> {
+    pub(crate) fn from_code(c: u32) -> Option<Self> {
         match c {
             1 => Some(GradDtype::F32),
             2 => Some(GradDtype::Bf16),
@@ -180,14 +180,14 @@ impl RecordGuard<'_> {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct RecordLoc {
+pub(crate) struct RecordLoc {
     /// Byte offset of the record in the arena: a metadata page (applied-update counter), then
     /// the regions.
-    base: usize,
+    pub(crate) base: usize,
     /// Elements per region.
-    len: usize,
+    pub(crate) len: usize,
     /// Bytes of one fp32 region, page-rounded.
-    f32_region: usize,
+    pub(crate) f32_region: usize,
 }
 
 impl RecordLoc {
@@ -206,13 +206,13 @@ pub struct HostStore {
     /// Owns the mapping (unmapped on drop). All data access goes through `base`.
     map: MmapMut,
     base: *mut u8,
-    total_len: usize,
+    pub(crate) total_len: usize,
     /// The backing file, holding an exclusive advisory lock for the store's lifetime.
     file: Option<File>,
     path: Option<PathBuf>,
     layout: ModelLayout,
     grad: GradDtype,
-    records: Vec<RecordLoc>,
+    pub(crate) records: Vec<RecordLoc>,
     locks: Vec<Mutex<()>>,
     header_lock: Mutex<()>,
 }
@@ -341,7 +341,7 @@ impl HostStore {
         }
     }
 
-    fn with_header<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    pub(crate) fn with_header<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
         let _g = self.header_lock.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the header page is bytes [0, PAGE) of the live mapping, disjoint from every
         // record; `header_lock` makes this the only reference to it.
@@ -430,8 +430,14 @@ impl HostStore {
         let range = spec.offset..spec.offset + data.len();
         let p = r.parts();
         p.master[range.clone()].copy_from_slice(data);
-        p.m[range.clone()].fill(0.0);
-        p.v[range].fill(0.0);
+        // Zero the moments only where they are not zero already: reading a never-written page
+        // of an anonymous or sparse mapping maps the shared zero page, writing would allocate
+        // it, so importing into a fresh store keeps its moments out of RAM until training.
+        for region in [&mut p.m[range.clone()], &mut p.v[range]] {
+            if region.iter().any(|&x| x.to_bits() != 0) {
+                region.fill(0.0);
+            }
+        }
         Ok(())
     }
 

@@ -22,6 +22,7 @@
 mod arena;
 mod header;
 mod host_vec;
+mod snapshot;
 mod staging;
 
 pub use arena::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, RecordParts, StoreState};

@@ -1,0 +1,158 @@
+//! Checkpoint snapshots: a copy of the store's training state written to a new file while no
+//! step runs, and read back into a live store on resume.
+//!
+//! A snapshot is a file in the file-backed store format (so [`HostStore::open`] reads it too)
+//! holding the header page and, per record, the meta page and the master, m and v regions. The
+//! gradient regions are left as holes (sparse, no disk blocks): a snapshot is only taken with no
+//! update pending, when the gradient buffer holds nothing the next step needs. That makes a
+//! checkpoint 12 bytes per parameter on disk whatever the gradient dtype.
+//!
+//! Crash consistency: the file is written as `PATH.tmp`, synced, and renamed to `PATH`; a reader
+//! never sees a half-written snapshot under the final name. Writing the manifest that points at
+//! it (and syncing the directory) is the caller's job.
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use mt_core::{Error, Result, Unit};
+
+use crate::arena::HostStore;
+use crate::header::{self, off};
+use crate::{GradDtype, StoreState, PAGE};
+
+impl HostStore {
+    /// Writes a snapshot of the whole training state to `path` (see the module docs) and
+    /// returns the bytes written. Refuses while an update is pending (apply it first: the
+    /// engine's `flush_pending`) and refuses to overwrite an existing `path`.
+    pub fn write_snapshot(&self, path: &Path) -> Result<u64> {
+        let io = |p: &Path| {
+            let p = p.to_owned();
+            move |source| Error::Io { path: p, source }
+        };
+        let state = self.state();
+        if state.pending_update {
+            return Err(Error::Store {
+                path: path.to_owned(),
+                msg: "cannot snapshot with an optimizer update pending; apply it first".into(),
+            });
+        }
+        if path.exists() {
+            return Err(Error::Store { path: path.to_owned(), msg: "snapshot file already exists".into() });
+        }
+        let tmp = tmp_path(path);
+        let file = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp).map_err(io(&tmp))?;
+        let result = (|| {
+            file.set_len(self.total_len as u64).map_err(io(&tmp))?;
+            let mut page = vec![0u8; PAGE];
+            self.with_header(|h| page.copy_from_slice(h));
+            file.write_all_at(&page, 0).map_err(io(&tmp))?;
+            let mut written = PAGE as u64;
+            for (i, loc) in self.records.iter().enumerate() {
+                let r = self.record(self.unit_at(i));
+                let mut meta = [0u8; 8];
+                meta.copy_from_slice(&r.applied_step().to_le_bytes());
+                file.write_all_at(&meta, loc.base as u64).map_err(io(&tmp))?;
+                for (k, region) in [r.master(), r.m(), r.v()].into_iter().enumerate() {
+                    let at = (loc.base + PAGE + k * loc.f32_region) as u64;
+                    file.write_all_at(bytemuck::cast_slice(region), at).map_err(io(&tmp))?;
+                    written += (region.len() * 4) as u64;
+                }
+            }
+            file.sync_all().map_err(io(&tmp))?;
+            Ok(written)
+        })();
+        drop(file);
+        match result {
+            Ok(n) => {
+                fs::rename(&tmp, path).map_err(io(path))?;
+                Ok(n)
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    /// Replaces this store's training state with the snapshot at `path` (written by
+    /// [`HostStore::write_snapshot`] for the same model layout and gradient dtype) and returns
+    /// the restored header state. The gradient buffer is zeroed. Nothing is changed if the
+    /// snapshot is refused (wrong model or gradient dtype, truncated, pending update); a read
+    /// error part-way leaves the store partly overwritten, so the caller must then discard it.
+    pub fn restore_snapshot(&self, path: &Path) -> Result<StoreState> {
+        let io = |source| Error::Io { path: path.to_owned(), source };
+        let bad = |msg: String| Error::Store { path: path.to_owned(), msg };
+        let file = File::open(path).map_err(io)?;
+        let size = file.metadata().map_err(io)?.len();
+        let mut page = vec![0u8; PAGE];
+        if size < PAGE as u64 {
+            return Err(bad(format!("file is {size} bytes, smaller than the header page; not a snapshot")));
+        }
+        file.read_exact_at(&mut page, 0).map_err(io)?;
+        if &page[off::MAGIC..off::MAGIC + 8] != header::MAGIC {
+            return Err(bad("bad magic; not a megatrain store snapshot".into()));
+        }
+        if header::get_u32(&page, off::VERSION) != header::VERSION {
+            return Err(bad(format!(
+                "store format version {}, this build reads {}",
+                header::get_u32(&page, off::VERSION),
+                header::VERSION
+            )));
+        }
+        if header::get_u64(&page, off::FINGERPRINT) != header::fingerprint(self.layout()) {
+            return Err(bad("written for a different model layout (config mismatch)".into()));
+        }
+        let grad = GradDtype::from_code(header::get_u32(&page, off::GRAD_DTYPE));
+        if grad != Some(self.grad_dtype()) {
+            return Err(bad(format!(
+                "gradient dtype {grad:?} differs from this store's {:?}; resume with the same --grad-dtype",
+                self.grad_dtype()
+            )));
+        }
+        if size != self.total_len as u64 || header::get_u64(&page, off::TOTAL_LEN) != self.total_len as u64 {
+            return Err(bad(format!(
+                "file is {size} bytes, the layout needs {} (truncated?)",
+                self.total_len
+            )));
+        }
+        if header::get_u64(&page, off::PENDING) != 0 {
+            return Err(bad("snapshot has an update pending; it was not written by write_snapshot".into()));
+        }
+        for (i, loc) in self.records.iter().enumerate() {
+            let mut r = self.record(self.unit_at(i));
+            let mut meta = [0u8; 8];
+            file.read_exact_at(&mut meta, loc.base as u64).map_err(io)?;
+            let p = r.parts();
+            for (k, region) in [p.master, p.m, p.v].into_iter().enumerate() {
+                let at = (loc.base + PAGE + k * loc.f32_region) as u64;
+                file.read_exact_at(bytemuck::cast_slice_mut(region), at).map_err(io)?;
+            }
+            match r.grad_mut() {
+                Some(crate::GradMut::F32(g)) => g.fill(0.0),
+                Some(crate::GradMut::Bf16(g)) => g.fill(half::bf16::ZERO),
+                None => {}
+            }
+            r.set_applied_step(u64::from_le_bytes(meta));
+        }
+        let state = StoreState {
+            step: header::get_u64(&page, off::STEP),
+            pending_update: false,
+            pending_grad_scale: f32::from_bits(header::get_u32(&page, off::PENDING_GRAD_SCALE)),
+            pending_lr: f64::from_bits(header::get_u64(&page, off::PENDING_LR)),
+            grad_norm: f64::from_bits(header::get_u64(&page, off::GRAD_NORM)),
+        };
+        self.set_state(state);
+        Ok(state)
+    }
+
+    fn unit_at(&self, i: usize) -> Unit {
+        self.layout().units().nth(i).expect("record index within the layout's units")
+    }
+}
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(".tmp");
+    PathBuf::from(s)
+}

@@ -1,0 +1,127 @@
+//! Checkpoint snapshots: a snapshot restores master, moments, applied counters and header state
+//! bitwise into another store, takes no disk blocks for gradients, and is refused when it does
+//! not belong to the store or an update is pending.
+
+use mt_core::{ModelConfig, ModelLayout, Unit};
+use mt_store::{GradDtype, GradMut, HostStore, StoreState};
+
+fn layout() -> ModelLayout {
+    ModelLayout::new(&ModelConfig::tiny_llama())
+}
+
+/// Fills every record with values that differ per unit, region and element, and sets a state.
+fn fill(store: &HostStore, salt: f32) {
+    for u in store.layout().units() {
+        let mut r = store.record(u);
+        let k = u.index() as f32;
+        let p = r.parts();
+        for (i, x) in p.master.iter_mut().enumerate() {
+            *x = salt + k + i as f32 * 1e-3;
+        }
+        for (i, x) in p.m.iter_mut().enumerate() {
+            *x = -(salt + k) - i as f32 * 1e-4;
+        }
+        for (i, x) in p.v.iter_mut().enumerate() {
+            *x = (salt + k) * 1e-2 + i as f32 * 1e-6;
+        }
+        if let Some(GradMut::Bf16(g)) = r.grad_mut() {
+            g.fill(half::bf16::from_f32(salt + 1.0));
+        }
+        r.set_applied_step(7 + u.index() as u64);
+    }
+    store.set_state(StoreState {
+        step: 7,
+        pending_update: false,
+        pending_grad_scale: 1.0,
+        pending_lr: 1e-3,
+        grad_norm: 0.5,
+    });
+}
+
+fn same(a: &HostStore, b: &HostStore) {
+    for u in a.layout().units() {
+        let (ra, rb) = (a.record(u), b.record(u));
+        assert_eq!(ra.master(), rb.master(), "{u:?} master");
+        assert_eq!(ra.m(), rb.m(), "{u:?} m");
+        assert_eq!(ra.v(), rb.v(), "{u:?} v");
+        assert_eq!(ra.applied_step(), rb.applied_step(), "{u:?} applied");
+    }
+    assert_eq!(a.state(), b.state());
+}
+
+#[test]
+fn a_snapshot_restores_the_training_state_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
+    fill(&src, 1.5);
+    let path = dir.path().join("step-7.store");
+    let n = src.write_snapshot(&path).unwrap();
+    assert_eq!(n as usize, 4096 + 12 * layout().units().map(|u| layout().unit(u).len).sum::<usize>());
+    assert!(!dir.path().join("step-7.store.tmp").exists());
+
+    let dst = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
+    fill(&dst, 9.0);
+    let state = dst.restore_snapshot(&path).unwrap();
+    assert_eq!(state.step, 7);
+    same(&src, &dst);
+    // The gradient buffer is cleared, not left from before.
+    let r = dst.record(Unit::Outer);
+    assert!(r.grad().unwrap().to_f32(0, 8).iter().all(|&g| g == 0.0));
+    drop(r);
+
+    // A snapshot is a valid store file.
+    let opened = HostStore::open(&path, &layout()).unwrap();
+    same(&src, &opened);
+}
+
+#[test]
+fn snapshots_leave_gradients_as_holes() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let src = HostStore::anonymous(&layout(), GradDtype::F32).unwrap();
+    fill(&src, 0.25);
+    let path = dir.path().join("s.store");
+    src.write_snapshot(&path).unwrap();
+    let md = std::fs::metadata(&path).unwrap();
+    assert_eq!(md.len() as usize, src.bytes());
+    // 16 B/param logical, about 12 on disk (filesystems without holes would fail this).
+    let on_disk = md.blocks() * 512;
+    assert!((on_disk as f64) < 0.85 * md.len() as f64, "{on_disk} of {}", md.len());
+}
+
+#[test]
+fn snapshots_are_refused_when_they_do_not_belong() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
+    fill(&src, 2.0);
+    let path = dir.path().join("s.store");
+    src.write_snapshot(&path).unwrap();
+    // Never overwritten.
+    let e = src.write_snapshot(&path).unwrap_err().to_string();
+    assert!(e.contains("already exists"), "{e}");
+
+    // Pending update: refused.
+    src.set_state(StoreState { pending_update: true, ..src.state() });
+    let e = src.write_snapshot(&dir.path().join("p.store")).unwrap_err().to_string();
+    assert!(e.contains("pending"), "{e}");
+
+    // Another gradient dtype, another model, a truncated file: refused, target untouched.
+    let other_grad = HostStore::anonymous(&layout(), GradDtype::F32).unwrap();
+    fill(&other_grad, 3.0);
+    let e = other_grad.restore_snapshot(&path).unwrap_err().to_string();
+    assert!(e.contains("gradient dtype"), "{e}");
+    assert_eq!(other_grad.record(Unit::Layer(0)).master()[0], 4.0);
+
+    let mut cfg = ModelConfig::tiny_llama();
+    cfg.num_hidden_layers = 3;
+    let other_model = HostStore::anonymous(&ModelLayout::new(&cfg), GradDtype::Bf16).unwrap();
+    let e = other_model.restore_snapshot(&path).unwrap_err().to_string();
+    assert!(e.contains("different model"), "{e}");
+
+    let cut = dir.path().join("cut.store");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let dst = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
+    let e = dst.restore_snapshot(&cut).unwrap_err().to_string();
+    assert!(e.contains("truncated"), "{e}");
+}
