@@ -1,16 +1,17 @@
 //! The command line: clap structures for `megatrain` and its `train` subcommand, with the value
 //! parsers that refuse nonsense (zero sizes, negative rates) before anything is allocated.
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 use candle_core::DType;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use mt_sched::OptimMode;
 use mt_store::GradDtype;
 
 /// Train LLMs larger than GPU memory on one GPU by streaming layers through it.
 #[derive(Debug, Parser)]
-#[command(name = "megatrain", version, about, propagate_version = true)]
+#[command(name = "megatrain", version, about, propagate_version = true, args_override_self = true)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -19,25 +20,168 @@ pub struct Cli {
 
 /// Subcommands.
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per process; boxing would only add noise
 pub enum Command {
     /// Train a model. With no arguments: the built-in tiny Llama on built-in text, on the CPU.
     Train(TrainArgs),
+    /// Estimate host RAM, pinned RAM, GPU memory, PCIe bytes and step time of a training run
+    /// without running it.
+    Estimate(EstimateArgs),
+    /// Write a seeded random initialisation of a model config as a Hugging Face directory.
+    Init(InitArgs),
+}
+
+/// Options of `megatrain estimate`.
+#[derive(Debug, Clone, Args)]
+pub struct EstimateArgs {
+    /// Hugging Face model directory (only config.json and the safetensors headers are read).
+    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    pub model: Option<PathBuf>,
+    /// Hugging Face config.json [default: the built-in tiny Llama].
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 16, value_parser = at_least_one)]
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    pub seq_len: usize,
+    /// Token chunks per step [default: the fewest that fit].
+    #[arg(long, value_parser = at_least_one)]
+    pub chunks: Option<usize>,
+    /// Device weight slots.
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+    pub ring_depth: usize,
+    /// Weight dtype on the device.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+    /// Optimizer placement.
+    #[arg(long, value_enum, default_value_t = OptimModeArg::Exact)]
+    pub optim_mode: OptimModeArg,
+    /// Gradient buffer dtype of the store [default: as `megatrain train`: f32 with --precision
+    /// fp32, bf16 with bf16].
+    #[arg(long, value_enum)]
+    pub grad_dtype: Option<GradDtypeArg>,
+    /// The device the run would use: on `cpu` the device buffers are host memory too.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+    /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
+    #[arg(long, value_name = "GIB", value_parser = positive_f64)]
+    pub gpu_mem: Option<f64>,
+    /// Host memory in GiB [default: MemAvailable of this machine].
+    #[arg(long, value_name = "GIB", value_parser = positive_f64)]
+    pub host_mem: Option<f64>,
+    /// Sustained model TFLOP/s of the device's compute stream alone (the default is what the
+    /// CUDA backend measured on an H200 at 16 x 2048 tokens per step: 244 TFLOP/s at 89%
+    /// compute busy; on the CPU, measure your own).
+    #[arg(long, default_value_t = 274.0, value_parser = positive_f64)]
+    pub tflops: f64,
+    /// PCIe bandwidth per direction in GB/s with both directions busy (H200 machine: 50.9).
+    #[arg(long, default_value_t = 50.0, value_parser = positive_f64)]
+    pub pcie_gbs: f64,
+    /// Host optimizer throughput in Gparam/s: staging cast, AdamW update and gradient landing
+    /// together (measured on the 16-core H200 machine: 2.5).
+    #[arg(long, default_value_t = 2.5, value_parser = positive_f64)]
+    pub host_gparams: f64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of `megatrain init`.
+#[derive(Debug, Clone, Args)]
+pub struct InitArgs {
+    /// Hugging Face config.json of the model.
+    #[arg(long, value_name = "PATH")]
+    pub config: PathBuf,
+    /// Output directory (Hugging Face format).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Seed of the initialisation (the same as `megatrain train --config PATH --seed N`).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Weight dtype of the safetensors.
+    #[arg(long, value_enum, default_value_t = ExportDtypeArg::Bf16)]
+    pub export_dtype: ExportDtypeArg,
 }
 
 /// Options of `megatrain train`.
 #[derive(Debug, Clone, Args)]
 pub struct TrainArgs {
-    /// Hugging Face config.json of the model to train [default: the built-in tiny Llama with a
-    /// byte-level vocabulary of 256]. `--data builtin` needs vocab_size >= 256.
+    /// Options from a TOML file: the same keys as the flags (`batch-size = 8` or
+    /// `batch_size = 8`; `no-shuffle = true` for a switch). Flags on the command line win.
+    #[arg(long, value_name = "PATH")]
+    pub config_file: Option<PathBuf>,
+
+    /// Hugging Face model directory to fine-tune: config.json, model.safetensors or sharded
+    /// safetensors with model.safetensors.index.json (bf16, fp16 or fp32), and tokenizer.json
+    /// (+ tokenizer_config.json with the chat template) for text and chat data.
+    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    pub model: Option<PathBuf>,
+
+    /// Hugging Face config.json of a model to train from a seeded random initialisation
+    /// [default: the built-in tiny Llama with a byte-level vocabulary of 256]. `--data builtin`
+    /// needs vocab_size >= 256.
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
 
     /// Training data: `builtin` = an embedded English text tokenised as bytes; `synthetic` =
-    /// deterministic arithmetic token sequences (works with any vocabulary).
-    #[arg(long, value_enum, default_value_t = DataKind::Builtin)]
-    pub data: DataKind,
+    /// deterministic arithmetic token sequences (works with any vocabulary); or a JSON Lines
+    /// file with one of `{"text": ...}`, `{"messages": [...]}` (chat, loss on assistant turns
+    /// only) or `{"input_ids": [...]}` per line.
+    #[arg(long, value_name = "builtin|synthetic|FILE", default_value = "builtin", value_parser = parse_data)]
+    pub data: DataSource,
 
-    /// Optimizer steps to run in this invocation (on top of any steps recorded in --store).
+    /// Do not shuffle: step k trains on sequences k*B .. k*B+B-1 in file order (for
+    /// pre-tokenised lines of exactly --seq-len tokens: lines k*B .. k*B+B-1).
+    #[arg(long)]
+    pub no_shuffle: bool,
+
+    /// One sample per sequence (padded) instead of packing short samples together.
+    #[arg(long)]
+    pub no_pack: bool,
+
+    /// Cut samples longer than --seq-len instead of refusing them.
+    #[arg(long)]
+    pub truncate: bool,
+
+    /// Fraction of the samples of --data held out for evaluation (0 = none).
+    #[arg(long, default_value_t = 0.0, value_parser = fraction)]
+    pub eval_fraction: f64,
+
+    /// Evaluate the held-out loss every N steps (0 = only after the last step).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub eval_every: usize,
+
+    /// Write the trained model after the last step as a Hugging Face directory (config.json,
+    /// safetensors, tokenizer files copied from --model) that transformers loads unchanged.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+
+    /// Weight dtype of the exported safetensors.
+    #[arg(long, value_enum, default_value_t = ExportDtypeArg::Fp32)]
+    pub export_dtype: ExportDtypeArg,
+
+    /// Write a crash-consistent checkpoint (store snapshot + manifest) every K steps (0 = never).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub save_every: usize,
+
+    /// Checkpoint directory [default: OUT/checkpoints].
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+
+    /// Checkpoints kept (older ones are removed once a newer one is complete).
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+    pub keep_checkpoints: usize,
+
+    /// Continue from the newest complete checkpoint in the checkpoint directory (same options;
+    /// --steps is then the run's total, so rerunning the interrupted command with --resume
+    /// finishes it). Starts from scratch when there is none yet.
+    #[arg(long)]
+    pub resume: bool,
+
+    /// Optimizer steps: with --resume, the run's total; otherwise the steps of this invocation
+    /// (on top of any steps recorded in --store).
     #[arg(long, default_value_t = 60, value_parser = at_least_one)]
     pub steps: usize,
 
@@ -71,6 +215,18 @@ pub struct TrainArgs {
     /// AdamW decoupled weight decay.
     #[arg(long, default_value_t = 0.1, value_parser = non_negative, allow_negative_numbers = true)]
     pub weight_decay: f64,
+
+    /// AdamW beta1.
+    #[arg(long, default_value_t = 0.9, value_parser = fraction)]
+    pub beta1: f64,
+
+    /// AdamW beta2.
+    #[arg(long, default_value_t = 0.999, value_parser = fraction)]
+    pub beta2: f64,
+
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8, value_parser = positive_f64)]
+    pub eps: f64,
 
     /// Global gradient-norm clipping threshold (0 = off). Lean mode clips with the previous
     /// step's norm.
@@ -131,15 +287,20 @@ pub struct TrainArgs {
     pub store: Option<PathBuf>,
 
     /// Gradient buffer dtype of a new store: `bf16` = 14 bytes/param, `f32` = 16 bytes/param,
-    /// `none` = 12 bytes/param (lean mode only). An existing store keeps the dtype it was created
-    /// with.
-    #[arg(long, value_enum, default_value_t = GradDtypeArg::Bf16)]
-    pub grad_dtype: GradDtypeArg,
+    /// `none` = 12 bytes/param (lean mode only) [default: f32 with --precision fp32, bf16 with
+    /// --precision bf16]. An existing store keeps the dtype it was created with.
+    #[arg(long, value_enum)]
+    pub grad_dtype: Option<GradDtypeArg>,
 
     /// Debug: random delay of up to N microseconds before every CPU copy-stream job, to shake
     /// out missing waits.
     #[arg(long, default_value_t = 0, hide = true)]
     pub delay_us: u64,
+
+    /// Test hook: abort the process (SIGABRT, as a crash) right after global step N and its
+    /// checkpoint, if any.
+    #[arg(long, value_name = "N", hide = true)]
+    pub abort_after_step: Option<u64>,
 
     /// Print a log line every N steps (0 = never; the progress bar shows every step).
     #[arg(long, default_value_t = 10, value_name = "N")]
@@ -162,11 +323,28 @@ pub struct TrainArgs {
     pub trace_step: Option<usize>,
 }
 
+impl TrainArgs {
+    /// The store's gradient dtype: `--grad-dtype`, else the one matching `--precision`.
+    pub fn grad_dtype(&self) -> GradDtypeArg {
+        default_grad_dtype(self.grad_dtype, self.precision)
+    }
+}
+
+/// `--grad-dtype` if given, else f32 gradients for fp32 training (so `--precision fp32` is
+/// AdamW on exact fp32 gradients, as torch's) and bf16 for bf16 training (14 B/param).
+pub fn default_grad_dtype(given: Option<GradDtypeArg>, precision: Precision) -> GradDtypeArg {
+    given.unwrap_or(match precision {
+        Precision::Fp32 => GradDtypeArg::F32,
+        Precision::Bf16 => GradDtypeArg::Bf16,
+    })
+}
+
 impl Default for TrainArgs {
     /// The defaults of `megatrain train` with no arguments.
     fn default() -> Self {
         match Cli::try_parse_from(["megatrain", "train"]) {
             Ok(Cli { command: Command::Train(a) }) => a,
+            Ok(other) => unreachable!("`megatrain train` parsed as {other:?}"),
             Err(e) => unreachable!("the default command line parses: {e}"),
         }
     }
@@ -179,6 +357,33 @@ pub enum DataKind {
     Builtin,
     /// Deterministic arithmetic sequences of token ids.
     Synthetic,
+}
+
+/// `--data`: a built-in source or a JSON Lines file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSource {
+    /// A built-in source.
+    Builtin(DataKind),
+    /// A JSON Lines file.
+    File(PathBuf),
+}
+
+fn parse_data(s: &str) -> Result<DataSource, String> {
+    match s {
+        "builtin" => Ok(DataSource::Builtin(DataKind::Builtin)),
+        "synthetic" => Ok(DataSource::Builtin(DataKind::Synthetic)),
+        "" => Err("expected builtin, synthetic or a file path".into()),
+        path => Ok(DataSource::File(PathBuf::from(path))),
+    }
+}
+
+/// Weight dtype of an exported model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExportDtypeArg {
+    /// float32: the master weights exactly.
+    Fp32,
+    /// bfloat16 (round to nearest even): half the size.
+    Bf16,
 }
 
 /// Learning-rate schedule after warmup.
@@ -256,6 +461,98 @@ impl From<GradDtypeArg> for GradDtype {
     }
 }
 
+/// Why a command line could not be parsed.
+#[derive(Debug)]
+pub enum ArgsError {
+    /// Refused by the parser (clap prints it, with usage, through [`clap::Error::exit`]).
+    Clap(clap::Error),
+    /// `--config-file` could not be read or holds something that is not an option.
+    ConfigFile(String),
+}
+
+impl std::fmt::Display for ArgsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ArgsError::Clap(e) => write!(f, "{e}"),
+            ArgsError::ConfigFile(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for ArgsError {}
+
+/// Parses a command line (program name first), splicing the options of `--config-file` in
+/// front of the command line's own, so that flags given on the command line override the file
+/// (`args_override_self`). Every value from the file goes through the same parsers as a flag.
+pub fn parse_args<I, T>(argv: I) -> Result<Cli, ArgsError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let mut argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+    let sub = argv.iter().position(|a| a == "train");
+    let file = config_file_arg(&argv);
+    if let (Some(sub), Some(path)) = (sub, file) {
+        let extra = config_file_options(&path)?;
+        argv.splice(sub + 1..sub + 1, extra);
+    }
+    Cli::try_parse_from(argv).map_err(ArgsError::Clap)
+}
+
+/// The value of `--config-file PATH` or `--config-file=PATH`, if given.
+fn config_file_arg(argv: &[OsString]) -> Option<PathBuf> {
+    let mut it = argv.iter();
+    while let Some(a) = it.next() {
+        if a == "--config-file" {
+            return it.next().map(PathBuf::from);
+        }
+        if let Some(v) = a.to_str().and_then(|s| s.strip_prefix("--config-file=")) {
+            return Some(PathBuf::from(v));
+        }
+    }
+    None
+}
+
+/// Reads a TOML options file into flags: `key = value` becomes `--key value`, `key = true` a
+/// bare `--key` (and `false` nothing). Keys are the flags' names, `_` or `-` alike.
+pub fn config_file_options(path: &Path) -> Result<Vec<OsString>, ArgsError> {
+    let err = |m: String| ArgsError::ConfigFile(format!("--config-file {}: {m}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it ({e})")))?;
+    let table: toml::Table = text.parse().map_err(|e| err(format!("not valid TOML: {e}")))?;
+    let cmd = Cli::command();
+    let train = cmd.find_subcommand("train").ok_or_else(|| err("no train subcommand".into()))?;
+    let mut out = Vec::new();
+    for (key, value) in table {
+        let flag = key.replace('_', "-");
+        let Some(arg) = train.get_arguments().find(|a| a.get_long() == Some(flag.as_str())) else {
+            return Err(err(format!("unknown option {key:?} (keys are the flags of `megatrain train`)")));
+        };
+        if flag == "config-file" {
+            return Err(err("a config file cannot name another config file".into()));
+        }
+        let takes_value = arg.get_action().takes_values();
+        let text = match value {
+            toml::Value::Boolean(b) if !takes_value => {
+                if b {
+                    out.push(OsString::from(format!("--{flag}")));
+                }
+                continue;
+            }
+            toml::Value::String(s) => s,
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(x) => x.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            other => return Err(err(format!("{key}: expected a string, number or boolean, found {other}"))),
+        };
+        if !takes_value {
+            return Err(err(format!("{key} is a switch: write `{key} = true` or `{key} = false`")));
+        }
+        out.push(OsString::from(format!("--{flag}")));
+        out.push(OsString::from(text));
+    }
+    Ok(out)
+}
+
 fn at_least_one(s: &str) -> Result<usize, String> {
     let n: usize = s.parse().map_err(|e| format!("expected a whole number, found {s:?} ({e})"))?;
     if n == 0 {
@@ -268,6 +565,14 @@ fn non_negative(s: &str) -> Result<f64, String> {
     let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
     if !(x.is_finite() && x >= 0.0) {
         return Err(format!("must be a finite number >= 0, found {x}"));
+    }
+    Ok(x)
+}
+
+fn fraction(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
+    if !(0.0..1.0).contains(&x) {
+        return Err(format!("must be in [0, 1), found {x}"));
     }
     Ok(x)
 }
@@ -296,6 +601,52 @@ mod tests {
         let a = TrainArgs::default();
         assert_eq!((a.steps, a.batch_size, a.seq_len, a.chunks), (60, 16, 64, None));
         assert!(a.config.is_none() && a.store.is_none());
+    }
+
+    #[test]
+    fn a_config_file_sets_options_and_the_command_line_wins() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("run.toml");
+        std::fs::write(
+            &f,
+            "batch_size = 3\nseq-len = 32\nlr = 0.002\nno-shuffle = true\ndata = \"synthetic\"\n",
+        )
+        .unwrap();
+        let argv = |extra: &[&str]| {
+            let mut v: Vec<String> =
+                ["megatrain", "train", "--config-file", f.to_str().unwrap()].map(String::from).to_vec();
+            v.extend(extra.iter().map(|s| s.to_string()));
+            v
+        };
+        let Command::Train(a) = parse_args(argv(&[])).unwrap().command else { panic!("train") };
+        assert_eq!((a.batch_size, a.seq_len, a.lr, a.no_shuffle), (3, 32, 0.002, true));
+        assert_eq!(a.data, DataSource::Builtin(DataKind::Synthetic));
+        let Command::Train(a) = parse_args(argv(&["--seq-len", "8"])).unwrap().command else {
+            panic!("train")
+        };
+        assert_eq!((a.batch_size, a.seq_len), (3, 8));
+    }
+
+    #[test]
+    fn a_config_file_with_unknown_keys_or_bad_values_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("run.toml");
+        for (text, needle) in [
+            ("batchsize = 3", "unknown option \"batchsize\""),
+            ("no-shuffle = 1", "no-shuffle is a switch"),
+            ("seq-len = 0", "--seq-len"),
+            ("lr = [1]", "expected a string"),
+            ("lr = ", "not valid TOML"),
+        ] {
+            std::fs::write(&f, text).unwrap();
+            let e = parse_args(["megatrain", "train", "--config-file", f.to_str().unwrap()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+        let e =
+            parse_args(["megatrain", "train", "--config-file", "/nonexistent.toml"]).unwrap_err().to_string();
+        assert!(e.contains("cannot read"), "{e}");
     }
 
     #[test]

@@ -7,12 +7,125 @@
 //! and `k`, which is what makes a run resumed from a store see the same data as an uninterrupted
 //! one.
 
+use std::path::Path;
+
 use mt_core::{Error, Result};
 use mt_sched::Batch;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::cli::DataKind;
+use crate::checkpoint::DataCursor;
+use crate::cli::{DataKind, DataSource, TrainArgs};
+
+/// `--data` as written in logs and manifests.
+pub fn describe_source(d: &DataSource) -> String {
+    match d {
+        DataSource::Builtin(DataKind::Builtin) => "builtin".into(),
+        DataSource::Builtin(DataKind::Synthetic) => "synthetic".into(),
+        DataSource::File(p) => p.display().to_string(),
+    }
+}
+
+/// The training data of a run: a built-in source, or a JSON Lines file through `mt-data`.
+#[derive(Debug)]
+pub enum TrainData {
+    /// `--data builtin|synthetic`.
+    Builtin(Dataset),
+    /// `--data FILE`.
+    File(Box<mt_data::Dataset>),
+}
+
+impl TrainData {
+    /// Loads `--data` for a model with `vocab_size` tokens; the tokenizer (for text and chat
+    /// data) comes from the `--model` directory.
+    pub fn new(args: &TrainArgs, vocab_size: usize, model_dir: Option<&Path>) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        match &args.data {
+            DataSource::Builtin(kind) => {
+                if args.eval_fraction > 0.0 {
+                    anyhow::bail!(
+                        "--eval-fraction needs --data FILE (the built-in sources have no held-out split)"
+                    );
+                }
+                Ok(TrainData::Builtin(Dataset::new(*kind, vocab_size)?))
+            }
+            DataSource::File(path) => {
+                let tok = match model_dir {
+                    Some(dir) if dir.join("tokenizer.json").is_file() => Some(
+                        mt_data::Tokenizer::from_model_dir(dir)
+                            .with_context(|| format!("loading the tokenizer of {}", dir.display()))?,
+                    ),
+                    _ => None,
+                };
+                let opts = mt_data::DataOptions {
+                    seq_len: args.seq_len,
+                    vocab_size,
+                    pack: !args.no_pack,
+                    truncate: args.truncate,
+                    eval_fraction: args.eval_fraction,
+                    shuffle: !args.no_shuffle,
+                    seed: args.seed,
+                };
+                let d = mt_data::Dataset::load(path, tok.as_ref(), &opts)
+                    .with_context(|| format!("--data {}", path.display()))?;
+                if d.n_train() == 0 {
+                    anyhow::bail!("--data {}: no training sequences", path.display());
+                }
+                Ok(TrainData::File(Box::new(d)))
+            }
+        }
+    }
+
+    /// The batch of global step `step`.
+    pub fn batch(&self, seed: u64, step: u64, batch: usize, seq: usize) -> Batch {
+        match self {
+            TrainData::Builtin(d) => d.batch(seed, step, batch, seq),
+            TrainData::File(d) => into_batch(d.train_batch(step, batch)),
+        }
+    }
+
+    /// Held-out batches of at most `batch` sequences (none for the built-in sources).
+    pub fn eval_batches(&self, batch: usize) -> Vec<Batch> {
+        match self {
+            TrainData::Builtin(_) => Vec::new(),
+            TrainData::File(d) => d.eval_batches(batch).into_iter().map(into_batch).collect(),
+        }
+    }
+
+    /// Where the data stands before step `step` (files only).
+    pub fn cursor(&self, step: u64, batch: usize) -> Option<DataCursor> {
+        match self {
+            TrainData::Builtin(_) => None,
+            TrainData::File(d) => {
+                let c = d.cursor(step, batch);
+                Some(DataCursor { epoch: c.epoch, index: c.index_in_epoch })
+            }
+        }
+    }
+
+    /// One line for the log: what the data is.
+    pub fn describe(&self) -> String {
+        match self {
+            TrainData::Builtin(Dataset::Text { tokens }) => {
+                format!("built-in text, {} byte tokens", tokens.len())
+            }
+            TrainData::Builtin(Dataset::Synthetic { vocab }) => {
+                format!("synthetic sequences over {vocab} ids")
+            }
+            TrainData::File(d) => format!(
+                "{:?} data: {} training sequences, {} held out, {} target tokens",
+                d.format(),
+                d.n_train(),
+                d.n_eval(),
+                d.n_target_tokens()
+            ),
+        }
+    }
+}
+
+fn into_batch(b: mt_data::TokenBatch) -> Batch {
+    Batch { batch: b.batch, seq: b.seq, input_ids: b.input_ids, targets: b.targets }
+}
 
 /// The built-in training text (original prose, ASCII).
 pub const CORPUS: &str = include_str!("../data/corpus.txt");

@@ -7,9 +7,12 @@
 //! Architecture Invariant: this is the only crate that prints to the terminal, and the only one
 //! that uses `anyhow`; everything below it returns typed errors and logs through `tracing`.
 #![forbid(unsafe_code)]
+#![recursion_limit = "256"]
 
+pub mod checkpoint;
 pub mod cli;
 pub mod data;
+pub mod estimate;
 pub mod init;
 pub mod metrics;
 pub mod report;
@@ -22,9 +25,27 @@ pub use report::TrainSummary;
 pub use train::train;
 
 /// Runs a parsed command line.
+#[allow(clippy::print_stdout)] // the CLI crate prints its results
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => train(&args)?.print(),
+        Command::Estimate(args) => {
+            let e = estimate::estimate(&args)?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&e.to_json(&args))?);
+            } else {
+                println!("{e}");
+            }
+        }
+        Command::Init(args) => {
+            let r = init::init_command(&args)?;
+            println!(
+                "wrote {} ({} shard(s), {:.2} GB)",
+                args.out.display(),
+                r.n_shards,
+                r.bytes_written as f64 / 1e9
+            );
+        }
     }
     Ok(())
 }

@@ -4,11 +4,17 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let cli = megatrain::Cli::parse();
+    let cli = match megatrain::cli::parse_args(std::env::args_os()) {
+        Ok(cli) => cli,
+        Err(megatrain::cli::ArgsError::Clap(e)) => e.exit(),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     match megatrain::run(cli) {

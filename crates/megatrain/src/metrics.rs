@@ -16,6 +16,10 @@
 //!   tokens per step, L layers, S sequence length, H hidden size; recompute not counted, causal
 //!   mask ignored; `mt_core::model_flops_per_step`)
 //!
+//! `{"type": "eval", ...}` (with an eval split: every `--eval-every` steps and after the last)
+//! - `step`, `eval_loss` (mean cross-entropy over every held-out target, nats), `eval_targets`,
+//!   `eval_ms`
+//!
 //! `{"type": "step", ...}`
 //! - `step`: global step number after this step (1-based); `loss` (mean cross-entropy over the
 //!   step's targets, nats, f64 written in shortest round-trip form: equal strings = equal bits);
@@ -132,7 +136,21 @@ pub fn run_record(info: &RunInfo<'_>) -> Value {
         },
         "options": {
             "config": a.config,
-            "data": name_of(&a.data),
+            "model": a.model,
+            "data": crate::data::describe_source(&a.data),
+            "no_shuffle": a.no_shuffle,
+            "no_pack": a.no_pack,
+            "truncate": a.truncate,
+            "eval_fraction": a.eval_fraction,
+            "eval_every": a.eval_every,
+            "out": a.out,
+            "export_dtype": name_of(&a.export_dtype),
+            "save_every": a.save_every,
+            "checkpoint_dir": a.checkpoint_dir,
+            "resume": a.resume,
+            "beta1": a.beta1,
+            "beta2": a.beta2,
+            "eps": a.eps,
             "steps": a.steps,
             "batch_size": a.batch_size,
             "seq_len": a.seq_len,
@@ -153,7 +171,7 @@ pub fn run_record(info: &RunInfo<'_>) -> Value {
             "precision": name_of(&a.precision),
             "device": name_of(&a.device),
             "store": a.store,
-            "grad_dtype": name_of(&a.grad_dtype),
+            "grad_dtype": name_of(&a.grad_dtype()),
             "delay_us": a.delay_us,
         },
         "n_params": n_params,
@@ -166,6 +184,11 @@ pub fn run_record(info: &RunInfo<'_>) -> Value {
         "model_flops_per_step": mt_core::model_flops_per_step(c, a.batch_size, a.seq_len),
         "flops_formula": FLOPS_FORMULA,
     })
+}
+
+/// The `eval` record: held-out loss after global step `step`.
+pub fn eval_record(step: u64, loss: f64, n_targets: usize, eval_s: f64) -> Value {
+    json!({"type": "eval", "step": step, "eval_loss": loss, "eval_targets": n_targets, "eval_ms": 1e3 * eval_s})
 }
 
 /// The `step` record of global step `step` (1-based), trained at learning rate `lr`.

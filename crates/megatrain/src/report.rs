@@ -115,6 +115,12 @@ pub struct TrainSummary {
     pub d2h_bytes_per_step: f64,
     /// Per-stream busy fractions and idle gaps, averaged over the run's steps.
     pub streams: Vec<StreamMean>,
+    /// Host bytes the plan counted (store + staging/landing buffers), to set against the RSS.
+    pub planned_host_bytes: u64,
+    /// Held-out losses `(global step, loss)`, in order.
+    pub evals: Vec<(u64, f64)>,
+    /// Where the model was exported (`--out`).
+    pub exported: Option<PathBuf>,
 }
 
 /// One stream's busy fraction and idle gaps, averaged over the steps of a run.
@@ -268,10 +274,23 @@ impl fmt::Display for TrainSummary {
         if let Some(rss) = self.rss_bytes {
             writeln!(
                 f,
-                "host RSS at end: {} = {:.2} bytes/param (store, pinned rings, code, allocator)",
+                "host RSS at end: {} = {:.2} bytes/param (store, pinned rings, code, allocator); \
+                 the plan counted {} (store + staging/landing), {:.1}% of it",
                 mb(rss as f64),
-                rss as f64 / self.n_params.max(1) as f64
+                rss as f64 / self.n_params.max(1) as f64,
+                mb(self.planned_host_bytes as f64),
+                100.0 * rss as f64 / self.planned_host_bytes.max(1) as f64
             )?;
+        }
+        if let (Some((s0, l0)), Some((s1, l1))) = (self.evals.first(), self.evals.last()) {
+            writeln!(
+                f,
+                "eval loss: {l0:.6} at step {s0} -> {l1:.6} at step {s1} ({} evaluations)",
+                self.evals.len()
+            )?;
+        }
+        if let Some(out) = &self.exported {
+            writeln!(f, "model exported to {} (Hugging Face format)", out.display())?;
         }
         let n = self.steps();
         writeln!(
@@ -376,8 +395,14 @@ mod tests {
             h2d_bytes_per_step: t.h2d_bytes_per_step(),
             d2h_bytes_per_step: t.d2h_bytes_per_step(),
             streams: t.stream_means(),
+            planned_host_bytes: 180,
+            evals: vec![(1, 3.0), (2, 2.5)],
+            exported: Some(PathBuf::from("/tmp/out")),
         }
         .to_string();
+        assert!(s.contains("the plan counted 0.00 MB (store + staging/landing), 111.1% of it"), "{s}");
+        assert!(s.contains("eval loss: 3.000000 at step 1 -> 2.500000 at step 2 (2 evaluations)"), "{s}");
+        assert!(s.contains("model exported to /tmp/out"), "{s}");
         assert!(s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB"), "{s}");
         assert!(
             s.contains("steady state (steps after the first): 2000.0 ms/step, 4 tokens/s, 4.0 model TFLOP/s"),

@@ -13,8 +13,9 @@ use mt_sched::plan::{plan, Plan, PlanInput};
 use mt_sched::{Backend, CpuBackend, CpuOptions, Engine, EngineOptions, StepReport};
 use mt_store::HostStore;
 
-use crate::cli::{DeviceKind, GradDtypeArg, OptimModeArg, TrainArgs};
-use crate::data::Dataset;
+use crate::checkpoint;
+use crate::cli::{DeviceKind, ExportDtypeArg, GradDtypeArg, OptimModeArg, TrainArgs};
+use crate::data::{describe_source, TrainData};
 use crate::init::init_store;
 use crate::metrics::{self, MetricsLog, RunInfo};
 use crate::report::{Progress, StepLine, StepTotals, TrainSummary};
@@ -24,23 +25,59 @@ use crate::trace::write_chrome_trace;
 /// Name of the built-in model in summaries and metrics.
 pub const BUILTIN_MODEL: &str = "builtin:tiny_llama";
 
+/// The model a run trains: its config, where it came from, its `config.json` document (written
+/// back on export) and, for `--model`, the HF directory its weights and tokenizer come from.
+#[derive(Debug)]
+pub struct ModelSource {
+    /// The parsed config.
+    pub cfg: ModelConfig,
+    /// `--model` dir, `--config` path or [`BUILTIN_MODEL`].
+    pub name: String,
+    /// The config.json document (the source's own, so export keeps every key transformers wrote).
+    pub config_json: serde_json::Value,
+    /// The `--model` directory, its headers checked.
+    pub hf: Option<mt_hf::HfModelDir>,
+}
+
+impl ModelSource {
+    /// `--model`, `--config` or the built-in tiny Llama.
+    pub fn from_args(model: Option<&Path>, config: Option<&Path>) -> Result<Self> {
+        if let Some(dir) = model {
+            let hf = mt_hf::HfModelDir::open(dir)
+                .with_context(|| format!("cannot use --model {}", dir.display()))?;
+            return Ok(ModelSource {
+                cfg: hf.config.clone(),
+                name: dir.display().to_string(),
+                config_json: hf.config_json.clone(),
+                hf: Some(hf),
+            });
+        }
+        if let Some(p) = config {
+            let cfg = ModelConfig::from_file(p)
+                .with_context(|| format!("cannot use model config {}", p.display()))?;
+            let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+            let config_json =
+                serde_json::from_str(&text).with_context(|| format!("{} is not JSON", p.display()))?;
+            return Ok(ModelSource { cfg, name: p.display().to_string(), config_json, hf: None });
+        }
+        let cfg = ModelConfig::tiny_llama();
+        Ok(ModelSource { config_json: cfg.to_hf_json(), cfg, name: BUILTIN_MODEL.to_owned(), hf: None })
+    }
+}
+
 /// Runs `megatrain train`; progress and log lines go to the terminal, the summary is returned.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     let t0 = Instant::now();
     if args.device == DeviceKind::Cuda && !cfg!(feature = "cuda") {
         bail!("--device cuda: this megatrain was built without the cuda feature; use --device cpu");
     }
-    let (cfg, source) = match &args.config {
-        Some(p) => (
-            ModelConfig::from_file(p).with_context(|| format!("cannot use model config {}", p.display()))?,
-            p.display().to_string(),
-        ),
-        None => (ModelConfig::tiny_llama(), BUILTIN_MODEL.to_owned()),
-    };
+    let model = ModelSource::from_args(args.model.as_deref(), args.config.as_deref())?;
+    let cfg = model.cfg.clone();
     check_sizes(args, &cfg)?;
     let trace_step = check_trace(args)?;
-    let data =
-        Dataset::new(args.data, cfg.vocab_size).with_context(|| format!("--data for model {source}"))?;
+    check_outputs(args)?;
+    let data = TrainData::new(args, cfg.vocab_size, args.model.as_deref())
+        .with_context(|| format!("--data for model {}", model.name))?;
 
     let layout = ModelLayout::new(&cfg);
     let opts = CpuOptions::uniform(args.delay_us, args.seed);
@@ -49,9 +86,9 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
             // On the CPU the "device" buffers share host memory with the store.
             let avail = host_available_bytes();
             let p = make_plan(args, &cfg, avail, avail)?;
-            run(args, &cfg, source, layout, p, CpuBackend::new(opts), t0, trace_step, data)
+            run(args, &model, layout, p, CpuBackend::new(opts), t0, trace_step, data)
         }
-        DeviceKind::Cuda => cuda_run(args, &cfg, source, layout, opts, t0, trace_step, data),
+        DeviceKind::Cuda => cuda_run(args, &model, layout, opts, t0, trace_step, data),
     }
 }
 
@@ -59,33 +96,31 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
 #[allow(clippy::too_many_arguments)]
 fn cuda_run(
     args: &TrainArgs,
-    cfg: &ModelConfig,
-    source: String,
+    model: &ModelSource,
     layout: ModelLayout,
     opts: CpuOptions,
     t0: Instant,
     trace_step: usize,
-    data: Dataset,
+    data: TrainData,
 ) -> Result<TrainSummary> {
     let backend = mt_sched::CudaBackend::new(0, opts).context("--device cuda: cannot open GPU 0")?;
     let (_, total) = backend.mem_info()?;
     let gpu = args.gpu_mem.map_or(total as u64, gib_to_bytes);
     eprintln!("device: {}", backend.describe());
-    let p = make_plan(args, cfg, gpu, host_available_bytes())?;
-    run(args, cfg, source, layout, p, backend, t0, trace_step, data)
+    let p = make_plan(args, &model.cfg, gpu, host_available_bytes())?;
+    run(args, model, layout, p, backend, t0, trace_step, data)
 }
 
 #[cfg(not(feature = "cuda"))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_run(
     _: &TrainArgs,
-    _: &ModelConfig,
-    _: String,
+    _: &ModelSource,
     _: ModelLayout,
     _: CpuOptions,
     _: Instant,
     _: usize,
-    _: Dataset,
+    _: TrainData,
 ) -> Result<TrainSummary> {
     bail!("--device cuda: this megatrain was built without the cuda feature; use --device cpu")
 }
@@ -96,7 +131,7 @@ fn gib_to_bytes(g: f64) -> u64 {
 
 /// Host memory available to this run: `--host-mem`, else MemAvailable of /proc/meminfo (no
 /// limit where that cannot be read).
-fn host_available_bytes() -> u64 {
+pub(crate) fn host_available_bytes() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|t| {
@@ -123,7 +158,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         batch: args.batch_size,
         seq: args.seq_len,
         weight_dtype: args.precision.into(),
-        grad_dtype: args.grad_dtype.into(),
+        grad_dtype: args.grad_dtype().into(),
         mode: args.optim_mode.into(),
         gpu_bytes,
         host_bytes,
@@ -139,19 +174,52 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
 #[allow(clippy::too_many_arguments)]
 fn run<B: Backend>(
     args: &TrainArgs,
-    cfg: &ModelConfig,
-    source: String,
+    model: &ModelSource,
     layout: ModelLayout,
     plan: Plan,
     backend: B,
     t0: Instant,
     trace_step: usize,
-    data: Dataset,
+    data: TrainData,
 ) -> Result<TrainSummary> {
-    let (store, resumed) = open_store(args, &layout)?;
+    let cfg = &model.cfg;
+    let ckpt_dir = checkpoint_dir(args);
+    let defining = defining_options(args, model)?;
+    let (store, mut resumed) = open_store(args, &layout)?;
     let store = Arc::new(store);
-    if !resumed {
-        init_store(&store, args.seed).context("initialising the model")?;
+    let mut resume_note = None;
+    let checkpoint = match (&ckpt_dir, args.resume) {
+        (Some(dir), true) => checkpoint::latest(dir)?,
+        _ => None,
+    };
+    if let Some((path, m)) = &checkpoint {
+        checkpoint::check_same_run(m, &defining)
+            .with_context(|| format!("cannot resume from {}", path.display()))?;
+        let snap = path.with_file_name(&m.store_file);
+        store.restore_snapshot(&snap).with_context(|| format!("restoring {}", snap.display()))?;
+        if m.data_cursor != data.cursor(m.step, args.batch_size) {
+            bail!(
+                "cannot resume from {}: its data cursor {:?} is not where this data puts step {} ({:?}); \
+                 was --data changed?",
+                path.display(),
+                m.data_cursor,
+                m.step,
+                data.cursor(m.step, args.batch_size)
+            );
+        }
+        resumed = true;
+        resume_note = Some(format!("resumed from checkpoint {} at step {}", path.display(), m.step));
+    } else if !resumed {
+        match &model.hf {
+            Some(hf) => {
+                let r = mt_hf::import_weights(hf, &store)
+                    .with_context(|| format!("importing the weights of {}", model.name))?;
+                eprintln!("imported {} tensors ({} parameters) from {}", r.n_tensors, r.n_params, model.name);
+            }
+            None => {
+                init_store(&store, args.seed).context("initialising the model")?;
+            }
+        }
     }
     let mut eopts = engine_options(args);
     eopts.n_chunks = plan.n_chunks;
@@ -161,11 +229,21 @@ fn run<B: Backend>(
     // update was never applied; applying it now is bitwise what the next step would do.
     engine.flush_pending()?;
     let start_step = store.state().step;
-    let end_step = start_step + args.steps as u64;
+    let end_step =
+        if args.resume { (args.steps as u64).max(start_step) } else { start_step + args.steps as u64 };
+    let n_steps = (end_step - start_step) as usize;
 
-    let progress = Progress::new(args.steps, end_step, args.log_every);
-    if let (true, Some(path)) = (resumed, &args.store) {
-        progress.note(format_args!("resumed from {} at step {start_step}", path.display()));
+    let progress = Progress::new(n_steps, end_step, args.log_every);
+    progress.note(format_args!("data: {}", data.describe()));
+    match (&resume_note, resumed, &args.store) {
+        (Some(note), _, _) => progress.note(note),
+        (None, true, Some(path)) => {
+            progress.note(format_args!("resumed from {} at step {start_step}", path.display()))
+        }
+        _ => {}
+    }
+    if args.resume && checkpoint.is_none() {
+        progress.note("--resume: no checkpoint yet, starting from the beginning");
     }
     let mut log = match &args.metrics {
         Some(p) => {
@@ -173,7 +251,7 @@ fn run<B: Backend>(
             log.write(&metrics::run_record(&RunInfo {
                 args,
                 cfg,
-                source: &source,
+                source: &model.name,
                 store: &store,
                 start_step,
                 resumed,
@@ -186,9 +264,11 @@ fn run<B: Backend>(
     let schedule = LrSchedule {
         peak: args.lr,
         warmup: args.warmup as u64,
-        total: args.schedule_steps.map_or(end_step, |n| n as u64),
+        total: schedule_total(args, end_step),
         kind: args.schedule,
     };
+    let eval_batches = data.eval_batches(plan.seqs_per_chunk);
+    let mut evals = Vec::new();
     let (mut first_loss, mut train_s) = (None, 0.0);
     let mut last: Option<StepReport> = None;
     let mut totals = StepTotals::default();
@@ -227,6 +307,35 @@ fn run<B: Backend>(
             tokens_per_s: metrics::tokens_per_s(&r),
         });
         last = Some(r);
+        let done = k + 1;
+        if !eval_batches.is_empty()
+            && args.eval_every > 0
+            && done % args.eval_every as u64 == 0
+            && done < end_step
+        {
+            let e = evaluate(&mut engine, &eval_batches)?;
+            progress.note(format_args!("step {done}: eval loss {:.6} over {} targets", e.0, e.1));
+            if let Some(log) = &mut log {
+                log.write(&metrics::eval_record(done, e.0, e.1, e.2))?;
+            }
+            evals.push((done, e.0));
+        }
+        if let (Some(dir), true) = (&ckpt_dir, args.save_every > 0 && done % args.save_every as u64 == 0) {
+            let t = Instant::now();
+            engine.flush_pending().context("applying the update before a checkpoint")?;
+            let cursor = data.cursor(done, args.batch_size);
+            let path = checkpoint::save(dir, &store, cursor, args.seed, &defining, args.keep_checkpoints)
+                .with_context(|| format!("writing the checkpoint of step {done}"))?;
+            progress.note(format_args!(
+                "step {done}: checkpoint {} ({:.1} s)",
+                path.display(),
+                t.elapsed().as_secs_f64()
+            ));
+        }
+        if args.abort_after_step == Some(done) {
+            progress.note(format_args!("--abort-after-step {done}: aborting"));
+            std::process::abort();
+        }
     }
     progress.finish();
     if mt_layers::profile::enabled() {
@@ -243,29 +352,148 @@ fn run<B: Backend>(
     }
     engine.flush_pending().context("applying the last update")?;
     store.flush().context("flushing the host store")?;
+    if !eval_batches.is_empty() {
+        let e = evaluate(&mut engine, &eval_batches)?;
+        progress.note(format_args!("step {}: eval loss {:.6} over {} targets", store.state().step, e.0, e.1));
+        if let Some(log) = &mut log {
+            log.write(&metrics::eval_record(store.state().step, e.0, e.1, e.2))?;
+        }
+        evals.push((store.state().step, e.0));
+    }
+    let exported = match &args.out {
+        Some(out) => {
+            let t = Instant::now();
+            let r = mt_hf::export(
+                &store,
+                &model.config_json,
+                out,
+                &mt_hf::ExportOptions {
+                    dtype: match args.export_dtype {
+                        ExportDtypeArg::Fp32 => mt_hf::ExportDtype::F32,
+                        ExportDtypeArg::Bf16 => mt_hf::ExportDtype::Bf16,
+                    },
+                    max_shard_bytes: mt_hf::DEFAULT_MAX_SHARD_BYTES,
+                    copy_files_from: args.model.clone(),
+                },
+            )
+            .with_context(|| format!("exporting the model to --out {}", out.display()))?;
+            progress.note(format_args!(
+                "exported {} ({} shard(s), {:.2} GB) in {:.1} s",
+                out.display(),
+                r.n_shards,
+                r.bytes_written as f64 / 1e9,
+                t.elapsed().as_secs_f64()
+            ));
+            Some(out.clone())
+        }
+        None => None,
+    };
 
-    let last = last.context("no step was run")?;
+    let (first, last_loss) = match &last {
+        Some(r) => (first_loss.unwrap_or(r.loss), r.loss),
+        None => (f64::NAN, f64::NAN),
+    };
     Ok(TrainSummary {
-        model: source,
+        model: model.name.clone(),
         n_params: layout.n_params(),
         n_layers: layout.n_layers,
         start_step,
         end_step: store.state().step,
-        first_loss: first_loss.unwrap_or(last.loss),
-        last_loss: last.loss,
+        first_loss: first,
+        last_loss,
         tokens_per_step: args.batch_size * args.seq_len,
         train_s,
         wall_s: t0.elapsed().as_secs_f64(),
         store_bytes: store.bytes(),
         store_bytes_per_param: store.bytes_per_param(),
         rss_bytes: rss_bytes(),
+        planned_host_bytes: plan.host.total,
         flops_per_step: plan.flops_per_step,
         later_step_s: (!later_s.is_empty()).then(|| later_s.iter().sum::<f64>() / later_s.len() as f64),
         store_path: store.path().map(Path::to_owned),
         h2d_bytes_per_step: totals.h2d_bytes_per_step(),
         d2h_bytes_per_step: totals.d2h_bytes_per_step(),
         streams: totals.stream_means(),
+        evals,
+        exported,
     })
+}
+
+/// Mean loss over every target of the held-out batches, their target count and the seconds it
+/// took, under the store's weights (with no update pending: flushes first).
+fn evaluate<B: Backend>(engine: &mut Engine<B>, batches: &[mt_sched::Batch]) -> Result<(f64, usize, f64)> {
+    let t = Instant::now();
+    engine.flush_pending()?;
+    let (mut sum, mut n) = (0.0, 0);
+    for b in batches {
+        let (s, k) = engine.loss_sum(b).context("evaluating the held-out loss")?;
+        sum += s;
+        n += k;
+    }
+    Ok((sum / n.max(1) as f64, n, t.elapsed().as_secs_f64()))
+}
+
+/// Where checkpoints go: `--checkpoint-dir`, else `OUT/checkpoints`; `None` without either.
+fn checkpoint_dir(args: &TrainArgs) -> Option<std::path::PathBuf> {
+    args.checkpoint_dir.clone().or_else(|| args.out.as_ref().map(|o| o.join("checkpoints")))
+}
+
+/// The length of the learning-rate schedule: `--schedule-steps`, else the run's last step.
+fn schedule_total(args: &TrainArgs, end_step: u64) -> u64 {
+    args.schedule_steps.map_or(end_step, |n| n as u64)
+}
+
+/// The options a checkpoint is only valid for: a resume with any of them changed is refused.
+fn defining_options(args: &TrainArgs, model: &ModelSource) -> Result<serde_json::Value> {
+    use clap::ValueEnum;
+    let name = |v: Option<clap::builder::PossibleValue>| v.map(|v| v.get_name().to_owned());
+    let data_sha256 = match &args.data {
+        crate::cli::DataSource::File(p) => Some(checkpoint::hash_file(p)?),
+        crate::cli::DataSource::Builtin(_) => None,
+    };
+    Ok(serde_json::json!({
+        "model_config": model.cfg.to_hf_json(),
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "precision": name(args.precision.to_possible_value()),
+        "optim_mode": name(args.optim_mode.to_possible_value()),
+        "grad_dtype": name(args.grad_dtype().to_possible_value()),
+        "data": describe_source(&args.data),
+        "data_sha256": data_sha256,
+        "shuffle": !args.no_shuffle,
+        "pack": !args.no_pack,
+        "truncate": args.truncate,
+        "eval_fraction": args.eval_fraction,
+        "seed": args.seed,
+        "lr": args.lr,
+        "schedule": name(args.schedule.to_possible_value()),
+        "schedule_steps": args.schedule_steps,
+        "steps_if_scheduled": (args.schedule != crate::cli::ScheduleKind::Constant && args.schedule_steps.is_none())
+            .then_some(args.steps),
+        "warmup": args.warmup,
+        "weight_decay": args.weight_decay,
+        "clip": args.clip,
+        "beta1": args.beta1,
+        "beta2": args.beta2,
+        "eps": args.eps,
+    }))
+}
+
+/// Refuses output options that cannot work, before any work is done: an `--out` that is a
+/// file, checkpoints with nowhere to go.
+fn check_outputs(args: &TrainArgs) -> Result<()> {
+    if let Some(out) = &args.out {
+        if out.exists() && !out.is_dir() {
+            bail!("--out {} exists and is not a directory", out.display());
+        }
+    }
+    if (args.save_every > 0 || args.resume) && checkpoint_dir(args).is_none() {
+        bail!("--save-every and --resume need --out DIR or --checkpoint-dir DIR (where checkpoints live)");
+    }
+    if args.resume && args.store.is_some() {
+        bail!("--resume restores a checkpoint into the store; with --store, rerun with the same --store instead");
+    }
+    Ok(())
 }
 
 /// The step of this invocation (1-based) that `--trace` records: `--trace-step`, else 2 (the
@@ -309,7 +537,7 @@ fn check_sizes(args: &TrainArgs, cfg: &ModelConfig) -> Result<()> {
             args.batch_size
         );
     }
-    if args.grad_dtype == GradDtypeArg::None && args.optim_mode == OptimModeArg::Exact {
+    if args.grad_dtype() == GradDtypeArg::None && args.optim_mode == OptimModeArg::Exact {
         bail!(
             "--grad-dtype none needs --optim-mode lean: exact mode keeps each step's gradient in the \
              store until the next step"
@@ -322,7 +550,7 @@ fn check_sizes(args: &TrainArgs, cfg: &ModelConfig) -> Result<()> {
 /// an existing store was opened.
 fn open_store(args: &TrainArgs, layout: &ModelLayout) -> Result<(HostStore, bool)> {
     let Some(path) = &args.store else {
-        return Ok((HostStore::anonymous(layout, args.grad_dtype.into())?, false));
+        return Ok((HostStore::anonymous(layout, args.grad_dtype().into())?, false));
     };
     if path.exists() {
         let s = HostStore::open(path, layout).with_context(|| {
@@ -330,7 +558,7 @@ fn open_store(args: &TrainArgs, layout: &ModelLayout) -> Result<(HostStore, bool
         })?;
         Ok((s, true))
     } else {
-        let s = HostStore::create(path, layout, args.grad_dtype.into())
+        let s = HostStore::create(path, layout, args.grad_dtype().into())
             .with_context(|| format!("cannot create --store {}", path.display()))?;
         Ok((s, false))
     }
@@ -349,5 +577,8 @@ fn engine_options(args: &TrainArgs) -> EngineOptions {
     };
     opts.adamw.lr = args.lr;
     opts.adamw.weight_decay = args.weight_decay;
+    opts.adamw.beta1 = args.beta1;
+    opts.adamw.beta2 = args.beta2;
+    opts.adamw.eps = args.eps;
     opts
 }

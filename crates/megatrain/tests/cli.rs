@@ -222,7 +222,7 @@ fn metrics_log_has_a_run_record_and_one_record_per_step() {
     assert_eq!(run["tokens_per_step"], 32);
     let n_params = run["n_params"].as_u64().unwrap();
     let bpp = run["store_bytes_per_param"].as_f64().unwrap();
-    assert!(n_params > 100_000 && (14.0..15.0).contains(&bpp), "{run}");
+    assert!(n_params > 100_000 && (16.0..17.0).contains(&bpp), "{run}"); // f32 gradients with fp32
     assert!(run["model_flops_per_step"].as_f64().unwrap() > 6.0 * n_params as f64 * 32.0);
 
     for (i, r) in recs[1..].iter().enumerate() {

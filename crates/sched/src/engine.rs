@@ -403,6 +403,33 @@ impl<B: Backend> Engine<B> {
         Ok(logits)
     }
 
+    /// Sum of the cross-entropy over the batch's targets (nats, f64) and their count, under the
+    /// store's current master weights: no gradients, no update (pending updates are not applied:
+    /// flush first). For held-out evaluation; the log-sum-exp runs on the host in f64 over
+    /// [`Engine::logits`], so the batch's `[b, t, V]` f32 logits must fit on the device.
+    pub fn loss_sum(&mut self, batch: &Batch) -> Result<(f64, usize)> {
+        let logits = self.logits(batch)?;
+        let v = self.cfg.vocab_size;
+        let l = logits
+            .to_dtype(DType::F32)?
+            .to_device(&candle_core::Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let (mut sum, mut n) = (0.0f64, 0usize);
+        for (row, &t) in batch.targets.iter().enumerate() {
+            if t == crate::batch::IGNORE_INDEX {
+                continue;
+            }
+            let r = &l[row * v..(row + 1) * v];
+            let m = r.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)) as f64;
+            let lse = m + r.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+            // `validate` checked 0 <= t < V.
+            sum += lse - r[t as usize] as f64;
+            n += 1;
+        }
+        Ok((sum, n))
+    }
+
     fn ensure_rope(&mut self, seq: usize) -> Result<()> {
         if self.rope.as_ref().is_none_or(|r| r.max_t() < seq) {
             self.rope = Some(Rope::new(&self.cfg, seq, self.opts.weight_dtype, self.backend.device())?);
