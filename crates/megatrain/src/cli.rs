@@ -149,6 +149,11 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.0, value_parser = fraction)]
     pub eval_fraction: f64,
 
+    /// A separate JSON Lines file of held-out samples (same formats as --data, packed the same
+    /// way); exclusive with --eval-fraction.
+    #[arg(long, value_name = "FILE", conflicts_with = "eval_fraction")]
+    pub eval_data: Option<PathBuf>,
+
     /// Evaluate the held-out loss every N steps (0 = only after the last step).
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub eval_every: usize,

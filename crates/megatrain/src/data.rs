@@ -31,8 +31,8 @@ pub fn describe_source(d: &DataSource) -> String {
 pub enum TrainData {
     /// `--data builtin|synthetic`.
     Builtin(Dataset),
-    /// `--data FILE`.
-    File(Box<mt_data::Dataset>),
+    /// `--data FILE`, with `--eval-data FILE` if given.
+    File(Box<mt_data::Dataset>, Option<Box<mt_data::Dataset>>),
 }
 
 impl TrainData {
@@ -71,7 +71,16 @@ impl TrainData {
                 if d.n_train() == 0 {
                     anyhow::bail!("--data {}: no training sequences", path.display());
                 }
-                Ok(TrainData::File(Box::new(d)))
+                let eval = match &args.eval_data {
+                    Some(e) => {
+                        let o = mt_data::DataOptions { eval_fraction: 0.0, shuffle: false, ..opts };
+                        let d = mt_data::Dataset::load(e, tok.as_ref(), &o)
+                            .with_context(|| format!("--eval-data {}", e.display()))?;
+                        Some(Box::new(d))
+                    }
+                    None => None,
+                };
+                Ok(TrainData::File(Box::new(d), eval))
             }
         }
     }
@@ -80,7 +89,7 @@ impl TrainData {
     pub fn batch(&self, seed: u64, step: u64, batch: usize, seq: usize) -> Batch {
         match self {
             TrainData::Builtin(d) => d.batch(seed, step, batch, seq),
-            TrainData::File(d) => into_batch(d.train_batch(step, batch)),
+            TrainData::File(d, _) => into_batch(d.train_batch(step, batch)),
         }
     }
 
@@ -88,7 +97,24 @@ impl TrainData {
     pub fn eval_batches(&self, batch: usize) -> Vec<Batch> {
         match self {
             TrainData::Builtin(_) => Vec::new(),
-            TrainData::File(d) => d.eval_batches(batch).into_iter().map(into_batch).collect(),
+            TrainData::File(_, Some(e)) => {
+                // Every sequence of the eval file, in order.
+                let (n, batch) = (e.n_train(), batch.max(1));
+                let all = e.train_batch(0, n);
+                let seq = all.seq;
+                (0..n.div_ceil(batch))
+                    .map(|k| {
+                        let rows = k * batch..(k * batch + batch).min(n);
+                        Batch {
+                            batch: rows.len(),
+                            seq,
+                            input_ids: all.input_ids[rows.start * seq..rows.end * seq].to_vec(),
+                            targets: all.targets[rows.start * seq..rows.end * seq].to_vec(),
+                        }
+                    })
+                    .collect()
+            }
+            TrainData::File(d, None) => d.eval_batches(batch).into_iter().map(into_batch).collect(),
         }
     }
 
@@ -96,7 +122,7 @@ impl TrainData {
     pub fn cursor(&self, step: u64, batch: usize) -> Option<DataCursor> {
         match self {
             TrainData::Builtin(_) => None,
-            TrainData::File(d) => {
+            TrainData::File(d, _) => {
                 let c = d.cursor(step, batch);
                 Some(DataCursor { epoch: c.epoch, index: c.index_in_epoch })
             }
@@ -112,12 +138,13 @@ impl TrainData {
             TrainData::Builtin(Dataset::Synthetic { vocab }) => {
                 format!("synthetic sequences over {vocab} ids")
             }
-            TrainData::File(d) => format!(
-                "{:?} data: {} training sequences, {} held out, {} target tokens",
+            TrainData::File(d, e) => format!(
+                "{:?} data: {} training sequences of {} samples ({} target tokens), {} held out",
                 d.format(),
                 d.n_train(),
-                d.n_eval(),
-                d.n_target_tokens()
+                d.n_train_samples(),
+                d.n_target_tokens(),
+                e.as_ref().map_or(d.n_eval(), |e| e.n_train())
             ),
         }
     }
