@@ -24,7 +24,8 @@
 //! - `step`: global step number after this step (1-based); `loss` (mean cross-entropy over the
 //!   step's targets, nats, f64 written in shortest round-trip form: equal strings = equal bits);
 //!   `lr` (the rate of this step's gradient); `grad_norm` (global L2 norm before clipping)
-//! - `tokens`, `step_ms`, `tokens_per_s`, `model_tflops`, `h2d_bytes`, `d2h_bytes`
+//! - `tokens`, `step_ms`, `tokens_per_s`, `model_tflops`, `h2d_bytes`, `d2h_bytes`,
+//!   `rss_bytes` (host resident set after the step; null where it cannot be read)
 //! - per stream `S` in `host` (the CPU optimizer: staging casts, AdamW updates, gradient
 //!   landing), `h2d`, `compute`, `d2h`: `S_busy_frac` (busy time / step time) and `S_max_gap_ms`
 //!   (longest idle gap between two of its operations)
@@ -192,7 +193,7 @@ pub fn eval_record(step: u64, loss: f64, n_targets: usize, eval_s: f64) -> Value
 }
 
 /// The `step` record of global step `step` (1-based), trained at learning rate `lr`.
-pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64) -> Value {
+pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64, rss_bytes: Option<u64>) -> Value {
     let mut m = Map::new();
     m.insert("type".into(), json!("step"));
     m.insert("step".into(), json!(step));
@@ -208,6 +209,7 @@ pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64) -> V
     );
     m.insert("h2d_bytes".into(), json!(r.h2d_bytes));
     m.insert("d2h_bytes".into(), json!(r.d2h_bytes));
+    m.insert("rss_bytes".into(), json!(rss_bytes));
     for s in &r.streams {
         add_stream(&mut m, s);
     }

@@ -41,9 +41,10 @@ impl Progress {
     /// steps (0 = none).
     pub fn new(steps: usize, end_step: u64, log_every: usize) -> Self {
         let bar = ProgressBar::new(steps as u64);
-        let style =
-            ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps  {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar());
+        let style = ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise} eta {eta}] {bar:30} {pos}/{len} steps  {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
         bar.set_style(style);
         Progress { bar, log_every, end_step }
     }
@@ -115,7 +116,8 @@ pub struct TrainSummary {
     pub d2h_bytes_per_step: f64,
     /// Per-stream busy fractions and idle gaps, averaged over the run's steps.
     pub streams: Vec<StreamMean>,
-    /// Host bytes the plan counted (store + staging/landing buffers), to set against the RSS.
+    /// Host bytes the plan counted (store + staging/landing + process overhead; on the CPU also
+    /// the device buffers), to set against the RSS: `megatrain estimate`'s host RAM.
     pub planned_host_bytes: u64,
     /// Held-out losses `(global step, loss)`, in order.
     pub evals: Vec<(u64, f64)>,
@@ -275,7 +277,7 @@ impl fmt::Display for TrainSummary {
             writeln!(
                 f,
                 "host RSS at end: {} = {:.2} bytes/param (store, pinned rings, code, allocator); \
-                 the plan counted {} (store + staging/landing), {:.1}% of it",
+                 the plan (and `megatrain estimate`) counted {}: RSS is {:.1}% of it",
                 mb(rss as f64),
                 rss as f64 / self.n_params.max(1) as f64,
                 mb(self.planned_host_bytes as f64),
@@ -400,7 +402,7 @@ mod tests {
             exported: Some(PathBuf::from("/tmp/out")),
         }
         .to_string();
-        assert!(s.contains("the plan counted 0.00 MB (store + staging/landing), 111.1% of it"), "{s}");
+        assert!(s.contains("counted 0.00 MB: RSS is 111.1% of it"), "{s}");
         assert!(s.contains("eval loss: 3.000000 at step 1 -> 2.500000 at step 2 (2 evaluations)"), "{s}");
         assert!(s.contains("model exported to /tmp/out"), "{s}");
         assert!(s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB"), "{s}");

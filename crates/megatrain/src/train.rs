@@ -142,7 +142,7 @@ pub(crate) fn host_available_bytes() -> u64 {
 }
 
 /// Resident set size of this process in bytes (Linux; `None` elsewhere).
-fn rss_bytes() -> Option<u64> {
+pub(crate) fn rss_bytes() -> Option<u64> {
     let t = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = t.lines().find(|l| l.starts_with("VmRSS:"))?;
     line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
@@ -269,6 +269,15 @@ fn run<B: Backend>(
     };
     let eval_batches = data.eval_batches(plan.seqs_per_chunk);
     let mut evals = Vec::new();
+    if !eval_batches.is_empty() && start_step < end_step {
+        // The starting point, so the log shows the eval loss falling (or not) from the first step.
+        let e = evaluate(&mut engine, &eval_batches)?;
+        progress.note(format_args!("step {start_step}: eval loss {:.6} over {} targets", e.0, e.1));
+        if let Some(log) = &mut log {
+            log.write(&metrics::eval_record(start_step, e.0, e.1, e.2))?;
+        }
+        evals.push((start_step, e.0));
+    }
     let (mut first_loss, mut train_s) = (None, 0.0);
     let mut last: Option<StepReport> = None;
     let mut totals = StepTotals::default();
@@ -288,7 +297,7 @@ fn run<B: Backend>(
         }
         totals.add(&r);
         if let Some(log) = &mut log {
-            log.write(&metrics::step_record(k + 1, lr, &r, plan.flops_per_step))?;
+            log.write(&metrics::step_record(k + 1, lr, &r, plan.flops_per_step, rss_bytes()))?;
         }
         if let (Some(path), true) = (&args.trace, k - start_step + 1 == trace_step as u64) {
             write_chrome_trace(path, &r, k + 1)?;
@@ -407,7 +416,7 @@ fn run<B: Backend>(
         store_bytes: store.bytes(),
         store_bytes_per_param: store.bytes_per_param(),
         rss_bytes: rss_bytes(),
-        planned_host_bytes: plan.host.total,
+        planned_host_bytes: crate::estimate::host_bytes(&plan, args.device),
         flops_per_step: plan.flops_per_step,
         later_step_s: (!later_s.is_empty()).then(|| later_s.iter().sum::<f64>() / later_s.len() as f64),
         store_path: store.path().map(Path::to_owned),
