@@ -103,6 +103,8 @@ pub struct Dataset {
     eval: Packed,
     /// The orders of the last epochs asked for (at most two: a batch can span an epoch end).
     orders: Mutex<Vec<(u64, Arc<Vec<usize>>)>>,
+    /// Samples dropped at load for having no target.
+    n_dropped: usize,
 }
 
 impl std::fmt::Debug for Dataset {
@@ -149,8 +151,22 @@ impl Dataset {
     /// `text` and `messages` files.
     pub fn load(path: &Path, tokenizer: Option<&Tokenizer>, opts: &DataOptions) -> Result<Self> {
         opts.validate()?;
-        let (format, samples) = read_samples(path, tokenizer, opts.vocab_size, opts.seq_len, opts.truncate)?;
-        Self::from_samples(path, format, samples, opts)
+        let (format, mut samples) =
+            read_samples(path, tokenizer, opts.vocab_size, opts.seq_len, opts.truncate)?;
+        // A sample with nothing to predict (an empty text, a chat whose assistant turn was cut by
+        // --truncate) would make a batch of no targets, which the engine refuses: drop it here,
+        // counted, so such a line can never stop a run (or every resume of it) at one step.
+        let before = samples.len();
+        samples.retain(|s| s.is_target.iter().skip(1).any(|&t| t));
+        let n_dropped = before - samples.len();
+        let mut d = Self::from_samples(path, format, samples, opts)?;
+        d.n_dropped = n_dropped;
+        Ok(d)
+    }
+
+    /// Samples dropped at load because none of their tokens is a target.
+    pub fn n_dropped_samples(&self) -> usize {
+        self.n_dropped
     }
 
     /// Splits and packs samples (already checked to fit in `seq_len`).
@@ -189,6 +205,7 @@ impl Dataset {
             train,
             eval,
             orders: Mutex::new(Vec::new()),
+            n_dropped: 0,
         })
     }
 

@@ -26,6 +26,9 @@
 //!
 //! # Sequences
 //!
+//! * A sample none of whose tokens (after the first) is a target predicts nothing: it is
+//!   dropped at load and counted ([`Dataset::n_dropped_samples`]), so no batch is ever empty
+//!   of targets.
 //! * A sample is a list of tokens, each flagged "target" or not. A sample longer than `seq_len`
 //!   is an error, or with [`DataOptions::truncate`] is cut to its first `seq_len` tokens.
 //! * Packing ([`DataOptions::pack`], the default): samples, in file order, are packed greedily

@@ -51,14 +51,15 @@ fn packing_layout_and_targets_of_a_hand_made_file() {
                 {\"input_ids\": [10]}\n{\"input_ids\": [11, 12, 13, 14, 15, 16]}\n{\"input_ids\": [17, 18]}";
     let ds = load(text, &opts(6)).unwrap();
     assert_eq!(ds.format(), Format::InputIds);
-    assert_eq!((ds.n_train(), ds.n_eval(), ds.n_train_samples()), (4, 0, 6));
+    // [10] predicts nothing: dropped at load.
+    assert_eq!((ds.n_train(), ds.n_eval(), ds.n_train_samples(), ds.n_dropped_samples()), (4, 0, 5, 1));
     let b = ds.train_batch(0, 4);
     assert_eq!((b.batch, b.seq), (4, 6));
     assert_eq!(
         rows(&b),
         [
             (&[1, 2, 3, 4, 5, 0][..], &[2, 3, X, 5, X, X][..]),
-            (&[6, 7, 8, 9, 10, 0][..], &[7, 8, 9, X, X, X][..]),
+            (&[6, 7, 8, 9, 0, 0][..], &[7, 8, 9, X, X, X][..]),
             (&[11, 12, 13, 14, 15, 16][..], &[12, 13, 14, 15, 16, X][..]),
             (&[17, 18, 0, 0, 0, 0][..], &[18, X, X, X, X, X][..]),
         ]
@@ -67,7 +68,7 @@ fn packing_layout_and_targets_of_a_hand_made_file() {
     assert_eq!(b.n_targets(), 12);
 
     let unpacked = load(text, &DataOptions { pack: false, ..opts(6) }).unwrap();
-    assert_eq!(unpacked.n_train(), 6);
+    assert_eq!(unpacked.n_train(), 5);
     let b = unpacked.train_batch(0, 2);
     assert_eq!(
         rows(&b),
@@ -103,6 +104,9 @@ fn packing_invariants_hold_on_random_files() {
             assert!(samples.iter().all(|s| s.len() == 1), "only a file without targets may fail");
             continue;
         };
+        // One-token samples predict nothing and are dropped at load.
+        assert_eq!(ds.n_dropped_samples(), samples.iter().filter(|s| s.len() == 1).count());
+        let samples: Vec<Vec<u32>> = samples.into_iter().filter(|s| s.len() > 1).collect();
         let mut want_rows = 0;
         let mut used = seq;
         for s in &samples {
@@ -309,4 +313,18 @@ fn a_byte_order_mark_and_crlf_line_ends_are_accepted() {
     let ds = load("\u{feff}{\"input_ids\": [1, 2]}\r\n{\"input_ids\": [3, 4]}\r\n", &opts(2)).unwrap();
     assert_eq!(ds.n_train(), 2);
     assert_eq!(ds.train_batch(1, 1).input_ids, [3, 4]);
+}
+
+#[test]
+fn samples_without_a_target_are_dropped_and_counted() {
+    // A one-token line predicts nothing; unpacked it would be a batch with no targets.
+    let text = ids_lines(&[vec![1, 2, 3], vec![7], vec![4, 5], vec![9]]);
+    let d = load(&text, &DataOptions { pack: false, ..opts(4) }).unwrap();
+    assert_eq!((d.n_dropped_samples(), d.n_train()), (2, 2));
+    for step in 0..4 {
+        assert!(d.train_batch(step, 1).n_targets() > 0, "step {step}");
+    }
+    // Only targetless lines: refused as a file without targets.
+    let e = load(&ids_lines(&[vec![7], vec![8]]), &opts(4)).unwrap_err().to_string();
+    assert!(e.contains("target"), "{e}");
 }

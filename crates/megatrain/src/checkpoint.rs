@@ -13,7 +13,7 @@
 //! size the manifest records, checks that the run's defining options hash the same, restores the
 //! snapshot into the store and continues from step K: the batch of step k is a function of the
 //! data options and k alone and the learning rate a function of k, so on the CPU the resumed run
-//! is bitwise the uninterrupted one (`tests/resume_cli.rs`).
+//! is bitwise the uninterrupted one (`tests/real_use.rs`).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -159,7 +159,13 @@ fn sync_dir(dir: &Path) -> Result<()> {
 /// with the recorded size.
 pub fn list(dir: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
     let mut out = Vec::new();
-    let Ok(entries) = fs::read_dir(dir) else { return Ok(out) };
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => {
+            return Err(e).with_context(|| format!("cannot list checkpoint directory {}", dir.display()))
+        }
+    };
     for e in entries {
         let p = e?.path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
@@ -171,6 +177,10 @@ pub fn list(dir: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
             tracing::warn!("ignoring unreadable checkpoint manifest {}", p.display());
             continue;
         };
+        if m.store_file != format!("{}.store", stem(m.step)) {
+            tracing::warn!("ignoring checkpoint {}: it names snapshot {:?}", p.display(), m.store_file);
+            continue;
+        }
         let size = fs::metadata(dir.join(&m.store_file)).map(|md| md.len()).ok();
         if size != Some(m.store_bytes) {
             tracing::warn!("ignoring checkpoint {}: its snapshot is missing or truncated", p.display());
@@ -190,12 +200,25 @@ pub fn latest(dir: &Path) -> Result<Option<(PathBuf, Manifest)>> {
 fn prune(dir: &Path, keep: usize) -> Result<()> {
     let all = list(dir)?;
     let n = all.len().saturating_sub(keep.max(1));
+    let kept: Vec<String> = all[n..].iter().flat_map(|(p, m)| [file_name(p), m.store_file.clone()]).collect();
     for (p, m) in all.into_iter().take(n) {
         // Manifest first: without it the snapshot is no longer a checkpoint.
         fs::remove_file(&p).with_context(|| format!("cannot remove {}", p.display()))?;
         let _ = fs::remove_file(dir.join(&m.store_file));
     }
+    // Debris of interrupted saves (a snapshot without manifest, a .tmp): everything named
+    // step-* that is not part of a kept checkpoint. Saves never run concurrently.
+    for e in fs::read_dir(dir)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("step-") && !kept.contains(&name) {
+            let _ = fs::remove_file(e.path());
+        }
+    }
     Ok(())
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 /// Refuses a resume whose defining options differ from the checkpoint's, naming each one.
@@ -279,6 +302,16 @@ mod tests {
         assert!(latest(d.path()).unwrap().is_none());
         save(d.path(), &store(3), None, 0, &def, 5).unwrap();
         assert_eq!(latest(d.path()).unwrap().unwrap().1.step, 3);
+        // Debris is swept by the next save: the truncated step-5 files and a stray .tmp.
+        fs::write(d.path().join("step-000000004.store.tmp"), b"x").unwrap();
+        save(d.path(), &store(7), None, 0, &def, 5).unwrap();
+        let mut names: Vec<String> =
+            fs::read_dir(d.path()).unwrap().map(|e| file_name(&e.unwrap().path())).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["step-000000003.json", "step-000000003.store", "step-000000007.json", "step-000000007.store"]
+        );
     }
 
     #[test]

@@ -242,8 +242,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
 
-    /// Learning-rate schedule after warmup: `constant`, or `cosine` decay to 10% of --lr at the
-    /// end of the schedule.
+    /// Learning-rate schedule after warmup: `constant`, `linear` decay to 0 or `cosine` decay to
+    /// 10% of --lr at the end of the schedule.
     #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
     pub schedule: ScheduleKind,
 
@@ -398,6 +398,8 @@ pub enum ScheduleKind {
     Constant,
     /// Cosine decay from the peak rate to 10% of it.
     Cosine,
+    /// Linear decay from the peak rate to 0 at the end of the schedule.
+    Linear,
 }
 
 /// Optimizer placement (see [`OptimMode`]).
@@ -495,7 +497,7 @@ where
     T: Into<OsString> + Clone,
 {
     let mut argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
-    let sub = argv.iter().position(|a| a == "train");
+    let sub = (argv.get(1).is_some_and(|a| a == "train")).then_some(1);
     let file = config_file_arg(&argv);
     if let (Some(sub), Some(path)) = (sub, file) {
         let extra = config_file_options(&path)?;
@@ -506,20 +508,23 @@ where
 
 /// The value of `--config-file PATH` or `--config-file=PATH`, if given.
 fn config_file_arg(argv: &[OsString]) -> Option<PathBuf> {
+    // The last one, as clap's override rule keeps the last value.
+    let mut found = None;
     let mut it = argv.iter();
     while let Some(a) = it.next() {
         if a == "--config-file" {
-            return it.next().map(PathBuf::from);
-        }
-        if let Some(v) = a.to_str().and_then(|s| s.strip_prefix("--config-file=")) {
-            return Some(PathBuf::from(v));
+            found = it.next().map(PathBuf::from);
+        } else if let Some(v) = a.to_str().and_then(|s| s.strip_prefix("--config-file=")) {
+            found = Some(PathBuf::from(v));
         }
     }
-    None
+    found
 }
 
-/// Reads a TOML options file into flags: `key = value` becomes `--key value`, `key = true` a
-/// bare `--key` (and `false` nothing). Keys are the flags' names, `_` or `-` alike.
+/// Reads a TOML options file into flags: `key = value` becomes `--key=value`, `key = true` a
+/// bare `--key` (and `false` nothing). Keys are the flags' names, `_` or `-` alike. A file key
+/// that conflicts with a flag given on the command line (`model` vs `--config`) is an error, as
+/// two such flags would be; a switch set in the file cannot be unset on the command line.
 pub fn config_file_options(path: &Path) -> Result<Vec<OsString>, ArgsError> {
     let err = |m: String| ArgsError::ConfigFile(format!("--config-file {}: {m}", path.display()));
     let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it ({e})")))?;
@@ -552,8 +557,8 @@ pub fn config_file_options(path: &Path) -> Result<Vec<OsString>, ArgsError> {
         if !takes_value {
             return Err(err(format!("{key} is a switch: write `{key} = true` or `{key} = false`")));
         }
-        out.push(OsString::from(format!("--{flag}")));
-        out.push(OsString::from(text));
+        // One token, so a value that starts with '-' is not read as a flag.
+        out.push(OsString::from(format!("--{flag}={text}")));
     }
     Ok(out)
 }
@@ -614,7 +619,7 @@ mod tests {
         let f = d.path().join("run.toml");
         std::fs::write(
             &f,
-            "batch_size = 3\nseq-len = 32\nlr = 0.002\nno-shuffle = true\ndata = \"synthetic\"\n",
+            "batch_size = 3\nseq-len = 32\nlr = 0.002\nno-shuffle = true\ndata = \"synthetic\"\nout = \"-odd\"\n",
         )
         .unwrap();
         let argv = |extra: &[&str]| {
@@ -626,6 +631,7 @@ mod tests {
         let Command::Train(a) = parse_args(argv(&[])).unwrap().command else { panic!("train") };
         assert_eq!((a.batch_size, a.seq_len, a.lr, a.no_shuffle), (3, 32, 0.002, true));
         assert_eq!(a.data, DataSource::Builtin(DataKind::Synthetic));
+        assert_eq!(a.out, Some(PathBuf::from("-odd")));
         let Command::Train(a) = parse_args(argv(&["--seq-len", "8"])).unwrap().command else {
             panic!("train")
         };

@@ -80,6 +80,9 @@ impl TrainData {
                     }
                     None => None,
                 };
+                if args.eval_every > 0 && eval.is_none() && d.n_eval() == 0 {
+                    anyhow::bail!("--eval-every needs held-out data: --eval-fraction F or --eval-data FILE");
+                }
                 Ok(TrainData::File(Box::new(d), eval))
             }
         }
@@ -139,12 +142,13 @@ impl TrainData {
                 format!("synthetic sequences over {vocab} ids")
             }
             TrainData::File(d, e) => format!(
-                "{:?} data: {} training sequences of {} samples ({} target tokens), {} held out",
+                "{:?} data: {} training sequences of {} samples ({} target tokens), {} held out; {} samples without a target dropped",
                 d.format(),
                 d.n_train(),
                 d.n_train_samples(),
                 d.n_target_tokens(),
-                e.as_ref().map_or(d.n_eval(), |e| e.n_train())
+                e.as_ref().map_or(d.n_eval(), |e| e.n_train()),
+                d.n_dropped_samples() + e.as_ref().map_or(0, |e| e.n_dropped_samples())
             ),
         }
     }

@@ -4,9 +4,9 @@
 //! Memory is the planner's byte count, place by place. Host RAM adds what the process itself
 //! holds besides the planned buffers (code, libraries, allocator, the CUDA context's host side):
 //! [`PROCESS_OVERHEAD_CPU`] / [`PROCESS_OVERHEAD_CUDA`], measured as the RSS of runs minus their
-//! planned bytes (`results/2026-11-22-real-use-h200x4.json`). On the CPU backend the device
-//! buffers are host memory too and are added at the planner's worst case, so there the figure is
-//! an upper bound (the tiny built-in run holds 48% of it).
+//! planned bytes (`results/2026-11-22-real-use-h200x4.json`). On the CPU backend the device pool
+//! is host memory too and is added; transients are not, so small CPU runs sit below or above the
+//! figure by the size of their activations.
 //!
 //! Step time is a bound from three overlapped pipelines, each at a sustained rate the user can
 //! override (defaults measured by this project on the H200 machine):
@@ -23,19 +23,21 @@ use serde_json::{json, Value};
 use crate::cli::{DeviceKind, EstimateArgs};
 use crate::train::ModelSource;
 
-/// RSS of a CPU run beyond its planned bytes (binary, libraries, allocator arenas).
-pub const PROCESS_OVERHEAD_CPU: u64 = 64 << 20;
+/// RSS of a CPU run beyond its planned bytes (binary, libraries, allocator arenas): the
+/// built-in tiny run holds 36 MB, 13 MB of it store.
+pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
 /// RSS of a CUDA run beyond its planned host bytes (binary, libraries, the CUDA context, cuBLAS
 /// and NVRTC host-side state). Measured on the H200 machines (commit 80e8b16) as RSS at the end
 /// minus store + staging/landing: 513 MB for Llama-3-8B, 524 MB for SmolLM2-135M.
 pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
 
 /// Host RAM a run of `plan` holds: store + staging/landing + the process overhead, and on the
-/// CPU backend the device buffers too (counted at the planner's worst case: an upper bound).
+/// CPU backend the device pool too (weight ring, outer slot, gradient buffers, checkpoints; not
+/// the planner's GPU workspace reserve, which on the CPU is transient heap).
 pub fn host_bytes(plan: &Plan, device: DeviceKind) -> u64 {
     match device {
         DeviceKind::Cuda => plan.host.total + PROCESS_OVERHEAD_CUDA,
-        DeviceKind::Cpu => plan.host.total + plan.gpu.total + PROCESS_OVERHEAD_CPU,
+        DeviceKind::Cpu => plan.host.total + plan.gpu.total - plan.gpu.workspace + PROCESS_OVERHEAD_CPU,
     }
 }
 /// Default GPU memory: one H200 as the driver reports it.

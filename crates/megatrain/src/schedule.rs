@@ -1,5 +1,6 @@
-//! The learning-rate schedule: linear warmup, then constant or cosine decay to 10% of the peak,
-//! as a pure function of the global step (so a resumed run continues the same curve).
+//! The learning-rate schedule: linear warmup, then constant, linear decay to 0 (as transformers'
+//! `get_linear_schedule_with_warmup`) or cosine decay to 10% of the peak, as a pure function of
+//! the global step (so a resumed run continues the same curve).
 
 use crate::cli::ScheduleKind;
 
@@ -27,6 +28,10 @@ impl LrSchedule {
         }
         match self.kind {
             ScheduleKind::Constant => self.peak,
+            ScheduleKind::Linear => {
+                let span = self.total.saturating_sub(self.warmup).max(1);
+                self.peak * (self.total.saturating_sub(step) as f64 / span as f64).min(1.0)
+            }
             ScheduleKind::Cosine => {
                 let span = self.total.saturating_sub(self.warmup).max(1);
                 let p = ((step - self.warmup) as f64 / span as f64).min(1.0);
@@ -55,6 +60,15 @@ mod tests {
         assert!((s.lr(7) - 2.0 * 0.55).abs() < 1e-12, "halfway: {}", s.lr(7));
         assert!((2..20).all(|k| s.lr(k + 1) <= s.lr(k)));
         assert!((s.lr(12) - 0.2).abs() < 1e-12 && s.lr(50) == s.lr(12));
+    }
+
+    #[test]
+    fn linear_falls_from_the_peak_to_zero_at_the_end() {
+        let s = LrSchedule { peak: 1.0, warmup: 2, total: 10, kind: ScheduleKind::Linear };
+        let lrs: Vec<f64> = (0..12).map(|k| s.lr(k)).collect();
+        assert_eq!(&lrs[..3], &[0.5, 1.0, 1.0]);
+        assert_eq!(lrs[6], 0.5);
+        assert_eq!(&lrs[9..], &[0.125, 0.0, 0.0]);
     }
 
     #[test]

@@ -267,7 +267,10 @@ fn run<B: Backend>(
         total: schedule_total(args, end_step),
         kind: args.schedule,
     };
-    let eval_batches = data.eval_batches(plan.seqs_per_chunk);
+    // Evaluation materialises a batch's [b, t, V] f32 logits (the training loss keeps at most
+    // --rows-per-block rows alive): as many sequences as fit in that many rows, at least one.
+    let eval_seqs = plan.seqs_per_chunk.min((args.rows_per_block / args.seq_len).max(1));
+    let eval_batches = data.eval_batches(eval_seqs);
     let mut evals = Vec::new();
     if !eval_batches.is_empty() && start_step < end_step {
         // The starting point, so the log shows the eval loss falling (or not) from the first step.
@@ -434,12 +437,13 @@ fn evaluate<B: Backend>(engine: &mut Engine<B>, batches: &[mt_sched::Batch]) -> 
     let t = Instant::now();
     engine.flush_pending()?;
     let (mut sum, mut n) = (0.0, 0);
-    for b in batches {
+    for b in batches.iter().filter(|b| b.n_targets() > 0) {
         let (s, k) = engine.loss_sum(b).context("evaluating the held-out loss")?;
         sum += s;
         n += k;
     }
-    Ok((sum / n.max(1) as f64, n, t.elapsed().as_secs_f64()))
+    let mean = if n > 0 { sum / n as f64 } else { f64::NAN };
+    Ok((mean, n, t.elapsed().as_secs_f64()))
 }
 
 /// Where checkpoints go: `--checkpoint-dir`, else `OUT/checkpoints`; `None` without either.
@@ -456,9 +460,14 @@ fn schedule_total(args: &TrainArgs, end_step: u64) -> u64 {
 fn defining_options(args: &TrainArgs, model: &ModelSource) -> Result<serde_json::Value> {
     use clap::ValueEnum;
     let name = |v: Option<clap::builder::PossibleValue>| v.map(|v| v.get_name().to_owned());
-    let data_sha256 = match &args.data {
-        crate::cli::DataSource::File(p) => Some(checkpoint::hash_file(p)?),
-        crate::cli::DataSource::Builtin(_) => None,
+    // A file is identified by its contents (hashed only when checkpoints are in use: a large
+    // file takes a while), not by how its path is spelled.
+    let (data, data_sha256) = match &args.data {
+        crate::cli::DataSource::File(p) if checkpoint_dir(args).is_some() => {
+            (p.file_name().map(|n| n.to_string_lossy().into_owned()), Some(checkpoint::hash_file(p)?))
+        }
+        crate::cli::DataSource::File(p) => (p.file_name().map(|n| n.to_string_lossy().into_owned()), None),
+        other => (Some(describe_source(other)), None),
     };
     Ok(serde_json::json!({
         "model_config": model.cfg.to_hf_json(),
@@ -467,7 +476,7 @@ fn defining_options(args: &TrainArgs, model: &ModelSource) -> Result<serde_json:
         "precision": name(args.precision.to_possible_value()),
         "optim_mode": name(args.optim_mode.to_possible_value()),
         "grad_dtype": name(args.grad_dtype().to_possible_value()),
-        "data": describe_source(&args.data),
+        "data": data,
         "data_sha256": data_sha256,
         "shuffle": !args.no_shuffle,
         "pack": !args.no_pack,
@@ -496,8 +505,28 @@ fn check_outputs(args: &TrainArgs) -> Result<()> {
             bail!("--out {} exists and is not a directory", out.display());
         }
     }
+    if let (Some(out), Some(model)) = (&args.out, &args.model) {
+        let same = match (out.canonicalize(), model.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if same {
+            bail!("--out {} is the --model directory: export into another directory", out.display());
+        }
+    }
     if (args.save_every > 0 || args.resume) && checkpoint_dir(args).is_none() {
         bail!("--save-every and --resume need --out DIR or --checkpoint-dir DIR (where checkpoints live)");
+    }
+    if let (Some(dir), false) = (checkpoint_dir(args), args.resume) {
+        if let Some((path, m)) = checkpoint::latest(&dir)? {
+            bail!(
+                "{} holds a checkpoint of step {} ({}): continue that run with --resume, or start a new \
+                 one with another --out or --checkpoint-dir",
+                dir.display(),
+                m.step,
+                path.display()
+            );
+        }
     }
     if args.resume && args.store.is_some() {
         bail!("--resume restores a checkpoint into the store; with --store, rerun with the same --store instead");

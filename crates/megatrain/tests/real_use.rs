@@ -101,6 +101,11 @@ fn a_run_killed_after_a_checkpoint_resumes_bitwise() {
         "the resumed run's weights must equal the uninterrupted run's bit for bit"
     );
 
+    // A fresh run (no --resume) into a directory holding checkpoints is refused before any work.
+    let fresh = run(&b, &["--save-every", "3"]);
+    assert!(!fresh.status.success());
+    assert!(stderr(&fresh).contains("continue that run with --resume"), "{}", stderr(&fresh));
+
     // Resuming with a different learning rate is refused, naming the option.
     let other = megatrain(&[&common[..], &["--out", s(&b), "--resume", "--lr", "0.004"]].concat());
     assert!(!other.status.success());
@@ -191,6 +196,24 @@ fn bad_input_is_refused_with_a_clear_error_and_no_output() {
     let long = t.path().join("long.jsonl");
     fs::write(&long, format!("{{\"input_ids\": [{}]}}\n", vec!["7"; 17].join(","))).unwrap();
     refused(&m, &long, &out, &[], "long.jsonl:1");
+
+    // --out naming the --model directory: refused (an export would overwrite the source).
+    let o = megatrain(&[
+        "train",
+        "--model",
+        s(&m),
+        "--data",
+        s(&data),
+        "--out",
+        s(&m),
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+    ]);
+    assert!(!o.status.success() && stderr(&o).contains("is the --model directory"), "{}", stderr(&o));
 
     // Not enough RAM for the plan: refused before anything is allocated.
     refused(&m, &data, &out, &["--host-mem", "0.0001"], "exceed the host");
