@@ -403,31 +403,32 @@ impl<B: Backend> Engine<B> {
         Ok(logits)
     }
 
-    /// Sum of the cross-entropy over the batch's targets (nats, f64) and their count, under the
+    /// Sum of the cross-entropy over the batch's targets (nats) and their count, under the
     /// store's current master weights: no gradients, no update (pending updates are not applied:
-    /// flush first). For held-out evaluation; the log-sum-exp runs on the host in f64 over
-    /// [`Engine::logits`], so the batch's `[b, t, V]` f32 logits must fit on the device.
+    /// flush first). For held-out evaluation. The log-sum-exp runs on the device in f32 over
+    /// [`Engine::logits`] (so the batch's `[b, t, V]` f32 logits must fit there); one scalar comes
+    /// back.
     pub fn loss_sum(&mut self, batch: &Batch) -> Result<(f64, usize)> {
+        use candle_core::D;
         let logits = self.logits(batch)?;
-        let v = self.cfg.vocab_size;
-        let l = logits
-            .to_dtype(DType::F32)?
-            .to_device(&candle_core::Device::Cpu)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        let (mut sum, mut n) = (0.0f64, 0usize);
-        for (row, &t) in batch.targets.iter().enumerate() {
-            if t == crate::batch::IGNORE_INDEX {
-                continue;
-            }
-            let r = &l[row * v..(row + 1) * v];
-            let m = r.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)) as f64;
-            let lse = m + r.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
-            // `validate` checked 0 <= t < V.
-            sum += lse - r[t as usize] as f64;
-            n += 1;
-        }
-        Ok((sum, n))
+        let (v, rows) = (self.cfg.vocab_size, batch.batch * batch.seq);
+        let device = logits.device().clone();
+        let logits = logits.reshape((rows, v))?;
+        let keep: Vec<f32> =
+            batch.targets.iter().map(|&t| f32::from(u8::from(t != crate::batch::IGNORE_INDEX))).collect();
+        // Ignored rows gather column 0 and are multiplied by 0; `validate` checked 0 <= t < V.
+        let idx: Vec<u32> = batch
+            .targets
+            .iter()
+            .map(|&t| if t == crate::batch::IGNORE_INDEX { 0 } else { t as u32 })
+            .collect();
+        let keep = Tensor::from_vec(keep, rows, &device)?;
+        let idx = Tensor::from_vec(idx, (rows, 1), &device)?;
+        let m = logits.max_keepdim(D::Minus1)?;
+        let lse = logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&m)?;
+        let picked = logits.gather(&idx, D::Minus1)?;
+        let sum = (lse - picked)?.squeeze(D::Minus1)?.mul(&keep)?.sum_all()?.to_scalar::<f32>()?;
+        Ok((f64::from(sum), batch.n_targets()))
     }
 
     fn ensure_rope(&mut self, seq: usize) -> Result<()> {

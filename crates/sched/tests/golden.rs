@@ -14,7 +14,8 @@ use mt_testkit::ReferenceModel;
 
 use common::*;
 
-/// Loss, logits and every gradient of step 0 equal the HF fixture and the f64 reference.
+/// Loss, logits, the evaluation loss and every gradient of step 0 equal the HF fixture and the f64
+/// reference.
 #[test]
 fn gradients_match_transformers_and_the_reference_model() {
     for name in GOLDEN_NAMES {
@@ -26,6 +27,17 @@ fn gradients_match_transformers_and_the_reference_model() {
         let logits = e.logits(&batch).unwrap();
         let d = diff(&logits, &g.logits).unwrap();
         assert!(Tolerance::F32_GOLDEN.accepts(d.rel_err), "{name}: logits rel err {:.3e}", d.rel_err);
+
+        // The evaluation loss (on-device log-sum-exp, masked targets skipped) is transformers' loss.
+        let (sum, n) = e.loss_sum(&batch).unwrap();
+        assert_eq!(n, batch.n_targets());
+        let eval_rel = (sum / n as f64 - g.loss).abs() / g.loss.abs();
+        assert!(
+            eval_rel <= 1e-6,
+            "{name}: eval loss {} vs golden {} (rel {eval_rel:.2e})",
+            sum / n as f64,
+            g.loss
+        );
 
         let report = e.step(&batch, 1e-3).unwrap();
         let loss_rel = (report.loss - g.loss).abs() / g.loss.abs();
