@@ -183,3 +183,89 @@ extern "C" __global__ void mt_ce_grad(const unsigned short* __restrict__ logits,
         dl[off + j] = f2bf(v);
     }
 }
+
+// ---- Layout and residual helpers (pure data movement / one rounding), 16 bytes a thread ----
+
+// y[b, i2, i1, :] = x[b, i1, i2, :]: swaps the two middle axes of a contiguous [b, n1, n2, d]
+// bf16 tensor (d8 = d / 8 groups of 8 elements; the caller guarantees d % 8 == 0 and 16-byte
+// aligned buffers). Indexed by the output's 8-element groups, so writes are coalesced and reads
+// are 16-byte runs of d contiguous elements.
+extern "C" __global__ void mt_swap12(const uint4* __restrict__ x, uint4* __restrict__ y, long long total8, int n1, int n2,
+                                     int d8) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total8; e += (long long)gridDim.x * blockDim.x) {
+        const int c = (int)(e % d8);
+        long long r = e / d8;
+        const int i1 = (int)(r % n1);
+        r /= n1;
+        const int i2 = (int)(r % n2);
+        const long long bb = r / n2;
+        y[e] = x[((bb * n1 + i1) * n2 + i2) * d8 + c];
+    }
+}
+
+// y = bf16(a + b) elementwise over total8 groups of 8 (the sum of two bf16 values in f32, then
+// rounded once: the same bits as candle's bf16 add).
+extern "C" __global__ void mt_add_bf16(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* __restrict__ y,
+                                       long long total8) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total8; e += (long long)gridDim.x * blockDim.x) {
+        const uint4 u = a[e], v = b[e];
+        const unsigned ua[4] = {u.x, u.y, u.z, u.w}, va[4] = {v.x, v.y, v.z, v.w};
+        unsigned o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned short lo = f2bf(bf2f((unsigned short)(ua[k] & 0xffffu)) + bf2f((unsigned short)(va[k] & 0xffffu)));
+            const unsigned short hi = f2bf(bf2f((unsigned short)(ua[k] >> 16)) + bf2f((unsigned short)(va[k] >> 16)));
+            o[k] = (unsigned)lo | ((unsigned)hi << 16);
+        }
+        uint4 r;
+        r.x = o[0];
+        r.y = o[1];
+        r.z = o[2];
+        r.w = o[3];
+        y[e] = r;
+    }
+}
+
+// mt_rope with 8 elements (16 bytes) a thread, for hd % 16 == 0 and 16-byte aligned buffers:
+// the 8 elements of a group share the head, the position and the rotation partner's offset, so
+// the index arithmetic runs once per group. Same per-element formula and roundings as mt_rope.
+extern "C" __global__ void mt_rope8(const unsigned short* __restrict__ x, const unsigned short* __restrict__ cs,
+                                    const unsigned short* __restrict__ sn, unsigned short* __restrict__ y,
+                                    long long total, int t, int heads, int hd, float sign) {
+    const int half = hd / 2;
+    const long long groups = total / 8;
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (long long)gridDim.x * blockDim.x) {
+        const long long e0 = g * 8;
+        const int i0 = (int)(e0 % hd);
+        const int pos = (int)((e0 / ((long long)hd * heads)) % t);
+        const bool lo = i0 < half;
+        const uint4 xv = *reinterpret_cast<const uint4*>(x + e0);
+        const uint4 rv = *reinterpret_cast<const uint4*>(x + (lo ? e0 + half : e0 - half));
+        const uint4 cv = *reinterpret_cast<const uint4*>(cs + (size_t)pos * hd + i0);
+        const uint4 sv = *reinterpret_cast<const uint4*>(sn + (size_t)pos * hd + i0);
+        const unsigned xa[4] = {xv.x, xv.y, xv.z, xv.w}, ra[4] = {rv.x, rv.y, rv.z, rv.w};
+        const unsigned ca[4] = {cv.x, cv.y, cv.z, cv.w}, sa[4] = {sv.x, sv.y, sv.z, sv.w};
+        unsigned o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            unsigned short r[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int sh = 16 * h;
+                const float xe = bf2f((unsigned short)((xa[k] >> sh) & 0xffffu));
+                const float pe = bf2f((unsigned short)((ra[k] >> sh) & 0xffffu));
+                const float rot = lo ? -pe : pe;
+                const float c = bf2f((unsigned short)((ca[k] >> sh) & 0xffffu));
+                const float s = rbf(sign * bf2f((unsigned short)((sa[k] >> sh) & 0xffffu)));
+                r[h] = f2bf(rbf(xe * c) + rbf(rot * s));
+            }
+            o[k] = (unsigned)r[0] | ((unsigned)r[1] << 16);
+        }
+        uint4 out;
+        out.x = o[0];
+        out.y = o[1];
+        out.z = o[2];
+        out.w = o[3];
+        *reinterpret_cast<uint4*>(y + e0) = out;
+    }
+}

@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::ops::stat_dtype;
+use crate::ops::{stat_dtype, swap12};
 use crate::Result;
 
 /// Shapes of one attention call.
@@ -36,8 +36,21 @@ pub(crate) struct AttnCache {
     k: Tensor,
     /// Values `[b, nkv, t, hd]`.
     v: Tensor,
-    /// Probabilities `[b, nkv, g·t, t]` in the statistics dtype.
-    p: Tensor,
+    /// The attention probabilities, `[b, nkv, g·t, t]`.
+    p: Probs,
+}
+
+/// How the forward keeps the probabilities for the backward.
+#[derive(Debug)]
+enum Probs {
+    /// In the statistics dtype (the candle path).
+    Full(Tensor),
+    /// The fused bf16 CUDA path (`kernels/softmax.cu`) keeps the raw bf16 scores `s = q kᵀ`,
+    /// the bf16 probabilities `pb` (what multiplies `v`) and each row's `(max, sum)` in f32:
+    /// its backward recomputes the f32 probabilities from them bit for bit, so no f32 `[.., t, t]`
+    /// tensor is ever written.
+    #[cfg(feature = "cuda")]
+    Fused { s: Tensor, pb: Tensor, stats: Tensor },
 }
 
 /// Additive causal mask `[t, t]`: 0 where key `j <= ` query `i`, `-inf` above the diagonal.
@@ -49,7 +62,7 @@ fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
 
 /// `[b, t, heads, hd]` → `[b, heads, t, hd]`, contiguous.
 fn heads_first(x: &Tensor) -> Result<Tensor> {
-    Ok(x.transpose(1, 2)?.contiguous()?)
+    swap12(x)
 }
 
 /// Softmax over the last dimension with the row maximum subtracted (a constant per row, so it
@@ -76,11 +89,11 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Te
     let scale = 1.0 / (hd as f64).sqrt();
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && dtype == DType::BF16 {
-        // One fused kernel for scale, mask and softmax (kernels/softmax.cu).
-        let p = crate::cuda_kernels::causal_softmax(&q.matmul(&k.t()?)?, scale)?;
-        let o = p.to_dtype(dtype)?.matmul(&v)?;
-        let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        return Ok((o, AttnCache { q, k, v, p }));
+        // One fused kernel for scale, mask and softmax (kernels/softmax.cu), bf16 out.
+        let s = q.matmul(&k.t()?)?;
+        let (pb, stats) = crate::cuda_kernels::causal_softmax(&s, scale)?;
+        let o = swap12(&pb.matmul(&v)?.reshape((b, nh, t, hd))?)?.reshape((b, t, nh * hd))?;
+        return Ok((o, AttnCache { q, k, v, p: Probs::Fused { s, pb, stats } }));
     }
     let s = (q.matmul(&k.t()?)? * scale)?;
     let mask = causal_mask(t, sd, q.device())?;
@@ -88,7 +101,7 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Te
     let p = softmax_last(&s)?;
     let o = p.to_dtype(dtype)?.matmul(&v)?;
     let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-    Ok((o, AttnCache { q, k, v, p }))
+    Ok((o, AttnCache { q, k, v, p: Probs::Full(p) }))
 }
 
 /// Backward. `d_o: [b, t, nh·hd]`. Returns `(dq [b,t,nh,hd], dk [b,t,nkv,hd], dv [b,t,nkv,hd])`.
@@ -103,18 +116,24 @@ pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims) -> Result<(Tens
     let dtype = d_o.dtype();
     let g = d.g();
     let scale = 1.0 / (hd as f64).sqrt();
-    let d_o = d_o.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?.reshape((b, nkv, g * t, hd))?;
-    let p = cache.p.to_dtype(dtype)?;
-    let dv = p.t()?.matmul(&d_o)?;
-    #[cfg(feature = "cuda")]
-    if d_o.device().is_cuda() && dtype == DType::BF16 {
-        // dS with the scale folded in, in one kernel (kernels/softmax.cu).
-        let ds = crate::cuda_kernels::softmax_backward(&d_o.matmul(&cache.v.t()?)?, &cache.p, scale)?;
-        return heads_last(ds.matmul(&cache.k)?, ds.t()?.matmul(&cache.q)?, dv, d);
-    }
-    let dp = d_o.matmul(&cache.v.t()?)?.to_dtype(cache.p.dtype())?;
-    let row = (&dp * &cache.p)?.sum_keepdim(D::Minus1)?;
-    let ds = (&cache.p * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
+    let d_o = swap12(&d_o.reshape((b, t, nh, hd))?)?.reshape((b, nkv, g * t, hd))?;
+    // Without the cuda feature `Probs` has one variant.
+    #[allow(clippy::infallible_destructuring_match)]
+    let p = match &cache.p {
+        Probs::Full(p) => p,
+        #[cfg(feature = "cuda")]
+        Probs::Fused { s, pb, stats } => {
+            let dv = pb.t()?.matmul(&d_o)?;
+            // dS with the scale folded in, P recomputed from s and the row statistics, in one
+            // kernel (kernels/softmax.cu).
+            let ds = crate::cuda_kernels::softmax_backward(&d_o.matmul(&cache.v.t()?)?, s, stats, scale)?;
+            return heads_last(ds.matmul(&cache.k)?, ds.t()?.matmul(&cache.q)?, dv, d);
+        }
+    };
+    let dv = p.to_dtype(dtype)?.t()?.matmul(&d_o)?;
+    let dp = d_o.matmul(&cache.v.t()?)?.to_dtype(p.dtype())?;
+    let row = (&dp * p)?.sum_keepdim(D::Minus1)?;
+    let ds = (p * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
     let dq = (ds.matmul(&cache.k)? * scale)?;
     let dk = (ds.t()?.matmul(&cache.q)? * scale)?;
     heads_last(dq, dk, dv, d)
@@ -123,8 +142,8 @@ pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims) -> Result<(Tens
 /// `dq [b, nkv, g·t, hd]`, `dk, dv [b, nkv, t, hd]` back to `[b, t, heads, hd]`, contiguous.
 fn heads_last(dq: Tensor, dk: Tensor, dv: Tensor, d: Dims) -> Result<(Tensor, Tensor, Tensor)> {
     let Dims { b, t, nh, hd, .. } = d;
-    let dq = dq.reshape((b, nh, t, hd))?.transpose(1, 2)?.contiguous()?;
-    let dk = dk.transpose(1, 2)?.contiguous()?;
-    let dv = dv.transpose(1, 2)?.contiguous()?;
+    let dq = swap12(&dq.reshape((b, nh, t, hd))?)?;
+    let dk = swap12(&dk)?;
+    let dv = swap12(&dv)?;
     Ok((dq, dk, dv))
 }

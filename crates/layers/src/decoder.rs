@@ -5,7 +5,7 @@ use candle_core::Tensor;
 use mt_core::ModelConfig;
 
 use crate::attention::{self, AttnCache, Dims};
-use crate::ops::{linear, linear_backward, rms_norm, rms_norm_backward, silu_grad, LinearGrads, RmsCache};
+use crate::ops::{add, linear, linear_backward, rms_norm, rms_norm_backward, silu_grad, RmsCache};
 use crate::profile::{mark, start as prof_start};
 use crate::rope::{self, Rope};
 use crate::weights::{names, LayerWeights};
@@ -105,28 +105,24 @@ impl DecoderLayer {
         prof_start(dev);
 
         // MLP: out = x1 + down(silu(gate(c)) ⊙ up(c)), c = norm2(x1).
-        let down = linear_backward(&dy, &s.mid, &w.down, false)?;
-        grads.accumulate(names::DOWN, &down.dw)?;
+        let d_mid = linear_backward(&dy, &s.mid, &w.down, grads, names::DOWN, None)?;
         mark(dev, "bwd 9 down proj (2 GEMMs + accumulate)");
-        let (d_gate, d_up) = swiglu_backward(&down.dx, &s.gate, &s.up, s.act.as_ref())?;
+        let (d_gate, d_up) = swiglu_backward(&d_mid, &s.gate, &s.up, s.act.as_ref())?;
         mark(dev, "bwd 8 silu * up");
-        let gate = linear_backward(&d_gate, &s.c, &w.gate, false)?;
-        let up = linear_backward(&d_up, &s.c, &w.up, false)?;
-        grads.accumulate(names::GATE, &gate.dw)?;
-        grads.accumulate(names::UP, &up.dw)?;
-        let dc = (gate.dx + up.dx)?;
+        let dc_gate = linear_backward(&d_gate, &s.c, &w.gate, grads, names::GATE, None)?;
+        let dc_up = linear_backward(&d_up, &s.c, &w.up, grads, names::UP, None)?;
+        let dc = add(&dc_gate, &dc_up)?;
         mark(dev, "bwd 7 gate/up proj (4 GEMMs + accumulate)");
         let (dx1_norm, d_post) = rms_norm_backward(&dc, &w.post_norm, &s.norm2)?;
         grads.accumulate(names::POST_NORM, &d_post)?;
         // Residual: x1 feeds both the MLP branch and the output.
-        let dx1 = (&dy + dx1_norm)?;
+        let dx1 = add(&dy, &dx1_norm)?;
         mark(dev, "bwd 6 post norm");
 
         // Attention: x1 = x + o_proj(attn(rope(q), rope(k), v)).
-        let o = linear_backward(&dx1, &s.o, &w.o, w.o_bias.is_some())?;
-        put(grads, names::O, names::O_BIAS, &o)?;
+        let d_o = linear_backward(&dx1, &s.o, &w.o, grads, names::O, bias(&w.o_bias, names::O_BIAS))?;
         mark(dev, "bwd 5 o proj (2 GEMMs + accumulate)");
-        let (dq, dk, dv) = attention::backward(&o.dx.reshape((b, t, nh * hd))?, &s.attn, s.dims)?;
+        let (dq, dk, dv) = attention::backward(&d_o.reshape((b, t, nh * hd))?, &s.attn, s.dims)?;
         mark(dev, "bwd 4 attention");
         let mut dq = rope::apply_backward(&dq, &s.cos, &s.sin)?;
         let mut dk = rope::apply_backward(&dk, &s.cos, &s.sin)?;
@@ -144,18 +140,15 @@ impl DecoderLayer {
         let dq = dq.reshape((n, nh * hd))?;
         let dk = dk.reshape((n, nkv * hd))?;
         let dv = dv.reshape((n, nkv * hd))?;
-        let gq = linear_backward(&dq, &s.a, &w.q, w.q_bias.is_some())?;
-        let gk = linear_backward(&dk, &s.a, &w.k, w.k_bias.is_some())?;
-        let gv = linear_backward(&dv, &s.a, &w.v, w.v_bias.is_some())?;
-        put(grads, names::Q, names::Q_BIAS, &gq)?;
-        put(grads, names::K, names::K_BIAS, &gk)?;
-        put(grads, names::V, names::V_BIAS, &gv)?;
+        let da_q = linear_backward(&dq, &s.a, &w.q, grads, names::Q, bias(&w.q_bias, names::Q_BIAS))?;
+        let da_k = linear_backward(&dk, &s.a, &w.k, grads, names::K, bias(&w.k_bias, names::K_BIAS))?;
+        let da_v = linear_backward(&dv, &s.a, &w.v, grads, names::V, bias(&w.v_bias, names::V_BIAS))?;
         // a feeds q, k and v: its gradient is the sum of the three.
-        let da = ((gq.dx + gk.dx)? + gv.dx)?;
+        let da = add(&add(&da_q, &da_k)?, &da_v)?;
         mark(dev, "bwd 2 qkv proj (6 GEMMs + accumulate)");
         let (dx_norm, d_in) = rms_norm_backward(&da, &w.input_norm, &s.norm1)?;
         grads.accumulate(names::INPUT_NORM, &d_in)?;
-        let dx = (dx1 + dx_norm)?;
+        let dx = add(&dx1, &dx_norm)?;
         mark(dev, "bwd 1 input norm");
         Ok(dx.reshape((b, t, h))?)
     }
@@ -212,7 +205,7 @@ impl DecoderLayer {
         let (o, attn) = attention::forward(&q, &k, &v, dims)?;
         let o = o.reshape((n, nh * hd))?;
         mark(dev, "fwd 4 attention");
-        let x1 = (&xf + linear(&o, &w.o, w.o_bias.as_ref())?)?;
+        let x1 = add(&xf, &linear(&o, &w.o, w.o_bias.as_ref())?)?;
         mark(dev, "fwd 5 o proj (GEMM) + residual");
 
         let (c, norm2) = rms_norm(&x1, &w.post_norm, eps)?;
@@ -222,7 +215,7 @@ impl DecoderLayer {
         mark(dev, "fwd 7 gate/up proj (GEMM)");
         let (act, mid) = swiglu(&gate, &up)?;
         mark(dev, "fwd 8 silu * up");
-        let out = (&x1 + linear(&mid, &w.down, None)?)?.reshape((b, t, h))?;
+        let out = add(&x1, &linear(&mid, &w.down, None)?)?.reshape((b, t, h))?;
         mark(dev, "fwd 9 down proj (GEMM) + residual");
         let saved = Saved {
             rows: n,
@@ -283,11 +276,7 @@ fn norm_opt(x: Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Option<R
     }
 }
 
-/// Accumulates a projection's weight gradient (and bias gradient, when it has a bias).
-fn put(grads: &GradSink, weight: &str, bias: &str, g: &LinearGrads) -> Result<()> {
-    grads.accumulate(weight, &g.dw)?;
-    if let Some(db) = &g.db {
-        grads.accumulate(bias, db)?;
-    }
-    Ok(())
+/// The bias gradient's name, for a projection that has a bias.
+fn bias(b: &Option<Tensor>, name: &'static str) -> Option<&'static str> {
+    b.as_ref().map(|_| name)
 }

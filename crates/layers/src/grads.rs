@@ -52,6 +52,34 @@ impl<'a> GradSink<'a> {
         Ok(())
     }
 
+    /// `buf[name] += dyᵀ x` for a projection `name` of shape `[out, in]`, `dy: [N, out]`,
+    /// `x: [N, in]`: the weight gradient of `y = x Wᵀ`. On CUDA with bf16 operands and an f32
+    /// buffer this is one GEMM whose f32 accumulators are added into the buffer (no bf16
+    /// rounding of the gradient, no extra pass); elsewhere `dyᵀ x` is formed in the operands'
+    /// dtype and added as by [`GradSink::accumulate`].
+    pub fn accumulate_matmul(&self, name: &str, dy: &Tensor, x: &Tensor) -> Result<()> {
+        let spec = self.layout.get(name)?;
+        let (out, inp) = match spec.shape.as_slice() {
+            [o, i] => (*o, *i),
+            s => return Err(Error::shape(format!("layout entry {name}"), "a matrix", s)),
+        };
+        if !matches!((dy.dims(), x.dims()), ([n, o], [nx, i]) if n == nx && *o == out && *i == inp) {
+            return Err(Error::shape(
+                format!("dy of the gradient of {name} (with x {:?})", x.dims()),
+                format!("[N, {out}], x [N, {inp}]"),
+                dy.dims(),
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let dst = self.buf.narrow(0, spec.offset, out * inp)?;
+            if crate::cuda_kernels::gemm_applies(&dst, dy, x) {
+                return Ok(crate::cuda_kernels::accumulate_matmul_t(&dst, dy, x)?);
+            }
+        }
+        self.accumulate(name, &dy.t()?.matmul(x)?)
+    }
+
     /// `buf[name][rows[i], :] += src[i, :]` for every `i` (repeated rows add up): the backward of
     /// an embedding lookup. Only the addressed rows are touched. `name` must be a matrix
     /// `[n_rows, width]`, `rows` a 1-D u32 tensor of length `k`, `src` `[k, width]`.

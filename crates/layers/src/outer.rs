@@ -154,7 +154,7 @@ impl Outer {
                 if let Some(grads) = grads {
                     let dl = crate::cuda_kernels::ce_grad(&logits, &tb, &wb)?;
                     dxn.push(dl.matmul(head)?);
-                    grads.accumulate(w.head_name(), &dl.t()?.matmul(&xb)?)?;
+                    grads.accumulate_matmul(w.head_name(), &dl, &xb)?;
                 }
                 r0 += r;
                 continue;
@@ -171,7 +171,7 @@ impl Outer {
                 let p = e.broadcast_div(&z)?;
                 let dl = p.broadcast_mul(&wb)?.scatter_add(&tb, &wb.neg()?, 1)?.to_dtype(dtype)?;
                 dxn.push(dl.matmul(head)?);
-                grads.accumulate(w.head_name(), &dl.t()?.matmul(&xb)?)?;
+                grads.accumulate_matmul(w.head_name(), &dl, &xb)?;
             }
             r0 += r;
         }
