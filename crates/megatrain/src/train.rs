@@ -221,6 +221,18 @@ fn run<B: Backend>(
             }
         }
     }
+    let t_fault = Instant::now();
+    match store.prefault() {
+        Ok(0) => {}
+        Ok(n) => {
+            eprintln!(
+                "host store: {:.2} GB pre-faulted in {:.1} s",
+                n as f64 / 1e9,
+                t_fault.elapsed().as_secs_f64()
+            )
+        }
+        Err(e) => eprintln!("host store: not pre-faulted ({e}); the first update will fault its pages in"),
+    }
     let mut eopts = engine_options(args);
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
