@@ -22,6 +22,7 @@ mod cuda_kernels;
 
 mod attention;
 mod decoder;
+pub mod device_optim;
 mod error;
 mod grads;
 mod ops;

@@ -65,6 +65,9 @@ pub struct EstimateArgs {
     /// The device the run would use: on `cpu` the device buffers are host memory too.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// As `megatrain train --resident-outer`.
+    #[arg(long, value_enum, default_value_t = ResidentOuter::Auto)]
+    pub resident_outer: ResidentOuter,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -272,6 +275,13 @@ pub struct TrainArgs {
     #[arg(long)]
     pub no_optimizer_overlap: bool,
 
+    /// Where the outer unit's (embedding, final norm, LM head) fp32 master weights and AdamW
+    /// moments live during training: `on` = on the GPU, updated there (it never crosses PCIe),
+    /// `off` = streamed through the host optimizer like a layer, `auto` = on when the GPU has
+    /// room for it without more chunks (always off on the CPU).
+    #[arg(long, value_enum, default_value_t = ResidentOuter::Auto)]
+    pub resident_outer: ResidentOuter,
+
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.
     #[arg(long, value_enum, default_value_t = OptimModeArg::Exact)]
@@ -434,6 +444,28 @@ impl From<Precision> for DType {
         match p {
             Precision::Fp32 => DType::F32,
             Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// Placement of the outer unit's optimizer state (`--resident-outer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ResidentOuter {
+    /// The planner decides (resident on a GPU with room to spare, never on the CPU).
+    Auto,
+    /// On the GPU.
+    On,
+    /// Streamed through the host optimizer.
+    Off,
+}
+
+impl ResidentOuter {
+    /// The planner's input: `None` lets it decide.
+    pub fn choice(self, device: DeviceKind) -> Option<bool> {
+        match (self, device) {
+            (ResidentOuter::On, _) => Some(true),
+            (ResidentOuter::Off, _) | (ResidentOuter::Auto, DeviceKind::Cpu) => Some(false),
+            (ResidentOuter::Auto, DeviceKind::Cuda) => None,
         }
     }
 }

@@ -165,6 +165,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         ring_depth: Some(args.ring_depth),
         n_chunks: args.chunks,
         rows_per_block: args.rows_per_block,
+        resident_outer: args.resident_outer.choice(args.device),
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");
@@ -234,6 +235,7 @@ fn run<B: Backend>(
         Err(e) => eprintln!("host store: not pre-faulted ({e}); the first update will fault its pages in"),
     }
     let mut eopts = engine_options(args);
+    eopts.resident_outer = plan.resident_outer;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let mut engine = Engine::new(cfg, Arc::clone(&store), backend, eopts)?;

@@ -144,26 +144,41 @@ impl Upload<'_> {
 /// The f32 scalars of one step, derived as torch's `_single_tensor_adam` derives them: in f64
 /// (Python floats), rounded to f32 when the tensor op that consumes them is called.
 #[derive(Debug, Clone, Copy)]
-struct Coeffs {
-    grad_scale: f32,
+pub struct Coeffs {
+    /// Multiplies every gradient element first (the clip coefficient).
+    pub grad_scale: f32,
     /// `param.mul_(1 - lr * weight_decay)`.
-    decay: f32,
+    pub decay: f32,
     /// `exp_avg.lerp_(grad, w)` with `w = 1 - beta1`. ATen's lerp computes `m + w * (g - m)` when
     /// `|w| < 0.5` and `g - (g - m) * (1 - w)` otherwise. Both are `base + coeff * (g - m)`: base `m`,
     /// coeff `w`; or base `g`, coeff `w - 1` (exact for `w` in [0.5, 1], and `x + -y == x - y`).
-    lerp_small: bool,
-    lerp_coeff: f32,
-    beta2: f32,
+    pub lerp_small: bool,
+    /// The lerp's `coeff` (see `lerp_small`).
+    pub lerp_coeff: f32,
+    /// `exp_avg_sq.mul_(beta2)`.
+    pub beta2: f32,
     /// `value` of `exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)`.
-    one_minus_beta2: f32,
+    pub one_minus_beta2: f32,
     /// `bias_correction2 ** 0.5`, the divisor of `exp_avg_sq.sqrt()`.
-    bc2_sqrt: f32,
-    eps: f32,
+    pub bc2_sqrt: f32,
+    /// Added to the denominator.
+    pub eps: f32,
     /// `lr / bias_correction1`; torch passes its negation as addcdiv's `value`.
-    step_size: f32,
+    pub step_size: f32,
 }
 
 impl Coeffs {
+    /// The scalars of step `a` under `h`, after checking them as [`step_fused`] does: for an
+    /// implementation of the same update elsewhere (the GPU kernel of a device-resident unit),
+    /// which evaluates the fused loop's expressions with these values.
+    ///
+    /// # Errors
+    /// As [`step_fused`]: [`Error::ZeroStep`], [`Error::Hyperparameter`].
+    pub fn of(h: &AdamW, a: &StepArgs) -> Result<Self, Error> {
+        h.validate(a)?;
+        Ok(Self::new(h, a))
+    }
+
     fn new(h: &AdamW, a: &StepArgs) -> Self {
         // torch reads the step from a float32 tensor with `.item()`: exact for t < 2^24.
         let t = a.step as f64;

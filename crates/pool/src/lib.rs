@@ -59,6 +59,9 @@ pub struct PoolSpec {
     pub n_layers: usize,
     /// Token chunks per step.
     pub n_chunks: usize,
+    /// Keep the outer unit's fp32 master weights and AdamW moments on the device
+    /// (`outer_state`), updated there, instead of streaming them through the host optimizer.
+    pub resident_outer: bool,
 }
 
 /// Bytes held by each kind of buffer.
@@ -74,12 +77,14 @@ pub struct PoolBytes {
     pub checkpoints: usize,
     /// Activation gradients currently held.
     pub act_grads: usize,
+    /// The resident outer unit's optimizer state (0 unless it is resident).
+    pub outer_state: usize,
 }
 
 impl PoolBytes {
     /// Sum of all buffers.
     pub fn total(&self) -> usize {
-        self.weight_ring + self.outer + self.grads + self.checkpoints + self.act_grads
+        self.weight_ring + self.outer + self.grads + self.checkpoints + self.act_grads + self.outer_state
     }
 }
 
@@ -94,6 +99,9 @@ pub struct DevicePool {
     pub grad_bufs: Vec<Tensor>,
     /// Outer gradient buffer.
     pub outer_grad: Tensor,
+    /// The resident outer unit's `[master | m | v]` (f32, `3 × outer_len`), when
+    /// [`PoolSpec::resident_outer`].
+    pub outer_state: Option<Tensor>,
     checkpoints: Vec<Vec<Option<Tensor>>>,
     act_grads: Vec<Option<Tensor>>,
     spec: PoolSpec,
@@ -123,6 +131,11 @@ impl DevicePool {
             outer_slot: Tensor::zeros(spec.outer_len, spec.weight_dtype, device)?,
             grad_bufs,
             outer_grad: Tensor::zeros(spec.outer_len, spec.grad_dtype, device)?,
+            outer_state: if spec.resident_outer {
+                Some(Tensor::zeros(3 * spec.outer_len, DType::F32, device)?)
+            } else {
+                None
+            },
             checkpoints: vec![vec![None; spec.n_chunks]; spec.n_layers + 1],
             act_grads: vec![None; spec.n_chunks],
             spec: spec.clone(),
@@ -174,6 +187,7 @@ impl DevicePool {
             grads: self.grad_bufs.iter().map(tensor_bytes).sum::<usize>() + tensor_bytes(&self.outer_grad),
             checkpoints: self.checkpoints.iter().map(|c| held(c)).sum(),
             act_grads: held(&self.act_grads),
+            outer_state: self.outer_state.as_ref().map_or(0, tensor_bytes),
         }
     }
 }
@@ -192,6 +206,7 @@ mod tests {
             n_grad_bufs: 2,
             n_layers: 3,
             n_chunks: 2,
+            resident_outer: false,
         }
     }
 

@@ -39,6 +39,12 @@ pub struct EngineOptions {
     /// ablation: every host operation then waits for the compute issued before it and compute
     /// waits for it, so the optimizer's time adds to the step.
     pub overlap_optimizer: bool,
+    /// Keep the outer unit (embedding, final norm, LM head) resident on the compute device with
+    /// its fp32 master weights and AdamW moments, updated there (`mt_layers::device_optim`): it
+    /// then never crosses the bus, and the step boundary no longer waits for its download, host
+    /// update and upload. The host store's copy is brought up to date by [`Engine::sync_store`]
+    /// (called by [`Engine::flush_pending`] and on drop).
+    pub resident_outer: bool,
 }
 
 impl Default for EngineOptions {
@@ -52,6 +58,7 @@ impl Default for EngineOptions {
             clip: Some(1.0),
             rows_per_block: 1024,
             overlap_optimizer: true,
+            resident_outer: false,
         }
     }
 }
@@ -98,6 +105,10 @@ pub struct Engine<B: Backend> {
     rope: Option<Rope>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     opts: EngineOptions,
+    /// Resident outer unit: the optimizer step its device state has applied, and whether that
+    /// state is newer than the host store's record.
+    outer_applied: u64,
+    outer_dirty: bool,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -105,6 +116,9 @@ impl<B: Backend> Drop for Engine<B> {
         // Also makes the backend's context current on this thread (CUDA), which unregistering
         // the page-locked rings needs.
         let _ = self.backend.synchronize();
+        if let Err(e) = self.sync_store() {
+            tracing::error!("could not write the resident outer unit back to the host store: {e}");
+        }
     }
 }
 
@@ -207,6 +221,7 @@ impl<B: Backend> Engine<B> {
                 n_grad_bufs: N_GRAD_BUFS,
                 n_layers: layout.n_layers,
                 n_chunks: opts.n_chunks,
+                resident_outer: opts.resident_outer,
             },
             backend.device(),
         )?;
@@ -217,24 +232,26 @@ impl<B: Backend> Engine<B> {
         let pin = backend.pins_host_buffers();
         let mk = |n| -> Result<_> {
             let mut s = Staging::new(up, n);
-            if pin {
+            if pin && n > 0 {
                 s.pin()?;
             }
             Ok(Arc::new(Mutex::new(s)))
         };
         let land = |n| -> Result<_> {
             let mut v = HostVec::<f32>::zeroed(n);
-            if pin {
+            if pin && n > 0 {
                 v.pin()?;
             }
             Ok(Arc::new(Mutex::new(v)))
         };
-        Ok(Engine {
+        // A resident outer unit needs no staging or landing buffer of its own.
+        let outer_host_len = if opts.resident_outer { 0 } else { layout.outer.len };
+        let mut engine = Engine {
             cfg: cfg.clone(),
             staging: (0..N_STAGING).map(|_| mk(layout.layer.len)).collect::<Result<_>>()?,
-            outer_staging: mk(layout.outer.len)?,
+            outer_staging: mk(outer_host_len)?,
             landing: (0..N_LANDING).map(|_| land(layout.layer.len)).collect::<Result<_>>()?,
-            outer_landing: land(layout.outer.len)?,
+            outer_landing: land(outer_host_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             layer_t: DecoderLayer::new(cfg),
             outer_t: Outer::new(cfg, opts.rows_per_block),
@@ -244,7 +261,86 @@ impl<B: Backend> Engine<B> {
             backend,
             pool,
             opts,
-        })
+            outer_applied: 0,
+            outer_dirty: false,
+        };
+        engine.load_resident_outer()?;
+        Ok(engine)
+    }
+
+    /// Resident outer unit: brings its record up to the store's step (a pending update whose
+    /// outer part was not applied yet is applied on the host, from the record's gradient), then
+    /// copies master, m and v to the device and casts the weights into the outer slot.
+    fn load_resident_outer(&mut self) -> Result<()> {
+        let Some(dev_state) = self.pool.outer_state.clone() else { return Ok(()) };
+        let state = self.store.state();
+        let mut r = self.store.record(Unit::Outer);
+        if state.pending_update {
+            let args =
+                StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
+            update_unit(&mut r, &self.opts.adamw, &args, None, Upload::None)?;
+        }
+        let n = r.master().len();
+        let device = self.backend.device().clone();
+        let p = r.parts();
+        for (k, part) in [&*p.master, &*p.m, &*p.v].into_iter().enumerate() {
+            dev_state.slice_set(&Tensor::from_slice(part, n, &device)?, 0, k * n)?;
+        }
+        self.outer_applied = r.applied_step();
+        drop(r);
+        self.cast_resident_outer()?;
+        self.outer_dirty = false;
+        self.backend.synchronize()?;
+        Ok(())
+    }
+
+    /// The resident outer master weights cast into the outer slot (compute stream).
+    fn cast_resident_outer(&self) -> Result<()> {
+        let Some(st) = &self.pool.outer_state else { return Ok(()) };
+        let n = self.layout.outer.len;
+        let slot = &self.pool.outer_slot;
+        slot.slice_set(&st.narrow(0, 0, n)?.to_dtype(slot.dtype())?, 0, 0)?;
+        Ok(())
+    }
+
+    /// AdamW step `args` on the resident outer unit (once: a retried step skips it), then its
+    /// weights into the outer slot.
+    fn update_resident_outer(&mut self, args: &StepArgs) -> Result<()> {
+        let Some(st) = self.pool.outer_state.clone() else { return Ok(()) };
+        if self.outer_applied < args.step {
+            mt_layers::device_optim::adamw_step(&st, &self.pool.outer_grad, &self.opts.adamw, args)?;
+            self.outer_applied = args.step;
+            self.outer_dirty = true;
+        }
+        self.cast_resident_outer()
+    }
+
+    /// Writes a resident outer unit's device state (master, m, v, the optimizer step it has
+    /// applied, and its last gradient, which a pending update still needs) into the host store's
+    /// record, so that checkpoints, exports, a later engine or a host-side flush see it. A no-op
+    /// without a resident outer unit or when the store is already current.
+    pub fn sync_store(&mut self) -> Result<()> {
+        let Some(st) = self.pool.outer_state.clone() else { return Ok(()) };
+        if !self.outer_dirty {
+            return Ok(());
+        }
+        let n = self.layout.outer.len;
+        let host: Vec<f32> = st.to_vec1()?;
+        let grad: Vec<f32> = self.pool.outer_grad.to_vec1()?;
+        let mut r = self.store.record(Unit::Outer);
+        let p = r.parts();
+        p.master.copy_from_slice(&host[..n]);
+        p.m.copy_from_slice(&host[n..2 * n]);
+        p.v.copy_from_slice(&host[2 * n..]);
+        let stored = match r.grad_mut() {
+            Some(GradMut::F32(g)) => Upload::F32(g),
+            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
+            None => Upload::None,
+        };
+        mt_optim::cast_into(&grad, stored)?;
+        r.set_applied_step(self.outer_applied);
+        self.outer_dirty = false;
+        Ok(())
     }
 
     /// The host store.
@@ -304,6 +400,7 @@ impl<B: Backend> Engine<B> {
             n_landing: N_LANDING,
             mode: self.opts.mode,
             pending_update: state.pending_update,
+            resident_outer: self.opts.resident_outer,
         });
         edit(&mut program);
         program.validate()?;
@@ -324,6 +421,8 @@ impl<B: Backend> Engine<B> {
         };
         self.backend.begin_step();
         let loss = self.execute(&program, &chunks, update_args)?;
+        // The device now holds a gradient (and maybe an update) the store has not seen.
+        self.outer_dirty |= self.opts.resident_outer;
         let step_s = self.backend.now_s();
         let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
         let coef = self.opts.clip.map_or(1.0, |c| mt_optim::clip_coef(norm, c));
@@ -361,16 +460,24 @@ impl<B: Backend> Engine<B> {
 
     /// Applies a pending (exact-mode) update to every unit now, e.g. before saving or exporting.
     /// Bitwise the same as letting the next step apply it.
+    ///
+    /// With a resident outer unit its update runs on the device and the store's record is then
+    /// brought up to date ([`Engine::sync_store`]), pending update or not.
     pub fn flush_pending(&mut self) -> Result<()> {
         let state = self.store.state();
         if !state.pending_update {
-            return Ok(());
+            return self.sync_store();
         }
         let args =
             StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
+        self.update_resident_outer(&args)?;
         for u in self.layout.units() {
+            if u == Unit::Outer && self.opts.resident_outer {
+                continue;
+            }
             update_unit(&mut self.store.record(u), &self.opts.adamw, &args, None, Upload::None)?;
         }
+        self.sync_store()?;
         self.store.set_state(StoreState { step: state.step + 1, pending_update: false, ..state });
         Ok(())
     }
@@ -388,7 +495,10 @@ impl<B: Backend> Engine<B> {
             dst.slice_set(&t.to_dtype(dst.dtype())?, 0, 0)?;
             Ok(())
         };
-        load(Unit::Outer, &self.pool.outer_slot)?;
+        // A resident outer unit's slot holds its current weights already.
+        if !self.opts.resident_outer {
+            load(Unit::Outer, &self.pool.outer_slot)?;
+        }
         let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
         let mut x = self.outer_t.embed(&ow, &ids)?;
         let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
@@ -464,7 +574,7 @@ impl<B: Backend> Engine<B> {
                     self.backend.compute_wait(&waits)?;
                     self.backend.compute_begin();
                     let t0 = self.backend.now_s();
-                    self.run_compute(&ins.op, chunks, &mut loss)?;
+                    self.run_compute(&ins.op, chunks, &mut loss, &args)?;
                     self.backend.compute_record(format!("{:?}", ins.op), t0)
                 }
                 _ => self.issue_transfer(&ins.op, &waits, args)?,
@@ -568,7 +678,7 @@ impl<B: Backend> Engine<B> {
         })
     }
 
-    fn run_compute(&mut self, op: &Op, chunks: &[Chunk], loss: &mut f64) -> Result<()> {
+    fn run_compute(&mut self, op: &Op, chunks: &[Chunk], loss: &mut f64, args: &StepArgs) -> Result<()> {
         let (cfg, layout) = (&self.cfg, &self.layout);
         let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
         let n_layers = layout.n_layers;
@@ -626,6 +736,16 @@ impl<B: Backend> Engine<B> {
                     let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
                     self.outer_t.embed_backward(&ch.ids, &dx, &sink)?;
                 }
+                if self.opts.resident_outer {
+                    // The outer gradient never lands on the host: its share of the global norm
+                    // is taken here (deterministic order; one scalar comes back).
+                    let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
+                    self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[Unit::Outer.index()] = ss;
+                }
+            }
+            Op::UpdateOuter => {
+                let _s = tracing::debug_span!("update_outer").entered();
+                self.update_resident_outer(args)?;
             }
             _ => return Err(Error::Options(format!("{op:?} is not a compute op"))),
         }

@@ -6,6 +6,7 @@
 //! GPU bytes (`e` = bytes of the weight dtype, `t` = tokens of the largest chunk):
 //! - weight ring: `ring_depth × layer.len × e`; outer slot: `outer.len × e`;
 //! - gradients (fp32): `2 × layer.len × 4 + outer.len × 4`;
+//! - a resident outer unit's optimizer state: `12 × outer.len` (fp32 master, m, v);
 //! - checkpoints: `(n_layers + 1) × batch × seq × hidden × e`; activation gradients:
 //!   `batch × seq × hidden × e` (both grow with the batch, not with the chunking);
 //! - workspace: the larger of one layer's backward-with-recompute and the loss over one chunk
@@ -73,6 +74,9 @@ pub struct PlanInput {
     pub n_chunks: Option<usize>,
     /// Rows of logits alive at once in the loss.
     pub rows_per_block: usize,
+    /// Keep the outer unit's optimizer state on the GPU (`Some(true)`), stream it
+    /// (`Some(false)`), or decide (`None`): resident when that costs no extra chunk.
+    pub resident_outer: Option<bool>,
 }
 
 /// Where the layer-boundary checkpoints live.
@@ -99,6 +103,8 @@ pub struct GpuBytes {
     pub act_grads: u64,
     /// Transient workspace of the largest chunk.
     pub workspace: u64,
+    /// A resident outer unit's fp32 master weights and AdamW moments (`12 × outer.len`).
+    pub outer_state: u64,
     /// Sum of the above.
     pub total: u64,
     /// What the plan may use: [`GPU_USABLE_FRACTION`] of the GPU's memory.
@@ -132,15 +138,19 @@ pub struct Plan {
     /// Where checkpoints live.
     pub checkpoints: Placement,
     /// Layers kept resident on the GPU instead of streamed: always 0, the engine does not
-    /// implement residency yet.
+    /// implement residency of decoder layers yet.
     pub resident_layers: usize,
+    /// The outer unit's optimizer state lives on the GPU (updated there; it never crosses the
+    /// bus).
+    pub resident_outer: bool,
     /// GPU bytes.
     pub gpu: GpuBytes,
     /// Host bytes.
     pub host: HostBytes,
-    /// Bytes uploaded per step: `(outer.len + 2 × n_layers × layer.len) × e`.
+    /// Bytes uploaded per step: `(outer.len + 2 × n_layers × layer.len) × e`, without the
+    /// `outer.len` term when the outer unit is resident.
     pub pcie_h2d_per_step: u64,
-    /// Bytes downloaded per step: `(n_layers × layer.len + outer.len) × 4`.
+    /// Bytes downloaded per step: `(n_layers × layer.len + outer.len) × 4`, likewise.
     pub pcie_d2h_per_step: u64,
     /// Model parameters (padding excluded).
     pub n_params: u64,
@@ -193,6 +203,19 @@ pub fn loss_workspace(cfg: &ModelConfig, t: usize, rows_per_block: usize, e: u64
 
 /// Plans a step; fails, naming what does not fit and by how much, when it cannot.
 pub fn plan(input: &PlanInput) -> Result<Plan> {
+    match input.resident_outer {
+        Some(resident) => plan_placed(input, resident),
+        None => {
+            let streamed = plan_placed(input, false)?;
+            Ok(match plan_placed(input, true) {
+                Ok(r) if r.n_chunks <= streamed.n_chunks => r,
+                _ => streamed,
+            })
+        }
+    }
+}
+
+fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let PlanInput { cfg, batch, seq, weight_dtype, .. } = input;
     let (batch, seq) = (*batch, *seq);
     let opt = |m: String| Err(Error::Options(m));
@@ -225,7 +248,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let hid = cfg.hidden_size as u64;
 
     let store = store_bytes(&layout, input.grad_dtype);
-    let pinned = N_BUFS * ll * e + ol * e + N_BUFS * ll * 4 + ol * 4;
+    // The transferred part of the outer unit: none of it when it is resident.
+    let ol_moved = if resident_outer { 0 } else { ol };
+    let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * 4 + ol_moved * 4;
     let host = HostBytes { store, pinned, total: store + pinned };
     if host.total > input.host_bytes {
         return opt(format!(
@@ -236,13 +261,14 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
 
     let budget = (input.gpu_bytes as f64 * GPU_USABLE_FRACTION) as u64;
     let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + ol * 4);
-    let fixed = weight_ring + outer + grads;
+    let outer_state = if resident_outer { 12 * ol } else { 0 };
+    let fixed = weight_ring + outer + grads + outer_state;
     let budget_line =
         format!("{:.2} GiB usable ({GPU_USABLE_FRACTION} of {:.2} GiB)", gib(budget), gib(input.gpu_bytes));
     if fixed > budget {
         return opt(format!(
-            "weights and gradient buffers need {:.2} GiB (ring {:.2}, outer {:.2}, gradients {:.2}), more than the GPU's {budget_line}",
-            gib(fixed), gib(weight_ring), gib(outer), gib(grads)
+            "weights and gradient buffers need {:.2} GiB (ring {:.2}, outer {:.2}, gradients {:.2}, resident outer state {:.2}), more than the GPU's {budget_line}",
+            gib(fixed), gib(weight_ring), gib(outer), gib(grads), gib(outer_state)
         ));
     }
     let checkpoints = (nl + 1) * tokens * hid * e;
@@ -280,7 +306,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         ));
     };
     let total = fixed + checkpoints + act_grads + workspace;
-    let gpu = GpuBytes { weight_ring, outer, grads, checkpoints, act_grads, workspace, total, budget };
+    let gpu =
+        GpuBytes { weight_ring, outer, grads, checkpoints, act_grads, workspace, outer_state, total, budget };
 
     Ok(Plan {
         batch,
@@ -290,10 +317,11 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         ring_depth,
         checkpoints: Placement::Gpu,
         resident_layers: 0,
+        resident_outer,
         gpu,
         host,
-        pcie_h2d_per_step: (ol + 2 * nl * ll) * e,
-        pcie_d2h_per_step: (nl * ll + ol) * 4,
+        pcie_h2d_per_step: (ol_moved + 2 * nl * ll) * e,
+        pcie_d2h_per_step: (nl * ll + ol_moved) * 4,
         n_params: layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(cfg, batch, seq),
     })
@@ -304,11 +332,12 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} resident layers",
-            self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} resident layers; outer unit {}",
+            self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers,
+            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }
         )?;
-        writeln!(f, "GPU (GiB)   ring {:.2} | outer {:.2} | grads {:.2} | checkpoints {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
-            gib(g.weight_ring), gib(g.outer), gib(g.grads), gib(g.checkpoints), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
+        writeln!(f, "GPU (GiB)   ring {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | checkpoints {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
+            gib(g.weight_ring), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.checkpoints), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
         writeln!(
             f,
             "host (GiB)  store {:.2} | pinned {:.2} | total {:.2}",

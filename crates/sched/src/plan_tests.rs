@@ -38,6 +38,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         ring_depth: None,
         n_chunks: None,
         rows_per_block: 1024,
+        resident_outer: Some(false),
     }
 }
 
@@ -72,6 +73,7 @@ fn pcie_bytes_equal_the_step_programs_copies() {
             n_landing: 2,
             mode,
             pending_update: pending,
+            resident_outer: false,
         });
         for (dtype, e) in [(DType::BF16, 2), (DType::F32, 4)] {
             let p = plan(&PlanInput { weight_dtype: dtype, ..input(cfg.clone(), 2, 16, GIB) }).unwrap();
@@ -148,4 +150,51 @@ fn display_shows_the_pcie_line() {
     let s = plan(&input(llama3_3b(), 16, 2048, H200)).unwrap().to_string();
     assert!(s.contains("PCIe per step: H2D 12850993152 B (11.97 GiB), D2H 14427009024 B"), "{s}");
     assert!(s.contains("ring depth 2") && s.contains("checkpoints on Gpu"), "{s}");
+}
+
+#[test]
+fn a_resident_outer_unit_moves_no_bytes_and_costs_its_state_on_the_gpu() {
+    let cfg = ModelConfig::tiny_llama();
+    let layout = ModelLayout::new(&cfg);
+    let len = |u: Unit| layout.unit(u).len as u64;
+    let base = input(cfg.clone(), 2, 16, GIB);
+    for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
+        let prog = Program::build(ProgramSpec {
+            n_layers: layout.n_layers,
+            ring_depth: 2,
+            n_staging: 2,
+            n_grad_bufs: 2,
+            n_landing: 2,
+            mode,
+            pending_update: pending,
+            resident_outer: true,
+        });
+        let p = plan(&PlanInput { resident_outer: Some(true), mode, ..base.clone() }).unwrap();
+        assert!(p.resident_outer);
+        assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * 2);
+        assert_eq!(p.pcie_d2h_per_step, prog.downloads().map(len).sum::<u64>() * 4);
+        assert_eq!(p.gpu.outer_state, 12 * len(Unit::Outer));
+        let streamed = plan(&PlanInput { mode, ..base.clone() }).unwrap();
+        assert_eq!(streamed.pcie_h2d_per_step - p.pcie_h2d_per_step, 2 * len(Unit::Outer));
+        assert_eq!(streamed.host.pinned - p.host.pinned, 6 * len(Unit::Outer));
+    }
+}
+
+#[test]
+fn the_planner_keeps_the_outer_unit_resident_only_where_it_costs_no_chunk() {
+    // 3.6B Llama-3 at 16 x 2048 on an H200: 9.5 GB of outer state fits beside one chunk.
+    let auto = PlanInput { resident_outer: None, ..input(llama3_3b(), 16, 2048, H200) };
+    let p = plan(&auto).unwrap();
+    assert!(p.resident_outer && p.n_chunks == 1, "{p}");
+    // On a 24 GiB GPU it would cost chunks (or not fit): streamed, as before.
+    let small = PlanInput { gpu_bytes: 24 * GIB, ..auto.clone() };
+    let streamed = plan(&PlanInput { resident_outer: Some(false), ..small.clone() }).unwrap();
+    let p = plan(&small).unwrap();
+    assert_eq!(p.n_chunks, streamed.n_chunks);
+    if p.resident_outer {
+        assert!(p.gpu.total <= p.gpu.budget);
+    }
+    // Forcing residency where the state cannot fit is refused, naming it.
+    let e = err(&PlanInput { resident_outer: Some(true), gpu_bytes: 8 * GIB, ..auto });
+    assert!(e.contains("resident outer state"), "{e}");
 }

@@ -98,8 +98,13 @@ pub enum Op {
         /// Gradient buffer of the ring to accumulate into.
         grad_buf: usize,
     },
-    /// Compute: embedding backward (accumulates into the outer gradient).
+    /// Compute: embedding backward (accumulates into the outer gradient); with a resident outer
+    /// unit, also the outer gradient's sum of squares (for the global norm).
     EmbedBackward,
+    /// Compute (resident outer unit only): AdamW on the device-resident outer state from the
+    /// outer gradient, then its weights cast into the outer slot. Exact mode: the pending update,
+    /// first thing in the step; lean mode: right after [`Op::EmbedBackward`].
+    UpdateOuter,
     /// D2H: a unit's accumulated gradient into a landing buffer.
     Download {
         /// Unit.
@@ -149,6 +154,9 @@ pub struct ProgramSpec {
     pub mode: OptimMode,
     /// Whether a deferred (exact-mode) update is pending from the previous step.
     pub pending_update: bool,
+    /// The outer unit's optimizer state lives on the device: it is never staged, uploaded,
+    /// downloaded or landed; [`Op::UpdateOuter`] updates it on the compute stream.
+    pub resident_outer: bool,
 }
 
 /// The instructions of one step.
@@ -252,11 +260,15 @@ impl Program {
         };
 
         // Forward order = update order: the outer unit first, then layers 0..L-1.
-        let up_outer = b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update);
+        let up_outer =
+            (!spec.resident_outer).then(|| b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update));
         for k in 0..spec.ring_depth.min(uses.len()) {
             fetch(&mut b, &mut uploads, k);
         }
-        b.push(Stream::Compute, Op::Embed, vec![up_outer]);
+        if spec.resident_outer && exact_update {
+            b.push(Stream::Compute, Op::UpdateOuter, vec![]);
+        }
+        b.push(Stream::Compute, Op::Embed, up_outer.into_iter().collect());
         let mut n_grads = 0usize;
         for (k, &(layer, backward)) in uses.iter().enumerate() {
             if k == n {
@@ -296,6 +308,12 @@ impl Program {
             b.push(Stream::Compute, Op::Loss, vec![]);
         }
         let eb = b.push(Stream::Compute, Op::EmbedBackward, vec![]);
+        if spec.resident_outer {
+            if lean {
+                b.push(Stream::Compute, Op::UpdateOuter, vec![]);
+            }
+            return Program { instrs: b.instrs, spec };
+        }
         let landing = HostBuf::Outer;
         let dl = b.push(Stream::D2H, Op::Download { unit: Unit::Outer, grad_buf: None, landing }, vec![eb]);
         let waits = std::iter::once(dl).chain(b.update_of.get(&Unit::Outer).copied()).collect();

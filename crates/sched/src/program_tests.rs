@@ -8,6 +8,16 @@ use crate::program::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, 
 use crate::simulate::simulate;
 
 fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> ProgramSpec {
+    spec_placed(n_layers, ring_depth, mode, pending, false)
+}
+
+fn spec_placed(
+    n_layers: usize,
+    ring_depth: usize,
+    mode: OptimMode,
+    pending: bool,
+    resident: bool,
+) -> ProgramSpec {
     ProgramSpec {
         n_layers,
         ring_depth,
@@ -16,6 +26,7 @@ fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> P
         n_landing: 2,
         mode,
         pending_update: pending,
+        resident_outer: resident,
     }
 }
 
@@ -25,7 +36,9 @@ fn all_specs() -> Vec<ProgramSpec> {
         for n in [1, 2, 3, 4] {
             for mode in [OptimMode::Exact, OptimMode::Lean] {
                 for pending in [false, true] {
-                    v.push(spec(l, n, mode, pending));
+                    for resident in [false, true] {
+                        v.push(spec_placed(l, n, mode, pending, resident));
+                    }
                 }
             }
         }
@@ -77,6 +90,11 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
                 .rev()
                 .find(|(_, x)| matches!(x.op, Op::Upload { slot: s2, .. } if s2 == slot))
                 .map(|(j, x)| (j, x.op.clone()));
+            if s.resident_outer && slot == Slot::Outer {
+                // The slot is written by UpdateOuter (or at engine start), never uploaded.
+                assert!(up.is_none(), "{s:?}: a resident outer slot is uploaded into");
+                continue;
+            }
             let (j, op) =
                 up.unwrap_or_else(|| panic!("{s:?}: instr {i} {:?} has no upload before it", ins.op));
             assert!(
@@ -107,8 +125,10 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
         p.uploads().for_each(|u| *ups.entry(u).or_default() += 1);
         let mut downs: HashMap<Unit, usize> = HashMap::new();
         p.downloads().for_each(|u| *downs.entry(u).or_default() += 1);
-        assert_eq!(ups.get(&Unit::Outer), Some(&1));
-        assert_eq!(downs.get(&Unit::Outer), Some(&1));
+        // A resident outer unit never crosses the bus; a streamed one once each way.
+        let outer = (!s.resident_outer).then_some(1);
+        assert_eq!(ups.get(&Unit::Outer).copied(), outer, "{s:?}");
+        assert_eq!(downs.get(&Unit::Outer).copied(), outer, "{s:?}");
         for l in 0..s.n_layers {
             assert_eq!(ups.get(&Unit::Layer(l)), Some(&2), "{s:?}: layer {l} uploads");
             assert_eq!(downs.get(&Unit::Layer(l)), Some(&1), "{s:?}: layer {l} downloads");
@@ -173,17 +193,36 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
             })
             .collect();
         let land_updates = p.instrs.iter().filter(|i| matches!(i.op, Op::Land { update: true, .. })).count();
+        let device_updates: Vec<usize> =
+            (0..p.instrs.len()).filter(|&i| p.instrs[i].op == Op::UpdateOuter).collect();
+        let position = |op: Op| p.instrs.iter().position(|i| i.op == op);
+        let host_outer = usize::from(!s.resident_outer);
         match (s.mode, s.pending_update) {
             (OptimMode::Exact, true) => {
-                let expected: Vec<Unit> =
-                    std::iter::once(Unit::Outer).chain((0..s.n_layers).map(Unit::Layer)).collect();
+                let expected: Vec<Unit> = (!s.resident_outer)
+                    .then_some(Unit::Outer)
+                    .into_iter()
+                    .chain((0..s.n_layers).map(Unit::Layer))
+                    .collect();
                 assert_eq!(stage_updates, expected, "{s:?}");
                 assert_eq!(land_updates, 0);
+                // The resident outer unit is updated on the device before anything reads it.
+                if s.resident_outer {
+                    assert_eq!(device_updates.len(), 1, "{s:?}");
+                    assert!(device_updates[0] < position(Op::Embed).unwrap(), "{s:?}");
+                }
             }
-            (OptimMode::Exact, false) => assert!(stage_updates.is_empty() && land_updates == 0),
+            (OptimMode::Exact, false) => {
+                assert!(stage_updates.is_empty() && land_updates == 0 && device_updates.is_empty(), "{s:?}")
+            }
             (OptimMode::Lean, _) => {
                 assert!(stage_updates.is_empty());
-                assert_eq!(land_updates, s.n_layers + 1);
+                assert_eq!(land_updates, s.n_layers + host_outer);
+                if s.resident_outer {
+                    // After the outer gradient is complete (and its sum of squares taken).
+                    assert_eq!(device_updates.len(), 1, "{s:?}");
+                    assert!(device_updates[0] > position(Op::EmbedBackward).unwrap(), "{s:?}");
+                }
             }
         }
     }

@@ -169,6 +169,8 @@ fn softmax_cfg(rows: usize, warp: bool) -> LaunchConfig {
 
 mod layout;
 pub(crate) use layout::{add, swap12};
+mod optim;
+pub(crate) use optim::{adamw, sum_squares_partials};
 
 struct CausalSoftmax {
     scale: f32,

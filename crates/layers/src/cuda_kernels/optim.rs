@@ -1,0 +1,97 @@
+//! Launches of `kernels/adamw.cu`: the in-place AdamW of a device-resident unit and the
+//! deterministic partial sums of its gradient's squares (see `crate::device_optim`).
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
+use mt_optim::Coeffs;
+
+use super::{compile, grid_for, msg, Compiled};
+
+const SOURCE: &str = include_str!("../../../../kernels/adamw.cu");
+const MODULE: &str = "mt_adamw";
+/// Blocks of the sum-of-squares reduction: fixed, so its order (and result) is too.
+const SUMSQ_BLOCKS: usize = 1024;
+const SUMSQ_THREADS: u32 = 256;
+
+fn ptx() -> candle_core::Result<&'static str> {
+    static PTX: Compiled = OnceLock::new();
+    compile(&PTX, SOURCE, "adamw.cu")
+}
+
+/// `state = [master | m | v]` updated in place from `grad` (both f32, contiguous).
+pub(crate) fn adamw(
+    st: &mut CudaStorage,
+    ls: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    c: &Coeffs,
+) -> candle_core::Result<()> {
+    let n = lg.shape().elem_count();
+    if !ls.is_contiguous() || !lg.is_contiguous() || ls.shape().elem_count() != 3 * n {
+        return Err(msg("device AdamW: state must be a contiguous [3 x n] and the gradient contiguous [n]"));
+    }
+    let dev = st.device().clone();
+    let func = dev.get_or_load_custom_func("mt_adamw", MODULE, ptx()?)?;
+    let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
+    let mut ss = st.as_cuda_slice_mut::<f32>()?.slice_mut(ls.start_offset()..);
+    let (n64, lerp_small) = (n as i64, i32::from(c.lerp_small));
+    let mut b = func.builder();
+    b.arg(&mut ss);
+    b.arg(&gs);
+    b.arg(&n64);
+    b.arg(&c.grad_scale);
+    b.arg(&c.decay);
+    b.arg(&lerp_small);
+    b.arg(&c.lerp_coeff);
+    b.arg(&c.beta2);
+    b.arg(&c.one_minus_beta2);
+    b.arg(&c.bc2_sqrt);
+    b.arg(&c.eps);
+    b.arg(&c.step_size);
+    // SAFETY: argument types match mt_adamw's signature (float*, const float*, long long, then
+    // float, float, int, and six floats); the state view holds 3·n f32 and the gradient n
+    // (checked above); each element is read and written by one thread of the grid-stride loop.
+    unsafe { b.launch(grid_for(n)) }.w()?;
+    Ok(())
+}
+
+struct SumSq;
+
+impl CustomOp1 for SumSq {
+    cuda_only!("mt-sumsq", 1);
+
+    fn cuda_fwd(&self, g: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        if !l.is_contiguous() {
+            return Err(msg("sum of squares: needs a contiguous f32 tensor"));
+        }
+        let dev = g.device();
+        let gs = g.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+        let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx()?)?;
+        // SAFETY: each of the SUMSQ_BLOCKS blocks writes its own element below.
+        let out = unsafe { dev.alloc::<f64>(SUMSQ_BLOCKS)? };
+        let n = l.shape().elem_count() as i64;
+        let mut b = func.builder();
+        b.arg(&gs);
+        b.arg(&out);
+        b.arg(&n);
+        let cfg = LaunchConfig {
+            grid_dim: (SUMSQ_BLOCKS as u32, 1, 1),
+            block_dim: (SUMSQ_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: signature (const float*, double*, long long); the kernel's shared array holds
+        // SUMSQ_THREADS doubles (its tree reduction assumes that block size, a power of two);
+        // g holds n elements; out SUMSQ_BLOCKS.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(SUMSQ_BLOCKS)))
+    }
+}
+
+/// Per-block partial sums (f64) of `g²`, to be added in order.
+pub(crate) fn sum_squares_partials(g: &Tensor) -> candle_core::Result<Tensor> {
+    g.apply_op1_no_bwd(&SumSq)
+}

@@ -1,0 +1,107 @@
+//! The optimizer of a unit whose fp32 master weights and AdamW moments live on the compute device
+//! (the outer unit, when the planner keeps it resident): the update and the gradient's sum of
+//! squares as in-place candle ops. On the CPU they run mt-optim's own code on the tensors' memory
+//! (so they are bitwise the host optimizer); on CUDA, `kernels/adamw.cu`, which evaluates the same
+//! f32 expressions with the same scalars ([`mt_optim::Coeffs`]).
+
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor};
+use mt_optim::{AdamW, Coeffs, Grad, StepArgs, Upload};
+
+use crate::{Error, Result};
+
+struct AdamWStep {
+    h: AdamW,
+    a: StepArgs,
+    /// The scalars the CUDA kernel takes (the CPU path derives them inside mt-optim).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    coeffs: Coeffs,
+}
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    match s {
+        CpuStorage::F32(v) if l.is_contiguous() => {
+            Ok(&v[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+        }
+        _ => Err(candle_core::Error::Msg(format!("device AdamW: {what} must be a contiguous f32 tensor"))),
+    }
+}
+
+impl InplaceOp2 for AdamWStep {
+    fn name(&self) -> &'static str {
+        "mt-adamw"
+    }
+
+    fn cpu_fwd(
+        &self,
+        st: &mut CpuStorage,
+        ls: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<()> {
+        let g = f32_slice(g, lg, "the gradient")?;
+        let n = g.len();
+        let (off, len) = (ls.start_offset(), ls.shape().elem_count());
+        let CpuStorage::F32(v) = st else {
+            return Err(candle_core::Error::Msg("device AdamW: the state must be f32".into()));
+        };
+        if !ls.is_contiguous() || len != 3 * n {
+            return Err(candle_core::Error::Msg(format!(
+                "device AdamW: the state must be a contiguous [master | m | v] of 3 x {n} elements, found {len}"
+            )));
+        }
+        let (master, rest) = v[off..off + len].split_at_mut(n);
+        let (m, v) = rest.split_at_mut(n);
+        mt_optim::step_fused(&self.h, &self.a, Grad::F32(g), master, m, v, Upload::None)
+            .map_err(|e| candle_core::Error::Msg(format!("device AdamW: {e}")))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        st: &mut candle_core::CudaStorage,
+        ls: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<()> {
+        crate::cuda_kernels::adamw(st, ls, g, lg, &self.coeffs)
+    }
+}
+
+fn check(state: &Tensor, grad: &Tensor) -> Result<usize> {
+    let n = grad.elem_count();
+    if state.dtype() != DType::F32 || grad.dtype() != DType::F32 {
+        return Err(Error::dtype("resident optimizer state and gradient", "f32", state.dtype()));
+    }
+    if state.dims() != [3 * n] || !state.is_contiguous() || !grad.is_contiguous() {
+        return Err(Error::shape(
+            "resident optimizer state",
+            format!("[3 x {n}] (master | m | v)"),
+            state.dims(),
+        ));
+    }
+    Ok(n)
+}
+
+/// AdamW step `a` on a device-resident unit, in place: `state` is `[master | m | v]` (f32,
+/// `3 × n`), `grad` its f32 gradient (`n`). Bitwise mt-optim's host update of the same values.
+pub fn adamw_step(state: &Tensor, grad: &Tensor, h: &AdamW, a: &StepArgs) -> Result<()> {
+    check(state, grad)?;
+    let coeffs = Coeffs::of(h, a)?;
+    state.inplace_op2(grad, &AdamWStep { h: *h, a: *a, coeffs })?;
+    Ok(())
+}
+
+/// Sum of squares of an f32 gradient in f64, deterministic (fixed order) on each device: on the
+/// CPU mt-optim's [`mt_optim::sum_squares`], on CUDA a fixed-grid tree reduction.
+pub fn sum_squares(grad: &Tensor) -> Result<f64> {
+    if grad.dtype() != DType::F32 || !grad.is_contiguous() {
+        return Err(Error::dtype("gradient for its sum of squares", "contiguous f32", grad.dtype()));
+    }
+    #[cfg(feature = "cuda")]
+    if grad.device().is_cuda() {
+        let partials = crate::cuda_kernels::sum_squares_partials(grad)?.to_vec1::<f64>()?;
+        return Ok(partials.iter().fold(0.0, |acc, s| acc + s));
+    }
+    let g = grad.flatten_all()?.to_vec1::<f32>()?;
+    Ok(mt_optim::sum_squares(Grad::F32(&g)))
+}
