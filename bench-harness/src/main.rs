@@ -1,15 +1,165 @@
-//! bench-harness: the paper, ablate, smoke and regress suites (issue HARNESS).
-//!
-//! Not implemented yet: the suites need the CUDA engine (issue ENGINE-CUDA) to measure anything
-//! worth comparing with DeepSpeed and resident PyTorch. Until then this binary refuses to pretend
-//! and exits with an error. CPU throughput of the optimizer is measured by the criterion bench
-//! `cargo bench -p mt-optim --bench adamw`.
+//! bench-harness CLI: `--suite smoke|paper|ablate|regress`; see the library docs and
+//! `results/README.md` for what each suite runs and the results schema.
 #![forbid(unsafe_code)]
 
-fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    anyhow::bail!(
-        "bench-harness suites are not implemented yet (asked: {args:?}); see the HARNESS issue. \
-         For the optimizer's throughput run `cargo bench -p mt-optim --bench adamw`."
-    )
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use bench_harness::regress::compare;
+use bench_harness::schema::{Machine, Results};
+use bench_harness::suites::{self, Options, Suite, System};
+use clap::Parser;
+
+/// Runs megatrain and the baselines side by side; writes results JSON and figures.
+#[derive(Debug, Parser)]
+#[command(name = "bench-harness", version, about)]
+struct Cli {
+    /// Which suite.
+    #[arg(long, value_enum)]
+    suite: Suite,
+    /// Output directory [default: results/DATE-SUITE-MACHINE].
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// The megatrain binary [default: `megatrain` next to this executable].
+    #[arg(long, value_name = "PATH")]
+    megatrain: Option<PathBuf>,
+    /// Python interpreter for the baselines.
+    #[arg(long, value_name = "PATH", default_value = "python3")]
+    python: PathBuf,
+    /// Steps per run; the first is warm-up and excluded from the means.
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    /// Systems (paper).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ours,torch,deepspeed")]
+    systems: Vec<System>,
+    /// Models (paper): 3.6b, 8b, 14b or config.json paths.
+    #[arg(long, value_delimiter = ',', default_value = "3.6b,14b")]
+    models: Vec<String>,
+    /// Tokens per step as BATCHxSEQ [default: smoke 4x64, paper 4x2048,16x2048, ablate 4x2048].
+    #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
+    tokens: Option<Vec<(usize, usize)>>,
+    /// Paper: also train this model (a label or config path) as the "largest model" part.
+    #[arg(long, value_name = "MODEL")]
+    largest: Option<String>,
+    /// Layer counts of the depth-scaling part (paper; width of the first model); 0: none.
+    #[arg(long, value_delimiter = ',', default_value = "7,14,28")]
+    depths: Vec<usize>,
+    /// An extra argument for every `megatrain train` run (repeat for more), e.g.
+    /// `--megatrain-arg=--host-mem --megatrain-arg=480` where MemAvailable starts low.
+    #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+    megatrain_arg: Vec<String>,
+    /// Device of megatrain runs [default: cpu for smoke, cuda otherwise].
+    #[arg(long, value_parser = ["cpu", "cuda"])]
+    device: Option<String>,
+    /// Model config of the ablations ("builtin" = megatrain's tiny Llama).
+    #[arg(long, value_name = "PATH", default_value = "bench-harness/configs/llama3-3.6b.json")]
+    model_config: PathBuf,
+    /// Kill a run after this many seconds.
+    #[arg(long, default_value_t = 1800)]
+    run_timeout_s: u64,
+    /// regress: the baseline results file.
+    #[arg(long, value_name = "FILE")]
+    against: Option<PathBuf>,
+    /// regress: the current results file [default: run the baseline's suite now].
+    #[arg(long, value_name = "FILE")]
+    current: Option<PathBuf>,
+    /// regress: relative tokens/s drop that fails.
+    #[arg(long, default_value_t = 0.05)]
+    threshold: f64,
+    /// Print the commands the suite would run, and run nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+fn parse_tokens(s: &str) -> std::result::Result<(usize, usize), String> {
+    let (b, t) = s.split_once('x').ok_or_else(|| format!("{s:?}: expected BATCHxSEQ, e.g. 4x2048"))?;
+    match (b.parse(), t.parse()) {
+        (Ok(b), Ok(t)) if b > 0 && t > 0 => Ok((b, t)),
+        _ => Err(format!("{s:?}: batch and sequence length must be positive integers")),
+    }
+}
+
+fn options(cli: &Cli, suite: Suite) -> Options {
+    let default_tokens = match suite {
+        Suite::Smoke => vec![(4, 64)],
+        Suite::Paper => vec![(4, 2048), (16, 2048)],
+        _ => vec![(4, 2048)],
+    };
+    let name = format!("{:?}", suite).to_lowercase();
+    let date = bench_harness::schema::utc_now_iso();
+    let out = cli.out.clone().unwrap_or_else(|| {
+        PathBuf::from("results").join(format!("{}-{name}-{}", &date[..10], Machine::detect().short_name()))
+    });
+    let builtin = cli.model_config.as_os_str() == "builtin";
+    let model_config = match &cli.model_config {
+        p if p.is_relative() && !p.exists() => suites::repo_root().join(p),
+        p => p.clone(),
+    };
+    Options {
+        suite,
+        out,
+        megatrain: cli.megatrain.clone().unwrap_or_else(suites::default_megatrain),
+        python: cli.python.clone(),
+        steps: cli.steps,
+        systems: if suite == Suite::Smoke { vec![System::Ours] } else { cli.systems.clone() },
+        models: cli.models.clone(),
+        tokens: cli.tokens.clone().unwrap_or(default_tokens),
+        depths: cli.depths.iter().copied().filter(|&d| d > 0).collect(),
+        megatrain_args: cli.megatrain_arg.clone(),
+        largest: cli.largest.clone(),
+        device: cli
+            .device
+            .clone()
+            .unwrap_or_else(|| if suite == Suite::Smoke { "cpu" } else { "cuda" }.into()),
+        model_config: (!builtin && suite == Suite::Ablate).then_some(model_config),
+        run_timeout_s: cli.run_timeout_s,
+    }
+}
+
+fn run_suite(cli: &Cli, suite: Suite) -> Result<Option<Results>> {
+    let opts = options(cli, suite);
+    let plan = suites::plan(&opts)?;
+    if cli.dry_run {
+        let mut out = std::io::stdout().lock();
+        for job in &plan.jobs {
+            writeln!(out, "# {}\n{}", job.run.key, job.command().join(" "))?;
+        }
+        for r in &plan.fixed {
+            writeln!(out, "# {} {:?}: {}", r.key, r.status, r.reason.as_deref().unwrap_or(""))?;
+        }
+        return Ok(None);
+    }
+    Ok(Some(suites::execute(&opts, &plan, &mut std::io::stderr())?))
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if cli.suite != Suite::Regress {
+        run_suite(&cli, cli.suite)?;
+        return Ok(());
+    }
+    let against = cli.against.as_ref().context("--suite regress needs --against FILE")?;
+    let baseline = Results::load(against)?;
+    let current = match &cli.current {
+        Some(path) => Results::load(path)?,
+        None => {
+            let suite = match baseline.suite.as_str() {
+                "smoke" => Suite::Smoke,
+                "ablate" => Suite::Ablate,
+                "paper" => Suite::Paper,
+                other => bail!("{}: cannot rerun suite {other:?}", against.display()),
+            };
+            match run_suite(&cli, suite)? {
+                Some(r) => r,
+                None => return Ok(()),
+            }
+        }
+    };
+    let report = compare(&baseline, &current, cli.threshold);
+    report.write(&mut std::io::stdout().lock())?;
+    if !report.passed() {
+        bail!("throughput regressed (or nothing to compare) against {}", against.display());
+    }
+    Ok(())
 }

@@ -1,0 +1,433 @@
+//! The suites as data: which systems run on which configurations ([`plan`]), then running the
+//! plan, writing `results.json` and the figures ([`execute`]).
+//!
+//! - `smoke`: CPU only, megatrain on tiny models (throughput, ablation, depth parts).
+//! - `ablate`: ring depth 1/2/3, optimizer overlap off, chunk sweep on one model config;
+//!   checkpoints on the host is listed as skipped (not implemented by the engine).
+//! - `paper`: every system on every model and tokens-per-step setting, depth scaling at the
+//!   first model's width, and the largest-model part recorded as not run.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::run::{execute as execute_job, progress, Job};
+use crate::schema::{Commit, Machine, Measured, Results, Run, Status, FLOPS_FORMULA, SCHEMA_VERSION};
+use crate::{io_err, Error, Result};
+
+/// A suite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Suite {
+    /// CPU-only check of the whole path on tiny models (CI).
+    Smoke,
+    /// Throughput against the baselines, depth scaling, largest model.
+    Paper,
+    /// megatrain's ablations.
+    Ablate,
+    /// Compare results with a baseline file.
+    Regress,
+}
+
+/// A system under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum System {
+    /// megatrain.
+    Ours,
+    /// `scripts/baselines/resident_torch.py`.
+    Torch,
+    /// `scripts/baselines/deepspeed_zero3.py`.
+    Deepspeed,
+}
+
+impl System {
+    /// Name in the results file.
+    pub fn name(self) -> &'static str {
+        match self {
+            System::Ours => "ours",
+            System::Torch => "torch",
+            System::Deepspeed => "deepspeed",
+        }
+    }
+}
+
+/// Options of a suite run (the `config` of the results file).
+#[derive(Debug, Clone, Serialize)]
+pub struct Options {
+    /// The suite (not `regress`).
+    pub suite: Suite,
+    /// Output directory.
+    pub out: PathBuf,
+    /// The `megatrain` binary.
+    pub megatrain: PathBuf,
+    /// Python interpreter for the baselines.
+    pub python: PathBuf,
+    /// Steps per run (the first is warm-up and excluded from the means).
+    pub steps: usize,
+    /// Systems to run (paper).
+    pub systems: Vec<System>,
+    /// Model labels (`3.6b`, `14b`, `8b`) or config paths (paper).
+    pub models: Vec<String>,
+    /// Tokens per step as (batch, seq); ablate uses the first.
+    pub tokens: Vec<(usize, usize)>,
+    /// Layer counts of the depth-scaling part (paper).
+    pub depths: Vec<usize>,
+    /// `cpu` or `cuda` (paper, ablate).
+    pub device: String,
+    /// Model config of the ablations (None: megatrain's built-in tiny Llama).
+    pub model_config: Option<PathBuf>,
+    /// Each subprocess is killed after this long.
+    pub run_timeout_s: u64,
+    /// Extra arguments of every `megatrain train` run.
+    pub megatrain_args: Vec<String>,
+    /// Paper: the model of the "largest model" part (ours only), if any.
+    pub largest: Option<String>,
+}
+
+/// The repository root: from the build's manifest directory where it still exists, else `.`.
+pub fn repo_root() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf);
+    built.filter(|p| p.join("bench-harness/configs").is_dir()).unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// The `megatrain` binary beside the running executable (`target/<profile>/megatrain`), also
+/// from a test executable one level down (`target/<profile>/deps/`).
+pub fn default_megatrain() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dirs: Vec<&Path> = exe.ancestors().skip(1).take(2).collect();
+    let candidates: Vec<PathBuf> = dirs.iter().map(|d| d.join("megatrain")).collect();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .unwrap_or_else(|| PathBuf::from("target/release/megatrain"))
+}
+
+/// Config file of a model label: a known label or a path to a config.json.
+pub fn model_config_path(label: &str) -> Result<PathBuf> {
+    let file = match label {
+        "3.6b" => "llama3-3.6b.json",
+        "8b" => "llama3-8b.json",
+        "14b" => "qwen2.5-14b.json",
+        "32b" => "qwen2.5-32b.json",
+        other if other.ends_with(".json") => return Ok(PathBuf::from(other)),
+        other => {
+            return Err(Error::Options(format!(
+                "unknown model {other:?}: use 3.6b, 8b, 14b, 32b or a .json path"
+            )))
+        }
+    };
+    Ok(repo_root().join("bench-harness/configs").join(file))
+}
+
+/// A model's name in run keys: a known label as given (`3.6b`), a config path's file stem.
+fn model_label(label: &str) -> String {
+    if !label.ends_with(".json") {
+        return label.to_owned();
+    }
+    Path::new(label).file_stem().map_or(label.to_owned(), |s| s.to_string_lossy().into_owned())
+}
+
+/// A tiny Llama config (byte vocabulary) for the smoke suite's depth part.
+fn tiny_config(layers: usize) -> Value {
+    json!({"model_type": "llama", "hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 256,
+           "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})
+}
+
+/// Everything a suite will do: subprocesses, files to write first, entries that do not run.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Subprocesses, in order.
+    pub jobs: Vec<Job>,
+    /// Config files the jobs read (depth scaling), written before the first job.
+    pub configs: Vec<(PathBuf, Value)>,
+    /// Skipped and not-run entries.
+    pub fixed: Vec<Run>,
+}
+
+struct Ctx<'a> {
+    opts: &'a Options,
+    plan: Plan,
+}
+
+/// What one run is, before it runs.
+struct Spec {
+    part: &'static str,
+    system: System,
+    model: String,
+    config: Option<PathBuf>,
+    tokens: (usize, usize),
+    variant: String,
+    extra: Vec<String>,
+    trace: bool,
+}
+
+impl Ctx<'_> {
+    fn entry(&self, s: &Spec, status: Status, reason: Option<String>) -> Run {
+        let (b, t) = s.tokens;
+        Run {
+            key: Run::make_key(s.part, s.system.name(), &s.model, b, t, &s.variant),
+            part: s.part.into(),
+            system: s.system.name().into(),
+            model: s.model.clone(),
+            model_config: s.config.as_ref().map(|p| p.display().to_string()),
+            batch_size: b,
+            seq_len: t,
+            tokens_per_step: b * t,
+            variant: s.variant.clone(),
+            device: self.opts.device.clone(),
+            status,
+            reason,
+            command: vec![],
+            metrics_file: None,
+            log_file: None,
+            trace_file: None,
+            wall_s: None,
+            measured: Measured::default(),
+        }
+    }
+
+    fn add(&mut self, s: Spec) {
+        let o = self.opts;
+        let run = self.entry(&s, Status::NotRun, Some("not started".into()));
+        let stem = run.key.replace('/', "_");
+        let metrics = o.out.join("metrics").join(format!("{stem}.jsonl"));
+        let (b, t) = s.tokens;
+        let mut args: Vec<String> = Vec::new();
+        let arg = |args: &mut Vec<String>, k: &str, v: &dyn std::fmt::Display| {
+            args.extend([k.to_owned(), v.to_string()])
+        };
+        let (program, trace) = if s.system == System::Ours {
+            let trace = s.trace.then(|| o.out.join("traces").join(format!("{stem}.json")));
+            args.push("train".into());
+            arg(&mut args, "--device", &o.device);
+            if let Some(c) = &s.config {
+                arg(&mut args, "--config", &c.display());
+                arg(&mut args, "--data", &"synthetic");
+            }
+            if o.device == "cuda" {
+                arg(&mut args, "--precision", &"bf16");
+            }
+            if let Some(tr) = &trace {
+                arg(&mut args, "--trace", &tr.display());
+                arg(&mut args, "--trace-step", &2);
+            }
+            arg(&mut args, "--log-every", &0);
+            args.extend(o.megatrain_args.iter().cloned());
+            (o.megatrain.clone(), trace)
+        } else {
+            let script = if s.system == System::Torch { "resident_torch.py" } else { "deepspeed_zero3.py" };
+            args.push(repo_root().join("scripts/baselines").join(script).display().to_string());
+            if let Some(c) = &s.config {
+                arg(&mut args, "--config", &c.display());
+            }
+            (o.python.clone(), None)
+        };
+        arg(&mut args, "--batch-size", &b);
+        arg(&mut args, "--seq-len", &t);
+        arg(&mut args, "--steps", &o.steps);
+        arg(&mut args, "--metrics", &metrics.display());
+        args.extend(s.extra);
+        let log = o.out.join("logs").join(format!("{stem}.log"));
+        self.plan.jobs.push(Job { run, program, args, metrics, log, trace });
+    }
+}
+
+/// The runs of `opts.suite`, with nothing started and nothing written.
+pub fn plan(opts: &Options) -> Result<Plan> {
+    if opts.steps < 2 {
+        return Err(Error::Options("--steps must be at least 2 (the first step is warm-up)".into()));
+    }
+    let mut cx = Ctx { opts, plan: Plan { jobs: vec![], configs: vec![], fixed: vec![] } };
+    let first_tokens = *opts.tokens.first().ok_or_else(|| Error::Options("--tokens is empty".into()))?;
+    let spec = |part, system, model: &str, config, tokens, variant: &str| Spec {
+        part,
+        system,
+        model: model.to_owned(),
+        config,
+        tokens,
+        variant: variant.to_owned(),
+        extra: vec![],
+        trace: false,
+    };
+    let ablations = |cx: &mut Ctx<'_>, model: &str, config: Option<PathBuf>| {
+        let (b, _) = first_tokens;
+        let mut variants: Vec<(String, Vec<String>)> = (1..=3)
+            .map(|d| (format!("ring{d}"), vec!["--ring-depth".into(), d.to_string()]))
+            .chain([("no_opt_overlap".to_owned(), vec!["--no-optimizer-overlap".to_owned()])])
+            .collect();
+        for c in [1usize, 2, 4].into_iter().filter(|&c| c <= b) {
+            variants.push((format!("chunks{c}"), vec!["--chunks".into(), c.to_string()]));
+        }
+        for (v, extra) in &variants {
+            let s = spec("ablation", System::Ours, model, config.clone(), first_tokens, v);
+            cx.add(Spec { extra: extra.clone(), trace: v == "ring2", ..s });
+        }
+        let s = spec("ablation", System::Ours, model, config, first_tokens, "checkpoints_host");
+        let reason = "the engine keeps layer-boundary checkpoints on the GPU only; checkpoints in host \
+                      memory are not implemented (megatrain train has no option for it)";
+        cx.plan.fixed.push(cx.entry(&s, Status::Skipped, Some(reason.into())));
+    };
+    match opts.suite {
+        Suite::Smoke => {
+            let s = spec("throughput", System::Ours, "tiny", None, first_tokens, "default");
+            cx.add(Spec { trace: true, ..s });
+            ablations(&mut cx, "tiny", None);
+            for layers in [1, 2, 4] {
+                let path = opts.out.join("configs").join(format!("tiny-L{layers}.json"));
+                cx.plan.configs.push((path.clone(), tiny_config(layers)));
+                cx.add(spec(
+                    "depth",
+                    System::Ours,
+                    &format!("tiny-L{layers}"),
+                    Some(path),
+                    first_tokens,
+                    "default",
+                ));
+            }
+        }
+        Suite::Ablate => {
+            let label =
+                opts.model_config.as_ref().map_or("tiny".into(), |p| model_label(&p.display().to_string()));
+            ablations(&mut cx, &label, opts.model_config.clone());
+        }
+        Suite::Paper => {
+            for m in &opts.models {
+                let config = model_config_path(m)?;
+                for &tokens in &opts.tokens {
+                    for &sys in &opts.systems {
+                        let s =
+                            spec("throughput", sys, &model_label(m), Some(config.clone()), tokens, "default");
+                        cx.add(Spec { trace: sys == System::Ours, ..s });
+                    }
+                }
+            }
+            if let Some(m) = opts.models.first() {
+                let base_path = model_config_path(m)?;
+                let text = std::fs::read_to_string(&base_path).map_err(io_err(&base_path))?;
+                let base: Value = serde_json::from_str(&text)
+                    .map_err(|e| Error::Parse { path: base_path.clone(), msg: e.to_string() })?;
+                for &layers in &opts.depths {
+                    let label = format!("{}-L{layers}", model_label(m));
+                    let path = opts.out.join("configs").join(format!("{label}.json"));
+                    let mut cfg = base.clone();
+                    cfg["num_hidden_layers"] = json!(layers);
+                    cx.plan.configs.push((path.clone(), cfg));
+                    // Depth scaling is a property of our engine's schedule (time per step linear
+                    // in layers); the peers are compared in the throughput part.
+                    if opts.systems.contains(&System::Ours) {
+                        cx.add(spec(
+                            "depth",
+                            System::Ours,
+                            &label,
+                            Some(path.clone()),
+                            first_tokens,
+                            "default",
+                        ));
+                    }
+                }
+            }
+            if let Some(m) = &opts.largest {
+                let s = spec(
+                    "largest",
+                    System::Ours,
+                    &model_label(m),
+                    Some(model_config_path(m)?),
+                    first_tokens,
+                    "default",
+                );
+                cx.add(s);
+            }
+            let s = spec("largest", System::Ours, "120b", None, first_tokens, "extrapolated");
+            let reason =
+                "not automated yet: the 120B case (a few layers of a dense 120B shape measured, the \
+                          rest extrapolated with the planner's model) has no harness part yet";
+            cx.plan.fixed.push(cx.entry(&s, Status::NotRun, Some(reason.into())));
+        }
+        Suite::Regress => {
+            return Err(Error::Options("regress compares results; it has no runs of its own".into()))
+        }
+    }
+    if cx.plan.jobs.iter().any(|j| j.run.system == "ours") && !opts.megatrain.is_file() {
+        return Err(Error::Options(format!(
+            "no megatrain binary at {}: build it (`cargo build --release -p megatrain`, with \
+             `--features cuda` for --device cuda) or pass --megatrain PATH",
+            opts.megatrain.display()
+        )));
+    }
+    Ok(cx.plan)
+}
+
+/// Runs the plan, writes `OUT/results.json` and the figures, and returns the results. Progress
+/// goes to `log`. A system that fails is recorded as `failed` and the suite goes on.
+pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Results> {
+    let out = &opts.out;
+    for sub in ["metrics", "logs", "traces", "configs"] {
+        std::fs::create_dir_all(out.join(sub)).map_err(io_err(out.join(sub)))?;
+    }
+    for (path, cfg) in &plan.configs {
+        std::fs::write(path, format!("{cfg:#}\n")).map_err(io_err(path))?;
+    }
+    let machine = Machine::detect();
+    let date = crate::schema::utc_now_iso();
+    let timeout = Duration::from_secs(opts.run_timeout_s);
+    let mut runs = Vec::new();
+    for (i, job) in plan.jobs.iter().enumerate() {
+        progress(log, &format!("[{}/{}] {}", i + 1, plan.jobs.len(), job.run.key));
+        let sample_gpu = machine.gpu.is_some() && job.run.device == "cuda";
+        let run = execute_job(job, out, timeout, sample_gpu);
+        let line = match (run.status, run.measured.tokens_per_s) {
+            (Status::Ok, Some(t)) => format!(
+                "    ok: {t:.1} tokens/s, {:.1} ms/step, {:.3} model TFLOP/s",
+                run.measured.step_ms.unwrap_or(0.0),
+                run.measured.model_tflops.unwrap_or(0.0)
+            ),
+            _ => {
+                let reason: Vec<&str> = run.reason.as_deref().unwrap_or("").lines().collect();
+                let last = reason[reason.len().saturating_sub(3)..].join("\n    | ");
+                format!("    {:?}: {last}\n    (full reason in results.json)", run.status)
+            }
+        };
+        progress(log, &line);
+        runs.push(run);
+    }
+    runs.extend(plan.fixed.iter().cloned());
+    let config = serde_json::to_value(opts).unwrap_or(Value::Null);
+    let mut results = Results {
+        schema_version: SCHEMA_VERSION,
+        suite: format!("{:?}", opts.suite).to_lowercase(),
+        machine,
+        commit: Commit::detect(),
+        date,
+        config,
+        flops_formula: FLOPS_FORMULA.into(),
+        runs,
+        ratios: vec![],
+        figures: vec![],
+    };
+    results.compute_ratios();
+    results.figures = crate::plot::draw_all(&results, out)?;
+    results.save(&out.join("results.json"))?;
+    progress(
+        log,
+        &format!("wrote {} ({} figures)", out.join("results.json").display(), results.figures.len()),
+    );
+    Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model_label;
+
+    #[test]
+    fn model_labels_keep_their_dots_and_paths_lose_their_directory() {
+        assert_eq!(model_label("3.6b"), "3.6b");
+        assert_eq!(model_label("14b"), "14b");
+        assert_eq!(model_label("bench-harness/configs/llama3-3.6b.json"), "llama3-3.6b");
+    }
+}

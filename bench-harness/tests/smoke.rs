@@ -1,0 +1,89 @@
+//! The smoke suite end to end: runs the real `megatrain` binary (built by `cargo test
+//! --workspace` into the same target directory) on tiny models on the CPU, then checks the
+//! results file, the measurements and the figures.
+
+use std::path::PathBuf;
+
+use bench_harness::schema::{Results, Status, SCHEMA_VERSION};
+use bench_harness::suites::{default_megatrain, execute, plan, Options, Suite, System};
+
+fn megatrain() -> PathBuf {
+    let path = default_megatrain();
+    assert!(
+        path.is_file(),
+        "no megatrain binary next to the test executable ({}): run `cargo build -p megatrain` with \
+         the same target directory first (`cargo test --workspace` builds it)",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
+    let out = std::env::temp_dir().join(format!("bench-harness-smoke-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let opts = Options {
+        suite: Suite::Smoke,
+        out: out.clone(),
+        megatrain: megatrain(),
+        python: "python3".into(),
+        steps: 4,
+        systems: vec![System::Ours],
+        models: vec![],
+        tokens: vec![(4, 64)],
+        depths: vec![],
+        device: "cpu".into(),
+        model_config: None,
+        run_timeout_s: 300,
+        megatrain_args: vec![],
+        largest: None,
+    };
+    let plan = plan(&opts).expect("smoke plan");
+    let mut log = Vec::new();
+    let returned = execute(&opts, &plan, &mut log).expect("smoke suite");
+    let log = String::from_utf8_lossy(&log);
+
+    // The file on disk is the schema, not just the value returned.
+    let r = Results::load(&out.join("results.json")).expect("results.json parses");
+    assert_eq!(r.schema_version, SCHEMA_VERSION);
+    assert_eq!((r.suite.as_str(), r.runs.len()), ("smoke", returned.runs.len()));
+    assert!(r.machine.cpus > 0 && !r.date.is_empty());
+
+    let ran: Vec<_> = r.runs.iter().filter(|x| x.status != Status::Skipped).collect();
+    assert_eq!(ran.len(), plan.jobs.len());
+    for run in &ran {
+        let m = &run.measured;
+        assert_eq!(run.status, Status::Ok, "{}: {:?}\n{log}", run.key, run.reason);
+        assert_eq!(m.steps_measured, Some(3), "{}", run.key);
+        assert!(m.tokens_per_s.is_some_and(|t| t > 0.0), "{}: {m:?}", run.key);
+        assert!(m.model_tflops.is_some_and(|t| t > 0.0) && m.step_ms.is_some_and(|t| t > 0.0));
+        let (first, last) = (m.loss_first.expect("loss"), m.loss_last.expect("loss"));
+        assert!(last < first, "{}: loss did not decrease: {first} -> {last}", run.key);
+        assert!(m.n_params.is_some_and(|n| n > 1000) && m.num_hidden_layers.is_some());
+        assert!(m.host_rss_peak_bytes_per_param.is_some_and(|b| b > 12.0), "{}: {m:?}", run.key);
+        assert!(m.h2d_bytes_per_step.is_some_and(|b| b > 0.0) && m.compute_busy_frac.is_some());
+        assert_eq!(m.gpu_peak_bytes, None);
+    }
+    let skipped = r.runs.iter().find(|x| x.variant == "checkpoints_host").expect("listed");
+    assert_eq!(skipped.status, Status::Skipped);
+    assert!(skipped.reason.as_deref().is_some_and(|s| s.contains("not implemented")));
+    // Depth: the three tiny configs have growing layer counts and parameter counts.
+    let depth: Vec<_> = r.runs.iter().filter(|x| x.part == "depth").collect();
+    let layers: Vec<_> = depth.iter().map(|x| x.measured.num_hidden_layers).collect();
+    assert_eq!(layers, [Some(1), Some(2), Some(4)]);
+    assert!(depth.windows(2).all(|w| w[0].measured.n_params < w[1].measured.n_params));
+
+    // Figures: smoke has no baselines, so no ratio figure; the rest exist and are not empty.
+    for stem in ["throughput", "ablation", "depth", "host-memory", "timeline-throughput-tiny-4x64-default"] {
+        for ext in ["png", "svg"] {
+            let name = format!("{stem}.{ext}");
+            assert!(r.figures.contains(&name), "{name} not in {:?}", r.figures);
+            let bytes = std::fs::read(out.join(&name)).expect("figure exists");
+            assert!(bytes.len() > 5_000, "{name}: only {} bytes", bytes.len());
+            let magic: &[u8] = if ext == "png" { b"\x89PNG" } else { b"<svg" };
+            assert!(bytes.starts_with(magic), "{name} is not a {ext}");
+        }
+    }
+    assert!(!r.figures.iter().any(|f| f.starts_with("ratio")));
+    let _ = std::fs::remove_dir_all(&out);
+}
