@@ -460,11 +460,14 @@ pub enum ResidentOuter {
 }
 
 impl ResidentOuter {
-    /// The planner's input: `None` lets it decide.
-    pub fn choice(self, device: DeviceKind) -> Option<bool> {
+    /// The planner's input: `None` lets it decide. `auto` keeps a file-backed store's outer unit
+    /// streamed: that file is the live training state, which a resident outer unit would leave
+    /// stale between checkpoints.
+    pub fn choice(self, device: DeviceKind, file_backed_store: bool) -> Option<bool> {
         match (self, device) {
             (ResidentOuter::On, _) => Some(true),
             (ResidentOuter::Off, _) | (ResidentOuter::Auto, DeviceKind::Cpu) => Some(false),
+            (ResidentOuter::Auto, DeviceKind::Cuda) if file_backed_store => Some(false),
             (ResidentOuter::Auto, DeviceKind::Cuda) => None,
         }
     }

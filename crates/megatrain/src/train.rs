@@ -165,7 +165,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         ring_depth: Some(args.ring_depth),
         n_chunks: args.chunks,
         rows_per_block: args.rows_per_block,
-        resident_outer: args.resident_outer.choice(args.device),
+        resident_outer: args.resident_outer.choice(args.device, args.store.is_some()),
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");

@@ -128,6 +128,8 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
     }
 }
 
+/// Elements per piece when a resident outer unit is written back to the store (64 MiB of f32).
+const SYNC_PIECE: usize = 16 << 20;
 const N_STAGING: usize = 2;
 const N_GRAD_BUFS: usize = 2;
 const N_LANDING: usize = 2;
@@ -264,8 +266,28 @@ impl<B: Backend> Engine<B> {
             outer_applied: 0,
             outer_dirty: false,
         };
+        engine.check_outer_record()?;
         engine.load_resident_outer()?;
         Ok(engine)
+    }
+
+    /// Refuses a store whose outer record is behind the store's step: every record is at the
+    /// store's step (or one past, mid-flush), so an older outer record was left by a
+    /// resident-outer run that stopped without writing it back (a crash): its updates since the
+    /// last checkpoint or eval are lost, and training on would silently mix them up.
+    fn check_outer_record(&self) -> Result<()> {
+        let state = self.store.state();
+        let r = self.store.record(Unit::Outer);
+        if r.applied_step() < state.step {
+            return Err(Error::Options(format!(
+                "the host store's outer unit (embedding, head) is at optimizer step {} but the store at step {}: \
+                 it was left by a --resident-outer run that stopped without writing it back (a crash or kill); \
+                 resume from a checkpoint (--resume) instead",
+                r.applied_step(),
+                state.step
+            )));
+        }
+        Ok(())
     }
 
     /// Resident outer unit: brings its record up to the store's step (a pending update whose
@@ -325,19 +347,29 @@ impl<B: Backend> Engine<B> {
             return Ok(());
         }
         let n = self.layout.outer.len;
-        let host: Vec<f32> = st.to_vec1()?;
-        let grad: Vec<f32> = self.pool.outer_grad.to_vec1()?;
+        let state = self.store.state();
+        // The gradient is needed only by a pending update the device has not applied.
+        let need_grad = state.pending_update && self.outer_applied <= state.step;
         let mut r = self.store.record(Unit::Outer);
+        // In pieces, so the host holds at most SYNC_PIECE extra elements at a time.
+        let pieces = |len: usize| (0..len).step_by(SYNC_PIECE).map(move |o| (o, SYNC_PIECE.min(len - o)));
         let p = r.parts();
-        p.master.copy_from_slice(&host[..n]);
-        p.m.copy_from_slice(&host[n..2 * n]);
-        p.v.copy_from_slice(&host[2 * n..]);
-        let stored = match r.grad_mut() {
-            Some(GradMut::F32(g)) => Upload::F32(g),
-            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
-            None => Upload::None,
-        };
-        mt_optim::cast_into(&grad, stored)?;
+        for (k, dst) in [p.master, p.m, p.v].into_iter().enumerate() {
+            for (o, len) in pieces(n) {
+                dst[o..o + len].copy_from_slice(&st.narrow(0, k * n + o, len)?.to_vec1::<f32>()?);
+            }
+        }
+        if need_grad {
+            for (o, len) in pieces(n) {
+                let g: Vec<f32> = self.pool.outer_grad.narrow(0, o, len)?.to_vec1()?;
+                let stored = match r.grad_mut() {
+                    Some(GradMut::F32(d)) => Upload::F32(&mut d[o..o + len]),
+                    Some(GradMut::Bf16(d)) => Upload::Bf16(&mut d[o..o + len]),
+                    None => Upload::None,
+                };
+                mt_optim::cast_into(&g, stored)?;
+            }
+        }
         r.set_applied_step(self.outer_applied);
         self.outer_dirty = false;
         Ok(())

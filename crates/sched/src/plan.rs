@@ -205,13 +205,14 @@ pub fn loss_workspace(cfg: &ModelConfig, t: usize, rows_per_block: usize, e: u64
 pub fn plan(input: &PlanInput) -> Result<Plan> {
     match input.resident_outer {
         Some(resident) => plan_placed(input, resident),
-        None => {
-            let streamed = plan_placed(input, false)?;
-            Ok(match plan_placed(input, true) {
-                Ok(r) if r.n_chunks <= streamed.n_chunks => r,
-                _ => streamed,
-            })
-        }
+        // Resident when it costs no chunk; whichever fits when only one does (the streamed
+        // layout needs more pinned host memory, the resident one more GPU memory).
+        None => match (plan_placed(input, false), plan_placed(input, true)) {
+            (Ok(s), Ok(r)) => Ok(if r.n_chunks <= s.n_chunks { r } else { s }),
+            (Ok(s), Err(_)) => Ok(s),
+            (Err(_), Ok(r)) => Ok(r),
+            (Err(e), Err(_)) => Err(e),
+        },
     }
 }
 

@@ -198,3 +198,13 @@ fn the_planner_keeps_the_outer_unit_resident_only_where_it_costs_no_chunk() {
     let e = err(&PlanInput { resident_outer: Some(true), gpu_bytes: 8 * GIB, ..auto });
     assert!(e.contains("resident outer state"), "{e}");
 }
+
+#[test]
+fn auto_takes_the_resident_outer_unit_when_only_it_fits_the_host() {
+    // The streamed layout needs the outer unit's pinned rings (6 B per outer parameter) more.
+    let base = input(llama3_3b(), 4, 2048, H200);
+    let resident = plan(&PlanInput { resident_outer: Some(true), ..base.clone() }).unwrap();
+    let tight = PlanInput { host_bytes: resident.host.total, resident_outer: None, ..base };
+    assert!(plan(&PlanInput { resident_outer: Some(false), ..tight.clone() }).is_err());
+    assert!(plan(&tight).unwrap().resident_outer);
+}

@@ -108,3 +108,24 @@ fn a_resident_outer_unit_never_crosses_the_bus() {
         assert_eq!(r.d2h_bytes, n * l * 4);
     }
 }
+
+/// An engine that stops without writing its resident outer unit back (a crash: no drop) leaves
+/// the store's outer record behind its step; the next engine refuses it, naming the way out,
+/// instead of silently training on stale embeddings.
+#[test]
+fn a_store_left_by_a_crashed_resident_engine_is_refused() {
+    let cfg = cfg();
+    let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
+    let opts = EngineOptions { resident_outer: true, ..golden_opts() };
+    let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
+    for b in batches(&cfg, 3) {
+        e.step(&b, 1e-3).unwrap();
+    }
+    std::mem::forget(e);
+    for resident in [true, false] {
+        let o = EngineOptions { resident_outer: resident, ..opts.clone() };
+        let r = mt_sched::Engine::new(&cfg, store.clone(), mt_sched::CpuBackend::new(Default::default()), o);
+        let err = r.map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains("resume from a checkpoint"), "resident={resident}: {err}");
+    }
+}

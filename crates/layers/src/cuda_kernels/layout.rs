@@ -13,7 +13,7 @@ use super::{fused_ptx, grid_for, msg, FUSED};
 
 /// Whether a contiguous bf16 CUDA tensor's data can be moved in 16-byte groups.
 fn groups_of_8(l: &Layout) -> bool {
-    l.is_contiguous() && l.start_offset() % 8 == 0 && l.shape().elem_count() % 8 == 0
+    l.is_contiguous() && l.start_offset().is_multiple_of(8) && l.shape().elem_count().is_multiple_of(8)
 }
 
 struct Swap12;
@@ -92,7 +92,7 @@ fn applies(l: &Layout, t: &Tensor) -> bool {
 /// `x.transpose(1, 2).contiguous()` of a 4-D tensor; one kernel on CUDA bf16 when the last axis
 /// is a multiple of 8 and `x` is contiguous and aligned, candle's copy otherwise.
 pub(crate) fn swap12(x: &Tensor) -> candle_core::Result<Tensor> {
-    if applies(x.layout(), x) && x.rank() == 4 && x.dims()[3] % 8 == 0 {
+    if applies(x.layout(), x) && x.rank() == 4 && x.dims()[3].is_multiple_of(8) {
         return x.apply_op1_no_bwd(&Swap12);
     }
     x.transpose(1, 2)?.contiguous()

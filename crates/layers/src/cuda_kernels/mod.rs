@@ -193,7 +193,7 @@ impl CustomOp1 for CausalSoftmax {
         let dev = s.device();
         let src = s.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
         // The warp kernel's 16-byte accesses need 16-byte aligned rows: an aligned view start.
-        let warp = t <= WARP_ROW_MAX && l.start_offset() % 8 == 0;
+        let warp = t <= WARP_ROW_MAX && l.start_offset().is_multiple_of(8);
         let kernel = if warp { "mt_causal_softmax_fwd_warp" } else { "mt_causal_softmax_fwd" };
         let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
         let off = stats_offset(rows, t);
@@ -243,14 +243,18 @@ impl CustomOp3 for SoftmaxBackward {
         if rows_and_t(ls, "softmax backward S")? != (rows, t) {
             return Err(msg("softmax backward: dP and S differ in shape"));
         }
-        if !lst.is_contiguous() || lst.shape().elem_count() != 4 * rows || lst.start_offset() % 2 != 0 {
+        if !lst.is_contiguous()
+            || lst.shape().elem_count() != 4 * rows
+            || !lst.start_offset().is_multiple_of(2)
+        {
             return Err(msg("softmax backward: row statistics of another shape"));
         }
         let dev = dp.device();
         let dps = dp.as_cuda_slice::<bf16>()?.slice(ldp.start_offset()..);
         let ss = s.as_cuda_slice::<bf16>()?.slice(ls.start_offset()..);
         let st = stats.as_cuda_slice::<bf16>()?.slice(lst.start_offset()..);
-        let warp = t <= WARP_ROW_MAX && ldp.start_offset() % 8 == 0 && ls.start_offset() % 8 == 0;
+        let warp =
+            t <= WARP_ROW_MAX && ldp.start_offset().is_multiple_of(8) && ls.start_offset().is_multiple_of(8);
         let kernel = if warp { "mt_softmax_bwd_warp" } else { "mt_softmax_bwd" };
         let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
         // SAFETY: every element is written by the kernel below before anyone reads it.
