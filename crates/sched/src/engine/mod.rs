@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, GradSink, LayerWeights, Outer, OuterWeights, Rope};
 use mt_optim::{AdamW, Grad, StepArgs, Upload};
@@ -17,6 +17,9 @@ use crate::batch::{make_chunks, Batch, Chunk};
 use crate::program::{HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
+
+mod eval;
+mod resident;
 
 /// How the engine runs.
 #[derive(Debug, Clone)]
@@ -271,110 +274,6 @@ impl<B: Backend> Engine<B> {
         Ok(engine)
     }
 
-    /// Refuses a store whose outer record is behind the store's step: every record is at the
-    /// store's step (or one past, mid-flush), so an older outer record was left by a
-    /// resident-outer run that stopped without writing it back (a crash): its updates since the
-    /// last checkpoint or eval are lost, and training on would silently mix them up.
-    fn check_outer_record(&self) -> Result<()> {
-        let state = self.store.state();
-        let r = self.store.record(Unit::Outer);
-        if r.applied_step() < state.step {
-            return Err(Error::Options(format!(
-                "the host store's outer unit (embedding, head) is at optimizer step {} but the store at step {}: \
-                 it was left by a --resident-outer run that stopped without writing it back (a crash or kill); \
-                 resume from a checkpoint (--resume) instead",
-                r.applied_step(),
-                state.step
-            )));
-        }
-        Ok(())
-    }
-
-    /// Resident outer unit: brings its record up to the store's step (a pending update whose
-    /// outer part was not applied yet is applied on the host, from the record's gradient), then
-    /// copies master, m and v to the device and casts the weights into the outer slot.
-    fn load_resident_outer(&mut self) -> Result<()> {
-        let Some(dev_state) = self.pool.outer_state.clone() else { return Ok(()) };
-        let state = self.store.state();
-        let mut r = self.store.record(Unit::Outer);
-        if state.pending_update {
-            let args =
-                StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
-            update_unit(&mut r, &self.opts.adamw, &args, None, Upload::None)?;
-        }
-        let n = r.master().len();
-        let device = self.backend.device().clone();
-        let p = r.parts();
-        for (k, part) in [&*p.master, &*p.m, &*p.v].into_iter().enumerate() {
-            dev_state.slice_set(&Tensor::from_slice(part, n, &device)?, 0, k * n)?;
-        }
-        self.outer_applied = r.applied_step();
-        drop(r);
-        self.cast_resident_outer()?;
-        self.outer_dirty = false;
-        self.backend.synchronize()?;
-        Ok(())
-    }
-
-    /// The resident outer master weights cast into the outer slot (compute stream).
-    fn cast_resident_outer(&self) -> Result<()> {
-        let Some(st) = &self.pool.outer_state else { return Ok(()) };
-        let n = self.layout.outer.len;
-        let slot = &self.pool.outer_slot;
-        slot.slice_set(&st.narrow(0, 0, n)?.to_dtype(slot.dtype())?, 0, 0)?;
-        Ok(())
-    }
-
-    /// AdamW step `args` on the resident outer unit (once: a retried step skips it), then its
-    /// weights into the outer slot.
-    fn update_resident_outer(&mut self, args: &StepArgs) -> Result<()> {
-        let Some(st) = self.pool.outer_state.clone() else { return Ok(()) };
-        if self.outer_applied < args.step {
-            mt_layers::device_optim::adamw_step(&st, &self.pool.outer_grad, &self.opts.adamw, args)?;
-            self.outer_applied = args.step;
-            self.outer_dirty = true;
-        }
-        self.cast_resident_outer()
-    }
-
-    /// Writes a resident outer unit's device state (master, m, v, the optimizer step it has
-    /// applied, and its last gradient, which a pending update still needs) into the host store's
-    /// record, so that checkpoints, exports, a later engine or a host-side flush see it. A no-op
-    /// without a resident outer unit or when the store is already current.
-    pub fn sync_store(&mut self) -> Result<()> {
-        let Some(st) = self.pool.outer_state.clone() else { return Ok(()) };
-        if !self.outer_dirty {
-            return Ok(());
-        }
-        let n = self.layout.outer.len;
-        let state = self.store.state();
-        // The gradient is needed only by a pending update the device has not applied.
-        let need_grad = state.pending_update && self.outer_applied <= state.step;
-        let mut r = self.store.record(Unit::Outer);
-        // In pieces, so the host holds at most SYNC_PIECE extra elements at a time.
-        let pieces = |len: usize| (0..len).step_by(SYNC_PIECE).map(move |o| (o, SYNC_PIECE.min(len - o)));
-        let p = r.parts();
-        for (k, dst) in [p.master, p.m, p.v].into_iter().enumerate() {
-            for (o, len) in pieces(n) {
-                dst[o..o + len].copy_from_slice(&st.narrow(0, k * n + o, len)?.to_vec1::<f32>()?);
-            }
-        }
-        if need_grad {
-            for (o, len) in pieces(n) {
-                let g: Vec<f32> = self.pool.outer_grad.narrow(0, o, len)?.to_vec1()?;
-                let stored = match r.grad_mut() {
-                    Some(GradMut::F32(d)) => Upload::F32(&mut d[o..o + len]),
-                    Some(GradMut::Bf16(d)) => Upload::Bf16(&mut d[o..o + len]),
-                    None => Upload::None,
-                };
-                mt_optim::cast_into(&g, stored)?;
-            }
-        }
-        r.set_applied_step(self.outer_applied);
-        self.outer_dirty = false;
-        Ok(())
-    }
-
     /// The host store.
     pub fn store(&self) -> &Arc<HostStore> {
         &self.store
@@ -514,66 +413,7 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Logits `[b, t, V]` (f32) of the store's current master weights, computed layer by layer
-    /// without training (pending updates are not applied: flush first to see them).
-    pub fn logits(&mut self, batch: &Batch) -> Result<Tensor> {
-        batch.validate(&self.cfg)?;
-        self.ensure_rope(batch.seq)?;
-        let device = self.backend.device().clone();
-        let ids = Tensor::from_slice(&batch.input_ids, (batch.batch, batch.seq), &device)?;
-        let load = |u: Unit, dst: &Tensor| -> Result<()> {
-            let r = self.store.record(u);
-            let t = Tensor::from_slice(r.master(), r.master().len(), &device)?;
-            dst.slice_set(&t.to_dtype(dst.dtype())?, 0, 0)?;
-            Ok(())
-        };
-        // A resident outer unit's slot holds its current weights already.
-        if !self.opts.resident_outer {
-            load(Unit::Outer, &self.pool.outer_slot)?;
-        }
-        let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
-        let mut x = self.outer_t.embed(&ow, &ids)?;
-        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
-        for l in 0..self.layout.n_layers {
-            load(Unit::Layer(l), &self.pool.slots[0])?;
-            let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &self.pool.slots[0])?;
-            x = self.layer_t.forward(&w, &x, rope)?;
-        }
-        let logits = self.outer_t.logits(&ow, &x)?;
-        // The slots are read on the compute stream; the next step's uploads must not overtake.
-        self.backend.synchronize()?;
-        Ok(logits)
-    }
-
-    /// Sum of the cross-entropy over the batch's targets (nats) and their count, under the
-    /// store's current master weights: no gradients, no update (pending updates are not applied:
-    /// flush first). For held-out evaluation. The log-sum-exp runs on the device in f32 over
-    /// [`Engine::logits`] (so the batch's `[b, t, V]` f32 logits must fit there); one scalar comes
-    /// back.
-    pub fn loss_sum(&mut self, batch: &Batch) -> Result<(f64, usize)> {
-        use candle_core::D;
-        let logits = self.logits(batch)?;
-        let (v, rows) = (self.cfg.vocab_size, batch.batch * batch.seq);
-        let device = logits.device().clone();
-        let logits = logits.reshape((rows, v))?;
-        let keep: Vec<f32> =
-            batch.targets.iter().map(|&t| f32::from(u8::from(t != crate::batch::IGNORE_INDEX))).collect();
-        // Ignored rows gather column 0 and are multiplied by 0; `validate` checked 0 <= t < V.
-        let idx: Vec<u32> = batch
-            .targets
-            .iter()
-            .map(|&t| if t == crate::batch::IGNORE_INDEX { 0 } else { t as u32 })
-            .collect();
-        let keep = Tensor::from_vec(keep, rows, &device)?;
-        let idx = Tensor::from_vec(idx, (rows, 1), &device)?;
-        let m = logits.max_keepdim(D::Minus1)?;
-        let lse = logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&m)?;
-        let picked = logits.gather(&idx, D::Minus1)?;
-        let sum = (lse - picked)?.squeeze(D::Minus1)?.mul(&keep)?.sum_all()?.to_scalar::<f32>()?;
-        Ok((f64::from(sum), batch.n_targets()))
-    }
-
-    fn ensure_rope(&mut self, seq: usize) -> Result<()> {
+    pub(super) fn ensure_rope(&mut self, seq: usize) -> Result<()> {
         if self.rope.as_ref().is_none_or(|r| r.max_t() < seq) {
             self.rope = Some(Rope::new(&self.cfg, seq, self.opts.weight_dtype, self.backend.device())?);
         }

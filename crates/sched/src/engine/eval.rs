@@ -1,0 +1,71 @@
+//! Evaluation without training: logits and the summed loss of a batch under the store's current
+//! weights, streamed layer by layer through one slot.
+
+use candle_core::{Tensor, D};
+use mt_core::Unit;
+use mt_layers::{LayerWeights, OuterWeights};
+
+use super::Engine;
+use crate::backend::Backend;
+use crate::batch::Batch;
+use crate::{Error, Result};
+
+impl<B: Backend> Engine<B> {
+    /// Logits `[b, t, V]` (f32) of the store's current master weights, computed layer by layer
+    /// without training (pending updates are not applied: flush first to see them).
+    pub fn logits(&mut self, batch: &Batch) -> Result<Tensor> {
+        batch.validate(&self.cfg)?;
+        self.ensure_rope(batch.seq)?;
+        let device = self.backend.device().clone();
+        let ids = Tensor::from_slice(&batch.input_ids, (batch.batch, batch.seq), &device)?;
+        let load = |u: Unit, dst: &Tensor| -> Result<()> {
+            let r = self.store.record(u);
+            let t = Tensor::from_slice(r.master(), r.master().len(), &device)?;
+            dst.slice_set(&t.to_dtype(dst.dtype())?, 0, 0)?;
+            Ok(())
+        };
+        // A resident outer unit's slot holds its current weights already.
+        if !self.opts.resident_outer {
+            load(Unit::Outer, &self.pool.outer_slot)?;
+        }
+        let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
+        let mut x = self.outer_t.embed(&ow, &ids)?;
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        for l in 0..self.layout.n_layers {
+            load(Unit::Layer(l), &self.pool.slots[0])?;
+            let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &self.pool.slots[0])?;
+            x = self.layer_t.forward(&w, &x, rope)?;
+        }
+        let logits = self.outer_t.logits(&ow, &x)?;
+        // The slots are read on the compute stream; the next step's uploads must not overtake.
+        self.backend.synchronize()?;
+        Ok(logits)
+    }
+
+    /// Sum of the cross-entropy over the batch's targets (nats) and their count, under the
+    /// store's current master weights: no gradients, no update (pending updates are not applied:
+    /// flush first). For held-out evaluation. The log-sum-exp runs on the device in f32 over
+    /// [`Engine::logits`] (so the batch's `[b, t, V]` f32 logits must fit there); one scalar comes
+    /// back.
+    pub fn loss_sum(&mut self, batch: &Batch) -> Result<(f64, usize)> {
+        let logits = self.logits(batch)?;
+        let (v, rows) = (self.cfg.vocab_size, batch.batch * batch.seq);
+        let device = logits.device().clone();
+        let logits = logits.reshape((rows, v))?;
+        let keep: Vec<f32> =
+            batch.targets.iter().map(|&t| f32::from(u8::from(t != crate::batch::IGNORE_INDEX))).collect();
+        // Ignored rows gather column 0 and are multiplied by 0; `validate` checked 0 <= t < V.
+        let idx: Vec<u32> = batch
+            .targets
+            .iter()
+            .map(|&t| if t == crate::batch::IGNORE_INDEX { 0 } else { t as u32 })
+            .collect();
+        let keep = Tensor::from_vec(keep, rows, &device)?;
+        let idx = Tensor::from_vec(idx, (rows, 1), &device)?;
+        let m = logits.max_keepdim(D::Minus1)?;
+        let lse = logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&m)?;
+        let picked = logits.gather(&idx, D::Minus1)?;
+        let sum = (lse - picked)?.squeeze(D::Minus1)?.mul(&keep)?.sum_all()?.to_scalar::<f32>()?;
+        Ok((f64::from(sum), batch.n_targets()))
+    }
+}
