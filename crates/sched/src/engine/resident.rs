@@ -1,7 +1,7 @@
 //! The resident outer unit's side of the engine: loading its optimizer state onto the device,
 //! updating it there, and writing it back into the host store (`EngineOptions::resident_outer`).
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use mt_core::Unit;
 use mt_optim::{StepArgs, Upload};
 use mt_store::GradMut;
@@ -91,17 +91,25 @@ impl<B: Backend> Engine<B> {
         // The gradient is needed only by a pending update the device has not applied.
         let need_grad = state.pending_update && self.outer_applied <= state.step;
         let mut r = self.store.record(Unit::Outer);
-        // In pieces, so the host holds at most SYNC_PIECE extra elements at a time.
+        // In pieces, so the host holds at most SYNC_PIECE extra elements at a time. Each piece is
+        // first copied into a small device buffer: candle's `to_vec1` of a view copies the view's
+        // whole storage to the host (9.5 GB per piece at 3.6B).
         let pieces = |len: usize| (0..len).step_by(SYNC_PIECE).map(move |o| (o, SYNC_PIECE.min(len - o)));
+        let staging = Tensor::zeros(SYNC_PIECE.min(n), DType::F32, st.device())?;
+        let fetch = |src: &Tensor, o: usize, len: usize| -> Result<Vec<f32>> {
+            let buf = staging.narrow(0, 0, len)?;
+            buf.slice_set(&src.narrow(0, o, len)?, 0, 0)?;
+            Ok(buf.to_vec1()?)
+        };
         let p = r.parts();
         for (k, dst) in [p.master, p.m, p.v].into_iter().enumerate() {
             for (o, len) in pieces(n) {
-                dst[o..o + len].copy_from_slice(&st.narrow(0, k * n + o, len)?.to_vec1::<f32>()?);
+                dst[o..o + len].copy_from_slice(&fetch(&st, k * n + o, len)?);
             }
         }
         if need_grad {
             for (o, len) in pieces(n) {
-                let g: Vec<f32> = self.pool.outer_grad.narrow(0, o, len)?.to_vec1()?;
+                let g = fetch(&self.pool.outer_grad, o, len)?;
                 let stored = match r.grad_mut() {
                     Some(GradMut::F32(d)) => Upload::F32(&mut d[o..o + len]),
                     Some(GradMut::Bf16(d)) => Upload::Bf16(&mut d[o..o + len]),
