@@ -59,22 +59,27 @@ fn store_bytes_equal_what_the_host_store_maps() {
     }
 }
 
+/// The step program of a 2-deep ring for these layers and placement.
+fn program(n_layers: usize, mode: OptimMode, pending_update: bool, resident_outer: bool) -> Program {
+    Program::build(ProgramSpec {
+        n_layers,
+        ring_depth: 2,
+        n_staging: 2,
+        n_grad_bufs: 2,
+        n_landing: 2,
+        mode,
+        pending_update,
+        resident_outer,
+    })
+}
+
 #[test]
 fn pcie_bytes_equal_the_step_programs_copies() {
     let cfg = ModelConfig::tiny_llama();
     let layout = ModelLayout::new(&cfg);
     let len = |u: Unit| layout.unit(u).len as u64;
     for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
-        let prog = Program::build(ProgramSpec {
-            n_layers: layout.n_layers,
-            ring_depth: 2,
-            n_staging: 2,
-            n_grad_bufs: 2,
-            n_landing: 2,
-            mode,
-            pending_update: pending,
-            resident_outer: false,
-        });
+        let prog = program(layout.n_layers, mode, pending, false);
         for (dtype, e) in [(DType::BF16, 2), (DType::F32, 4)] {
             let p = plan(&PlanInput { weight_dtype: dtype, ..input(cfg.clone(), 2, 16, GIB) }).unwrap();
             assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * e);
@@ -159,16 +164,7 @@ fn a_resident_outer_unit_moves_no_bytes_and_costs_its_state_on_the_gpu() {
     let len = |u: Unit| layout.unit(u).len as u64;
     let base = input(cfg.clone(), 2, 16, GIB);
     for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
-        let prog = Program::build(ProgramSpec {
-            n_layers: layout.n_layers,
-            ring_depth: 2,
-            n_staging: 2,
-            n_grad_bufs: 2,
-            n_landing: 2,
-            mode,
-            pending_update: pending,
-            resident_outer: true,
-        });
+        let prog = program(layout.n_layers, mode, pending, true);
         let p = plan(&PlanInput { resident_outer: Some(true), mode, ..base.clone() }).unwrap();
         assert!(p.resident_outer);
         assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * 2);

@@ -19,15 +19,6 @@ fn cfg() -> ModelConfig {
     golden::load("llama_gqa").unwrap().cfg
 }
 
-fn batches(cfg: &ModelConfig, n: u64) -> Vec<Batch> {
-    (0..n)
-        .map(|s| {
-            let (input_ids, targets) = random_batch(cfg, 2, 8, 40 + s, 0.1);
-            Batch { batch: 2, seq: 8, input_ids, targets }
-        })
-        .collect()
-}
-
 fn train(
     cfg: &ModelConfig,
     grad: GradDtype,
@@ -48,7 +39,7 @@ fn train(
 #[test]
 fn lean_and_exact_agree_bitwise_without_clipping_and_lean_needs_no_gradient_buffer() {
     let cfg = cfg();
-    let data = batches(&cfg, 3);
+    let data = small_batches(&cfg, 3, 40);
     let exact = train(&cfg, GradDtype::F32, EngineOptions { clip: None, ..golden_opts() }, &data);
     let lean_opts = EngineOptions { clip: None, mode: OptimMode::Lean, ..golden_opts() };
     let lean = train(&cfg, GradDtype::F32, lean_opts.clone(), &data);
@@ -73,7 +64,7 @@ fn exact_mode_refuses_a_store_without_gradient_buffers() {
 #[test]
 fn switching_from_exact_to_lean_applies_the_pending_update() {
     let cfg = cfg();
-    let data = batches(&cfg, 2);
+    let data = small_batches(&cfg, 2, 40);
     let no_clip = EngineOptions { clip: None, ..golden_opts() };
     let reference = train(&cfg, GradDtype::F32, no_clip.clone(), &data);
     let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::F32);
@@ -90,7 +81,7 @@ fn switching_from_exact_to_lean_applies_the_pending_update() {
 #[test]
 fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() {
     let cfg = cfg();
-    let data = batches(&cfg, 3);
+    let data = small_batches(&cfg, 3, 40);
     let reference = train(&cfg, GradDtype::F32, golden_opts(), &data);
     for flush_instead in [false, true] {
         let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::F32);
@@ -144,7 +135,7 @@ fn bad_optimizer_settings_are_refused_up_front() {
     }
     let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::F32);
     let mut e = engine(&cfg, store, golden_opts(), 0);
-    let err = e.step(&batches(&cfg, 1)[0], f64::NAN).unwrap_err().to_string();
+    let err = e.step(&small_batches(&cfg, 1, 40)[0], f64::NAN).unwrap_err().to_string();
     assert!(err.contains("learning rate"), "{err}");
 }
 

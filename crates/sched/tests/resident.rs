@@ -13,22 +13,13 @@ use mt_core::{ModelConfig, ModelLayout, Unit};
 use mt_sched::{Batch, EngineOptions, OptimMode};
 use mt_store::{GradDtype, HostStore};
 use mt_testkit::golden;
-use mt_testkit::init::{random_batch, random_params};
+use mt_testkit::init::random_params;
 use mt_testkit::tol::assert_bitwise_eq;
 
 use common::*;
 
 fn cfg() -> ModelConfig {
     golden::load("llama_gqa").unwrap().cfg
-}
-
-fn batches(cfg: &ModelConfig, n: u64) -> Vec<Batch> {
-    (0..n)
-        .map(|s| {
-            let (input_ids, targets) = random_batch(cfg, 2, 8, 70 + s, 0.1);
-            Batch { batch: 2, seq: 8, input_ids, targets }
-        })
-        .collect()
 }
 
 /// Losses of `data`'s steps, run in two sessions split after `split` steps (each session a new
@@ -63,7 +54,7 @@ fn moments(store: &HostStore) -> Vec<f32> {
 
 #[test]
 fn a_resident_outer_unit_trains_bitwise_as_the_streamed_one() {
-    let data = batches(&cfg(), 4);
+    let data = small_batches(&cfg(), 4, 70);
     for mode in [OptimMode::Exact, OptimMode::Lean] {
         for ring_depth in [1, 3] {
             let opts = EngineOptions { mode, ring_depth, ..golden_opts() };
@@ -79,7 +70,7 @@ fn a_resident_outer_unit_trains_bitwise_as_the_streamed_one() {
 
 #[test]
 fn a_dropped_resident_engine_leaves_a_store_the_next_engine_continues_bitwise() {
-    let data = batches(&cfg(), 4);
+    let data = small_batches(&cfg(), 4, 70);
     for mode in [OptimMode::Exact, OptimMode::Lean] {
         let opts = EngineOptions { mode, ..golden_opts() };
         let (l0, s0) = train(&opts, [true, true], &data, 4);
@@ -101,7 +92,7 @@ fn a_resident_outer_unit_never_crosses_the_bus() {
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
     let opts = EngineOptions { resident_outer: true, ..golden_opts() };
     let mut e = engine(&cfg, store, opts, 0);
-    for b in batches(&cfg, 2) {
+    for b in small_batches(&cfg, 2, 70) {
         let r = e.step(&b, 1e-3).unwrap();
         let (n, l) = (layout.n_layers as u64, layout.layer.len as u64);
         assert_eq!(r.h2d_bytes, 2 * n * l * 4);
@@ -118,7 +109,7 @@ fn a_store_left_by_a_crashed_resident_engine_is_refused() {
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
     let opts = EngineOptions { resident_outer: true, ..golden_opts() };
     let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
-    for b in batches(&cfg, 3) {
+    for b in small_batches(&cfg, 3, 70) {
         e.step(&b, 1e-3).unwrap();
     }
     std::mem::forget(e);
