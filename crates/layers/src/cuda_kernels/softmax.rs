@@ -1,0 +1,174 @@
+//! The attention softmax pair (`kernels/softmax.cu`): the causal softmax forward (bf16
+//! probabilities and per-row statistics) and its backward (the f32 probabilities recomputed bit
+//! for bit), warp-per-row for rows of up to `WARP_ROW_MAX` keys, block-per-row beyond.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
+use half::bf16;
+
+use super::{compile, launch_cfg, msg, rows_and_t, Compiled};
+
+const SOURCE: &str = include_str!("../../../../kernels/softmax.cu");
+const MODULE: &str = "mt_softmax";
+fn ptx() -> candle_core::Result<&'static str> {
+    static PTX: Compiled = OnceLock::new();
+    compile(&PTX, SOURCE, "softmax.cu")
+}
+
+/// Longest row the warp-per-row softmax kernels keep in registers (`WARP_ROW_MAX` in
+/// `kernels/softmax.cu`); longer rows take the block-per-row kernels.
+const WARP_ROW_MAX: usize = 2048;
+/// Rows (warps) per block of the warp-per-row kernels: small blocks, as the backward holds 152
+/// registers a thread (ptxas, sm_90), so that several blocks share a multiprocessor.
+const WARP_ROWS_PER_BLOCK: usize = 4;
+
+/// One block per row, or one warp per row.
+fn softmax_cfg(rows: usize, warp: bool) -> LaunchConfig {
+    if !warp {
+        return launch_cfg(rows);
+    }
+    let blocks = rows.div_ceil(WARP_ROWS_PER_BLOCK) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (32 * WARP_ROWS_PER_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+struct CausalSoftmax {
+    scale: f32,
+}
+
+/// bf16 elements that hold the row statistics `(max, sum)` (two f32) of `rows` rows after the
+/// `rows · t` probabilities in [`CausalSoftmax`]'s one output buffer; the probabilities are
+/// padded to an even count so the f32 pairs are 4-byte aligned.
+fn stats_offset(rows: usize, t: usize) -> usize {
+    (rows * t).next_multiple_of(2)
+}
+
+impl CustomOp1 for CausalSoftmax {
+    cuda_only!("mt-causal-softmax", 1);
+
+    /// One buffer: `P` in bf16 (`rows · t`, padded to even), then `(max, sum)` per row as f32 bits
+    /// (4 bf16 slots a row).
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, t) = rows_and_t(l, "causal softmax")?;
+        let dev = s.device();
+        let src = s.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
+        // The warp kernel's 16-byte accesses need 16-byte aligned rows: an aligned view start.
+        let warp = t <= WARP_ROW_MAX && l.start_offset().is_multiple_of(8);
+        let kernel = if warp { "mt_causal_softmax_fwd_warp" } else { "mt_causal_softmax_fwd" };
+        let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
+        let off = stats_offset(rows, t);
+        let len = off + 4 * rows;
+        // SAFETY: every element but the (at most one) padding slot is written by the kernel
+        // below before anyone reads it; the padding slot is never read.
+        let out = unsafe { dev.alloc::<bf16>(len)? };
+        let (pb, stats) = (out.slice(..off), out.slice(off..));
+        let (t32, c, rows64) = (t as i32, self.scale, rows as i64);
+        let mut b = func.builder();
+        b.arg(&src);
+        b.arg(&pb);
+        b.arg(&stats);
+        b.arg(&t32);
+        b.arg(&c);
+        if warp {
+            b.arg(&rows64);
+        }
+        // SAFETY: argument types match the kernel's signature (bf16 bits in and out, the stats
+        // region as float*: it starts at an even bf16 index of a fresh allocation, so 4-byte
+        // aligned, and holds 2 f32 per row; the warp kernel also takes the row count as i64);
+        // one block per row, or one warp per row for rows of at most WARP_ROW_MAX elements
+        // (16-byte accesses only when t % 8 == 0 and the view starts at a multiple of 8
+        // elements of candle's 256-byte aligned allocation, so every row start is 16-byte aligned); src holds rows * t elements, pb rows * t, stats 2 * rows f32.
+        unsafe { b.launch(softmax_cfg(rows, warp)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(len)))
+    }
+}
+
+struct SoftmaxBackward {
+    scale: f32,
+}
+
+impl CustomOp3 for SoftmaxBackward {
+    cuda_only!("mt-softmax-backward", 3);
+
+    fn cuda_fwd(
+        &self,
+        dp: &CudaStorage,
+        ldp: &Layout,
+        s: &CudaStorage,
+        ls: &Layout,
+        stats: &CudaStorage,
+        lst: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (rows, t) = rows_and_t(ldp, "softmax backward dP")?;
+        if rows_and_t(ls, "softmax backward S")? != (rows, t) {
+            return Err(msg("softmax backward: dP and S differ in shape"));
+        }
+        if !lst.is_contiguous()
+            || lst.shape().elem_count() != 4 * rows
+            || !lst.start_offset().is_multiple_of(2)
+        {
+            return Err(msg("softmax backward: row statistics of another shape"));
+        }
+        let dev = dp.device();
+        let dps = dp.as_cuda_slice::<bf16>()?.slice(ldp.start_offset()..);
+        let ss = s.as_cuda_slice::<bf16>()?.slice(ls.start_offset()..);
+        let st = stats.as_cuda_slice::<bf16>()?.slice(lst.start_offset()..);
+        let warp =
+            t <= WARP_ROW_MAX && ldp.start_offset().is_multiple_of(8) && ls.start_offset().is_multiple_of(8);
+        let kernel = if warp { "mt_softmax_bwd_warp" } else { "mt_softmax_bwd" };
+        let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
+        // SAFETY: every element is written by the kernel below before anyone reads it.
+        let out = unsafe { dev.alloc::<bf16>(rows * t)? };
+        let (t32, c, rows64) = (t as i32, self.scale, rows as i64);
+        let mut b = func.builder();
+        b.arg(&dps);
+        b.arg(&ss);
+        b.arg(&st);
+        b.arg(&out);
+        b.arg(&t32);
+        b.arg(&c);
+        if warp {
+            b.arg(&rows64);
+        }
+        // SAFETY: argument types match the kernel's signature; the stats view starts at an even
+        // bf16 offset of its allocation (checked above; [`causal_softmax`] made it 4-byte
+        // aligned) and holds 2 f32 per row; one block (or, as in the forward, one warp) per row;
+        // dP, S and dS hold rows * t elements, contiguous from their views' starts.
+        unsafe { b.launch(softmax_cfg(rows, warp)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), ldp.shape().clone()))
+    }
+}
+
+/// `softmax(scale · s)` over the last axis with the causal mask of query position `row % t` (see
+/// `kernels/softmax.cu`); `s` bf16 on a CUDA device. Returns the probabilities in bf16 (`s`'s
+/// shape) and the row statistics for [`softmax_backward`] (opaque: f32 pairs in a bf16 tensor).
+pub(crate) fn causal_softmax(s: &Tensor, scale: f64) -> candle_core::Result<(Tensor, Tensor)> {
+    if s.dtype() != DType::BF16 {
+        return Err(msg(format!("causal softmax kernel takes bf16, not {:?}", s.dtype())));
+    }
+    let t = *s.dims().last().unwrap_or(&1);
+    let rows = s.elem_count() / t.max(1);
+    let out = s.contiguous()?.apply_op1_no_bwd(&CausalSoftmax { scale: scale as f32 })?;
+    let off = stats_offset(rows, t);
+    Ok((out.narrow(0, 0, rows * t)?.reshape(s.shape())?, out.narrow(0, off, 4 * rows)?))
+}
+
+/// `scale · P ⊙ (dP − rowsum(dP ⊙ P))` with `P` recomputed from the scores `s` and the
+/// statistics of [`causal_softmax`]; `dp`, `s` bf16, result bf16.
+pub(crate) fn softmax_backward(
+    dp: &Tensor,
+    s: &Tensor,
+    stats: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    if dp.dtype() != DType::BF16 || s.dtype() != DType::BF16 || stats.dtype() != DType::BF16 {
+        return Err(msg("softmax backward kernel takes bf16 dP and S and causal_softmax's statistics"));
+    }
+    dp.contiguous()?.apply_op3_no_bwd(&s.contiguous()?, stats, &SoftmaxBackward { scale: scale as f32 })
+}
