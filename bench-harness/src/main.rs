@@ -42,6 +42,10 @@ struct Cli {
     /// Paper: also train this model (a label or config path) as the "largest model" part.
     #[arg(long, value_name = "MODEL")]
     largest: Option<String>,
+    /// Paper: also run our engine with every decoder layer streamed (`--resident-layers 0`,
+    /// variant `streamed`) beside the planner's placement (variant `default`).
+    #[arg(long)]
+    ours_streamed: bool,
     /// Layer counts of the depth-scaling part (paper; width of the first model); 0: none.
     #[arg(long, value_delimiter = ',', default_value = "7,14,28")]
     depths: Vec<usize>,
@@ -108,6 +112,7 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         depths: cli.depths.iter().copied().filter(|&d| d > 0).collect(),
         megatrain_args: cli.megatrain_arg.clone(),
         largest: cli.largest.clone(),
+        ours_streamed: cli.ours_streamed,
         device: cli
             .device
             .clone()

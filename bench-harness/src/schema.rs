@@ -231,14 +231,23 @@ impl Results {
         std::fs::write(path, text + "\n").map_err(io_err(path))
     }
 
-    /// Fills `ratios` from the `ok` runs: ours over each peer on the same configuration.
+    /// Fills `ratios` from the `ok` runs: ours over each peer on the same configuration (each of
+    /// our variants against the peer's own variant of that name, else its `default`).
     pub fn compute_ratios(&mut self) {
         self.ratios.clear();
         let ok = |r: &&Run| r.status == Status::Ok && r.measured.tokens_per_s.is_some_and(|t| t > 0.0);
         for ours in self.runs.iter().filter(ok).filter(|r| r.system == "ours") {
             for peer in self.runs.iter().filter(ok).filter(|r| r.system != "ours") {
-                let same = (&peer.part, &peer.model, peer.batch_size, peer.seq_len, &peer.variant)
-                    == (&ours.part, &ours.model, ours.batch_size, ours.seq_len, &ours.variant);
+                let same = (&peer.part, &peer.model, peer.batch_size, peer.seq_len)
+                    == (&ours.part, &ours.model, ours.batch_size, ours.seq_len)
+                    && (peer.variant == ours.variant
+                        || (peer.variant == "default"
+                            && !self.runs.iter().any(|r| {
+                                r.system == peer.system
+                                    && r.variant == ours.variant
+                                    && (&r.part, &r.model, r.batch_size, r.seq_len)
+                                        == (&peer.part, &peer.model, peer.batch_size, peer.seq_len)
+                            })));
                 if let (true, Some(a), Some(b)) =
                     (same, ours.measured.tokens_per_s, peer.measured.tokens_per_s)
                 {
@@ -345,6 +354,55 @@ pub fn utc_iso(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_of_our_variants_is_compared_with_the_peers_default() {
+        let run = |system: &str, variant: &str, tps: f64| Run {
+            key: format!("throughput/{system}/m/b4x8/{variant}"),
+            part: "throughput".into(),
+            system: system.into(),
+            model: "m".into(),
+            model_config: None,
+            batch_size: 4,
+            seq_len: 8,
+            tokens_per_step: 32,
+            variant: variant.into(),
+            device: "cuda".into(),
+            status: Status::Ok,
+            reason: None,
+            command: vec![],
+            metrics_file: None,
+            log_file: None,
+            trace_file: None,
+            wall_s: None,
+            measured: Measured { tokens_per_s: Some(tps), ..Measured::default() },
+        };
+        let mut r = Results {
+            schema_version: SCHEMA_VERSION,
+            suite: "paper".into(),
+            machine: Machine { hostname: "h".into(), cpus: 2, ram_bytes: None, gpu: None },
+            commit: None,
+            date: String::new(),
+            config: serde_json::Value::Null,
+            flops_formula: String::new(),
+            runs: vec![
+                run("ours", "default", 300.0),
+                run("ours", "streamed", 200.0),
+                run("deepspeed", "default", 100.0),
+            ],
+            ratios: vec![],
+            figures: vec![],
+        };
+        r.compute_ratios();
+        let got: Vec<(String, f64)> =
+            r.ratios.iter().map(|x| (x.variant.clone(), x.tokens_per_s_ratio_ours_over_peer)).collect();
+        assert_eq!(got, vec![("default".into(), 3.0), ("streamed".into(), 2.0)]);
+        // A peer run of the same variant name is preferred to its default.
+        r.runs.push(run("deepspeed", "streamed", 50.0));
+        r.compute_ratios();
+        let got: Vec<f64> = r.ratios.iter().map(|x| x.tokens_per_s_ratio_ours_over_peer).collect();
+        assert_eq!(got, vec![3.0, 4.0]);
+    }
 
     #[test]
     fn utc_iso_known_dates() {

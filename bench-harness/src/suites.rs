@@ -86,6 +86,8 @@ pub struct Options {
     pub megatrain_args: Vec<String>,
     /// Paper: the model of the "largest model" part (ours only), if any.
     pub largest: Option<String>,
+    /// Paper: also run ours with every decoder layer streamed (variant `streamed`).
+    pub ours_streamed: bool,
 }
 
 /// The repository root: from the build's manifest directory where it still exists, else `.`.
@@ -130,6 +132,11 @@ fn model_label(label: &str) -> String {
         return label.to_owned();
     }
     Path::new(label).file_stem().map_or(label.to_owned(), |s| s.to_string_lossy().into_owned())
+}
+
+/// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers).
+fn streamed_layers() -> Vec<String> {
+    vec!["--resident-layers".into(), "0".into()]
 }
 
 /// A tiny Llama config (byte vocabulary) for the smoke suite's depth part.
@@ -264,9 +271,11 @@ pub fn plan(opts: &Options) -> Result<Plan> {
         for c in [1usize, 2, 4].into_iter().filter(|&c| c <= b) {
             variants.push((format!("chunks{c}"), vec!["--chunks".into(), c.to_string()]));
         }
+        // The ablations measure the streaming engine: every decoder layer streams in all of them.
         for (v, extra) in &variants {
             let s = spec("ablation", System::Ours, model, config.clone(), first_tokens, v);
-            cx.add(Spec { extra: extra.clone(), trace: v == "ring2", ..s });
+            let extra = extra.iter().cloned().chain(streamed_layers()).collect();
+            cx.add(Spec { extra, trace: v == "ring2", ..s });
         }
         let s = spec("ablation", System::Ours, model, config, first_tokens, "checkpoints_host");
         let reason = "the engine keeps layer-boundary checkpoints on the GPU only; checkpoints in host \
@@ -304,6 +313,17 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                         let s =
                             spec("throughput", sys, &model_label(m), Some(config.clone()), tokens, "default");
                         cx.add(Spec { trace: sys == System::Ours, ..s });
+                        if sys == System::Ours && opts.ours_streamed {
+                            let s = spec(
+                                "throughput",
+                                sys,
+                                &model_label(m),
+                                Some(config.clone()),
+                                tokens,
+                                "streamed",
+                            );
+                            cx.add(Spec { trace: true, extra: streamed_layers(), ..s });
+                        }
                     }
                 }
             }

@@ -37,6 +37,7 @@ fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
         run_timeout_s: 300,
         megatrain_args: vec![],
         largest: None,
+        ours_streamed: false,
     };
     let plan = plan(&opts).expect("smoke plan");
     let mut log = Vec::new();

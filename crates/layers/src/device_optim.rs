@@ -94,14 +94,39 @@ pub fn adamw_step(state: &Tensor, grad: &Tensor, h: &AdamW, a: &StepArgs) -> Res
 /// Sum of squares of an f32 gradient in f64, deterministic (fixed order) on each device: on the
 /// CPU mt-optim's [`mt_optim::sum_squares`], on CUDA a fixed-grid tree reduction.
 pub fn sum_squares(grad: &Tensor) -> Result<f64> {
+    sum_squares_deferred(grad)?.value()
+}
+
+/// A sum of squares that may still be on its way: on CUDA the per-block partials stay on the
+/// device until [`SumSquares::value`] reads them, so taking it does not stall the issuing thread
+/// (a resident layer's share of the global norm is read once, at the end of the step).
+#[derive(Debug)]
+pub enum SumSquares {
+    /// Already known.
+    Value(f64),
+    /// f64 partials on the device, summed in order when read.
+    Partials(Tensor),
+}
+
+impl SumSquares {
+    /// The sum (reads the partials back: synchronises with the stream that computes them).
+    pub fn value(self) -> Result<f64> {
+        match self {
+            SumSquares::Value(v) => Ok(v),
+            SumSquares::Partials(t) => Ok(t.to_vec1::<f64>()?.iter().fold(0.0, |acc, s| acc + s)),
+        }
+    }
+}
+
+/// [`sum_squares`] without waiting for it on CUDA.
+pub fn sum_squares_deferred(grad: &Tensor) -> Result<SumSquares> {
     if grad.dtype() != DType::F32 || !grad.is_contiguous() {
         return Err(Error::dtype("gradient for its sum of squares", "contiguous f32", grad.dtype()));
     }
     #[cfg(feature = "cuda")]
     if grad.device().is_cuda() {
-        let partials = crate::cuda_kernels::sum_squares_partials(grad)?.to_vec1::<f64>()?;
-        return Ok(partials.iter().fold(0.0, |acc, s| acc + s));
+        return Ok(SumSquares::Partials(crate::cuda_kernels::sum_squares_partials(grad)?));
     }
     let g = grad.flatten_all()?.to_vec1::<f32>()?;
-    Ok(mt_optim::sum_squares(Grad::F32(&g)))
+    Ok(SumSquares::Value(mt_optim::sum_squares(Grad::F32(&g))))
 }

@@ -68,6 +68,9 @@ pub struct EstimateArgs {
     /// As `megatrain train --resident-outer`.
     #[arg(long, value_enum, default_value_t = ResidentOuter::Auto)]
     pub resident_outer: ResidentOuter,
+    /// As `megatrain train --resident-layers`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = resident_layers)]
+    pub resident_layers: ResidentLayers,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -282,6 +285,13 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = ResidentOuter::Auto)]
     pub resident_outer: ResidentOuter,
 
+    /// How many leading decoder layers stay on the GPU with their weights, fp32 gradients,
+    /// master weights and AdamW moments (updated there; they never cross PCIe nor cost the
+    /// host optimizer anything): a number, or `auto` = as many as fit beside the step's
+    /// chunking (always 0 on the CPU or with a file-backed --store).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = resident_layers)]
+    pub resident_layers: ResidentLayers,
+
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.
     #[arg(long, value_enum, default_value_t = OptimModeArg::Exact)]
@@ -471,6 +481,35 @@ impl ResidentOuter {
             (ResidentOuter::Auto, DeviceKind::Cuda) => None,
         }
     }
+}
+
+/// How many leading decoder layers stay on the GPU (`--resident-layers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResidentLayers {
+    /// The planner decides (as many as fit on a GPU, none on the CPU).
+    Auto,
+    /// Exactly this many.
+    Count(usize),
+}
+
+impl ResidentLayers {
+    /// The planner's input: `None` lets it decide. `auto` keeps every layer of a file-backed
+    /// store streamed, as [`ResidentOuter::choice`].
+    pub fn choice(self, device: DeviceKind, file_backed_store: bool) -> Option<usize> {
+        match (self, device) {
+            (ResidentLayers::Count(k), _) => Some(k),
+            (ResidentLayers::Auto, DeviceKind::Cpu) => Some(0),
+            (ResidentLayers::Auto, DeviceKind::Cuda) if file_backed_store => Some(0),
+            (ResidentLayers::Auto, DeviceKind::Cuda) => None,
+        }
+    }
+}
+
+fn resident_layers(s: &str) -> std::result::Result<ResidentLayers, String> {
+    if s == "auto" {
+        return Ok(ResidentLayers::Auto);
+    }
+    s.parse().map(ResidentLayers::Count).map_err(|_| format!("{s:?}: expected `auto` or a layer count"))
 }
 
 /// Compute device.

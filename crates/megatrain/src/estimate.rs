@@ -90,6 +90,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         n_chunks: args.chunks,
         rows_per_block: 4096,
         resident_outer: args.resident_outer.choice(args.device, false),
+        resident_layers: args.resident_layers.choice(args.device, false),
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };

@@ -166,6 +166,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         n_chunks: args.chunks,
         rows_per_block: args.rows_per_block,
         resident_outer: args.resident_outer.choice(args.device, args.store.is_some()),
+        resident_layers: args.resident_layers.choice(args.device, args.store.is_some()),
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");
@@ -236,6 +237,7 @@ fn run<B: Backend>(
     }
     let mut eopts = engine_options(args);
     eopts.resident_outer = plan.resident_outer;
+    eopts.resident_layers = plan.resident_layers;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let mut engine = Engine::new(cfg, Arc::clone(&store), backend, eopts)?;

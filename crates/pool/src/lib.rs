@@ -3,6 +3,8 @@
 //! - an N-deep ring of weight slots, each a flat 1-D tensor holding one decoder layer laid out by
 //!   the layer [`mt_core::UnitLayout`] (templates bind views into it, no copy);
 //! - the outer slot (embedding, final norm, LM head), resident for a whole step;
+//! - for each resident decoder layer (the first `resident_layers`, when the planner keeps them
+//!   on the GPU): its own weight slot, fp32 gradient buffer and `[master | m | v]` state;
 //! - a ring of layer gradient buffers (fp32 accumulation; two let one download while the next
 //!   layer's backward accumulates) and the outer gradient buffer;
 //! - the checkpoint store: the input of every layer for every token chunk (plus the head's
@@ -62,6 +64,20 @@ pub struct PoolSpec {
     /// Keep the outer unit's fp32 master weights and AdamW moments on the device
     /// (`outer_state`), updated there, instead of streaming them through the host optimizer.
     pub resident_outer: bool,
+    /// Decoder layers `0..resident_layers` get their own slot, gradient buffer and optimizer
+    /// state ([`ResidentLayer`]) instead of passing through the ring.
+    pub resident_layers: usize,
+}
+
+/// The device buffers of one resident decoder layer.
+#[derive(Debug)]
+pub struct ResidentLayer {
+    /// Its weights (weight dtype, laid out like a ring slot).
+    pub slot: Tensor,
+    /// Its fp32 gradient accumulator.
+    pub grad: Tensor,
+    /// Its fp32 `[master | m | v]` (`3 × layer_len`).
+    pub state: Tensor,
 }
 
 /// Bytes held by each kind of buffer.
@@ -79,12 +95,20 @@ pub struct PoolBytes {
     pub act_grads: usize,
     /// The resident outer unit's optimizer state (0 unless it is resident).
     pub outer_state: usize,
+    /// Resident decoder layers: weights, gradients and optimizer state.
+    pub resident_layers: usize,
 }
 
 impl PoolBytes {
     /// Sum of all buffers.
     pub fn total(&self) -> usize {
-        self.weight_ring + self.outer + self.grads + self.checkpoints + self.act_grads + self.outer_state
+        self.weight_ring
+            + self.outer
+            + self.grads
+            + self.checkpoints
+            + self.act_grads
+            + self.outer_state
+            + self.resident_layers
     }
 }
 
@@ -102,6 +126,8 @@ pub struct DevicePool {
     /// The resident outer unit's `[master | m | v]` (f32, `3 × outer_len`), when
     /// [`PoolSpec::resident_outer`].
     pub outer_state: Option<Tensor>,
+    /// Resident decoder layers `0..spec.resident_layers`.
+    pub resident: Vec<ResidentLayer>,
     checkpoints: Vec<Vec<Option<Tensor>>>,
     act_grads: Vec<Option<Tensor>>,
     spec: PoolSpec,
@@ -114,6 +140,12 @@ fn tensor_bytes(t: &Tensor) -> usize {
 impl DevicePool {
     /// Allocates every fixed buffer on `device`.
     pub fn new(spec: &PoolSpec, device: &Device) -> Result<Self> {
+        if spec.resident_layers > spec.n_layers {
+            return Err(Error::Config(format!(
+                "{} resident layers of a {}-layer model",
+                spec.resident_layers, spec.n_layers
+            )));
+        }
         if spec.ring_depth == 0 || spec.n_grad_bufs == 0 || spec.n_chunks == 0 {
             return Err(Error::Config(format!(
                 "ring_depth ({}), n_grad_bufs ({}) and n_chunks ({}) must all be at least 1",
@@ -136,6 +168,15 @@ impl DevicePool {
             } else {
                 None
             },
+            resident: (0..spec.resident_layers)
+                .map(|_| -> candle_core::Result<_> {
+                    Ok(ResidentLayer {
+                        slot: Tensor::zeros(spec.layer_len, spec.weight_dtype, device)?,
+                        grad: Tensor::zeros(spec.layer_len, spec.grad_dtype, device)?,
+                        state: Tensor::zeros(3 * spec.layer_len, DType::F32, device)?,
+                    })
+                })
+                .collect::<candle_core::Result<_>>()?,
             checkpoints: vec![vec![None; spec.n_chunks]; spec.n_layers + 1],
             act_grads: vec![None; spec.n_chunks],
             spec: spec.clone(),
@@ -188,6 +229,11 @@ impl DevicePool {
             checkpoints: self.checkpoints.iter().map(|c| held(c)).sum(),
             act_grads: held(&self.act_grads),
             outer_state: self.outer_state.as_ref().map_or(0, tensor_bytes),
+            resident_layers: self
+                .resident
+                .iter()
+                .map(|r| tensor_bytes(&r.slot) + tensor_bytes(&r.grad) + tensor_bytes(&r.state))
+                .sum(),
         }
     }
 }
@@ -207,6 +253,7 @@ mod tests {
             n_layers: 3,
             n_chunks: 2,
             resident_outer: false,
+            resident_layers: 0,
         }
     }
 
@@ -235,6 +282,16 @@ mod tests {
         assert_eq!(view.sum_all().unwrap().to_scalar::<f32>().unwrap(), 5.0);
         DevicePool::zero(buf).unwrap();
         assert_eq!(view.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn resident_layers_get_their_own_buffers() {
+        let p = DevicePool::new(&PoolSpec { resident_layers: 2, ..spec() }, &Device::Cpu).unwrap();
+        assert_eq!(p.resident.len(), 2);
+        assert_eq!(p.resident[1].state.dims(), [3 * 128]);
+        assert_eq!(p.bytes().resident_layers, 2 * (128 * 4 + 128 * 4 + 3 * 128 * 4));
+        let err = DevicePool::new(&PoolSpec { resident_layers: 4, ..spec() }, &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("4 resident layers of a 3-layer model"), "{err}");
     }
 
     #[test]

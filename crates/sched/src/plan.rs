@@ -7,6 +7,8 @@
 //! - weight ring: `ring_depth × layer.len × e`; outer slot: `outer.len × e`;
 //! - gradients (fp32): `2 × layer.len × 4 + outer.len × 4`;
 //! - a resident outer unit's optimizer state: `12 × outer.len` (fp32 master, m, v);
+//! - each resident decoder layer: `(e + 4 + 12) × layer.len` (its weights, fp32 gradient,
+//!   master, m and v);
 //! - checkpoints: `(n_layers + 1) × batch × seq × hidden × e`; activation gradients:
 //!   `batch × seq × hidden × e` (both grow with the batch, not with the chunking);
 //! - workspace: the larger of one layer's backward-with-recompute and the loss over one chunk
@@ -77,6 +79,9 @@ pub struct PlanInput {
     /// Keep the outer unit's optimizer state on the GPU (`Some(true)`), stream it
     /// (`Some(false)`), or decide (`None`): resident when that costs no extra chunk.
     pub resident_outer: Option<bool>,
+    /// Keep decoder layers `0..k` resident on the GPU with their optimizer state (`Some(k)`),
+    /// or decide (`None`): as many as fit in what the chosen chunking leaves.
+    pub resident_layers: Option<usize>,
 }
 
 /// Where the layer-boundary checkpoints live.
@@ -105,6 +110,9 @@ pub struct GpuBytes {
     pub workspace: u64,
     /// A resident outer unit's fp32 master weights and AdamW moments (`12 × outer.len`).
     pub outer_state: u64,
+    /// Resident decoder layers: weights, fp32 gradients, master weights and moments
+    /// (`(e + 16) × layer.len` each).
+    pub resident_layers: u64,
     /// Sum of the above.
     pub total: u64,
     /// What the plan may use: [`GPU_USABLE_FRACTION`] of the GPU's memory.
@@ -137,8 +145,10 @@ pub struct Plan {
     pub ring_depth: usize,
     /// Where checkpoints live.
     pub checkpoints: Placement,
-    /// Layers kept resident on the GPU instead of streamed: always 0, the engine does not
-    /// implement residency of decoder layers yet.
+    /// Decoder layers of the model.
+    pub n_layers: usize,
+    /// Decoder layers `0..resident_layers` stay on the GPU with their optimizer state (AdamW
+    /// there); the others stream.
     pub resident_layers: usize,
     /// The outer unit's optimizer state lives on the GPU (updated there; it never crosses the
     /// bus).
@@ -147,10 +157,10 @@ pub struct Plan {
     pub gpu: GpuBytes,
     /// Host bytes.
     pub host: HostBytes,
-    /// Bytes uploaded per step: `(outer.len + 2 × n_layers × layer.len) × e`, without the
-    /// `outer.len` term when the outer unit is resident.
+    /// Bytes uploaded per step: `(outer.len + 2 × streamed layers × layer.len) × e`, without
+    /// the `outer.len` term when the outer unit is resident.
     pub pcie_h2d_per_step: u64,
-    /// Bytes downloaded per step: `(n_layers × layer.len + outer.len) × 4`, likewise.
+    /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise.
     pub pcie_d2h_per_step: u64,
     /// Model parameters (padding excluded).
     pub n_params: u64,
@@ -263,13 +273,18 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let budget = (input.gpu_bytes as f64 * GPU_USABLE_FRACTION) as u64;
     let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + ol * 4);
     let outer_state = if resident_outer { 12 * ol } else { 0 };
-    let fixed = weight_ring + outer + grads + outer_state;
+    let per_resident_layer = ll * (e + 4 + 12);
+    if let Some(k) = input.resident_layers.filter(|&k| k > layout.n_layers) {
+        return opt(format!("{k} resident layers asked of a {}-layer model", layout.n_layers));
+    }
+    let asked_resident = input.resident_layers.unwrap_or(0) as u64 * per_resident_layer;
+    let fixed = weight_ring + outer + grads + outer_state + asked_resident;
     let budget_line =
         format!("{:.2} GiB usable ({GPU_USABLE_FRACTION} of {:.2} GiB)", gib(budget), gib(input.gpu_bytes));
     if fixed > budget {
         return opt(format!(
-            "weights and gradient buffers need {:.2} GiB (ring {:.2}, outer {:.2}, gradients {:.2}, resident outer state {:.2}), more than the GPU's {budget_line}",
-            gib(fixed), gib(weight_ring), gib(outer), gib(grads), gib(outer_state)
+            "weights and gradient buffers need {:.2} GiB (ring {:.2}, outer {:.2}, gradients {:.2}, resident outer state {:.2}, resident layers {:.2}), more than the GPU's {budget_line}",
+            gib(fixed), gib(weight_ring), gib(outer), gib(grads), gib(outer_state), gib(asked_resident)
         ));
     }
     let checkpoints = (nl + 1) * tokens * hid * e;
@@ -306,9 +321,27 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
             if input.n_chunks.is_some() && n < batch { "; use more chunks" } else { "; use shorter sequences" }
         ));
     };
-    let total = fixed + checkpoints + act_grads + workspace;
-    let gpu =
-        GpuBytes { weight_ring, outer, grads, checkpoints, act_grads, workspace, outer_state, total, budget };
+    let mut total = fixed + checkpoints + act_grads + workspace;
+    // Auto: as many leading layers as fit in what is left (their state costs no chunk).
+    let resident_layers = match input.resident_layers {
+        Some(k) => k,
+        None => (((budget - total) / per_resident_layer) as usize).min(layout.n_layers),
+    };
+    let resident_bytes = resident_layers as u64 * per_resident_layer;
+    total += resident_bytes - asked_resident;
+    let streamed_layers = nl - resident_layers as u64;
+    let gpu = GpuBytes {
+        weight_ring,
+        outer,
+        grads,
+        checkpoints,
+        act_grads,
+        workspace,
+        outer_state,
+        resident_layers: resident_bytes,
+        total,
+        budget,
+    };
 
     Ok(Plan {
         batch,
@@ -317,12 +350,13 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         seqs_per_chunk,
         ring_depth,
         checkpoints: Placement::Gpu,
-        resident_layers: 0,
+        n_layers: layout.n_layers,
+        resident_layers,
         resident_outer,
         gpu,
         host,
-        pcie_h2d_per_step: (ol_moved + 2 * nl * ll) * e,
-        pcie_d2h_per_step: (nl * ll + ol_moved) * 4,
+        pcie_h2d_per_step: (ol_moved + 2 * streamed_layers * ll) * e,
+        pcie_d2h_per_step: (streamed_layers * ll + ol_moved) * 4,
         n_params: layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(cfg, batch, seq),
     })
@@ -333,12 +367,12 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} resident layers; outer unit {}",
-            self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers,
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}",
+            self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers, self.n_layers,
             if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }
         )?;
-        writeln!(f, "GPU (GiB)   ring {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | checkpoints {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
-            gib(g.weight_ring), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.checkpoints), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
+        writeln!(f, "GPU (GiB)   ring {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | checkpoints {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
+            gib(g.weight_ring), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.checkpoints), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
         writeln!(
             f,
             "host (GiB)  store {:.2} | pinned {:.2} | total {:.2}",

@@ -39,6 +39,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         n_chunks: None,
         rows_per_block: 1024,
         resident_outer: Some(false),
+        resident_layers: Some(0),
     }
 }
 
@@ -61,6 +62,16 @@ fn store_bytes_equal_what_the_host_store_maps() {
 
 /// The step program of a 2-deep ring for these layers and placement.
 fn program(n_layers: usize, mode: OptimMode, pending_update: bool, resident_outer: bool) -> Program {
+    program_placed(n_layers, mode, pending_update, resident_outer, 0)
+}
+
+fn program_placed(
+    n_layers: usize,
+    mode: OptimMode,
+    pending_update: bool,
+    resident_outer: bool,
+    resident_layers: usize,
+) -> Program {
     Program::build(ProgramSpec {
         n_layers,
         ring_depth: 2,
@@ -70,6 +81,7 @@ fn program(n_layers: usize, mode: OptimMode, pending_update: bool, resident_oute
         mode,
         pending_update,
         resident_outer,
+        resident_layers,
     })
 }
 
@@ -203,4 +215,54 @@ fn auto_takes_the_resident_outer_unit_when_only_it_fits_the_host() {
     let tight = PlanInput { host_bytes: resident.host.total, resident_outer: None, ..base };
     assert!(plan(&PlanInput { resident_outer: Some(false), ..tight.clone() }).is_err());
     assert!(plan(&tight).unwrap().resident_outer);
+}
+
+#[test]
+fn resident_layers_move_no_bytes_and_cost_their_state_on_the_gpu() {
+    let cfg = ModelConfig::tiny_llama();
+    let layout = ModelLayout::new(&cfg);
+    let len = |u: Unit| layout.unit(u).len as u64;
+    let n = layout.n_layers;
+    let base = input(cfg.clone(), 2, 16, GIB);
+    for k in 0..=n {
+        for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
+            let prog = program_placed(n, mode, pending, true, k);
+            let placed =
+                PlanInput { resident_outer: Some(true), resident_layers: Some(k), mode, ..base.clone() };
+            let p = plan(&placed).unwrap();
+            assert_eq!(p.resident_layers, k);
+            assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * 2, "{k} resident");
+            assert_eq!(p.pcie_d2h_per_step, prog.downloads().map(len).sum::<u64>() * 4, "{k} resident");
+            // bf16 weights + f32 gradient + f32 master, m, v.
+            assert_eq!(p.gpu.resident_layers, k as u64 * 18 * len(Unit::Layer(0)));
+            assert!(p.gpu.total <= p.gpu.budget);
+        }
+    }
+    let e = err(&PlanInput { resident_layers: Some(n + 1), ..base });
+    assert!(e.contains(&format!("{} resident layers asked of a {n}-layer model", n + 1)), "{e}");
+}
+
+#[test]
+fn auto_keeps_as_many_leading_layers_resident_as_the_gpu_holds_after_its_chunking() {
+    let per_layer = 100_669_440 * 18;
+    // 3.6B at 4 x 2048 on an H200: every layer (50.7 GB) and the outer state fit: nothing moves.
+    let auto = PlanInput { resident_outer: None, resident_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
+    let p = plan(&auto).unwrap();
+    assert!(p.resident_outer && p.resident_layers == 28, "{p}");
+    assert_eq!((p.pcie_h2d_per_step, p.pcie_d2h_per_step), (0, 0));
+    // An 80 GiB GPU at 16 x 2048: some layers, as many as fit, without costing a chunk.
+    let small = PlanInput { gpu_bytes: 80 * GIB, batch: 16, ..auto.clone() };
+    let p = plan(&small).unwrap();
+    assert!(p.resident_layers > 0 && p.resident_layers < 28, "{p}");
+    assert!(p.gpu.total <= p.gpu.budget && p.gpu.total + per_layer > p.gpu.budget, "{p}");
+    let none = plan(&PlanInput { resident_layers: Some(0), ..small.clone() }).unwrap();
+    assert_eq!(p.n_chunks, none.n_chunks);
+    assert_eq!(none.pcie_h2d_per_step - p.pcie_h2d_per_step, 2 * 2 * p.resident_layers as u64 * 100_669_440);
+    // Asking for every layer there costs chunks (auto would have taken them otherwise); on a
+    // 40 GiB GPU it is refused before anything is allocated, naming them.
+    if let Ok(q) = plan(&PlanInput { resident_layers: Some(28), ..small.clone() }) {
+        assert!(q.n_chunks > p.n_chunks, "{q}");
+    }
+    let e = err(&PlanInput { resident_layers: Some(28), gpu_bytes: 40 * GIB, ..small });
+    assert!(e.contains("resident layers 47.2"), "{e}");
 }

@@ -9,6 +9,12 @@
 //! head) is uploaded once and stays resident; layer `i` is uploaded for forward (all chunks),
 //! the loss runs chunk by chunk, then layers `L-1..0` are uploaded again, recomputed and
 //! back-propagated over all chunks, and each layer's gradient is downloaded once.
+//!
+//! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
+//! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
+//! their gradient accumulates in their own buffer, and [`Op::UpdateResident`] applies their
+//! AdamW step on the compute stream (exact mode: just before their first use in the step; lean
+//! mode: right after their backward).
 
 use mt_core::Unit;
 
@@ -32,6 +38,8 @@ pub enum Slot {
     Ring(usize),
     /// The outer unit's dedicated slot.
     Outer,
+    /// The own slot of resident decoder layer `l` (never uploaded into during a step).
+    Resident(usize),
 }
 
 /// A host-side buffer of a ring (staging for uploads, landing for downloads), or the outer
@@ -84,27 +92,31 @@ pub enum Op {
         /// Layer.
         layer: usize,
         /// Slot holding its weights.
-        slot: usize,
+        slot: Slot,
     },
     /// Compute: final norm, LM head, cross-entropy and their backward, chunk by chunk.
     Loss,
     /// Compute: zero a gradient buffer, recompute the layer from its checkpoints and
-    /// back-propagate every chunk, accumulating the weight gradient.
+    /// back-propagate every chunk, accumulating the weight gradient. A resident layer's
+    /// gradient (its own buffer) then also gives its share of the global norm.
     Backward {
         /// Layer.
         layer: usize,
         /// Slot holding its weights.
-        slot: usize,
-        /// Gradient buffer of the ring to accumulate into.
-        grad_buf: usize,
+        slot: Slot,
+        /// Gradient buffer of the ring to accumulate into (`None` = the resident layer's own).
+        grad_buf: Option<usize>,
     },
     /// Compute: embedding backward (accumulates into the outer gradient); with a resident outer
     /// unit, also the outer gradient's sum of squares (for the global norm).
     EmbedBackward,
-    /// Compute (resident outer unit only): AdamW on the device-resident outer state from the
-    /// outer gradient, then its weights cast into the outer slot. Exact mode: the pending update,
-    /// first thing in the step; lean mode: right after [`Op::EmbedBackward`].
-    UpdateOuter,
+    /// Compute (resident units only): AdamW on the unit's device-resident state from its
+    /// device gradient, then its weights cast into its slot. Exact mode: the pending update,
+    /// before the unit's first use in the step; lean mode: right after its backward.
+    UpdateResident {
+        /// Unit.
+        unit: Unit,
+    },
     /// D2H: a unit's accumulated gradient into a landing buffer.
     Download {
         /// Unit.
@@ -155,8 +167,11 @@ pub struct ProgramSpec {
     /// Whether a deferred (exact-mode) update is pending from the previous step.
     pub pending_update: bool,
     /// The outer unit's optimizer state lives on the device: it is never staged, uploaded,
-    /// downloaded or landed; [`Op::UpdateOuter`] updates it on the compute stream.
+    /// downloaded or landed; [`Op::UpdateResident`] updates it on the compute stream.
     pub resident_outer: bool,
+    /// Decoder layers `0..resident_layers` live on the device likewise (weights, gradient,
+    /// optimizer state); the ring streams the others.
+    pub resident_layers: usize,
 }
 
 /// The instructions of one step.
@@ -236,51 +251,74 @@ impl Program {
     /// Builds the program of one step.
     ///
     /// Issue order matters as much as the waits: the executor issues instructions in this order
-    /// and the CPU backend runs compute inline. Slot uses are numbered `k = 0..2L` (forward
-    /// layers, then backward layers); the fetch for use `k + N` is issued right after compute
-    /// `k` (the last reader of its slot), so with `N >= 2` it overlaps compute `k + 1..`, and with
-    /// `N = 1` there is no overlap (the ablation). The fetch is issued before the gradient
-    /// download and landing of use `k`, so a prefetch never queues behind an offload on the
-    /// host stream.
+    /// and the CPU backend runs compute inline. The streamed layers' slot uses are numbered
+    /// `j = 0..` (forward layers, then backward layers; resident layers take no slot); the
+    /// fetch for use `j + N` is issued right after compute `j` (the last reader of its slot), so
+    /// with `N >= 2` it overlaps compute `j + 1..`, and with `N = 1` there is no overlap (the
+    /// ablation). The fetch is issued before the gradient download and landing of use `j`, so a
+    /// prefetch never queues behind an offload on the host stream.
     pub fn build(spec: ProgramSpec) -> Program {
         assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
         let n = spec.n_layers;
+        let resident = |layer: usize| layer < spec.resident_layers;
         let mut b = Builder { instrs: Vec::new(), last: LastUse::default(), update_of: Default::default() };
-        // Use k: (layer, is_backward).
+        // Use k: (layer, is_backward). Only streamed layers' uses take ring slots: streamed use
+        // `j` (the j-th of them) goes through slot `j % ring_depth` and staging `j % n_staging`.
         let uses: Vec<(usize, bool)> =
             (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
+        let streamed: Vec<usize> = (0..uses.len()).filter(|&k| !resident(uses[k].0)).collect();
         let mut uploads = vec![usize::MAX; uses.len()];
-        let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, k: usize| {
+        let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, j: usize| {
+            let k = streamed[j];
             let (layer, backward) = uses[k];
-            let staging = HostBuf::Ring(k % spec.n_staging);
-            let slot = Slot::Ring(k % spec.ring_depth);
+            let staging = HostBuf::Ring(j % spec.n_staging);
+            let slot = Slot::Ring(j % spec.ring_depth);
             uploads[k] = b.fetch(Unit::Layer(layer), staging, slot, exact_update && !backward);
         };
 
         // Forward order = update order: the outer unit first, then layers 0..L-1.
         let up_outer =
             (!spec.resident_outer).then(|| b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update));
-        for k in 0..spec.ring_depth.min(uses.len()) {
-            fetch(&mut b, &mut uploads, k);
+        for j in 0..spec.ring_depth.min(streamed.len()) {
+            fetch(&mut b, &mut uploads, j);
         }
         if spec.resident_outer && exact_update {
-            b.push(Stream::Compute, Op::UpdateOuter, vec![]);
+            b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
         }
         b.push(Stream::Compute, Op::Embed, up_outer.into_iter().collect());
         let mut n_grads = 0usize;
+        let mut j = 0usize; // streamed uses so far
         for (k, &(layer, backward)) in uses.iter().enumerate() {
             if k == n {
                 b.push(Stream::Compute, Op::Loss, vec![]);
             }
-            let slot = k % spec.ring_depth;
+            let unit = Unit::Layer(layer);
+            if resident(layer) {
+                if !backward {
+                    if exact_update {
+                        b.push(Stream::Compute, Op::UpdateResident { unit }, vec![]);
+                    }
+                    b.push(Stream::Compute, Op::Forward { layer, slot: Slot::Resident(layer) }, vec![]);
+                } else {
+                    let op = Op::Backward { layer, slot: Slot::Resident(layer), grad_buf: None };
+                    b.push(Stream::Compute, op, vec![]);
+                    if lean {
+                        b.push(Stream::Compute, Op::UpdateResident { unit }, vec![]);
+                    }
+                }
+                continue;
+            }
+            let slot = j % spec.ring_depth;
             let id = b.next();
             b.last.take(K_SLOT, slot, id);
+            let prefetch = j + spec.ring_depth;
+            j += 1;
             if !backward {
-                b.push(Stream::Compute, Op::Forward { layer, slot }, vec![uploads[k]]);
-                if k + spec.ring_depth < uses.len() {
-                    fetch(&mut b, &mut uploads, k + spec.ring_depth);
+                b.push(Stream::Compute, Op::Forward { layer, slot: Slot::Ring(slot) }, vec![uploads[k]]);
+                if prefetch < streamed.len() {
+                    fetch(&mut b, &mut uploads, prefetch);
                 }
                 continue;
             }
@@ -290,11 +328,11 @@ impl Program {
             // Wait for the previous download out of this gradient buffer before zeroing it.
             let mut waits = vec![uploads[k]];
             waits.extend(b.last.0.get(&(K_GRAD, grad_buf)).copied());
-            let bwd = b.push(Stream::Compute, Op::Backward { layer, slot, grad_buf }, waits);
-            if k + spec.ring_depth < uses.len() {
-                fetch(&mut b, &mut uploads, k + spec.ring_depth);
+            let op = Op::Backward { layer, slot: Slot::Ring(slot), grad_buf: Some(grad_buf) };
+            let bwd = b.push(Stream::Compute, op, waits);
+            if prefetch < streamed.len() {
+                fetch(&mut b, &mut uploads, prefetch);
             }
-            let unit = Unit::Layer(layer);
             let mut waits = vec![bwd];
             waits.extend(b.last.0.get(&(K_LANDING, buf_idx(landing))).copied()); // previous land
             let dl = b.push(Stream::D2H, Op::Download { unit, grad_buf: Some(grad_buf), landing }, waits);
@@ -310,7 +348,7 @@ impl Program {
         let eb = b.push(Stream::Compute, Op::EmbedBackward, vec![]);
         if spec.resident_outer {
             if lean {
-                b.push(Stream::Compute, Op::UpdateOuter, vec![]);
+                b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
             }
             return Program { instrs: b.instrs, spec };
         }

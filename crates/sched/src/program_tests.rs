@@ -18,6 +18,17 @@ fn spec_placed(
     pending: bool,
     resident: bool,
 ) -> ProgramSpec {
+    spec_resident(n_layers, ring_depth, mode, pending, resident, 0)
+}
+
+fn spec_resident(
+    n_layers: usize,
+    ring_depth: usize,
+    mode: OptimMode,
+    pending: bool,
+    resident: bool,
+    resident_layers: usize,
+) -> ProgramSpec {
     ProgramSpec {
         n_layers,
         ring_depth,
@@ -27,17 +38,23 @@ fn spec_placed(
         mode,
         pending_update: pending,
         resident_outer: resident,
+        resident_layers,
     }
 }
 
 fn all_specs() -> Vec<ProgramSpec> {
     let mut v = Vec::new();
-    for l in [1, 2, 5] {
+    for l in [1usize, 2, 5] {
         for n in [1, 2, 3, 4] {
             for mode in [OptimMode::Exact, OptimMode::Lean] {
                 for pending in [false, true] {
                     for resident in [false, true] {
-                        v.push(spec_placed(l, n, mode, pending, resident));
+                        // No resident layer, one, all but one, all of them.
+                        let mut ks = vec![0, 1, l.saturating_sub(1), l];
+                        ks.dedup();
+                        for k in ks {
+                            v.push(spec_resident(l, n, mode, pending, resident, k));
+                        }
                     }
                 }
             }
@@ -67,9 +84,7 @@ fn ancestors(p: &Program) -> Vec<HashSet<usize>> {
 
 fn slot_of(op: &Op) -> Option<(Slot, Unit)> {
     match *op {
-        Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } => {
-            Some((Slot::Ring(slot), Unit::Layer(layer)))
-        }
+        Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } => Some((slot, Unit::Layer(layer))),
         Op::Embed | Op::Loss | Op::EmbedBackward => Some((Slot::Outer, Unit::Outer)),
         _ => None,
     }
@@ -91,9 +106,18 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
                 .find(|(_, x)| matches!(x.op, Op::Upload { slot: s2, .. } if s2 == slot))
                 .map(|(j, x)| (j, x.op.clone()));
             if s.resident_outer && slot == Slot::Outer {
-                // The slot is written by UpdateOuter (or at engine start), never uploaded.
+                // The slot is written by UpdateResident (or at engine start), never uploaded.
                 assert!(up.is_none(), "{s:?}: a resident outer slot is uploaded into");
                 continue;
+            }
+            if let Slot::Resident(l) = slot {
+                // Only resident layers use their own slot, and nothing is uploaded into it.
+                assert!(l < s.resident_layers && unit == Unit::Layer(l), "{s:?}: {:?}", ins.op);
+                assert!(up.is_none(), "{s:?}: a resident layer's slot is uploaded into");
+                continue;
+            }
+            if let Unit::Layer(l) = unit {
+                assert!(l >= s.resident_layers, "{s:?}: resident layer {l} read from the ring");
             }
             let (j, op) =
                 up.unwrap_or_else(|| panic!("{s:?}: instr {i} {:?} has no upload before it", ins.op));
@@ -117,10 +141,12 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
     for s in all_specs() {
         let p = Program::build(s);
         let slots: HashSet<Slot> = p.instrs.iter().filter_map(|i| slot_of(&i.op).map(|x| x.0)).collect();
-        assert!(slots
-            .iter()
-            .all(|s2| matches!(s2, Slot::Outer) || matches!(s2, Slot::Ring(k) if *k < s.ring_depth)));
-        assert!(slots.len() <= s.ring_depth + 1);
+        assert!(slots.iter().all(|s2| match s2 {
+            Slot::Outer => true,
+            Slot::Ring(k) => *k < s.ring_depth,
+            Slot::Resident(l) => *l < s.resident_layers,
+        }));
+        assert!(slots.len() <= s.ring_depth + 1 + s.resident_layers);
         let mut ups: HashMap<Unit, usize> = HashMap::new();
         p.uploads().for_each(|u| *ups.entry(u).or_default() += 1);
         let mut downs: HashMap<Unit, usize> = HashMap::new();
@@ -129,9 +155,11 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
         let outer = (!s.resident_outer).then_some(1);
         assert_eq!(ups.get(&Unit::Outer).copied(), outer, "{s:?}");
         assert_eq!(downs.get(&Unit::Outer).copied(), outer, "{s:?}");
+        // A resident layer never crosses the bus; a streamed one twice up, once down.
         for l in 0..s.n_layers {
-            assert_eq!(ups.get(&Unit::Layer(l)), Some(&2), "{s:?}: layer {l} uploads");
-            assert_eq!(downs.get(&Unit::Layer(l)), Some(&1), "{s:?}: layer {l} downloads");
+            let (up, down) = if l < s.resident_layers { (None, None) } else { (Some(&2), Some(&1)) };
+            assert_eq!(ups.get(&Unit::Layer(l)), up, "{s:?}: layer {l} uploads");
+            assert_eq!(downs.get(&Unit::Layer(l)), down, "{s:?}: layer {l} downloads");
         }
     }
 }
@@ -154,7 +182,7 @@ fn host_buffers_are_not_reused_before_their_reader_is_done() {
                 Op::Upload { staging, .. } => {
                     last_upload_of.insert(staging, i);
                 }
-                Op::Backward { grad_buf, .. } => {
+                Op::Backward { grad_buf: Some(grad_buf), .. } => {
                     if let Some(&d) = last_download_of.get(&Some(grad_buf)) {
                         assert!(
                             anc[i].contains(&d),
@@ -193,16 +221,44 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
             })
             .collect();
         let land_updates = p.instrs.iter().filter(|i| matches!(i.op, Op::Land { update: true, .. })).count();
-        let device_updates: Vec<usize> =
-            (0..p.instrs.len()).filter(|&i| p.instrs[i].op == Op::UpdateOuter).collect();
+        let device_update_of = |unit: Unit| {
+            (0..p.instrs.len()).filter(|&i| p.instrs[i].op == Op::UpdateResident { unit }).collect::<Vec<_>>()
+        };
+        let device_updates = device_update_of(Unit::Outer);
         let position = |op: Op| p.instrs.iter().position(|i| i.op == op);
         let host_outer = usize::from(!s.resident_outer);
+        let streamed = s.n_layers - s.resident_layers;
+        let all_device_updates =
+            p.instrs.iter().filter(|i| matches!(i.op, Op::UpdateResident { .. })).count();
+        for l in 0..s.n_layers {
+            let ups = device_update_of(Unit::Layer(l));
+            let resident_update = l < s.resident_layers && (s.mode == OptimMode::Lean || s.pending_update);
+            assert_eq!(ups.len(), usize::from(resident_update), "{s:?}: layer {l} device updates");
+            let Some(&u) = ups.first() else { continue };
+            let fwd = position(Op::Forward { layer: l, slot: Slot::Resident(l) }).unwrap();
+            let bwd = p.instrs.iter().position(|i| matches!(i.op, Op::Backward { layer, .. } if layer == l));
+            match s.mode {
+                // Exact: the pending update before the layer's forward reads its weights.
+                OptimMode::Exact => assert!(u < fwd, "{s:?}: layer {l}"),
+                // Lean: after its gradient is complete.
+                OptimMode::Lean => assert!(u > bwd.unwrap(), "{s:?}: layer {l}"),
+            }
+        }
+        assert_eq!(
+            all_device_updates,
+            if s.mode == OptimMode::Lean || s.pending_update {
+                s.resident_layers + usize::from(s.resident_outer)
+            } else {
+                0
+            },
+            "{s:?}"
+        );
         match (s.mode, s.pending_update) {
             (OptimMode::Exact, true) => {
                 let expected: Vec<Unit> = (!s.resident_outer)
                     .then_some(Unit::Outer)
                     .into_iter()
-                    .chain((0..s.n_layers).map(Unit::Layer))
+                    .chain((s.resident_layers..s.n_layers).map(Unit::Layer))
                     .collect();
                 assert_eq!(stage_updates, expected, "{s:?}");
                 assert_eq!(land_updates, 0);
@@ -217,7 +273,7 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
             }
             (OptimMode::Lean, _) => {
                 assert!(stage_updates.is_empty());
-                assert_eq!(land_updates, s.n_layers + host_outer);
+                assert_eq!(land_updates, streamed + host_outer);
                 if s.resident_outer {
                     // After the outer gradient is complete (and its sum of squares taken).
                     assert_eq!(device_updates.len(), 1, "{s:?}");

@@ -27,24 +27,31 @@ struct Run {
 }
 
 fn run_on<B: Backend>(name: &str, backend: B, dtype: DType, ring_depth: usize) -> Run {
-    run_placed(name, backend, dtype, ring_depth, false)
+    run_placed(name, backend, dtype, ring_depth, (false, 0))
 }
 
+/// A run with the outer unit resident or not and this many leading layers resident.
 fn run_placed<B: Backend>(
     name: &str,
     backend: B,
     dtype: DType,
     ring_depth: usize,
-    resident_outer: bool,
+    (resident_outer, resident_layers): (bool, usize),
 ) -> Run {
     let g = golden::load(name).unwrap();
     let store = store_with(&g.cfg, &g.params, GradDtype::F32);
-    let opts =
-        EngineOptions { weight_dtype: dtype, n_chunks: 2, ring_depth, resident_outer, ..golden_opts() };
+    let opts = EngineOptions {
+        weight_dtype: dtype,
+        n_chunks: 2,
+        ring_depth,
+        resident_outer,
+        resident_layers,
+        ..golden_opts()
+    };
     let mut e = Engine::new(&g.cfg, store.clone(), backend, opts).unwrap();
     let batch = golden_batch(&g);
     let mut losses = vec![e.step(&batch, 1e-3).unwrap().loss];
-    // A resident outer unit's gradient reaches the store when it is synced.
+    // Resident units' gradients reach the store when they are synced.
     e.sync_store().unwrap();
     let grads = grads_of(&store);
     for _ in 0..2 {
@@ -117,39 +124,42 @@ fn cuda_engine_matches_cpu_engine() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The outer unit resident on the GPU (AdamW there, `kernels/adamw.cu`) trains as the CPU engine
-/// within the same bounds as the streamed GPU engine, and within rounding of the streamed GPU
-/// engine (its update kernel rounds as mt-optim; only the order of the outer gradient's sum of
-/// squares differs).
+/// Units resident on the GPU (AdamW there, `kernels/adamw.cu`): the outer unit, one leading
+/// layer, every layer. Each placement trains as the CPU engine within the same bounds as the
+/// streamed GPU engine, and within rounding of the streamed GPU engine (the update kernel rounds
+/// as mt-optim; only the order of a resident gradient's sum of squares differs).
 #[test]
-fn cuda_resident_outer_matches_the_cpu_and_streamed_engines() {
+fn cuda_resident_units_match_the_cpu_and_streamed_engines() {
     candle_core::cuda::set_gemm_reduced_precision_f32(false);
     let mut failures = Vec::new();
     for name in GOLDEN_NAMES {
         let cpu = cpu_run(name);
+        let n = golden::load(name).unwrap().cfg.num_hidden_layers;
         for (dtype, loss_tol, grad_tol) in [(DType::F32, 1e-6, 1e-4), (DType::BF16, 1e-3, 3e-2)] {
-            let backend = || CudaBackend::new(0, CpuOptions::uniform(300, 5)).unwrap();
-            let r = run_placed(name, backend(), dtype, 2, true);
-            let streamed = run_placed(name, backend(), dtype, 2, false);
-            let loss_rel: Vec<f64> =
-                r.losses.iter().zip(&cpu.losses).map(|(a, b)| (a - b).abs() / b).collect();
-            let vs_streamed: f64 =
-                r.losses.iter().zip(&streamed.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
-            let grads = compare_maps(&r.grads, &cpu.grads, Tolerance { rel: grad_tol });
-            let (frac, worst_lr) = param_agreement(&r.params, &cpu.params, grad_tol);
-            let (frac_s, worst_s) = param_agreement(&r.params, &streamed.params, 1e-6);
-            let wg = grads.worst().unwrap();
-            eprintln!(
-                "SUMMARY gpu resident outer {name} {dtype:?}: losses rel to CPU [{}]; worst grad {:.2e} ({}); params {:.4}% within {grad_tol:.0e} of CPU, worst {worst_lr:.3}·lr; vs streamed GPU: losses {vs_streamed:.2e}, params {:.4}% within 1e-6, worst {worst_s:.4}·lr",
+            for placed in [(true, 0), (false, 1), (true, n)] {
+                let backend = || CudaBackend::new(0, CpuOptions::uniform(300, 5)).unwrap();
+                let r = run_placed(name, backend(), dtype, 2, placed);
+                let streamed = run_placed(name, backend(), dtype, 2, (false, 0));
+                let loss_rel: Vec<f64> =
+                    r.losses.iter().zip(&cpu.losses).map(|(a, b)| (a - b).abs() / b).collect();
+                let vs_streamed: f64 =
+                    r.losses.iter().zip(&streamed.losses).map(|(a, b)| (a - b).abs() / b).fold(0.0, f64::max);
+                let grads = compare_maps(&r.grads, &cpu.grads, Tolerance { rel: grad_tol });
+                let (frac, worst_lr) = param_agreement(&r.params, &cpu.params, grad_tol);
+                let (frac_s, worst_s) = param_agreement(&r.params, &streamed.params, 1e-6);
+                let wg = grads.worst().unwrap();
+                eprintln!(
+                "SUMMARY gpu resident (outer, layers) {placed:?} {name} {dtype:?}: losses rel to CPU [{}]; worst grad {:.2e} ({}); params {:.4}% within {grad_tol:.0e} of CPU, worst {worst_lr:.3}·lr; vs streamed GPU: losses {vs_streamed:.2e}, params {:.4}% within 1e-6, worst {worst_s:.4}·lr",
                 loss_rel.iter().map(|x| format!("{x:.2e}")).collect::<Vec<_>>().join(", "),
                 wg.rel_err(),
                 wg.name,
                 100.0 * frac,
                 100.0 * frac_s,
             );
-            let params_ok = dtype != DType::F32 || (frac >= 0.995 && worst_lr <= 0.25);
-            if !grads.is_ok() || loss_rel.iter().any(|x| *x > loss_tol) || !params_ok {
-                failures.push(format!("{name} {dtype:?}\n{grads}"));
+                let params_ok = dtype != DType::F32 || (frac >= 0.995 && worst_lr <= 0.25);
+                if !grads.is_ok() || loss_rel.iter().any(|x| *x > loss_tol) || !params_ok {
+                    failures.push(format!("{name} {dtype:?} {placed:?}\n{grads}"));
+                }
             }
         }
     }

@@ -1,9 +1,10 @@
-//! A resident outer unit (its fp32 master weights and AdamW moments on the compute device,
-//! updated there) trains exactly as the streamed one: on the CPU backend both run mt-optim's
-//! update on the same f32 gradient and take the global norm's share in the same order, so
-//! losses, weights and moments agree bitwise — with clipping, in exact and lean mode, at every
-//! ring depth; a dropped engine leaves a store that a new engine continues bitwise; the outer
-//! unit's bytes never cross the (simulated) bus.
+//! Resident units (the outer unit and leading decoder layers with their fp32 master weights and
+//! AdamW moments on the compute device, updated there) train exactly as streamed ones: on the
+//! CPU backend both run mt-optim's update on the same f32 gradient and take the global norm's
+//! shares in the same order, so losses, weights and moments agree bitwise — with clipping, in
+//! exact and lean mode, at every ring depth, for any number of resident layers; a dropped
+//! engine leaves a store that a new engine (resident or not) continues bitwise; resident units'
+//! bytes never cross the (simulated) bus.
 
 mod common;
 
@@ -30,11 +31,17 @@ fn train(
     data: &[Batch],
     split: usize,
 ) -> (Vec<f64>, Arc<HostStore>) {
+    let placed = |r: bool| EngineOptions { resident_outer: r, ..opts.clone() };
+    train_sessions([placed(resident[0]), placed(resident[1])], data, split)
+}
+
+/// As [`train`], each session with its own options.
+fn train_sessions(sessions: [EngineOptions; 2], data: &[Batch], split: usize) -> (Vec<f64>, Arc<HostStore>) {
     let cfg = cfg();
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
     let mut losses = Vec::new();
     for (session, part) in [&data[..split], &data[split..]].into_iter().enumerate() {
-        let o = EngineOptions { resident_outer: resident[session], ..opts.clone() };
+        let o = sessions[session].clone();
         let mut e = engine(&cfg, store.clone(), o, 200);
         for b in part {
             losses.push(e.step(b, 1e-3).unwrap().loss);
@@ -50,6 +57,20 @@ fn moments(store: &HostStore) -> Vec<f32> {
     let mut r = store.record(Unit::Outer);
     let p = r.parts();
     p.m.iter().chain(p.v.iter()).copied().collect()
+}
+
+/// Every unit's moments and applied-step counter.
+fn all_moments(store: &HostStore) -> Vec<(Vec<f32>, u64)> {
+    store
+        .layout()
+        .units()
+        .map(|u| {
+            let mut r = store.record(u);
+            let applied = r.applied_step();
+            let p = r.parts();
+            (p.m.iter().chain(p.v.iter()).copied().collect(), applied)
+        })
+        .collect()
 }
 
 #[test]
@@ -119,4 +140,73 @@ fn a_store_left_by_a_crashed_resident_engine_is_refused() {
         let err = r.map(|_| ()).unwrap_err().to_string();
         assert!(err.contains("resume from a checkpoint"), "resident={resident}: {err}");
     }
+}
+
+#[test]
+fn resident_layers_train_bitwise_as_streamed_ones() {
+    let cfg = cfg();
+    let n = cfg.num_hidden_layers;
+    assert!(n >= 2, "the test needs a model with a streamed and a resident layer");
+    let data = small_batches(&cfg, 4, 70);
+    for mode in [OptimMode::Exact, OptimMode::Lean] {
+        for ring_depth in [1, 3] {
+            let opts = EngineOptions { mode, ring_depth, ..golden_opts() };
+            let (l0, s0) = train(&opts, [false, false], &data, 4);
+            for (k, outer) in [(1, false), (n, true), (n - 1, true)] {
+                let o = EngineOptions { resident_layers: k, resident_outer: outer, ..opts.clone() };
+                let (l1, s1) = train_sessions([o.clone(), o], &data, 4);
+                let what = format!("{mode:?} ring {ring_depth}, {k} resident layers, outer {outer}");
+                assert_eq!(l0, l1, "{what}: losses");
+                assert_bitwise_eq(&params_of(&s1), &params_of(&s0), &what);
+                assert!(all_moments(&s1) == all_moments(&s0), "{what}: moments");
+                assert_eq!(s1.state(), s0.state(), "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_store_moves_between_resident_and_streamed_layers_bitwise() {
+    let cfg = cfg();
+    let n = cfg.num_hidden_layers;
+    let data = small_batches(&cfg, 4, 70);
+    for mode in [OptimMode::Exact, OptimMode::Lean] {
+        let opts = EngineOptions { mode, ..golden_opts() };
+        let (l0, s0) = train(&opts, [false, false], &data, 4);
+        let with = |k: usize| EngineOptions { resident_layers: k, ..opts.clone() };
+        // Dropped after step 2 (exact mode: with the update pending on the device), continued
+        // with more, fewer or no resident layers.
+        for (a, b) in [(n, 0), (1, n), (0, 1)] {
+            let (l1, s1) = train_sessions([with(a), with(b)], &data, 2);
+            let what = format!("{mode:?}: {a} then {b} resident layers");
+            assert_eq!(l0, l1, "{what}: losses");
+            assert_bitwise_eq(&params_of(&s1), &params_of(&s0), &what);
+            assert!(all_moments(&s1) == all_moments(&s0), "{what}: moments");
+        }
+    }
+}
+
+#[test]
+fn resident_layers_never_cross_the_bus_and_a_crash_leaves_a_refused_store() {
+    let cfg = cfg();
+    let layout = ModelLayout::new(&cfg);
+    let (n, l, o) = (layout.n_layers as u64, layout.layer.len as u64, layout.outer.len as u64);
+    let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
+    let opts = EngineOptions { resident_layers: 1, ..golden_opts() };
+    let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
+    for b in small_batches(&cfg, 2, 70) {
+        let r = e.step(&b, 1e-3).unwrap();
+        assert_eq!(r.h2d_bytes, (2 * (n - 1) * l + o) * 4);
+        assert_eq!(r.d2h_bytes, ((n - 1) * l + o) * 4);
+    }
+    let too_many = EngineOptions { resident_layers: layout.n_layers + 1, ..opts.clone() };
+    let r =
+        mt_sched::Engine::new(&cfg, store.clone(), mt_sched::CpuBackend::new(Default::default()), too_many);
+    let err = r.map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("resident layers asked of a"), "{err}");
+    // A crash (no drop, no write-back) leaves layer 0's record behind the store's step.
+    std::mem::forget(e);
+    let r = mt_sched::Engine::new(&cfg, store, mt_sched::CpuBackend::new(Default::default()), opts);
+    let err = r.map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("Layer(0)") && err.contains("resume from a checkpoint"), "{err}");
 }

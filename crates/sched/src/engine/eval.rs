@@ -24,7 +24,7 @@ impl<B: Backend> Engine<B> {
             dst.slice_set(&t.to_dtype(dst.dtype())?, 0, 0)?;
             Ok(())
         };
-        // A resident outer unit's slot holds its current weights already.
+        // A resident unit's slot holds its current weights already.
         if !self.opts.resident_outer {
             load(Unit::Outer, &self.pool.outer_slot)?;
         }
@@ -32,8 +32,15 @@ impl<B: Backend> Engine<B> {
         let mut x = self.outer_t.embed(&ow, &ids)?;
         let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
         for l in 0..self.layout.n_layers {
-            load(Unit::Layer(l), &self.pool.slots[0])?;
-            let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &self.pool.slots[0])?;
+            // Likewise a resident layer's.
+            let slot = match self.pool.resident.get(l) {
+                Some(r) => r.slot.clone(),
+                None => {
+                    load(Unit::Layer(l), &self.pool.slots[0])?;
+                    self.pool.slots[0].clone()
+                }
+            };
+            let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &slot)?;
             x = self.layer_t.forward(&w, &x, rope)?;
         }
         let logits = self.outer_t.logits(&ow, &x)?;

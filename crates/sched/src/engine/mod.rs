@@ -48,6 +48,12 @@ pub struct EngineOptions {
     /// update and upload. The host store's copy is brought up to date by [`Engine::sync_store`]
     /// (called by [`Engine::flush_pending`] and on drop).
     pub resident_outer: bool,
+    /// Keep decoder layers `0..resident_layers` resident on the compute device likewise
+    /// (weights, fp32 gradient, master weights and moments, AdamW there): they never cross the
+    /// bus and cost the host optimizer nothing. The first layers, because in exact mode the host
+    /// must finish each streamed layer's update before its upload, and every resident layer
+    /// ahead of the first streamed one gives it that much more time.
+    pub resident_layers: usize,
 }
 
 impl Default for EngineOptions {
@@ -62,6 +68,7 @@ impl Default for EngineOptions {
             rows_per_block: 1024,
             overlap_optimizer: true,
             resident_outer: false,
+            resident_layers: 0,
         }
     }
 }
@@ -107,11 +114,13 @@ pub struct Engine<B: Backend> {
     outer_t: Outer,
     rope: Option<Rope>,
     sumsq: Arc<Mutex<Vec<f64>>>,
+    /// Resident units' shares of the global norm, still on the device until the step ends.
+    device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
     opts: EngineOptions,
-    /// Resident outer unit: the optimizer step its device state has applied, and whether that
-    /// state is newer than the host store's record.
-    outer_applied: u64,
-    outer_dirty: bool,
+    /// Resident units: the optimizer step each one's device state has applied (by unit index),
+    /// and whether any device state is newer than the host store's records.
+    applied: Vec<u64>,
+    dirty: bool,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -120,7 +129,7 @@ impl<B: Backend> Drop for Engine<B> {
         // the page-locked rings needs.
         let _ = self.backend.synchronize();
         if let Err(e) = self.sync_store() {
-            tracing::error!("could not write the resident outer unit back to the host store: {e}");
+            tracing::error!("could not write the resident units back to the host store: {e}");
         }
     }
 }
@@ -131,7 +140,7 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
     }
 }
 
-/// Elements per piece when a resident outer unit is written back to the store (64 MiB of f32).
+/// Elements per piece when a resident unit is written back to the store (64 MiB of f32).
 const SYNC_PIECE: usize = 16 << 20;
 const N_STAGING: usize = 2;
 const N_GRAD_BUFS: usize = 2;
@@ -215,6 +224,12 @@ impl<B: Backend> Engine<B> {
                 "exact mode keeps each step's gradient until the next step: the store needs gradient buffers (f32 or bf16)".into(),
             ));
         }
+        if opts.resident_layers > layout.n_layers {
+            return Err(Error::Options(format!(
+                "{} resident layers asked of a {}-layer model",
+                opts.resident_layers, layout.n_layers
+            )));
+        }
         let up = upload_dtype(opts.weight_dtype)?;
         let pool = DevicePool::new(
             &PoolSpec {
@@ -227,6 +242,7 @@ impl<B: Backend> Engine<B> {
                 n_layers: layout.n_layers,
                 n_chunks: opts.n_chunks,
                 resident_outer: opts.resident_outer,
+                resident_layers: opts.resident_layers,
             },
             backend.device(),
         )?;
@@ -251,6 +267,7 @@ impl<B: Backend> Engine<B> {
         };
         // A resident outer unit needs no staging or landing buffer of its own.
         let outer_host_len = if opts.resident_outer { 0 } else { layout.outer.len };
+        let layout_units = layout.n_units();
         let mut engine = Engine {
             cfg: cfg.clone(),
             staging: (0..N_STAGING).map(|_| mk(layout.layer.len)).collect::<Result<_>>()?,
@@ -258,6 +275,7 @@ impl<B: Backend> Engine<B> {
             landing: (0..N_LANDING).map(|_| land(layout.layer.len)).collect::<Result<_>>()?,
             outer_landing: land(outer_host_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
+            device_sumsq: Vec::new(),
             layer_t: DecoderLayer::new(cfg),
             outer_t: Outer::new(cfg, opts.rows_per_block),
             rope: None,
@@ -266,11 +284,11 @@ impl<B: Backend> Engine<B> {
             backend,
             pool,
             opts,
-            outer_applied: 0,
-            outer_dirty: false,
+            applied: vec![0; layout_units],
+            dirty: false,
         };
-        engine.check_outer_record()?;
-        engine.load_resident_outer()?;
+        engine.check_records()?;
+        engine.load_resident()?;
         Ok(engine)
     }
 
@@ -332,6 +350,7 @@ impl<B: Backend> Engine<B> {
             mode: self.opts.mode,
             pending_update: state.pending_update,
             resident_outer: self.opts.resident_outer,
+            resident_layers: self.opts.resident_layers,
         });
         edit(&mut program);
         program.validate()?;
@@ -351,9 +370,14 @@ impl<B: Backend> Engine<B> {
             },
         };
         self.backend.begin_step();
+        self.device_sumsq.clear();
         let loss = self.execute(&program, &chunks, update_args)?;
-        // The device now holds a gradient (and maybe an update) the store has not seen.
-        self.outer_dirty |= self.opts.resident_outer;
+        for (unit, ss) in std::mem::take(&mut self.device_sumsq) {
+            let ss = ss.value()?;
+            self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
+        }
+        // The device now holds gradients (and maybe updates) the store has not seen.
+        self.dirty |= !self.resident_units().is_empty();
         let step_s = self.backend.now_s();
         let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
         let coef = self.opts.clip.map_or(1.0, |c| mt_optim::clip_coef(norm, c));
@@ -392,8 +416,8 @@ impl<B: Backend> Engine<B> {
     /// Applies a pending (exact-mode) update to every unit now, e.g. before saving or exporting.
     /// Bitwise the same as letting the next step apply it.
     ///
-    /// With a resident outer unit its update runs on the device and the store's record is then
-    /// brought up to date ([`Engine::sync_store`]), pending update or not.
+    /// Resident units are updated on the device and the store's records are then brought up to
+    /// date ([`Engine::sync_store`]), pending update or not.
     pub fn flush_pending(&mut self) -> Result<()> {
         let state = self.store.state();
         if !state.pending_update {
@@ -401,9 +425,11 @@ impl<B: Backend> Engine<B> {
         }
         let args =
             StepArgs { step: state.step + 1, lr: state.pending_lr, grad_scale: state.pending_grad_scale };
-        self.update_resident_outer(&args)?;
+        for u in self.resident_units() {
+            self.update_resident(u, &args)?;
+        }
         for u in self.layout.units() {
-            if u == Unit::Outer && self.opts.resident_outer {
+            if self.is_resident(u) {
                 continue;
             }
             update_unit(&mut self.store.record(u), &self.opts.adamw, &args, None, Upload::None)?;
@@ -498,6 +524,9 @@ impl<B: Backend> Engine<B> {
                 let dst = match slot {
                     Slot::Ring(k) => self.pool.slots[k].clone(),
                     Slot::Outer => self.pool.outer_slot.clone(),
+                    Slot::Resident(l) => {
+                        return Err(Error::Options(format!("upload into resident layer {l}'s slot")))
+                    }
                 };
                 self.backend.upload(waits, self.staging_of(staging), dst, name)
             }
@@ -566,7 +595,7 @@ impl<B: Backend> Engine<B> {
             }
             Op::Forward { layer, slot } => {
                 let _s = tracing::debug_span!("forward", layer).entered();
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.pool.slots[slot])?;
+                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
                     let y = self.layer_t.forward(&w, &x, rope)?;
@@ -588,10 +617,13 @@ impl<B: Backend> Engine<B> {
             }
             Op::Backward { layer, slot, grad_buf } => {
                 let _s = tracing::debug_span!("backward", layer).entered();
-                let gbuf = self.pool.grad_bufs[grad_buf].clone();
+                let gbuf = match grad_buf {
+                    Some(k) => self.pool.grad_bufs[k].clone(),
+                    None => self.resident_bufs(Unit::Layer(layer))?.grad,
+                };
                 DevicePool::zero(&gbuf)?;
                 let sink = GradSink::new(&layout.layer, &gbuf)?;
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.pool.slots[slot])?;
+                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
@@ -599,6 +631,12 @@ impl<B: Backend> Engine<B> {
                     self.pool.put_act_grad(c, dx);
                 }
                 self.pool.drop_checkpoints(layer);
+                if grad_buf.is_none() {
+                    // A resident layer's gradient never lands on the host: its share of the
+                    // global norm is taken here (deterministic order), read at the step's end.
+                    let ss = mt_layers::device_optim::sum_squares_deferred(&gbuf)?;
+                    self.device_sumsq.push((Unit::Layer(layer), ss));
+                }
             }
             Op::EmbedBackward => {
                 let _s = tracing::debug_span!("embed_backward").entered();
@@ -609,19 +647,29 @@ impl<B: Backend> Engine<B> {
                     self.outer_t.embed_backward(&ch.ids, &dx, &sink)?;
                 }
                 if self.opts.resident_outer {
-                    // The outer gradient never lands on the host: its share of the global norm
-                    // is taken here (deterministic order; one scalar comes back).
-                    let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
-                    self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[Unit::Outer.index()] = ss;
+                    // Likewise the resident outer unit's.
+                    let ss = mt_layers::device_optim::sum_squares_deferred(&gbuf)?;
+                    self.device_sumsq.push((Unit::Outer, ss));
                 }
             }
-            Op::UpdateOuter => {
-                let _s = tracing::debug_span!("update_outer").entered();
-                self.update_resident_outer(args)?;
+            Op::UpdateResident { unit } => {
+                let _s = tracing::debug_span!("update_resident", ?unit).entered();
+                self.update_resident(unit, args)?;
             }
             _ => return Err(Error::Options(format!("{op:?} is not a compute op"))),
         }
         Ok(())
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// The device weights behind a compute slot.
+    fn slot_tensor(&self, slot: Slot) -> Result<candle_core::Tensor> {
+        Ok(match slot {
+            Slot::Ring(k) => self.pool.slots[k].clone(),
+            Slot::Outer => self.pool.outer_slot.clone(),
+            Slot::Resident(l) => self.resident_bufs(Unit::Layer(l))?.slot,
+        })
     }
 }
 
