@@ -521,4 +521,29 @@ impl HostStore {
         })?;
         Ok(self.total_len)
     }
+
+    /// Gives one unit's gradient region of an anonymous store back to the kernel
+    /// (`MADV_DONTNEED`): it reads as zeros afterwards and costs no RAM until written again.
+    /// For a unit whose gradient lives elsewhere (a GPU-resident unit, whose host gradient is
+    /// written only when a pending update must be handed over). Returns the bytes released: 0
+    /// for a file-backed store (its file is the training state) or a store without gradients.
+    pub fn release_grad(&self, u: Unit) -> Result<usize> {
+        if self.is_file_backed() || self.grad == GradDtype::None {
+            return Ok(0);
+        }
+        let idx = u.index();
+        assert!(idx < self.records.len(), "{u:?} is not a unit of this store ({} units)", self.records.len());
+        // Held so that no guard of this record is alive (none can be: it would be this lock).
+        let _lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
+        let loc = self.records[idx];
+        let (off, len) = (loc.base + PAGE + 3 * loc.f32_region, round_page(loc.len * self.grad.size()));
+        // SAFETY: the range is the record's page-aligned gradient region, inside the private
+        // anonymous mapping (`plan`), and the record's lock is held, so no slice of it is alive:
+        // every later access goes through a new guard, which reads the zero pages the kernel
+        // maps back in. No other data shares these pages.
+        unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off, len) }.map_err(
+            |source| Error::Io { path: PathBuf::from("<anonymous store: MADV_DONTNEED>"), source },
+        )?;
+        Ok(len)
+    }
 }

@@ -132,3 +132,44 @@ fn wrong_length_param_write_is_a_shape_error() {
     let err = s.write_param("model.norm.weight", &[1.0; 3]).unwrap_err().to_string();
     assert!(err.contains("model.norm.weight") && err.contains("128"), "{err}");
 }
+
+/// Releasing a unit's gradient region zeroes exactly that region of an anonymous store (and
+/// gives its pages back); master, moments and every other record are untouched; a file-backed
+/// store keeps its gradient (the file is the training state).
+#[test]
+fn release_grad_zeroes_only_that_units_gradient() {
+    let l = layout();
+    let fill = |s: &HostStore| {
+        for u in l.units() {
+            let mut r = s.record(u);
+            let p = r.parts();
+            let k = u.index() as f32;
+            p.master.fill(k + 1.0);
+            p.m.fill(k + 2.0);
+            p.v.fill(k + 3.0);
+            if let Some(GradMut::F32(g)) = r.grad_mut() {
+                g.fill(k + 4.0);
+            }
+        }
+    };
+    let s = HostStore::anonymous(&l, GradDtype::F32).unwrap();
+    fill(&s);
+    let n = l.unit(Unit::Layer(1)).len;
+    assert_eq!(s.release_grad(Unit::Layer(1)).unwrap(), (n * 4).div_ceil(PAGE) * PAGE);
+    for u in l.units() {
+        let r = s.record(u);
+        let k = u.index() as f32;
+        assert!(r.master().iter().all(|&x| x == k + 1.0) && r.m().iter().all(|&x| x == k + 2.0));
+        assert!(r.v().iter().all(|&x| x == k + 3.0));
+        let g = r.grad().unwrap().to_f32(0, r.master().len());
+        let want = if u == Unit::Layer(1) { 0.0 } else { k + 4.0 };
+        assert!(g.iter().all(|&x| x == want), "{u:?}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let f = HostStore::create(&dir.path().join("s.mts"), &l, GradDtype::F32).unwrap();
+    fill(&f);
+    assert_eq!(f.release_grad(Unit::Layer(1)).unwrap(), 0);
+    assert!(f.record(Unit::Layer(1)).grad().unwrap().to_f32(0, n).iter().all(|&x| x == 6.0));
+    let none = HostStore::anonymous(&l, GradDtype::None).unwrap();
+    assert_eq!(none.release_grad(Unit::Outer).unwrap(), 0);
+}
