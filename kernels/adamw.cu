@@ -1,26 +1,83 @@
 // AdamW and the gradient's sum of squares for a unit whose optimizer state lives on the GPU (the
-// outer unit when the planner keeps it resident). Compiled at run time with NVRTC, no headers.
+// outer unit and the leading decoder layers the planner keeps resident). Compiled at run time with NVRTC, no headers.
 //
 // mt_adamw evaluates exactly the expressions of mt-optim's fused loop (crates/optim/src/adamw.rs,
 // `update_block`), with the f32 scalars `Coeffs::of` derives on the host; NVRTC runs with
 // --fmad=false and IEEE division and square root, so every element rounds as on the CPU.
-// state = [master | m | v], n elements each.
+// state = [master | m | v], n elements each. With `w_out` non-zero, the new master weights are
+// also written there as bf16 (round to nearest even, as candle's cast), the unit's device slot:
+// one pass instead of update + cast + copy.
+__device__ __forceinline__ unsigned short f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+struct AdamWCoeffs {
+    float grad_scale, decay;
+    int lerp_small;
+    float lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size;
+};
+
+__device__ __forceinline__ void adamw1(float& p, float& m, float& v, float graw, const AdamWCoeffs& c) {
+    const float g = graw * c.grad_scale;
+    const float mi = m;
+    const float base = c.lerp_small ? mi : g;
+    const float m_new = base + c.lerp_coeff * (g - mi);
+    const float v_new = v * c.beta2 + c.one_minus_beta2 * g * g;
+    const float denom = sqrtf(v_new) / c.bc2_sqrt + c.eps;
+    p = p * c.decay - c.step_size * m_new / denom;
+    m = m_new;
+    v = v_new;
+}
+
 extern "C" __global__ void mt_adamw(float* __restrict__ state, const float* __restrict__ grad, long long n,
                                     float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
-                                    float one_minus_beta2, float bc2_sqrt, float eps, float step_size) {
+                                    float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
+                                    unsigned long long w_out) {
+    const AdamWCoeffs c = {grad_scale, decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size};
     float* p = state;
     float* m = state + n;
     float* v = state + 2 * n;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = grad[i] * grad_scale;
-        const float mi = m[i];
-        const float base = lerp_small ? mi : g;
-        const float m_new = base + lerp_coeff * (g - mi);
-        const float v_new = v[i] * beta2 + one_minus_beta2 * g * g;
-        const float denom = sqrtf(v_new) / bc2_sqrt + eps;
-        p[i] = p[i] * decay - step_size * m_new / denom;
-        m[i] = m_new;
-        v[i] = v_new;
+    unsigned short* w = (unsigned short*)w_out;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool vec = (n & 3) == 0 && (((unsigned long long)state | (unsigned long long)grad) & 15) == 0 && (w_out & 7) == 0;
+    if (vec) {
+        // 16-byte loads and stores (8-byte bf16 stores): the same element order of operations.
+        float4* p4 = (float4*)p;
+        float4* m4 = (float4*)m;
+        float4* v4 = (float4*)v;
+        const float4* g4 = (const float4*)grad;
+        for (long long i = t0; i < (n >> 2); i += stride) {
+            float4 pp = p4[i], mm = m4[i], vv = v4[i];
+            const float4 gg = g4[i];
+            adamw1(pp.x, mm.x, vv.x, gg.x, c);
+            adamw1(pp.y, mm.y, vv.y, gg.y, c);
+            adamw1(pp.z, mm.z, vv.z, gg.z, c);
+            adamw1(pp.w, mm.w, vv.w, gg.w, c);
+            p4[i] = pp;
+            m4[i] = mm;
+            v4[i] = vv;
+            if (w) {
+                const unsigned lo = (unsigned)f2bf(pp.x) | ((unsigned)f2bf(pp.y) << 16);
+                const unsigned hi = (unsigned)f2bf(pp.z) | ((unsigned)f2bf(pp.w) << 16);
+                uint2 r;
+                r.x = lo;
+                r.y = hi;
+                ((uint2*)w)[i] = r;
+            }
+        }
+        return;
+    }
+    for (long long i = t0; i < n; i += stride) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw1(pi, mi, vi, grad[i], c);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (w) w[i] = f2bf(pi);
     }
 }
 

@@ -12,6 +12,9 @@ use crate::{Error, Result};
 struct AdamWStep {
     h: AdamW,
     a: StepArgs,
+    /// bf16 weights to write from the new master weights in the same pass (CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    weights: Option<Tensor>,
     /// The scalars the CUDA kernel takes (the CPU path derives them inside mt-optim).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     coeffs: Coeffs,
@@ -63,7 +66,7 @@ impl InplaceOp2 for AdamWStep {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> candle_core::Result<()> {
-        crate::cuda_kernels::adamw(st, ls, g, lg, &self.coeffs)
+        crate::cuda_kernels::adamw(st, ls, g, lg, &self.coeffs, self.weights.as_ref())
     }
 }
 
@@ -87,7 +90,38 @@ fn check(state: &Tensor, grad: &Tensor) -> Result<usize> {
 pub fn adamw_step(state: &Tensor, grad: &Tensor, h: &AdamW, a: &StepArgs) -> Result<()> {
     check(state, grad)?;
     let coeffs = Coeffs::of(h, a)?;
-    state.inplace_op2(grad, &AdamWStep { h: *h, a: *a, coeffs })?;
+    state.inplace_op2(grad, &AdamWStep { h: *h, a: *a, coeffs, weights: None })?;
+    Ok(())
+}
+
+/// [`adamw_step`], then the unit's new master weights cast into `weights` (its device slot, `n`
+/// elements) — on CUDA with bf16 weights in the same pass (one read of the state instead of
+/// three more passes), elsewhere as a separate cast, bitwise the same.
+pub fn adamw_step_into(
+    state: &Tensor,
+    grad: &Tensor,
+    h: &AdamW,
+    a: &StepArgs,
+    weights: &Tensor,
+) -> Result<()> {
+    let n = check(state, grad)?;
+    if weights.elem_count() != n || !weights.is_contiguous() {
+        return Err(Error::shape("resident weights", format!("[{n}] contiguous"), weights.dims()));
+    }
+    let coeffs = Coeffs::of(h, a)?;
+    let fused = weights.device().is_cuda() && weights.dtype() == DType::BF16;
+    let op = AdamWStep { h: *h, a: *a, coeffs, weights: fused.then(|| weights.clone()) };
+    state.inplace_op2(grad, &op)?;
+    if !fused {
+        cast_master_into(state, weights)?;
+    }
+    Ok(())
+}
+
+/// The master weights of `state` (`[master | m | v]`) cast into `weights`.
+pub fn cast_master_into(state: &Tensor, weights: &Tensor) -> Result<()> {
+    let n = weights.elem_count();
+    weights.slice_set(&state.narrow(0, 0, n)?.to_dtype(weights.dtype())?, 0, 0)?;
     Ok(())
 }
 

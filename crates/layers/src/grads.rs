@@ -101,6 +101,14 @@ impl<'a> GradSink<'a> {
             ));
         }
         let view = self.buf.narrow(0, spec.offset, spec.numel())?.reshape(spec.shape.as_slice())?;
+        #[cfg(feature = "cuda")]
+        if view.device().is_cuda()
+            && view.dtype() == DType::F32
+            && matches!(src.dtype(), DType::BF16 | DType::F32)
+        {
+            crate::cuda_kernels::rows_add(&view, rows, src)?;
+            return Ok(());
+        }
         let src = src.to_dtype(self.buf.dtype())?.contiguous()?;
         let idx = rows.unsqueeze(1)?.broadcast_as((k, width))?.contiguous()?;
         view.scatter_add_set(&idx, &src, 0)?;

@@ -245,3 +245,37 @@ fn cuda_eval_loss_matches_the_golden_loss() {
         }
     }
 }
+
+/// The embedding backward's row scatter-add on the GPU (`kernels/embed.cu`, one block per
+/// distinct id) adds each id's rows in the order of the CPU's sequential scatter-add: the same
+/// f32 sums bit for bit, from bf16 and f32 sources, with heavily repeated ids.
+#[test]
+fn cuda_embedding_rows_add_is_bitwise_the_cpu_scatter_add() {
+    use mt_layers::{names, GradSink};
+    let cfg = mt_core::ModelConfig::tiny_llama();
+    let layout = mt_core::ModelLayout::new(&cfg);
+    let v = cfg.vocab_size;
+    let gpu = Device::new_cuda(0).unwrap();
+    let k = 4099;
+    // A third of the tokens are one id; the rest spread over the vocabulary (with repeats).
+    let ids: Vec<u32> = (0..k)
+        .map(|i: usize| if i.is_multiple_of(3) { 7 } else { (i.wrapping_mul(2_654_435_761) % v) as u32 })
+        .collect();
+    for dtype in [DType::BF16, DType::F32] {
+        let src =
+            Tensor::randn(0f32, 1.0, (k, cfg.hidden_size), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        let init = Tensor::randn(0f32, 1.0, layout.outer.len, &Device::Cpu).unwrap();
+        let run = |d: &Device| -> Vec<f32> {
+            let buf = if d.is_cpu() { init.copy().unwrap() } else { init.to_device(d).unwrap() };
+            let sink = GradSink::new(&layout.outer, &buf).unwrap();
+            let rows = Tensor::new(ids.as_slice(), d).unwrap();
+            sink.index_add_rows(names::EMBED, &rows, &src.to_device(d).unwrap()).unwrap();
+            buf.to_device(&Device::Cpu).unwrap().to_vec1().unwrap()
+        };
+        let (on_cpu, on_gpu) = (run(&Device::Cpu), run(&gpu));
+        let differing = on_cpu.iter().zip(&on_gpu).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        let moved = on_cpu.iter().zip(init.to_vec1::<f32>().unwrap()).filter(|(a, b)| **a != *b).count();
+        eprintln!("SUMMARY gpu embedding rows add {dtype:?}: {differing} of {} elements differ from the CPU ({moved} changed)", on_cpu.len());
+        assert!(moved > 0 && differing == 0, "{dtype:?}: {differing} elements differ");
+    }
+}

@@ -8,6 +8,7 @@
 //!   the scores and the row statistics (bf16 out);
 //! - [`accumulate_matmul_t`]: a weight gradient added into the f32 gradient buffer by one cuBLAS
 //!   GEMM (`gemm.rs`);
+//! - [`rows_add`]: the embedding backward's deterministic row scatter-add (`embed.rs`);
 //! - [`rms_norm`] / [`rms_norm_backward`], [`swiglu`] / [`swiglu_backward`], [`rope`]: the
 //!   decoder's elementwise work (`kernels/fused.cu`), each one or two passes instead of 5-12
 //!   candle ops, with the same bf16 roundings as the candle sequence they replace.
@@ -28,7 +29,9 @@ use candle_core::{
 };
 use half::bf16;
 
+mod embed;
 mod gemm;
+pub(crate) use embed::rows_add;
 pub(crate) use gemm::{accumulate_matmul_t, gemm_applies};
 
 const FUSED_SOURCE: &str = include_str!("../../../../kernels/fused.cu");

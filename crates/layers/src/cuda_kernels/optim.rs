@@ -4,12 +4,12 @@
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
 use mt_optim::Coeffs;
 
-use super::{compile, grid_for, msg, Compiled};
+use super::{compile, grid_for, msg, with_bf16, Compiled};
 
 const SOURCE: &str = include_str!("../../../../kernels/adamw.cu");
 const MODULE: &str = "mt_adamw";
@@ -22,18 +22,43 @@ fn ptx() -> candle_core::Result<&'static str> {
     compile(&PTX, SOURCE, "adamw.cu")
 }
 
-/// `state = [master | m | v]` updated in place from `grad` (both f32, contiguous).
+/// `state = [master | m | v]` updated in place from `grad` (both f32, contiguous); with
+/// `weights` (a contiguous bf16 tensor of n elements, not `state` nor `grad`), the new master
+/// weights are also written there as bf16 in the same pass.
 pub(crate) fn adamw(
     st: &mut CudaStorage,
     ls: &Layout,
     g: &CudaStorage,
     lg: &Layout,
     c: &Coeffs,
+    weights: Option<&Tensor>,
 ) -> candle_core::Result<()> {
     let n = lg.shape().elem_count();
     if !ls.is_contiguous() || !lg.is_contiguous() || ls.shape().elem_count() != 3 * n {
         return Err(msg("device AdamW: state must be a contiguous [3 x n] and the gradient contiguous [n]"));
     }
+    match weights {
+        Some(w) if w.elem_count() != n => {
+            Err(msg(format!("device AdamW: {} weights for {n} parameters", w.elem_count())))
+        }
+        Some(w) => with_bf16(w, |wv| {
+            let stream = st.device().cuda_stream();
+            let (ptr, _guard) = wv.device_ptr(&stream);
+            launch_adamw(st, ls, g, lg, c, n, ptr)
+        }),
+        None => launch_adamw(st, ls, g, lg, c, n, 0),
+    }
+}
+
+fn launch_adamw(
+    st: &mut CudaStorage,
+    ls: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    c: &Coeffs,
+    n: usize,
+    w_out: u64,
+) -> candle_core::Result<()> {
     let dev = st.device().clone();
     let func = dev.get_or_load_custom_func("mt_adamw", MODULE, ptx()?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
@@ -52,9 +77,14 @@ pub(crate) fn adamw(
     b.arg(&c.bc2_sqrt);
     b.arg(&c.eps);
     b.arg(&c.step_size);
+    b.arg(&w_out);
     // SAFETY: argument types match mt_adamw's signature (float*, const float*, long long, then
-    // float, float, int, and six floats); the state view holds 3·n f32 and the gradient n
-    // (checked above); each element is read and written by one thread of the grid-stride loop.
+    // float, float, int, six floats and the weights' address as unsigned long long); the state
+    // view holds 3·n f32 and the gradient n (checked by `adamw`); `w_out` is 0 or the address of
+    // n bf16 of a live buffer of candle's device distinct from both (the caller's tensor, whose
+    // storage lock `with_bf16` holds during the launch; written through it on this same compute
+    // stream, so every reader or writer of the slot before or after is ordered with it); each
+    // element is read and written by one thread of the grid-stride loop.
     unsafe { b.launch(grid_for(n)) }.w()?;
     Ok(())
 }

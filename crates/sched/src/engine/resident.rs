@@ -110,9 +110,16 @@ impl<B: Backend> Engine<B> {
     pub(super) fn update_resident(&mut self, unit: Unit, args: &StepArgs) -> Result<()> {
         let bufs = self.resident_bufs(unit)?;
         if self.applied[unit.index()] < args.step {
-            mt_layers::device_optim::adamw_step(&bufs.state, &bufs.grad, &self.opts.adamw, args)?;
+            mt_layers::device_optim::adamw_step_into(
+                &bufs.state,
+                &bufs.grad,
+                &self.opts.adamw,
+                args,
+                &bufs.slot,
+            )?;
             self.applied[unit.index()] = args.step;
             self.dirty = true;
+            return Ok(());
         }
         cast_weights(&bufs)
     }
@@ -175,7 +182,5 @@ impl<B: Backend> Engine<B> {
 
 /// A resident unit's master weights cast into its slot (compute stream).
 fn cast_weights(b: &ResidentBufs) -> Result<()> {
-    let n = b.slot.elem_count();
-    b.slot.slice_set(&b.state.narrow(0, 0, n)?.to_dtype(b.slot.dtype())?, 0, 0)?;
-    Ok(())
+    Ok(mt_layers::device_optim::cast_master_into(&b.state, &b.slot)?)
 }
