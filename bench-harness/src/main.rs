@@ -33,7 +33,8 @@ struct Cli {
     /// Systems (paper).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ours,torch,deepspeed")]
     systems: Vec<System>,
-    /// Models (paper): 3.6b, 8b, 14b or config.json paths.
+    /// Models (paper): 3.6b, 8b, 14b, 32b, 120b or config.json paths; `none` for no throughput
+    /// part.
     #[arg(long, value_delimiter = ',', default_value = "3.6b,14b")]
     models: Vec<String>,
     /// Tokens per step as BATCHxSEQ [default: smoke 4x64, paper 4x2048,16x2048, ablate 4x2048].
@@ -46,6 +47,10 @@ struct Cli {
     /// variant `streamed`) beside the planner's placement (variant `default`).
     #[arg(long)]
     ours_streamed: bool,
+    /// Paper: layer counts of the slices of the dense 120B shape (`configs/dense-120b.json`)
+    /// measured to extrapolate the full model's step time and host memory; 0: none.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    slices: Vec<usize>,
     /// Layer counts of the depth-scaling part (paper; width of the first model); 0: none.
     #[arg(long, value_delimiter = ',', default_value = "7,14,28")]
     depths: Vec<usize>,
@@ -107,9 +112,10 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         python: cli.python.clone(),
         steps: cli.steps,
         systems: if suite == Suite::Smoke { vec![System::Ours] } else { cli.systems.clone() },
-        models: cli.models.clone(),
+        models: cli.models.iter().filter(|m| m.as_str() != "none").cloned().collect(),
         tokens: cli.tokens.clone().unwrap_or(default_tokens),
         depths: cli.depths.iter().copied().filter(|&d| d > 0).collect(),
+        slices: cli.slices.iter().copied().filter(|&d| d > 0).collect(),
         megatrain_args: cli.megatrain_arg.clone(),
         largest: cli.largest.clone(),
         ours_streamed: cli.ours_streamed,

@@ -85,6 +85,9 @@ pub enum Status {
     Skipped,
     /// Part of the suite that is not automated yet (`reason` says what is missing).
     NotRun,
+    /// Not run: computed from measured runs (`reason` says which and how). Only the fields the
+    /// computation fills are set.
+    Extrapolated,
 }
 
 /// One system on one configuration.
@@ -92,7 +95,8 @@ pub enum Status {
 pub struct Run {
     /// Stable identity used by `regress`: `part/system/model/bBATCHxSEQ/variant`.
     pub key: String,
-    /// `throughput`, `depth`, `ablation` or `largest`.
+    /// `throughput`, `depth`, `ablation`, `largest` or `slice` (a few layers of a model too large
+    /// for the machine, measured for the `largest` extrapolation).
     pub part: String,
     /// `ours`, `torch` or `deepspeed`.
     pub system: String,
@@ -106,7 +110,8 @@ pub struct Run {
     pub seq_len: usize,
     /// `batch_size * seq_len`.
     pub tokens_per_step: usize,
-    /// `default` or the ablation's name (`ring1`, `no_opt_overlap`, `chunks2`, ...).
+    /// `default`, the ablation's name (`ring1`, `no_opt_overlap`, `chunks2`, ...), `streamed`
+    /// (every decoder layer streamed) or `extrapolated`.
     pub variant: String,
     /// `cpu` or `cuda`.
     pub device: String,

@@ -76,6 +76,9 @@ pub struct Options {
     pub tokens: Vec<(usize, usize)>,
     /// Layer counts of the depth-scaling part (paper).
     pub depths: Vec<usize>,
+    /// Layer counts of the measured slices of the dense 120B shape (paper; empty: the 120B
+    /// extrapolation is recorded as not run).
+    pub slices: Vec<usize>,
     /// `cpu` or `cuda` (paper, ablate).
     pub device: String,
     /// Model config of the ablations (None: megatrain's built-in tiny Llama).
@@ -116,10 +119,11 @@ pub fn model_config_path(label: &str) -> Result<PathBuf> {
         "8b" => "llama3-8b.json",
         "14b" => "qwen2.5-14b.json",
         "32b" => "qwen2.5-32b.json",
+        "120b" => "dense-120b.json",
         other if other.ends_with(".json") => return Ok(PathBuf::from(other)),
         other => {
             return Err(Error::Options(format!(
-                "unknown model {other:?}: use 3.6b, 8b, 14b, 32b or a .json path"
+                "unknown model {other:?}: use 3.6b, 8b, 14b, 32b, 120b or a .json path"
             )))
         }
     };
@@ -363,10 +367,33 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                 );
                 cx.add(s);
             }
-            let s = spec("largest", System::Ours, "120b", None, first_tokens, "extrapolated");
-            let reason =
-                "not automated yet: the 120B case (a few layers of a dense 120B shape measured, the \
-                          rest extrapolated with the planner's model) has no harness part yet";
+            // The 120B case: slices of the dense 120B shape (a few layers, placed as the full
+            // model's plan places them: every decoder layer streamed, the outer unit resident),
+            // measured; the full model's step time, FLOPs and host memory extrapolated from them
+            // after the runs (`extrapolate_120b`).
+            let base_path = model_config_path("120b")?;
+            let text = std::fs::read_to_string(&base_path).map_err(io_err(&base_path))?;
+            let base: Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Parse { path: base_path.clone(), msg: e.to_string() })?;
+            if opts.systems.contains(&System::Ours) {
+                for &layers in &opts.slices {
+                    let label = format!("120b-L{layers}");
+                    let path = opts.out.join("configs").join(format!("{label}.json"));
+                    let mut cfg = base.clone();
+                    cfg["num_hidden_layers"] = json!(layers);
+                    cx.plan.configs.push((path.clone(), cfg));
+                    let s = spec("slice", System::Ours, &label, Some(path), first_tokens, "default");
+                    let extra =
+                        ["--resident-layers", "0", "--resident-outer", "on"].map(String::from).to_vec();
+                    cx.add(Spec { extra, ..s });
+                }
+            }
+            let s = spec("largest", System::Ours, "120b", Some(base_path), first_tokens, "extrapolated");
+            let reason = if opts.slices.len() >= 2 {
+                "computed after the slices ran"
+            } else {
+                "needs at least two slice layer counts (--slices)"
+            };
             cx.plan.fixed.push(cx.entry(&s, Status::NotRun, Some(reason.into())));
         }
         Suite::Regress => {
@@ -417,6 +444,7 @@ pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Resul
         runs.push(run);
     }
     runs.extend(plan.fixed.iter().cloned());
+    extrapolate_120b(&mut runs)?;
     let config = serde_json::to_value(opts).unwrap_or(Value::Null);
     let mut results = Results {
         schema_version: SCHEMA_VERSION,
@@ -449,5 +477,178 @@ mod tests {
         assert_eq!(model_label("3.6b"), "3.6b");
         assert_eq!(model_label("14b"), "14b");
         assert_eq!(model_label("bench-harness/configs/llama3-3.6b.json"), "llama3-3.6b");
+    }
+}
+
+/// Fills the `largest/ours/120b/.../extrapolated` entry from the measured `slice` runs of the
+/// same token shape: step time, parameters, model FLOPs and host RSS are each linear in the
+/// layer count (every layer streams the same way, the outer unit's cost is fixed), so a
+/// least-squares line through the slices gives the full model's (`num_hidden_layers` of its
+/// config). Left `not_run` with the reason when fewer than two slices succeeded.
+pub fn extrapolate_120b(runs: &mut [Run]) -> Result<()> {
+    let Some(i) = runs.iter().position(|r| r.part == "largest" && r.variant == "extrapolated") else {
+        return Ok(());
+    };
+    if runs[i].status != Status::NotRun || runs[i].reason.as_deref() != Some("computed after the slices ran")
+    {
+        return Ok(());
+    }
+    let target = &runs[i];
+    let full_layers = match &target.model_config {
+        Some(p) => {
+            let path = PathBuf::from(p);
+            let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+            let cfg: Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Parse { path: path.clone(), msg: e.to_string() })?;
+            cfg["num_hidden_layers"]
+                .as_u64()
+                .ok_or_else(|| Error::Parse { path, msg: "no num_hidden_layers".into() })? as f64
+        }
+        None => return Ok(()),
+    };
+    struct Point {
+        layers: f64,
+        step_s: f64,
+        params: f64,
+        flops: f64,
+        rss: f64,
+        label: String,
+    }
+    let points: Vec<Point> = runs
+        .iter()
+        .filter(|r| r.part == "slice" && r.status == Status::Ok && r.batch_size == target.batch_size)
+        .filter(|r| r.seq_len == target.seq_len)
+        .filter_map(|r| {
+            let m = &r.measured;
+            let step_s = m.step_ms? / 1e3;
+            Some(Point {
+                layers: m.num_hidden_layers? as f64,
+                step_s,
+                params: m.n_params? as f64,
+                flops: m.model_tflops? * 1e12 * step_s,
+                rss: m.host_rss_peak_bytes? as f64,
+                label: format!("{} ({:.1} ms)", r.model, m.step_ms?),
+            })
+        })
+        .collect();
+    let distinct = points.iter().map(|p| p.layers as u64).collect::<std::collections::BTreeSet<_>>();
+    if distinct.len() < 2 {
+        runs[i].reason = Some(format!(
+            "fewer than two slices with different layer counts succeeded ({} ok): nothing to extrapolate from",
+            points.len()
+        ));
+        return Ok(());
+    }
+    // Least squares y = a + b·L over the slices; exact for two.
+    let fit = |y: &dyn Fn(&Point) -> f64| {
+        let n = points.len() as f64;
+        let (sx, sy) = (points.iter().map(|p| p.layers).sum::<f64>(), points.iter().map(y).sum::<f64>());
+        let sxx = points.iter().map(|p| p.layers * p.layers).sum::<f64>();
+        let sxy = points.iter().map(|p| p.layers * y(p)).sum::<f64>();
+        let b = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+        let a = (sy - b * sx) / n;
+        (a, b)
+    };
+    let at = |(a, b): (f64, f64)| a + b * full_layers;
+    let (step_fit, params, flops, rss) =
+        (fit(&|p| p.step_s), at(fit(&|p| p.params)), at(fit(&|p| p.flops)), at(fit(&|p| p.rss)));
+    let step_s = at(step_fit);
+    let tokens = (target.batch_size * target.seq_len) as f64;
+    let r = &mut runs[i];
+    r.status = Status::Extrapolated;
+    r.reason = Some(format!(
+        "not run: extrapolated to {full_layers} layers from the measured slices {} (every decoder layer \
+         streamed, outer unit resident, as the full model's plan places them): step time {:.1} ms + \
+         {:.1} ms per layer; parameters, model FLOPs and host RSS likewise linear in the layer count. \
+         The full model needs {:.0} GB of host memory, which this machine does not have",
+        points.iter().map(|p| p.label.as_str()).collect::<Vec<_>>().join(", "),
+        step_fit.0 * 1e3,
+        step_fit.1 * 1e3,
+        rss / 1e9
+    ));
+    r.measured = Measured {
+        n_params: Some(params.round() as u64),
+        num_hidden_layers: Some(full_layers as u64),
+        step_ms: Some(step_s * 1e3),
+        tokens_per_s: Some(tokens / step_s),
+        model_tflops: Some(flops / step_s / 1e12),
+        host_rss_peak_bytes: Some(rss.round() as u64),
+        host_rss_peak_bytes_per_param: Some(rss / params),
+        ..Measured::default()
+    };
+    Ok(())
+}
+
+#[cfg(test)]
+mod extrapolation_tests {
+    use super::*;
+
+    fn run(part: &str, model: &str, status: Status, m: Measured) -> Run {
+        Run {
+            key: format!("{part}/ours/{model}/b4x2048/default"),
+            part: part.into(),
+            system: "ours".into(),
+            model: model.into(),
+            model_config: None,
+            batch_size: 4,
+            seq_len: 2048,
+            tokens_per_step: 8192,
+            variant: "default".into(),
+            device: "cuda".into(),
+            status,
+            reason: None,
+            command: vec![],
+            metrics_file: None,
+            log_file: None,
+            trace_file: None,
+            wall_s: None,
+            measured: m,
+        }
+    }
+
+    fn slice(layers: u64, step_ms: f64) -> Run {
+        // 3.15e9 outer + 1.5e9 per layer; FLOPs 6·N·8192; RSS 14 B/param + 10 GB.
+        let n = 3.15e9 + 1.5e9 * layers as f64;
+        let m = Measured {
+            num_hidden_layers: Some(layers),
+            n_params: Some(n as u64),
+            step_ms: Some(step_ms),
+            model_tflops: Some(6.0 * n * 8192.0 / (step_ms / 1e3) / 1e12),
+            host_rss_peak_bytes: Some((14.0 * n + 10e9) as u64),
+            ..Measured::default()
+        };
+        run("slice", &format!("120b-L{layers}"), Status::Ok, m)
+    }
+
+    #[test]
+    fn the_120b_entry_is_extrapolated_linearly_from_the_slices_and_says_so() {
+        let target = || {
+            let mut t = run("largest", "120b", Status::NotRun, Measured::default());
+            t.variant = "extrapolated".into();
+            t.model_config = Some(model_config_path("120b").unwrap().display().to_string());
+            t.reason = Some("computed after the slices ran".into());
+            t
+        };
+        let mut runs = vec![slice(1, 1500.0), slice(2, 2000.0), target()];
+        extrapolate_120b(&mut runs).unwrap();
+        let r = &runs[2];
+        assert_eq!(r.status, Status::Extrapolated);
+        let m = &r.measured;
+        // 76 layers: 1000 ms + 500 ms per layer; N = 3.15e9 + 76 · 1.5e9.
+        assert!((m.step_ms.unwrap() - 39_000.0).abs() < 1e-6, "{m:?}");
+        let n = 3.15e9 + 76.0 * 1.5e9;
+        assert!((m.n_params.unwrap() as f64 - n).abs() < 2.0);
+        assert!((m.model_tflops.unwrap() - 6.0 * n * 8192.0 / 39.0 / 1e12).abs() < 1e-6);
+        assert!((m.host_rss_peak_bytes_per_param.unwrap() - (14.0 + 10e9 / n)).abs() < 1e-6);
+        assert_eq!(m.num_hidden_layers, Some(76));
+        let why = r.reason.as_deref().unwrap();
+        assert!(why.starts_with("not run: extrapolated to 76 layers") && why.contains("120b-L1"), "{why}");
+        // One failed slice: nothing to extrapolate from, and it says so.
+        let mut failed = slice(2, 2000.0);
+        failed.status = Status::Failed;
+        let mut runs = vec![slice(1, 1500.0), failed, target()];
+        extrapolate_120b(&mut runs).unwrap();
+        assert_eq!(runs[2].status, Status::NotRun);
+        assert!(runs[2].reason.as_deref().unwrap().contains("fewer than two slices"));
     }
 }

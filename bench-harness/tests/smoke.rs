@@ -32,6 +32,7 @@ fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
         models: vec![],
         tokens: vec![(4, 64)],
         depths: vec![],
+        slices: vec![],
         device: "cpu".into(),
         model_config: None,
         run_timeout_s: 300,
