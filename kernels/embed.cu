@@ -8,8 +8,12 @@
 // where each id's positions start, and the ids; built on the host from the batch's ids.
 __device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
 
-extern "C" __global__ void mt_rows_add_bf16(const unsigned short* __restrict__ src, float* __restrict__ grad,
-                                            const unsigned* __restrict__ csr, int k, int n_rows, int h) {
+__device__ __forceinline__ float widen(unsigned short x) { return bf2f(x); }
+__device__ __forceinline__ float widen(float x) { return x; }
+
+template <typename T>
+__device__ void rows_add(const T* __restrict__ src, float* __restrict__ grad, const unsigned* __restrict__ csr, int k,
+                         int n_rows, int h) {
     const unsigned* order = csr;
     const unsigned* seg = csr + k;
     const unsigned* rows = csr + k + n_rows + 1;
@@ -18,22 +22,17 @@ extern "C" __global__ void mt_rows_add_bf16(const unsigned short* __restrict__ s
     const unsigned a = seg[u], b = seg[u + 1];
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
         float acc = grad[row * h + j];
-        for (unsigned i = a; i < b; i++) acc += bf2f(src[(long long)order[i] * h + j]);
+        for (unsigned i = a; i < b; i++) acc += widen(src[(long long)order[i] * h + j]);
         grad[row * h + j] = acc;
     }
 }
 
+extern "C" __global__ void mt_rows_add_bf16(const unsigned short* __restrict__ src, float* __restrict__ grad,
+                                            const unsigned* __restrict__ csr, int k, int n_rows, int h) {
+    rows_add(src, grad, csr, k, n_rows, h);
+}
+
 extern "C" __global__ void mt_rows_add_f32(const float* __restrict__ src, float* __restrict__ grad,
                                            const unsigned* __restrict__ csr, int k, int n_rows, int h) {
-    const unsigned* order = csr;
-    const unsigned* seg = csr + k;
-    const unsigned* rows = csr + k + n_rows + 1;
-    const int u = blockIdx.x;
-    const long long row = rows[u];
-    const unsigned a = seg[u], b = seg[u + 1];
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        float acc = grad[row * h + j];
-        for (unsigned i = a; i < b; i++) acc += src[(long long)order[i] * h + j];
-        grad[row * h + j] = acc;
-    }
+    rows_add(src, grad, csr, k, n_rows, h);
 }

@@ -117,43 +117,14 @@ pub fn compare(baseline: &Results, current: &Results, threshold: f64) -> Report 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schema::{Machine, Measured, Run, SCHEMA_VERSION};
+    use crate::schema::{Measured, Run};
 
     fn results(runs: &[(&str, Status, f64)]) -> Results {
-        Results {
-            schema_version: SCHEMA_VERSION,
-            suite: "smoke".into(),
-            machine: Machine { hostname: "h".into(), cpus: 2, ram_bytes: None, gpu: None },
-            commit: None,
-            date: String::new(),
-            config: serde_json::Value::Null,
-            flops_formula: String::new(),
-            runs: runs
-                .iter()
-                .map(|&(key, status, t)| Run {
-                    key: key.into(),
-                    part: "throughput".into(),
-                    system: "ours".into(),
-                    model: "tiny".into(),
-                    model_config: None,
-                    batch_size: 1,
-                    seq_len: 1,
-                    tokens_per_step: 1,
-                    variant: "default".into(),
-                    device: "cpu".into(),
-                    status,
-                    reason: None,
-                    command: vec![],
-                    metrics_file: None,
-                    log_file: None,
-                    trace_file: None,
-                    wall_s: None,
-                    measured: Measured { tokens_per_s: Some(t), ..Measured::default() },
-                })
-                .collect(),
-            ratios: vec![],
-            figures: vec![],
-        }
+        let run = |&(model, status, t): &(&str, Status, f64)| {
+            let m = Measured { tokens_per_s: Some(t), ..Measured::default() };
+            Run::for_test("throughput", "ours", model, "default", status, m)
+        };
+        Results::for_test(runs.iter().map(run).collect())
     }
 
     #[test]

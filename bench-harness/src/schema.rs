@@ -357,32 +357,44 @@ pub fn utc_iso(secs: u64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn each_of_our_variants_is_compared_with_the_peers_default() {
-        let run = |system: &str, variant: &str, tps: f64| Run {
-            key: format!("throughput/{system}/m/b4x8/{variant}"),
-            part: "throughput".into(),
+impl Run {
+    /// A run for tests: 4 x 2048 tokens on cuda, the key made from the other fields.
+    pub(crate) fn for_test(
+        part: &str,
+        system: &str,
+        model: &str,
+        variant: &str,
+        status: Status,
+        measured: Measured,
+    ) -> Run {
+        Run {
+            key: Run::make_key(part, system, model, 4, 2048, variant),
+            part: part.into(),
             system: system.into(),
-            model: "m".into(),
+            model: model.into(),
             model_config: None,
             batch_size: 4,
-            seq_len: 8,
-            tokens_per_step: 32,
+            seq_len: 2048,
+            tokens_per_step: 4 * 2048,
             variant: variant.into(),
             device: "cuda".into(),
-            status: Status::Ok,
+            status,
             reason: None,
             command: vec![],
             metrics_file: None,
             log_file: None,
             trace_file: None,
             wall_s: None,
-            measured: Measured { tokens_per_s: Some(tps), ..Measured::default() },
-        };
-        let mut r = Results {
+            measured,
+        }
+    }
+}
+
+#[cfg(test)]
+impl Results {
+    /// Results of `runs` for tests.
+    pub(crate) fn for_test(runs: Vec<Run>) -> Results {
+        Results {
             schema_version: SCHEMA_VERSION,
             suite: "paper".into(),
             machine: Machine { hostname: "h".into(), cpus: 2, ram_bytes: None, gpu: None },
@@ -390,14 +402,28 @@ mod tests {
             date: String::new(),
             config: serde_json::Value::Null,
             flops_formula: String::new(),
-            runs: vec![
-                run("ours", "default", 300.0),
-                run("ours", "streamed", 200.0),
-                run("deepspeed", "default", 100.0),
-            ],
+            runs,
             ratios: vec![],
             figures: vec![],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_of_our_variants_is_compared_with_the_peers_default() {
+        let run = |system: &str, variant: &str, tps: f64| {
+            let m = Measured { tokens_per_s: Some(tps), ..Measured::default() };
+            Run::for_test("throughput", system, "m", variant, Status::Ok, m)
         };
+        let mut r = Results::for_test(vec![
+            run("ours", "default", 300.0),
+            run("ours", "streamed", 200.0),
+            run("deepspeed", "default", 100.0),
+        ]);
         r.compute_ratios();
         let got: Vec<(String, f64)> =
             r.ratios.iter().map(|x| (x.variant.clone(), x.tokens_per_s_ratio_ours_over_peer)).collect();

@@ -584,26 +584,7 @@ mod extrapolation_tests {
     use super::*;
 
     fn run(part: &str, model: &str, status: Status, m: Measured) -> Run {
-        Run {
-            key: format!("{part}/ours/{model}/b4x2048/default"),
-            part: part.into(),
-            system: "ours".into(),
-            model: model.into(),
-            model_config: None,
-            batch_size: 4,
-            seq_len: 2048,
-            tokens_per_step: 8192,
-            variant: "default".into(),
-            device: "cuda".into(),
-            status,
-            reason: None,
-            command: vec![],
-            metrics_file: None,
-            log_file: None,
-            trace_file: None,
-            wall_s: None,
-            measured: m,
-        }
+        Run::for_test(part, "ours", model, "default", status, m)
     }
 
     fn slice(layers: u64, step_ms: f64) -> Run {
