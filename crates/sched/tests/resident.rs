@@ -204,9 +204,43 @@ fn resident_layers_never_cross_the_bus_and_a_crash_leaves_a_refused_store() {
         mt_sched::Engine::new(&cfg, store.clone(), mt_sched::CpuBackend::new(Default::default()), too_many);
     let err = r.map(|_| ()).unwrap_err().to_string();
     assert!(err.contains("resident layers asked of a"), "{err}");
-    // A crash (no drop, no write-back) leaves layer 0's record behind the store's step.
+    // A crash (no drop, no write-back) leaves the store marked, and layer 0's record behind.
     std::mem::forget(e);
+    assert!(store.device_owned());
     let r = mt_sched::Engine::new(&cfg, store, mt_sched::CpuBackend::new(Default::default()), opts);
     let err = r.map(|_| ()).unwrap_err().to_string();
-    assert!(err.contains("Layer(0)") && err.contains("resume from a checkpoint"), "{err}");
+    assert!(
+        err.contains("stopped without writing them back") && err.contains("resume from a checkpoint"),
+        "{err}"
+    );
+}
+
+/// A crash right after a flush and one more step leaves every record at the store's step, but
+/// the pending update's gradient of the resident layers only on the (lost) device: the mark
+/// refuses the store; a normal drop clears it and the next engine continues.
+#[test]
+fn a_crash_after_a_flush_and_a_step_is_refused_and_a_drop_is_not() {
+    let cfg = cfg();
+    let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
+    let opts = EngineOptions { resident_layers: 1, ..golden_opts() };
+    let data = small_batches(&cfg, 2, 70);
+    let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
+    e.step(&data[0], 1e-3).unwrap();
+    e.flush_pending().unwrap();
+    assert!(!store.device_owned());
+    e.step(&data[1], 1e-3).unwrap();
+    std::mem::forget(e);
+    for resident in [1, 0] {
+        let o = EngineOptions { resident_layers: resident, ..opts.clone() };
+        let r = mt_sched::Engine::new(&cfg, store.clone(), mt_sched::CpuBackend::new(Default::default()), o);
+        let err = r.map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains("stopped without writing them back"), "{resident} resident: {err}");
+    }
+    let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
+    let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
+    e.step(&data[0], 1e-3).unwrap();
+    assert!(store.device_owned());
+    drop(e);
+    assert!(!store.device_owned());
+    engine(&cfg, store, opts, 0).step(&data[1], 1e-3).unwrap();
 }

@@ -388,6 +388,19 @@ impl HostStore {
         })
     }
 
+    /// Whether an engine has marked the store as not current: some units' newest state (weights,
+    /// moments, a pending update's gradient) lives on its device until it writes them back. A
+    /// store still marked when a new engine opens it was left by one that stopped without
+    /// writing back (a crash); its records must not be trained on.
+    pub fn device_owned(&self) -> bool {
+        self.with_header(|p| header::get_u64(p, off::DEVICE_OWNED) != 0)
+    }
+
+    /// Sets or clears the mark of [`HostStore::device_owned`].
+    pub fn set_device_owned(&self, owned: bool) {
+        self.with_header(|p| header::put_u64(p, off::DEVICE_OWNED, u64::from(owned)))
+    }
+
     /// Locks one unit's record for exclusive access.
     ///
     /// # Panics

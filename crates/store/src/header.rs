@@ -42,6 +42,8 @@ pub(crate) mod off {
     pub(crate) const PENDING_GRAD_SCALE: usize = 48;
     pub(crate) const GRAD_NORM: usize = 56;
     pub(crate) const PENDING_LR: usize = 64;
+    /// Non-zero while an engine holds units whose newest state is on its device only.
+    pub(crate) const DEVICE_OWNED: usize = 72;
 }
 
 pub(crate) fn put_u64(page: &mut [u8], at: usize, v: u64) {

@@ -369,6 +369,12 @@ impl<B: Backend> Engine<B> {
                 },
             },
         };
+        if !self.resident_units().is_empty() {
+            // From here until the write-back the device holds state the store does not; a crash
+            // leaves the mark, and the next engine refuses the store.
+            self.dirty = true;
+            self.store.set_device_owned(true);
+        }
         self.backend.begin_step();
         self.device_sumsq.clear();
         let loss = self.execute(&program, &chunks, update_args)?;
@@ -376,8 +382,6 @@ impl<B: Backend> Engine<B> {
             let ss = ss.value()?;
             self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
         }
-        // The device now holds gradients (and maybe updates) the store has not seen.
-        self.dirty |= !self.resident_units().is_empty();
         let step_s = self.backend.now_s();
         let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
         let coef = self.opts.clip.map_or(1.0, |c| mt_optim::clip_coef(norm, c));

@@ -49,12 +49,22 @@ impl<B: Backend> Engine<B> {
         })
     }
 
-    /// Refuses a store with a record behind the store's step: every record is at the store's
-    /// step (or one past, mid-flush), so an older record was left by a run with resident units
-    /// that stopped without writing them back (a crash): their updates since the last
-    /// checkpoint or eval are lost, and training on would silently mix them up.
+    /// Refuses a store that a run with resident units left without writing them back (a crash):
+    /// one still marked [`mt_store::HostStore::device_owned`] (set from a step's start until the
+    /// write-back), or, for stores from before that mark, one with a record behind the store's
+    /// step (every record is at the store's step, or one past mid-flush). Their updates since
+    /// the last checkpoint or eval, or the gradient of a pending update, are lost, and training
+    /// on would silently mix them up.
     pub(super) fn check_records(&self) -> Result<()> {
         let state = self.store.state();
+        if self.store.device_owned() {
+            return Err(Error::Options(
+                "the host store was left by a run with GPU-resident units (--resident-outer / --resident-layers) \
+                 that stopped without writing them back (a crash or kill): its records are not current; \
+                 resume from a checkpoint (--resume) instead"
+                    .into(),
+            ));
+        }
         for unit in self.layout.units() {
             let applied = self.store.record(unit).applied_step();
             if applied < state.step {
@@ -137,6 +147,7 @@ impl<B: Backend> Engine<B> {
         let largest = units.iter().map(|&u| self.layout.unit(u).len).max().unwrap_or(0);
         if largest == 0 {
             self.dirty = false;
+            self.store.set_device_owned(false);
             return Ok(());
         }
         // In pieces, so the host holds at most SYNC_PIECE extra elements at a time. Each piece is
@@ -176,6 +187,7 @@ impl<B: Backend> Engine<B> {
             r.set_applied_step(applied);
         }
         self.dirty = false;
+        self.store.set_device_owned(false);
         Ok(())
     }
 }
