@@ -5,8 +5,9 @@
 // `update_block`), with the f32 scalars `Coeffs::of` derives on the host; NVRTC runs with
 // --fmad=false and IEEE division and square root, so every element rounds as on the CPU.
 // state = [master | m | v], n elements each. With `w_out` non-zero, the new master weights are
-// also written there as bf16 (round to nearest even, as candle's cast), the unit's device slot:
-// one pass instead of update + cast + copy.
+// also written there as bf16 (round to nearest even, as candle's cast for every finite value; a
+// NaN becomes the canonical 0x7fc0), the unit's device slot: one pass instead of update + cast +
+// copy.
 __device__ __forceinline__ unsigned short f2bf(float f) {
     unsigned u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;

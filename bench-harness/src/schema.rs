@@ -248,7 +248,8 @@ impl Results {
                     && (peer.variant == ours.variant
                         || (peer.variant == "default"
                             && !self.runs.iter().any(|r| {
-                                r.system == peer.system
+                                r.status == Status::Ok
+                                    && r.system == peer.system
                                     && r.variant == ours.variant
                                     && (&r.part, &r.model, r.batch_size, r.seq_len)
                                         == (&peer.part, &peer.model, peer.batch_size, peer.seq_len)

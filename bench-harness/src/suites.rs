@@ -345,14 +345,10 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                     // Depth scaling is a property of our engine's schedule (time per step linear
                     // in layers); the peers are compared in the throughput part.
                     if opts.systems.contains(&System::Ours) {
-                        cx.add(spec(
-                            "depth",
-                            System::Ours,
-                            &label,
-                            Some(path.clone()),
-                            first_tokens,
-                            "default",
-                        ));
+                        let s =
+                            spec("depth", System::Ours, &label, Some(path.clone()), first_tokens, "default");
+                        // Every layer streamed, so that each added layer costs the same.
+                        cx.add(Spec { extra: streamed_layers(), ..s });
                     }
                 }
             }
@@ -444,7 +440,7 @@ pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Resul
         runs.push(run);
     }
     runs.extend(plan.fixed.iter().cloned());
-    extrapolate_120b(&mut runs)?;
+    extrapolate_120b(&mut runs, machine.ram_bytes)?;
     let config = serde_json::to_value(opts).unwrap_or(Value::Null);
     let mut results = Results {
         schema_version: SCHEMA_VERSION,
@@ -485,7 +481,7 @@ mod tests {
 /// layer count (every layer streams the same way, the outer unit's cost is fixed), so a
 /// least-squares line through the slices gives the full model's (`num_hidden_layers` of its
 /// config). Left `not_run` with the reason when fewer than two slices succeeded.
-pub fn extrapolate_120b(runs: &mut [Run]) -> Result<()> {
+pub fn extrapolate_120b(runs: &mut [Run], machine_ram: Option<u64>) -> Result<()> {
     let Some(i) = runs.iter().position(|r| r.part == "largest" && r.variant == "extrapolated") else {
         return Ok(());
     };
@@ -554,16 +550,31 @@ pub fn extrapolate_120b(runs: &mut [Run]) -> Result<()> {
         (fit(&|p| p.step_s), at(fit(&|p| p.params)), at(fit(&|p| p.flops)), at(fit(&|p| p.rss)));
     let step_s = at(step_fit);
     let tokens = (target.batch_size * target.seq_len) as f64;
+    // With three or more slices, how far the measured steps are from the line.
+    let residual = (points.len() > 2).then(|| {
+        let worst = points
+            .iter()
+            .map(|p| (p.step_s - (step_fit.0 + step_fit.1 * p.layers)).abs())
+            .fold(0.0, f64::max);
+        format!(" (largest residual of the step-time fit: {:.1} ms)", worst * 1e3)
+    });
+    let fits = match machine_ram {
+        Some(ram) if (ram as f64) < rss => format!("more than this machine's {:.0} GB", ram as f64 / 1e9),
+        Some(ram) => format!("within this machine's {:.0} GB", ram as f64 / 1e9),
+        None => "this machine's memory is unknown".into(),
+    };
     let r = &mut runs[i];
     r.status = Status::Extrapolated;
     r.reason = Some(format!(
         "not run: extrapolated to {full_layers} layers from the measured slices {} (every decoder layer \
          streamed, outer unit resident, as the full model's plan places them): step time {:.1} ms + \
-         {:.1} ms per layer; parameters, model FLOPs and host RSS likewise linear in the layer count. \
-         The full model needs {:.0} GB of host memory, which this machine does not have",
+         {:.1} ms per layer{}; parameters, model FLOPs and host RSS likewise linear in the layer count. \
+         The slices ran with the planner's chunking for their size; the extrapolation assumes the full \
+         model's plan chunks the same. The full model needs {:.0} GB of host memory ({fits})",
         points.iter().map(|p| p.label.as_str()).collect::<Vec<_>>().join(", "),
         step_fit.0 * 1e3,
         step_fit.1 * 1e3,
+        residual.unwrap_or_default(),
         rss / 1e9
     ));
     r.measured = Measured {
@@ -611,7 +622,7 @@ mod extrapolation_tests {
             t
         };
         let mut runs = vec![slice(1, 1500.0), slice(2, 2000.0), target()];
-        extrapolate_120b(&mut runs).unwrap();
+        extrapolate_120b(&mut runs, Some(128 << 30)).unwrap();
         let r = &runs[2];
         assert_eq!(r.status, Status::Extrapolated);
         let m = &r.measured;
@@ -624,11 +635,18 @@ mod extrapolation_tests {
         assert_eq!(m.num_hidden_layers, Some(76));
         let why = r.reason.as_deref().unwrap();
         assert!(why.starts_with("not run: extrapolated to 76 layers") && why.contains("120b-L1"), "{why}");
+        assert!(why.contains("more than this machine's 137 GB") && !why.contains("residual"), "{why}");
+        // Three slices on a line: the residual is reported (0).
+        let mut runs = vec![slice(1, 1500.0), slice(2, 2000.0), slice(3, 2500.0), target()];
+        extrapolate_120b(&mut runs, None).unwrap();
+        let why = runs[3].reason.as_deref().unwrap();
+        assert!(why.contains("largest residual of the step-time fit: 0.0 ms"), "{why}");
+        assert!((runs[3].measured.step_ms.unwrap() - 39_000.0).abs() < 1e-6);
         // One failed slice: nothing to extrapolate from, and it says so.
         let mut failed = slice(2, 2000.0);
         failed.status = Status::Failed;
         let mut runs = vec![slice(1, 1500.0), failed, target()];
-        extrapolate_120b(&mut runs).unwrap();
+        extrapolate_120b(&mut runs, None).unwrap();
         assert_eq!(runs[2].status, Status::NotRun);
         assert!(runs[2].reason.as_deref().unwrap().contains("fewer than two slices"));
     }

@@ -96,15 +96,22 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
     let host_bytes = host_bytes(&p, args.device);
     let layout = ModelLayout::new(cfg);
-    let n = layout.n_params() as f64;
     let tokens = (args.batch_size * args.seq_len) as f64;
     // Model FLOPs plus the recomputed forward of every layer (2·N_layers·T).
     let recompute = 2.0 * (layout.n_layers * layout.layer.n_params()) as f64 * tokens;
     let compute_s = (p.flops_per_step + recompute) / (args.tflops * 1e12);
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
-    let host_s = n / (args.host_gparams * 1e9);
-    let fill =
-        layout.layer.n_params() as f64 * (2.0 / (args.pcie_gbs * 1e9) + 1.0 / (args.host_gparams * 1e9));
+    // The host optimizer updates the streamed units only: resident ones are updated on the GPU.
+    let streamed_layers = layout.n_layers - p.resident_layers;
+    let host_params = (streamed_layers * layout.layer.n_params()
+        + if p.resident_outer { 0 } else { layout.outer.n_params() }) as f64;
+    let host_s = host_params / (args.host_gparams * 1e9);
+    // The first streamed layer's upload and update are not hidden behind anything.
+    let fill = if streamed_layers > 0 {
+        layout.layer.n_params() as f64 * (2.0 / (args.pcie_gbs * 1e9) + 1.0 / (args.host_gparams * 1e9))
+    } else {
+        0.0
+    };
     let step_s = compute_s.max(pcie_s).max(host_s) + fill;
     Ok(Estimate {
         device_bytes: p.gpu.total,
@@ -167,5 +174,35 @@ impl std::fmt::Display for Estimate {
             (p.batch * p.seq) as f64 / self.step_s,
             p.flops_per_step / self.step_s / 1e12
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::cli::{Cli, Command};
+
+    fn estimate_3_6b(extra: &[&str]) -> super::Estimate {
+        let config =
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/llama3-3.6b.json").to_string();
+        let mut argv = vec!["megatrain", "estimate", "--config", &config, "--device", "cuda"];
+        argv.extend(["--batch-size", "4", "--seq-len", "2048", "--gpu-mem", "139.8", "--host-mem", "120"]);
+        argv.extend(extra);
+        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
+        super::estimate(&args).unwrap()
+    }
+
+    /// Resident units cost the host optimizer nothing: with every layer and the outer unit on
+    /// an H200 the host's share of the step is zero; streamed, it counts every parameter.
+    #[test]
+    fn the_host_optimizer_time_counts_streamed_units_only() {
+        let all = estimate_3_6b(&[]);
+        assert_eq!((all.plan.resident_layers, all.plan.resident_outer), (28, true));
+        assert_eq!(all.host_s, 0.0);
+        let streamed = estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "off"]);
+        // The default host throughput: 2.5 Gparam/s.
+        assert_eq!(streamed.host_s, streamed.plan.n_params as f64 / 2.5e9);
+        assert!(streamed.step_s > all.step_s);
     }
 }

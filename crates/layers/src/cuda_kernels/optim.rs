@@ -82,9 +82,11 @@ fn launch_adamw(
     // float, float, int, six floats and the weights' address as unsigned long long); the state
     // view holds 3·n f32 and the gradient n (checked by `adamw`); `w_out` is 0 or the address of
     // n bf16 of a live buffer of candle's device distinct from both (the caller's tensor, whose
-    // storage lock `with_bf16` holds during the launch; written through it on this same compute
-    // stream, so every reader or writer of the slot before or after is ordered with it); each
-    // element is read and written by one thread of the grid-stride loop.
+    // storage lock `with_bf16` holds during the launch). That lock is a read lock, and cudarc
+    // counts `device_ptr` as a read: the write is sound because the engine issues every compute
+    // op from one thread onto candle's one compute stream, so each reader or writer of the slot
+    // before or after this kernel is ordered with it by the stream. Each element is read and
+    // written by one thread of the grid-stride loop.
     unsafe { b.launch(grid_for(n)) }.w()?;
     Ok(())
 }
