@@ -312,3 +312,22 @@ fn a_bad_trace_request_fails_before_training() {
     let e = fails(&["train", "--trace-step", "1"], 2);
     assert!(e.contains("--trace"), "--trace-step needs --trace: {e}");
 }
+
+/// Resident units on the CPU backend (asked for explicitly: `auto` keeps none on the CPU): the
+/// plan says so, the losses are those of the streamed run, and bad counts are refused by name.
+#[test]
+fn resident_layers_from_the_command_line_train_as_streamed_ones() {
+    let base = ["train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--precision", "fp32"];
+    let streamed = ok(&base);
+    let args: Vec<&str> =
+        base.iter().copied().chain(["--resident-layers", "1", "--resident-outer", "on"]).collect();
+    let out = megatrain(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains("1 of 4 layers resident") && err.contains("outer unit resident"), "{err}");
+    assert_eq!(summary_losses(&text(&out.stdout)), summary_losses(&streamed));
+    let e = fails(&["train", "--resident-layers", "many"], 2);
+    assert!(e.contains("--resident-layers") && e.contains("expected `auto` or a layer count"), "{e}");
+    let e = fails(&["train", "--resident-layers", "9"], 1);
+    assert!(e.contains("9 resident layers asked of a 4-layer model"), "{e}");
+}
