@@ -78,15 +78,12 @@ fn launch_adamw(
     b.arg(&c.eps);
     b.arg(&c.step_size);
     b.arg(&w_out);
-    // SAFETY: argument types match mt_adamw's signature (float*, const float*, long long, then
-    // float, float, int, six floats and the weights' address as unsigned long long); the state
-    // view holds 3·n f32 and the gradient n (checked by `adamw`); `w_out` is 0 or the address of
-    // n bf16 of a live buffer of candle's device distinct from both (the caller's tensor, whose
-    // storage lock `with_bf16` holds during the launch). That lock is a read lock, and cudarc
-    // counts `device_ptr` as a read: the write is sound because the engine issues every compute
-    // op from one thread onto candle's one compute stream, so each reader or writer of the slot
-    // before or after this kernel is ordered with it by the stream. Each element is read and
-    // written by one thread of the grid-stride loop.
+    // SAFETY: the arguments match mt_adamw's signature (float*, const float*, long long, float,
+    // float, int, six floats, the weights' address as unsigned long long); the state holds 3·n
+    // f32, the gradient n (checked by `adamw`); `w_out` is 0 or the address of n bf16 of a live
+    // buffer distinct from both, under `with_bf16`'s (read) storage lock. Writing through it is
+    // sound because every compute op is issued from one thread onto candle's one stream, which
+    // orders each reader or writer of the slot with this kernel. One thread per element.
     unsafe { b.launch(grid_for(n)) }.w()?;
     Ok(())
 }
