@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::DType;
 use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
-use mt_layers::{DecoderLayer, GradSink, LayerWeights, Outer, OuterWeights, Rope};
+use mt_layers::{DecoderLayer, Outer, Rope};
 use mt_optim::{AdamW, Grad, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
 use mt_store::{
@@ -18,6 +18,7 @@ use crate::program::{HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream}
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
+mod compute;
 mod eval;
 mod resident;
 
@@ -582,104 +583,6 @@ impl<B: Backend> Engine<B> {
             _ => return Err(Error::Options(format!("{op:?} is not a transfer or host op"))),
         })
     }
-
-    fn run_compute(&mut self, op: &Op, chunks: &[Chunk], loss: &mut f64, args: &StepArgs) -> Result<()> {
-        let (cfg, layout) = (&self.cfg, &self.layout);
-        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
-        let n_layers = layout.n_layers;
-        match *op {
-            Op::Embed => {
-                let _s = tracing::debug_span!("embed").entered();
-                DevicePool::zero(&self.pool.outer_grad)?;
-                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
-                for (c, ch) in chunks.iter().enumerate() {
-                    let x = self.outer_t.embed(&w, &ch.ids)?;
-                    self.pool.put_checkpoint(0, c, x);
-                }
-            }
-            Op::Forward { layer, slot } => {
-                let _s = tracing::debug_span!("forward", layer).entered();
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
-                for c in 0..chunks.len() {
-                    let x = self.pool.checkpoint(layer, c)?.clone();
-                    let y = self.layer_t.forward(&w, &x, rope)?;
-                    self.pool.put_checkpoint(layer + 1, c, y);
-                }
-            }
-            Op::Loss => {
-                let _s = tracing::debug_span!("loss").entered();
-                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
-                let gbuf = self.pool.outer_grad.clone();
-                let sink = GradSink::new(&layout.outer, &gbuf)?;
-                for (c, ch) in chunks.iter().enumerate() {
-                    let x = self.pool.checkpoint(n_layers, c)?.clone();
-                    let (l, dx) = self.outer_t.loss_backward(&w, &x, &ch.targets, &ch.weights, &sink)?;
-                    *loss += l;
-                    self.pool.put_act_grad(c, dx);
-                }
-                self.pool.drop_checkpoints(n_layers);
-            }
-            Op::Backward { layer, slot, grad_buf } => {
-                let _s = tracing::debug_span!("backward", layer).entered();
-                let gbuf = match grad_buf {
-                    Some(k) => self.pool.grad_bufs[k].clone(),
-                    None => self.resident_bufs(Unit::Layer(layer))?.grad,
-                };
-                DevicePool::zero(&gbuf)?;
-                let sink = GradSink::new(&layout.layer, &gbuf)?;
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
-                for c in 0..chunks.len() {
-                    let x = self.pool.checkpoint(layer, c)?.clone();
-                    let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
-                    let dx = self.layer_t.backward(&w, &x, &dy, rope, &sink)?;
-                    self.pool.put_act_grad(c, dx);
-                }
-                self.pool.drop_checkpoints(layer);
-                if grad_buf.is_none() {
-                    // A resident layer's gradient never lands on the host: its share of the
-                    // global norm is taken here (deterministic order), read at the step's end.
-                    let ss = mt_layers::device_optim::sum_squares_deferred(&gbuf)?;
-                    self.device_sumsq.push((Unit::Layer(layer), ss));
-                }
-            }
-            Op::EmbedBackward => {
-                let _s = tracing::debug_span!("embed_backward").entered();
-                let gbuf = self.pool.outer_grad.clone();
-                let sink = GradSink::new(&layout.outer, &gbuf)?;
-                for (c, ch) in chunks.iter().enumerate() {
-                    let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
-                    self.outer_t.embed_backward(&ch.ids, &dx, &sink)?;
-                }
-                if self.opts.resident_outer {
-                    // Likewise the resident outer unit's.
-                    let ss = mt_layers::device_optim::sum_squares_deferred(&gbuf)?;
-                    self.device_sumsq.push((Unit::Outer, ss));
-                }
-            }
-            Op::UpdateResident { unit } => {
-                let _s = tracing::debug_span!("update_resident", ?unit).entered();
-                self.update_resident(unit, args)?;
-            }
-            _ => return Err(Error::Options(format!("{op:?} is not a compute op"))),
-        }
-        Ok(())
-    }
-}
-
-impl<B: Backend> Engine<B> {
-    /// The device weights behind a compute slot.
-    fn slot_tensor(&self, slot: Slot) -> Result<candle_core::Tensor> {
-        Ok(match slot {
-            Slot::Ring(k) => self.pool.slots[k].clone(),
-            Slot::Outer => self.pool.outer_slot.clone(),
-            Slot::Resident(l) => self.resident_bufs(Unit::Layer(l))?.slot,
-        })
-    }
-}
-
-fn missing_grad(layer: usize, chunk: usize) -> Error {
-    CoreError::Plan(format!("activation gradient for layer {layer}, chunk {chunk} missing (scheduling bug)"))
-        .into()
 }
 
 /// Initialises a store's master weights from named f32 tensors (HF names), zeroing moments.
