@@ -1,0 +1,208 @@
+//! The value types of the command line (`--data`, `--precision`, `--device`, placements,
+//! dtypes...) and the parsers that check option values.
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+use clap::ValueEnum;
+use mt_sched::OptimMode;
+use mt_store::GradDtype;
+
+/// Source of training tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DataKind {
+    /// Embedded English text, one token per byte.
+    Builtin,
+    /// Deterministic arithmetic sequences of token ids.
+    Synthetic,
+}
+
+/// `--data`: a built-in source or a JSON Lines file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSource {
+    /// A built-in source.
+    Builtin(DataKind),
+    /// A JSON Lines file.
+    File(PathBuf),
+}
+
+pub(super) fn parse_data(s: &str) -> Result<DataSource, String> {
+    match s {
+        "builtin" => Ok(DataSource::Builtin(DataKind::Builtin)),
+        "synthetic" => Ok(DataSource::Builtin(DataKind::Synthetic)),
+        "" => Err("expected builtin, synthetic or a file path".into()),
+        path => Ok(DataSource::File(PathBuf::from(path))),
+    }
+}
+
+/// Weight dtype of an exported model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExportDtypeArg {
+    /// float32: the master weights exactly.
+    Fp32,
+    /// bfloat16 (round to nearest even): half the size.
+    Bf16,
+}
+
+/// Learning-rate schedule after warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScheduleKind {
+    /// Hold the peak rate.
+    Constant,
+    /// Cosine decay from the peak rate to 10% of it.
+    Cosine,
+    /// Linear decay from the peak rate to 0 at the end of the schedule.
+    Linear,
+}
+
+/// Optimizer placement (see [`OptimMode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OptimModeArg {
+    /// Exact global-norm clipping; updates deferred to the next step's forward.
+    Exact,
+    /// Per-layer updates during backward.
+    Lean,
+}
+
+impl From<OptimModeArg> for OptimMode {
+    fn from(m: OptimModeArg) -> Self {
+        match m {
+            OptimModeArg::Exact => OptimMode::Exact,
+            OptimModeArg::Lean => OptimMode::Lean,
+        }
+    }
+}
+
+/// Weight dtype on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// 32-bit floats.
+    Fp32,
+    /// bfloat16.
+    Bf16,
+}
+
+impl From<Precision> for DType {
+    fn from(p: Precision) -> Self {
+        match p {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// Placement of the outer unit's optimizer state (`--resident-outer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ResidentOuter {
+    /// The planner decides (resident on a GPU with room to spare, never on the CPU).
+    Auto,
+    /// On the GPU.
+    On,
+    /// Streamed through the host optimizer.
+    Off,
+}
+
+impl ResidentOuter {
+    /// The planner's input: `None` lets it decide. `auto` keeps a file-backed store's outer unit
+    /// streamed: that file is the live training state, which a resident outer unit would leave
+    /// stale between checkpoints.
+    pub fn choice(self, device: DeviceKind, file_backed_store: bool) -> Option<bool> {
+        match (self, device) {
+            (ResidentOuter::On, _) => Some(true),
+            (ResidentOuter::Off, _) | (ResidentOuter::Auto, DeviceKind::Cpu) => Some(false),
+            (ResidentOuter::Auto, DeviceKind::Cuda) if file_backed_store => Some(false),
+            (ResidentOuter::Auto, DeviceKind::Cuda) => None,
+        }
+    }
+}
+
+/// How many leading decoder layers stay on the GPU (`--resident-layers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResidentLayers {
+    /// The planner decides (as many as fit on a GPU, none on the CPU).
+    Auto,
+    /// Exactly this many.
+    Count(usize),
+}
+
+impl ResidentLayers {
+    /// The planner's input: `None` lets it decide. `auto` keeps every layer of a file-backed
+    /// store streamed, as [`ResidentOuter::choice`].
+    pub fn choice(self, device: DeviceKind, file_backed_store: bool) -> Option<usize> {
+        match (self, device) {
+            (ResidentLayers::Count(k), _) => Some(k),
+            (ResidentLayers::Auto, DeviceKind::Cpu) => Some(0),
+            (ResidentLayers::Auto, DeviceKind::Cuda) if file_backed_store => Some(0),
+            (ResidentLayers::Auto, DeviceKind::Cuda) => None,
+        }
+    }
+}
+
+pub(super) fn resident_layers(s: &str) -> std::result::Result<ResidentLayers, String> {
+    if s == "auto" {
+        return Ok(ResidentLayers::Auto);
+    }
+    s.parse().map(ResidentLayers::Count).map_err(|_| format!("{s:?}: expected `auto` or a layer count"))
+}
+
+/// Compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// The CPU backend (candle CPU, worker threads as copy streams).
+    Cpu,
+    /// An NVIDIA GPU (needs a build with the `cuda` feature).
+    Cuda,
+}
+
+/// Gradient buffer dtype of the host store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GradDtypeArg {
+    /// fp32 gradients.
+    F32,
+    /// bf16 gradients.
+    Bf16,
+    /// No gradient buffer (lean mode updates from the landed gradient).
+    None,
+}
+
+impl From<GradDtypeArg> for GradDtype {
+    fn from(g: GradDtypeArg) -> Self {
+        match g {
+            GradDtypeArg::F32 => GradDtype::F32,
+            GradDtypeArg::Bf16 => GradDtype::Bf16,
+            GradDtypeArg::None => GradDtype::None,
+        }
+    }
+}
+
+pub(super) fn at_least_one(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("expected a whole number, found {s:?} ({e})"))?;
+    if n == 0 {
+        return Err("must be at least 1".into());
+    }
+    Ok(n)
+}
+
+pub(super) fn non_negative(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
+    if !(x.is_finite() && x >= 0.0) {
+        return Err(format!("must be a finite number >= 0, found {x}"));
+    }
+    Ok(x)
+}
+
+pub(super) fn fraction(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
+    if !(0.0..1.0).contains(&x) {
+        return Err(format!("must be in [0, 1), found {x}"));
+    }
+    Ok(x)
+}
+
+pub(super) fn positive_f64(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
+    if !(x.is_finite() && x > 0.0) {
+        return Err(format!("must be a finite number > 0, found {x}"));
+    }
+    Ok(x)
+}
