@@ -28,21 +28,7 @@ struct RowsAdd {
 }
 
 impl InplaceOp3 for RowsAdd {
-    fn name(&self) -> &'static str {
-        "mt-rows-add"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<()> {
-        Err(msg("mt-rows-add: CUDA only"))
-    }
+    cuda_only!("mt-rows-add", inplace3);
 
     fn cuda_fwd(
         &self,

@@ -30,21 +30,7 @@ fn int(v: usize, what: &str) -> candle_core::Result<i32> {
 }
 
 impl InplaceOp3 for GemmAccumulate {
-    fn name(&self) -> &'static str {
-        "mt-gemm-accumulate"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &mut CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<()> {
-        Err(msg("mt-gemm-accumulate is a CUDA kernel (no CPU implementation)"))
-    }
+    cuda_only!("mt-gemm-accumulate", inplace3);
 
     fn cuda_fwd(
         &self,

@@ -29,11 +29,6 @@ use candle_core::{
 };
 use half::bf16;
 
-mod embed;
-mod gemm;
-pub(crate) use embed::rows_add;
-pub(crate) use gemm::{accumulate_matmul_t, gemm_applies};
-
 const FUSED_SOURCE: &str = include_str!("../../../../kernels/fused.cu");
 const FUSED: &str = "mt_fused";
 const THREADS: u32 = 256;
@@ -99,7 +94,7 @@ fn launch_cfg(rows: usize) -> LaunchConfig {
 }
 
 /// `name` and a CPU forward that refuses, for an op that exists only as a CUDA kernel; the
-/// argument is the op's arity (1, 2 or 3 inputs).
+/// argument is the op's arity (1, 2 or 3 inputs; `inplace3` for an `InplaceOp3`).
 macro_rules! cuda_only {
     ($name:literal, 1) => {
         cuda_only!(@name $name);
@@ -133,6 +128,20 @@ macro_rules! cuda_only {
             Err(cuda_only!(@err $name))
         }
     };
+    ($name:literal, inplace3) => {
+        cuda_only!(@name $name);
+        fn cpu_fwd(
+            &self,
+            _: &mut CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<()> {
+            Err(cuda_only!(@err $name))
+        }
+    };
     (@name $name:literal) => {
         fn name(&self) -> &'static str {
             $name
@@ -145,6 +154,10 @@ macro_rules! cuda_only {
 
 mod layout;
 pub(crate) use layout::{add, swap12};
+mod embed;
+pub(crate) use embed::rows_add;
+mod gemm;
+pub(crate) use gemm::{accumulate_matmul_t, gemm_applies};
 mod optim;
 pub(crate) use optim::{adamw, sum_squares_partials};
 mod softmax;
