@@ -60,6 +60,20 @@ macro_rules! render {
 /// A named series of (x, y) points.
 type Series = (String, Vec<(f64, f64)>);
 
+/// The series legend, the same on every chart: upper right, on a translucent white box.
+fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+) -> Draw {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(msg)
+}
+
 fn lines<DB: DrawingBackend>(root: &Area<DB>, title: &str, axes: (&str, &str), series: &[Series]) -> Draw {
     let pts = || series.iter().flat_map(|s| s.1.iter());
     let (x0, x1) = pts().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
@@ -88,14 +102,7 @@ fn lines<DB: DrawingBackend>(root: &Area<DB>, title: &str, axes: (&str, &str), s
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, c.filled()))).map_err(msg)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font(("sans-serif", 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(msg)
+    draw_legend(&mut chart)
 }
 
 /// A bar: its label and stacked segments (value, legend index).
@@ -163,14 +170,7 @@ fn bars<DB: DrawingBackend>(
         let ends = [(SegmentValue::Exact(0), y), (SegmentValue::Last, y)];
         chart.draw_series(LineSeries::new(ends, BLACK.stroke_width(1))).map_err(msg)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font(("sans-serif", 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(msg)
+    draw_legend(&mut chart)
 }
 
 const LANES: [&str; 4] = ["host (CPU optimizer)", "h2d", "compute", "d2h"];

@@ -85,18 +85,11 @@ fn check(state: &Tensor, grad: &Tensor) -> Result<usize> {
     Ok(n)
 }
 
-/// AdamW step `a` on a device-resident unit, in place: `state` is `[master | m | v]` (f32,
-/// `3 × n`), `grad` its f32 gradient (`n`). Bitwise mt-optim's host update of the same values.
-pub fn adamw_step(state: &Tensor, grad: &Tensor, h: &AdamW, a: &StepArgs) -> Result<()> {
-    check(state, grad)?;
-    let coeffs = Coeffs::of(h, a)?;
-    state.inplace_op2(grad, &AdamWStep { h: *h, a: *a, coeffs, weights: None })?;
-    Ok(())
-}
-
-/// [`adamw_step`], then the unit's new master weights cast into `weights` (its device slot, `n`
-/// elements) — on CUDA with bf16 weights in the same pass (one read of the state instead of
-/// three more passes), elsewhere as a separate cast, bitwise the same.
+/// AdamW step `a` on a device-resident unit, in place — `state` is `[master | m | v]` (f32,
+/// `3 × n`), `grad` its f32 gradient (`n`); the same f32 arithmetic as mt-optim's host update —
+/// then the unit's new master weights cast into `weights` (its device slot, `n` elements): on
+/// CUDA with bf16 weights in the same pass (one read of the state instead of three more passes),
+/// elsewhere as a separate cast, bitwise the same.
 pub fn adamw_step_into(
     state: &Tensor,
     grad: &Tensor,
@@ -125,12 +118,6 @@ pub fn cast_master_into(state: &Tensor, weights: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Sum of squares of an f32 gradient in f64, deterministic (fixed order) on each device: on the
-/// CPU mt-optim's [`mt_optim::sum_squares`], on CUDA a fixed-grid tree reduction.
-pub fn sum_squares(grad: &Tensor) -> Result<f64> {
-    sum_squares_deferred(grad)?.value()
-}
-
 /// A sum of squares that may still be on its way: on CUDA the per-block partials stay on the
 /// device until [`SumSquares::value`] reads them, so taking it does not stall the issuing thread
 /// (a resident layer's share of the global norm is read once, at the end of the step).
@@ -152,8 +139,10 @@ impl SumSquares {
     }
 }
 
-/// [`sum_squares`] without waiting for it on CUDA.
-pub fn sum_squares_deferred(grad: &Tensor) -> Result<SumSquares> {
+/// Sum of squares of an f32 gradient in f64, deterministic (fixed order) on each device: on the
+/// CPU mt-optim's [`mt_optim::sum_squares`], on CUDA a fixed-grid tree reduction whose partials
+/// are read (and summed in order) only by [`SumSquares::value`].
+pub fn sum_squares(grad: &Tensor) -> Result<SumSquares> {
     if grad.dtype() != DType::F32 || !grad.is_contiguous() {
         return Err(Error::dtype("gradient for its sum of squares", "contiguous f32", grad.dtype()));
     }

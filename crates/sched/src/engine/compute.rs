@@ -75,7 +75,7 @@ impl<B: Backend> Engine<B> {
                 if grad_buf.is_none() {
                     // A resident layer's gradient never lands on the host: its share of the
                     // global norm is taken here (deterministic order), read at the step's end.
-                    let ss = mt_layers::device_optim::sum_squares_deferred(&gbuf)?;
+                    let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
                     self.device_sumsq.push((Unit::Layer(layer), ss));
                 }
             }
@@ -89,7 +89,7 @@ impl<B: Backend> Engine<B> {
                 }
                 if self.opts.resident_outer {
                     // Likewise the resident outer unit's.
-                    let ss = mt_layers::device_optim::sum_squares_deferred(&gbuf)?;
+                    let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
                     self.device_sumsq.push((Unit::Outer, ss));
                 }
             }

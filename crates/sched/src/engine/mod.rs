@@ -370,7 +370,7 @@ impl<B: Backend> Engine<B> {
                 },
             },
         };
-        if !self.resident_units().is_empty() {
+        if self.opts.resident_outer || self.opts.resident_layers > 0 {
             // From here until the write-back the device holds state the store does not; a crash
             // leaves the mark, and the next engine refuses the store.
             self.dirty = true;
