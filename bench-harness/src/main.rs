@@ -47,6 +47,11 @@ struct Cli {
     /// variant `streamed`) beside the planner's placement (variant `default`).
     #[arg(long)]
     ours_streamed: bool,
+    /// Paper: also run our engine without gradient clipping, as the DeepSpeed baseline is
+    /// configured (`--clip 0 --optim-mode lean --grad-dtype none`, variant `noclip`; without
+    /// clipping lean mode's update is bitwise exact mode's, tests/modes.rs).
+    #[arg(long)]
+    ours_noclip: bool,
     /// Paper: layer counts of the slices of the dense 120B shape (`configs/dense-120b.json`)
     /// measured to extrapolate the full model's step time and host memory; 0: none.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
@@ -119,6 +124,7 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         megatrain_args: cli.megatrain_arg.clone(),
         largest: cli.largest.clone(),
         ours_streamed: cli.ours_streamed,
+        ours_noclip: cli.ours_noclip,
         device: cli
             .device
             .clone()

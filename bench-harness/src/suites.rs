@@ -91,6 +91,8 @@ pub struct Options {
     pub largest: Option<String>,
     /// Paper: also run ours with every decoder layer streamed (variant `streamed`).
     pub ours_streamed: bool,
+    /// Paper: also run ours without gradient clipping (variant `noclip`).
+    pub ours_noclip: bool,
 }
 
 /// The repository root: from the build's manifest directory where it still exists, else `.`.
@@ -141,6 +143,12 @@ fn model_label(label: &str) -> String {
 /// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers).
 fn streamed_layers() -> Vec<String> {
     vec!["--resident-layers".into(), "0".into()]
+}
+
+/// No gradient clipping, as the DeepSpeed baseline runs: each update as its gradient lands
+/// (lean mode, which without clipping is bitwise exact mode) and no store gradient buffer.
+fn no_clipping() -> Vec<String> {
+    ["--clip", "0", "--optim-mode", "lean", "--grad-dtype", "none"].map(String::from).to_vec()
 }
 
 /// A tiny Llama config (byte vocabulary) for the smoke suite's depth part.
@@ -327,6 +335,17 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                                 "streamed",
                             );
                             cx.add(Spec { trace: true, extra: streamed_layers(), ..s });
+                        }
+                        if sys == System::Ours && opts.ours_noclip {
+                            let s = spec(
+                                "throughput",
+                                sys,
+                                &model_label(m),
+                                Some(config.clone()),
+                                tokens,
+                                "noclip",
+                            );
+                            cx.add(Spec { trace: true, extra: no_clipping(), ..s });
                         }
                     }
                 }

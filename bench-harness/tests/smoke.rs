@@ -39,6 +39,7 @@ fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
         megatrain_args: vec![],
         largest: None,
         ours_streamed: false,
+        ours_noclip: false,
     };
     let plan = plan(&opts).expect("smoke plan");
     let mut log = Vec::new();
@@ -88,4 +89,42 @@ fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
     }
     assert!(!r.figures.iter().any(|f| f.starts_with("ratio")));
     let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn paper_plan_runs_each_of_our_variants_with_its_own_arguments() {
+    let opts = Options {
+        suite: Suite::Paper,
+        out: std::env::temp_dir().join("bench-harness-plan-only"),
+        megatrain: megatrain(),
+        python: "python3".into(),
+        steps: 3,
+        systems: vec![System::Ours, System::Deepspeed],
+        models: vec!["3.6b".into()],
+        tokens: vec![(4, 2048)],
+        depths: vec![],
+        slices: vec![],
+        device: "cuda".into(),
+        model_config: None,
+        run_timeout_s: 300,
+        megatrain_args: vec![],
+        largest: None,
+        ours_streamed: true,
+        ours_noclip: true,
+    };
+    let plan = plan(&opts).expect("paper plan");
+    let keys: Vec<_> = plan.jobs.iter().map(|j| j.run.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "throughput/ours/3.6b/b4x2048/default",
+            "throughput/ours/3.6b/b4x2048/streamed",
+            "throughput/ours/3.6b/b4x2048/noclip",
+            "throughput/deepspeed/3.6b/b4x2048/default",
+        ]
+    );
+    let args = |i: usize| plan.jobs[i].args.join(" ");
+    assert!(!args(0).contains("--clip") && !args(0).contains("--resident-layers"), "{}", args(0));
+    assert!(args(1).contains("--resident-layers 0"), "{}", args(1));
+    assert!(args(2).contains("--clip 0 --optim-mode lean --grad-dtype none"), "{}", args(2));
 }
