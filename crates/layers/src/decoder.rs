@@ -62,8 +62,8 @@ impl DecoderLayer {
 
     /// Forward at positions `start..start + t` of every sequence.
     pub fn forward_at(&self, w: &LayerWeights, x: &Tensor, rope: &Rope, start: usize) -> Result<Tensor> {
-        let (out, _) = self.run(w, x, rope, start)?;
-        Ok(out)
+        let (out, _) = self.run(w, x, rope, start, Output::Keep)?;
+        Ok(out.expect("the forward keeps its output"))
     }
 
     /// Recomputes the forward from the checkpointed input `x`, back-propagates `dy: [b, t, h]`,
@@ -96,7 +96,8 @@ impl DecoderLayer {
                 dy.dims(),
             ));
         }
-        let (_, s) = self.run(w, x, rope, start)?;
+        // The recompute stops before `down_proj`: the layer's output is not needed backwards.
+        let (_, s) = self.run(w, x, rope, start, Output::Skip)?;
         let h = self.cfg.hidden_size;
         let Dims { b, t, nh, nkv, hd } = s.dims;
         let n = s.rows;
@@ -177,8 +178,16 @@ impl DecoderLayer {
         Ok((b, t))
     }
 
-    /// The forward, keeping what the backward needs.
-    fn run(&self, w: &LayerWeights, x: &Tensor, rope: &Rope, start: usize) -> Result<(Tensor, Saved)> {
+    /// The forward, keeping what the backward needs; the output (`down_proj` and the residual,
+    /// a quarter of a Llama layer's GEMM FLOPs) only where asked for.
+    fn run(
+        &self,
+        w: &LayerWeights,
+        x: &Tensor,
+        rope: &Rope,
+        start: usize,
+        output: Output,
+    ) -> Result<(Option<Tensor>, Saved)> {
         let cfg = &self.cfg;
         let (b, t) = self.check_input(w, x, rope)?;
         let (h, nh, nkv, hd) =
@@ -215,7 +224,10 @@ impl DecoderLayer {
         mark(dev, "fwd 7 gate/up proj (GEMM)");
         let (act, mid) = swiglu(&gate, &up)?;
         mark(dev, "fwd 8 silu * up");
-        let out = add(&x1, &linear(&mid, &w.down, None)?)?.reshape((b, t, h))?;
+        let out = match output {
+            Output::Keep => Some(add(&x1, &linear(&mid, &w.down, None)?)?.reshape((b, t, h))?),
+            Output::Skip => None,
+        };
         mark(dev, "fwd 9 down proj (GEMM) + residual");
         let saved = Saved {
             rows: n,
@@ -239,7 +251,13 @@ impl DecoderLayer {
     }
 }
 
-/// Per-head RMSNorm over the head dimension (Qwen3's q/k norm), when the layer has one.
+/// Whether [`DecoderLayer::run`] computes the layer's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Output {
+    Keep,
+    Skip,
+}
+
 /// `(silu(gate), silu(gate) ⊙ up)`; on CUDA in bf16 one fused kernel that keeps no `silu(gate)`.
 fn swiglu(gate: &Tensor, up: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
     #[cfg(feature = "cuda")]
@@ -266,6 +284,7 @@ fn swiglu_backward(d: &Tensor, gate: &Tensor, up: &Tensor, act: Option<&Tensor>)
     }
 }
 
+/// Per-head RMSNorm over the head dimension (Qwen3's q/k norm), when the layer has one.
 fn norm_opt(x: Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Option<RmsCache>)> {
     match w {
         Some(w) => {

@@ -10,8 +10,8 @@
 //!
 //! Step time is a bound from three overlapped pipelines, each at a sustained rate the user can
 //! override (defaults measured by this project on the H200 machine):
-//! compute `= 8·N·T (+ attention) / tflops` (the model FLOPs plus the forward recompute of the
-//! layers, `4/3` of `6·N·T` for the GEMMs), PCIe `= max(H2D, D2H) bytes / bandwidth`, host
+//! compute `= (6·N·T + attention + recompute) / tflops`, the recompute being each layer's forward
+//! up to its down projection (`2·(N_layer - N_down)·T` per layer), PCIe `= max(H2D, D2H) bytes / bandwidth`, host
 //! optimizer `= N / host_gparams`. The step takes the longest of the three plus the pipeline
 //! fill (one layer's upload and one layer's optimizer work, which cannot overlap).
 
@@ -97,8 +97,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let host_bytes = host_bytes(&p, args.device);
     let layout = ModelLayout::new(cfg);
     let tokens = (args.batch_size * args.seq_len) as f64;
-    // Model FLOPs plus the recomputed forward of every layer (2·N_layers·T).
-    let recompute = 2.0 * (layout.n_layers * layout.layer.n_params()) as f64 * tokens;
+    // Model FLOPs plus the recomputed forward of every layer, which stops before down_proj.
+    let down = layout.layer.get(mt_core::names::DOWN).map_or(0, |s| s.numel());
+    let recompute = 2.0 * (layout.n_layers * (layout.layer.n_params() - down)) as f64 * tokens;
     let compute_s = (p.flops_per_step + recompute) / (args.tflops * 1e12);
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer updates the streamed units only: resident ones are updated on the GPU.
