@@ -189,6 +189,20 @@ fn run<B: Backend>(
     let defining = defining_options(args, model)?;
     let (store, mut resumed) = open_store(args, &layout)?;
     let store = Arc::new(store);
+    // Populated on every core before anything writes it: an import or initialisation into
+    // unpopulated memory would take each page fault on the writing thread.
+    let t_fault = Instant::now();
+    match store.prefault() {
+        Ok(0) => {}
+        Ok(n) => {
+            eprintln!(
+                "host store: {:.2} GB pre-faulted in {:.1} s",
+                n as f64 / 1e9,
+                t_fault.elapsed().as_secs_f64()
+            )
+        }
+        Err(e) => eprintln!("host store: not pre-faulted ({e}); the first update will fault its pages in"),
+    }
     let mut resume_note = None;
     let checkpoint = match (&ckpt_dir, args.resume) {
         (Some(dir), true) => checkpoint::latest(dir)?,
@@ -219,28 +233,27 @@ fn run<B: Backend>(
                 eprintln!("imported {} tensors ({} parameters) from {}", r.n_tensors, r.n_params, model.name);
             }
             None => {
-                init_store(&store, args.seed).context("initialising the model")?;
+                let t = Instant::now();
+                let n = init_store(&store, args.seed).context("initialising the model")?;
+                eprintln!(
+                    "initialised {n} tensors (seed {}) in {:.1} s",
+                    args.seed,
+                    t.elapsed().as_secs_f64()
+                );
             }
         }
-    }
-    let t_fault = Instant::now();
-    match store.prefault() {
-        Ok(0) => {}
-        Ok(n) => {
-            eprintln!(
-                "host store: {:.2} GB pre-faulted in {:.1} s",
-                n as f64 / 1e9,
-                t_fault.elapsed().as_secs_f64()
-            )
-        }
-        Err(e) => eprintln!("host store: not pre-faulted ({e}); the first update will fault its pages in"),
     }
     let mut eopts = engine_options(args);
     eopts.resident_outer = plan.resident_outer;
     eopts.resident_layers = plan.resident_layers;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
+    let t_engine = Instant::now();
     let mut engine = Engine::new(cfg, Arc::clone(&store), backend, eopts)?;
+    eprintln!(
+        "engine ready in {:.1} s (device pool, page-locked rings, resident units loaded)",
+        t_engine.elapsed().as_secs_f64()
+    );
     // A store left by a crashed exact-mode run may hold a complete step's gradients whose
     // update was never applied; applying it now is bitwise what the next step would do.
     engine.flush_pending()?;

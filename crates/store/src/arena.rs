@@ -443,17 +443,25 @@ impl HostStore {
                 found: vec![data.len()],
             });
         }
+        use rayon::prelude::*;
+        // In blocks on every core: a 14B model writes 59 GB of master weights and reads 118 GB
+        // of moments here, which one thread (faulting pages in as it goes) takes minutes over.
+        const BLOCK: usize = 1 << 20;
         let mut r = self.record(u);
         let range = spec.offset..spec.offset + data.len();
         let p = r.parts();
-        p.master[range.clone()].copy_from_slice(data);
+        p.master[range.clone()].par_chunks_mut(BLOCK).zip(data.par_chunks(BLOCK)).for_each(|(d, s)| {
+            d.copy_from_slice(s);
+        });
         // Zero the moments only where they are not zero already: reading a never-written page
         // of an anonymous or sparse mapping maps the shared zero page, writing would allocate
         // it, so importing into a fresh store keeps its moments out of RAM until training.
         for region in [&mut p.m[range.clone()], &mut p.v[range]] {
-            if region.iter().any(|&x| x.to_bits() != 0) {
-                region.fill(0.0);
-            }
+            region.par_chunks_mut(BLOCK).for_each(|block| {
+                if block.iter().any(|&x| x.to_bits() != 0) {
+                    block.fill(0.0);
+                }
+            });
         }
         Ok(())
     }
