@@ -437,7 +437,29 @@ pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Resul
     }
     let machine = Machine::detect();
     let date = crate::schema::utc_now_iso();
+    let commit = Commit::detect();
     let timeout = Duration::from_secs(opts.run_timeout_s);
+    // Written after every job too (without figures), the runs not started yet as `not_run`:
+    // a suite killed half-way (a machine's time limit) keeps what it measured.
+    let assemble = |runs: Vec<Run>| -> Result<Results> {
+        let mut runs = runs;
+        runs.extend(plan.fixed.iter().cloned());
+        crate::extrapolate::extrapolate_120b(&mut runs, machine.ram_bytes)?;
+        let mut results = Results {
+            schema_version: SCHEMA_VERSION,
+            suite: format!("{:?}", opts.suite).to_lowercase(),
+            machine: machine.clone(),
+            commit: commit.clone(),
+            date: date.clone(),
+            config: serde_json::to_value(opts).unwrap_or(Value::Null),
+            flops_formula: FLOPS_FORMULA.into(),
+            runs,
+            ratios: vec![],
+            figures: vec![],
+        };
+        results.compute_ratios();
+        Ok(results)
+    };
     let mut runs = Vec::new();
     for (i, job) in plan.jobs.iter().enumerate() {
         progress(log, &format!("[{}/{}] {}", i + 1, plan.jobs.len(), job.run.key));
@@ -457,23 +479,10 @@ pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Resul
         };
         progress(log, &line);
         runs.push(run);
+        let so_far = runs.iter().cloned().chain(plan.jobs[i + 1..].iter().map(|j| j.run.clone()));
+        assemble(so_far.collect())?.save(&out.join("results.json"))?;
     }
-    runs.extend(plan.fixed.iter().cloned());
-    crate::extrapolate::extrapolate_120b(&mut runs, machine.ram_bytes)?;
-    let config = serde_json::to_value(opts).unwrap_or(Value::Null);
-    let mut results = Results {
-        schema_version: SCHEMA_VERSION,
-        suite: format!("{:?}", opts.suite).to_lowercase(),
-        machine,
-        commit: Commit::detect(),
-        date,
-        config,
-        flops_formula: FLOPS_FORMULA.into(),
-        runs,
-        ratios: vec![],
-        figures: vec![],
-    };
-    results.compute_ratios();
+    let mut results = assemble(runs)?;
     results.figures = crate::plot::draw_all(&results, out)?;
     results.save(&out.join("results.json"))?;
     progress(

@@ -128,3 +128,45 @@ fn paper_plan_runs_each_of_our_variants_with_its_own_arguments() {
     assert!(args(1).contains("--resident-layers 0"), "{}", args(1));
     assert!(args(2).contains("--clip 0 --optim-mode lean --grad-dtype none"), "{}", args(2));
 }
+
+#[test]
+fn results_are_written_after_every_run_so_a_killed_suite_keeps_what_it_measured() {
+    let out = std::env::temp_dir().join(format!("bench-harness-partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let opts = Options {
+        suite: Suite::Smoke,
+        out: out.clone(),
+        megatrain: megatrain(),
+        python: "python3".into(),
+        steps: 4,
+        systems: vec![System::Ours],
+        models: vec![],
+        tokens: vec![(4, 64)],
+        depths: vec![],
+        slices: vec![],
+        device: "cpu".into(),
+        model_config: None,
+        run_timeout_s: 300,
+        megatrain_args: vec![],
+        largest: None,
+        ours_streamed: false,
+        ours_noclip: false,
+    };
+    let mut p = plan(&opts).expect("smoke plan");
+    p.jobs.truncate(2);
+    p.fixed.clear();
+    // The second job copies the results file as it stands when it starts.
+    let seen = out.join("seen.json");
+    p.jobs[1].program = "sh".into();
+    p.jobs[1].args =
+        vec!["-c".into(), format!("cp {} {}", out.join("results.json").display(), seen.display())];
+    execute(&opts, &p, &mut Vec::new()).expect("suite");
+    let r = Results::load(&seen).expect("results.json existed after the first run");
+    let status: Vec<_> = r.runs.iter().map(|x| (x.key.as_str(), x.status)).collect();
+    assert_eq!(
+        status,
+        [(p.jobs[0].run.key.as_str(), Status::Ok), (p.jobs[1].run.key.as_str(), Status::NotRun)]
+    );
+    assert!(r.runs[0].measured.tokens_per_s.is_some() && r.figures.is_empty());
+    let _ = std::fs::remove_dir_all(&out);
+}
