@@ -203,26 +203,40 @@ extern "C" __global__ void mt_swap12(const uint4* __restrict__ x, uint4* __restr
     }
 }
 
+// Eight bf16 sums of two 16-byte groups: each the sum of two bf16 values in f32, rounded once.
+__device__ __forceinline__ uint4 add8_bf16(const uint4 u, const uint4 v) {
+    const unsigned ua[4] = {u.x, u.y, u.z, u.w}, va[4] = {v.x, v.y, v.z, v.w};
+    unsigned o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const unsigned short lo = f2bf(bf2f((unsigned short)(ua[k] & 0xffffu)) + bf2f((unsigned short)(va[k] & 0xffffu)));
+        const unsigned short hi = f2bf(bf2f((unsigned short)(ua[k] >> 16)) + bf2f((unsigned short)(va[k] >> 16)));
+        o[k] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+    uint4 r;
+    r.x = o[0];
+    r.y = o[1];
+    r.z = o[2];
+    r.w = o[3];
+    return r;
+}
+
 // y = bf16(a + b) elementwise over total8 groups of 8 (the sum of two bf16 values in f32, then
 // rounded once: the same bits as candle's bf16 add).
 extern "C" __global__ void mt_add_bf16(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* __restrict__ y,
                                        long long total8) {
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total8; e += (long long)gridDim.x * blockDim.x) {
-        const uint4 u = a[e], v = b[e];
-        const unsigned ua[4] = {u.x, u.y, u.z, u.w}, va[4] = {v.x, v.y, v.z, v.w};
-        unsigned o[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const unsigned short lo = f2bf(bf2f((unsigned short)(ua[k] & 0xffffu)) + bf2f((unsigned short)(va[k] & 0xffffu)));
-            const unsigned short hi = f2bf(bf2f((unsigned short)(ua[k] >> 16)) + bf2f((unsigned short)(va[k] >> 16)));
-            o[k] = (unsigned)lo | ((unsigned)hi << 16);
-        }
-        uint4 r;
-        r.x = o[0];
-        r.y = o[1];
-        r.z = o[2];
-        r.w = o[3];
-        y[e] = r;
+        y[e] = add8_bf16(a[e], b[e]);
+    }
+}
+
+// y[r, :] = bf16(a[r, :] + b) over rows of w = 8 · w8 elements, b one row broadcast to all
+// (a projection's bias): the same per-element sum and rounding as mt_add_bf16, so the same bits
+// as candle's broadcasting bf16 add, at the memory bandwidth.
+extern "C" __global__ void mt_add_row_bf16(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* __restrict__ y,
+                                           long long total8, int w8) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total8; e += (long long)gridDim.x * blockDim.x) {
+        y[e] = add8_bf16(a[e], b[e % w8]);
     }
 }
 
@@ -268,4 +282,27 @@ extern "C" __global__ void mt_rope8(const unsigned short* __restrict__ x, const 
         out.w = o[3];
         *reinterpret_cast<uint4*>(y + e0) = out;
     }
+}
+
+// Column sums of a bf16 [n, w] matrix added into an f32 row (a bias gradient): out[c] += sum_r
+// x[r, c], deterministic and without atomics, in two passes: partial[s, c] sums rows
+// s·rps .. min(n, (s+1)·rps) in ascending order (a thread per column, so a warp reads 32
+// neighbouring columns of a row), then out[c] += the partials in ascending s.
+extern "C" __global__ void mt_col_sum_partial_bf16(const unsigned short* __restrict__ x, float* __restrict__ partial,
+                                                   long long n, int w, long long rps) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= w) return;
+    const long long r0 = (long long)blockIdx.y * rps;
+    const long long r1 = r0 + rps < n ? r0 + rps : n;
+    float acc = 0.0f;
+    for (long long r = r0; r < r1; ++r) acc += bf2f(x[r * w + c]);
+    partial[(long long)blockIdx.y * w + c] = acc;
+}
+
+extern "C" __global__ void mt_col_sum_finish(const float* __restrict__ partial, float* __restrict__ out, int segs, int w) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= w) return;
+    float acc = 0.0f;
+    for (int s = 0; s < segs; ++s) acc += partial[(long long)s * w + c];
+    out[c] += acc;
 }

@@ -80,6 +80,27 @@ impl<'a> GradSink<'a> {
         self.accumulate(name, &dy.t()?.matmul(x)?)
     }
 
+    /// `buf[name] += Σ_rows dy` (in the statistics dtype) for a bias `name` of shape `[out]` and
+    /// `dy: [N, out]`: the bias gradient of `y = x Wᵀ + b`. On CUDA with bf16 `dy` and an f32
+    /// buffer one deterministic column-sum kernel; elsewhere `dy` is cast and summed, then added
+    /// as by [`GradSink::accumulate`].
+    pub fn accumulate_col_sums(&self, name: &str, dy: &Tensor) -> Result<()> {
+        let spec = self.layout.get(name)?;
+        if !matches!((spec.shape.as_slice(), dy.dims()), ([o], [_, o2]) if o == o2) {
+            return Err(Error::shape(
+                format!("dy of the gradient of {name}"),
+                format!("[N, {:?}]", spec.shape),
+                dy.dims(),
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() && dy.dtype() == DType::BF16 && self.buf.dtype() == DType::F32 {
+            let dst = self.buf.narrow(0, spec.offset, spec.numel())?;
+            return Ok(crate::cuda_kernels::col_sums_add(&dst, dy)?);
+        }
+        self.accumulate(name, &dy.to_dtype(crate::ops::stat_dtype(dy.dtype()))?.sum(0)?)
+    }
+
     /// `buf[name][rows[i], :] += src[i, :]` for every `i` (repeated rows add up): the backward of
     /// an embedding lookup. Only the addressed rows are touched. `name` must be a matrix
     /// `[n_rows, width]`, `rows` a 1-D u32 tensor of length `k`, `src` `[k, width]`.

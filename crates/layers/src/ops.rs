@@ -94,9 +94,18 @@ fn fused_rms_backward(_: &Tensor, _: &Tensor, _: &RmsCache) -> Result<(Tensor, T
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let y = x.matmul(&w.t()?)?;
     Ok(match b {
-        Some(b) => y.broadcast_add(b)?,
+        Some(b) => add_bias(&y, b)?,
         None => y,
     })
+}
+
+/// `y + b` with `b` broadcast over the rows; on CUDA in bf16 one vectorised kernel, bit for bit
+/// candle's broadcasting add (which ran at a tenth of the memory bandwidth on the 14B's q bias).
+fn add_bias(y: &Tensor, b: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    return Ok(crate::cuda_kernels::add_row(y, b)?);
+    #[cfg(not(feature = "cuda"))]
+    Ok(y.broadcast_add(b)?)
 }
 
 /// Backward of [`linear`] for `dy: [N, out]`: returns `dx = dy W` `[N, in]` and accumulates
@@ -113,7 +122,7 @@ pub(crate) fn linear_backward(
     let dx = dy.matmul(w)?;
     grads.accumulate_matmul(weight, dy, x)?;
     if let Some(bias) = bias {
-        grads.accumulate(bias, &dy.to_dtype(stat_dtype(dy.dtype()))?.sum(0)?)?;
+        grads.accumulate_col_sums(bias, dy)?;
     }
     Ok(dx)
 }

@@ -288,6 +288,43 @@ fn cuda_embedding_rows_add_is_bitwise_the_cpu_scatter_add() {
     }
 }
 
+/// A bias gradient on the GPU (`GradSink::accumulate_col_sums`, two-pass column-sum kernel) is
+/// the CPU's cast-and-sum within f32 summation-order rounding, over shapes with one, several and
+/// a ragged last row segment, added into a buffer that already holds a gradient; and it is the
+/// same bits on a second run (no atomics).
+#[test]
+fn cuda_bias_gradient_column_sums_match_the_cpu() {
+    use mt_layers::{names, GradSink};
+    let cfg = mt_core::ModelConfig { qkv_bias: true, ..mt_core::ModelConfig::tiny_llama() };
+    let layout = mt_core::ModelLayout::new(&cfg);
+    let w = layout.layer.get(names::Q_BIAS).unwrap().numel();
+    let gpu = Device::new_cuda(0).unwrap();
+    for n in [5usize, 256, 4099, 32768] {
+        let dy = Tensor::randn(0f32, 1.0, (n, w), &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+        let init = Tensor::randn(0f32, 1.0, layout.layer.len, &Device::Cpu).unwrap();
+        let run = |d: &Device| -> Vec<f32> {
+            let buf = if d.is_cpu() { init.copy().unwrap() } else { init.to_device(d).unwrap() };
+            GradSink::new(&layout.layer, &buf)
+                .unwrap()
+                .accumulate_col_sums(names::Q_BIAS, &dy.to_device(d).unwrap())
+                .unwrap();
+            buf.to_device(&Device::Cpu).unwrap().to_vec1().unwrap()
+        };
+        let (on_cpu, on_gpu, again) = (run(&Device::Cpu), run(&gpu), run(&gpu));
+        // Sequential f32 sums of n unit normals drift by up to ~n·2^-24 from any other order; a
+        // row left out or counted twice moves a sum by ~1.
+        let worst =
+            on_cpu.iter().zip(&on_gpu).map(|(a, b)| f64::from((a - b).abs())).fold(0.0, f64::max) / n as f64;
+        let moved = on_cpu.iter().zip(init.to_vec1::<f32>().unwrap()).filter(|(a, b)| **a != *b).count();
+        let repeat = on_gpu.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
+        eprintln!("SUMMARY gpu bias column sums n={n} w={w}: worst |gpu - cpu| / n {worst:.2e}; {moved} changed; repeat bitwise {repeat}");
+        assert!(
+            moved == w && worst < 1e-6 && repeat,
+            "n={n}: worst {worst:.2e}, moved {moved}, repeat {repeat}"
+        );
+    }
+}
+
 /// The fused device AdamW (`kernels/adamw.cu`) writes exactly the bf16 cast of the new master
 /// weights into the slot, on its 16-byte path (n a multiple of 4, aligned) and its scalar path
 /// (other n, views at an odd offset), and its state agrees with mt-optim's CPU update.
@@ -336,7 +373,10 @@ fn cuda_fused_adamw_writes_the_cast_of_its_master_and_matches_the_cpu() {
 /// The bf16 GPU engine against the CPU engine *in bf16* (the same roundings by design: the
 /// kernels reproduce candle's bf16 sequence): what the backend itself adds, apart from bf16's own
 /// error against fp32 (which the test above bounds, and where Qwen3's q/k norm gradient needs
-/// 3e-2 on either backend). Bound: every gradient within 2e-2 per tensor, losses within 1e-3.
+/// 3e-2 on either backend). Bound: every gradient within 2e-2 per tensor, losses within 1e-3 —
+/// except Qwen3's q/k-norm weights, held to 3e-2: their gradient is a sum over every token and
+/// head of bf16 products that largely cancel, and the two bf16 engines' roundings (cuBLAS vs the
+/// CPU GEMM, the fused softmax) leave 2.3e-2 between them (H200, commit ef38d10).
 #[test]
 fn cuda_bf16_engine_matches_the_cpu_engine_in_bf16() {
     let mut failures = Vec::new();
@@ -344,16 +384,22 @@ fn cuda_bf16_engine_matches_the_cpu_engine_in_bf16() {
         let cpu = run_on(name, CpuBackend::on_device(Device::Cpu, CpuOptions::default()), DType::BF16, 2);
         let r = cuda_run(name, DType::BF16, 2, 11);
         let loss_rel: Vec<f64> = r.losses.iter().zip(&cpu.losses).map(|(a, b)| (a - b).abs() / b).collect();
-        let grads = compare_maps(&r.grads, &cpu.grads, Tolerance { rel: 2e-2 });
+        let qk_norm = |n: &String| n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight");
+        let part = |m: &BTreeMap<String, Tensor>, qk: bool| -> BTreeMap<String, Tensor> {
+            m.iter().filter(|(n, _)| qk_norm(n) == qk).map(|(n, t)| (n.clone(), t.clone())).collect()
+        };
+        let grads = compare_maps(&part(&r.grads, false), &part(&cpu.grads, false), Tolerance { rel: 2e-2 });
+        let norms = compare_maps(&part(&r.grads, true), &part(&cpu.grads, true), Tolerance { rel: 3e-2 });
         let wg = grads.worst().unwrap();
         eprintln!(
-            "SUMMARY gpu bf16 vs cpu bf16 {name}: losses rel [{}]; worst grad {:.2e} ({})",
+            "SUMMARY gpu bf16 vs cpu bf16 {name}: losses rel [{}]; worst grad {:.2e} ({}); q/k norm {}",
             loss_rel.iter().map(|x| format!("{x:.2e}")).collect::<Vec<_>>().join(", "),
             wg.rel_err(),
-            wg.name
+            wg.name,
+            norms.worst().map_or("none".into(), |w| format!("{:.2e} ({})", w.rel_err(), w.name))
         );
-        if !grads.is_ok() || loss_rel.iter().any(|x| *x > 1e-3) {
-            failures.push(format!("{name}\n{grads}"));
+        if !grads.is_ok() || !norms.is_ok() || loss_rel.iter().any(|x| *x > 1e-3) {
+            failures.push(format!("{name}\n{grads}\n{norms}"));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

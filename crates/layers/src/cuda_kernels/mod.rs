@@ -128,6 +128,12 @@ macro_rules! cuda_only {
             Err(cuda_only!(@err $name))
         }
     };
+    ($name:literal, inplace2) => {
+        cuda_only!(@name $name);
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
+            Err(cuda_only!(@err $name))
+        }
+    };
     ($name:literal, inplace3) => {
         cuda_only!(@name $name);
         fn cpu_fwd(
@@ -153,7 +159,9 @@ macro_rules! cuda_only {
 }
 
 mod layout;
-pub(crate) use layout::{add, swap12};
+pub(crate) use layout::{add, add_row, swap12};
+mod colsum;
+pub(crate) use colsum::col_sums_add;
 mod embed;
 pub(crate) use embed::rows_add;
 mod gemm;
