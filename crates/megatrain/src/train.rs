@@ -391,8 +391,13 @@ fn run<B: Backend>(
             ));
         }
     }
+    let t_flush = Instant::now();
     engine.flush_pending().context("applying the last update")?;
     store.flush().context("flushing the host store")?;
+    progress.note(format_args!(
+        "last update applied and the store written back in {:.1} s",
+        t_flush.elapsed().as_secs_f64()
+    ));
     if !eval_batches.is_empty() {
         let e = evaluate(&mut engine, &eval_batches)?;
         progress.note(format_args!("step {}: eval loss {:.6} over {} targets", store.state().step, e.0, e.1));

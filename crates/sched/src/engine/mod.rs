@@ -141,8 +141,6 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
     }
 }
 
-/// Elements per piece when a resident unit is written back to the store (64 MiB of f32).
-const SYNC_PIECE: usize = 16 << 20;
 const N_STAGING: usize = 2;
 const N_GRAD_BUFS: usize = 2;
 const N_LANDING: usize = 2;
