@@ -325,27 +325,22 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                         let s =
                             spec("throughput", sys, &model_label(m), Some(config.clone()), tokens, "default");
                         cx.add(Spec { trace: sys == System::Ours, ..s });
-                        if sys == System::Ours && opts.ours_streamed {
+                        // Our further variants, each with its own arguments.
+                        let variants = [
+                            (opts.ours_streamed, "streamed", streamed_layers()),
+                            (opts.ours_noclip, "noclip", no_clipping()),
+                        ];
+                        for (_, variant, extra) in variants.into_iter().filter(|v| v.0 && sys == System::Ours)
+                        {
                             let s = spec(
                                 "throughput",
                                 sys,
                                 &model_label(m),
                                 Some(config.clone()),
                                 tokens,
-                                "streamed",
+                                variant,
                             );
-                            cx.add(Spec { trace: true, extra: streamed_layers(), ..s });
-                        }
-                        if sys == System::Ours && opts.ours_noclip {
-                            let s = spec(
-                                "throughput",
-                                sys,
-                                &model_label(m),
-                                Some(config.clone()),
-                                tokens,
-                                "noclip",
-                            );
-                            cx.add(Spec { trace: true, extra: no_clipping(), ..s });
+                            cx.add(Spec { trace: true, extra, ..s });
                         }
                     }
                 }

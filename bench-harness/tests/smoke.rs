@@ -18,13 +18,11 @@ fn megatrain() -> PathBuf {
     path
 }
 
-#[test]
-fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
-    let out = std::env::temp_dir().join(format!("bench-harness-smoke-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let opts = Options {
+/// The smoke suite's options (CPU, 4 x 64 tokens, 4 steps), writing into `out`.
+fn smoke_options(out: &std::path::Path) -> Options {
+    Options {
         suite: Suite::Smoke,
-        out: out.clone(),
+        out: out.to_path_buf(),
         megatrain: megatrain(),
         python: "python3".into(),
         steps: 4,
@@ -40,7 +38,14 @@ fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
         largest: None,
         ours_streamed: false,
         ours_noclip: false,
-    };
+    }
+}
+
+#[test]
+fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
+    let out = std::env::temp_dir().join(format!("bench-harness-smoke-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let opts = smoke_options(&out);
     let plan = plan(&opts).expect("smoke plan");
     let mut log = Vec::new();
     let returned = execute(&opts, &plan, &mut log).expect("smoke suite");
@@ -95,22 +100,14 @@ fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
 fn paper_plan_runs_each_of_our_variants_with_its_own_arguments() {
     let opts = Options {
         suite: Suite::Paper,
-        out: std::env::temp_dir().join("bench-harness-plan-only"),
-        megatrain: megatrain(),
-        python: "python3".into(),
         steps: 3,
         systems: vec![System::Ours, System::Deepspeed],
         models: vec!["3.6b".into()],
         tokens: vec![(4, 2048)],
-        depths: vec![],
-        slices: vec![],
         device: "cuda".into(),
-        model_config: None,
-        run_timeout_s: 300,
-        megatrain_args: vec![],
-        largest: None,
         ours_streamed: true,
         ours_noclip: true,
+        ..smoke_options(&std::env::temp_dir().join("bench-harness-plan-only"))
     };
     let plan = plan(&opts).expect("paper plan");
     let keys: Vec<_> = plan.jobs.iter().map(|j| j.run.key.as_str()).collect();
@@ -133,25 +130,7 @@ fn paper_plan_runs_each_of_our_variants_with_its_own_arguments() {
 fn results_are_written_after_every_run_so_a_killed_suite_keeps_what_it_measured() {
     let out = std::env::temp_dir().join(format!("bench-harness-partial-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let opts = Options {
-        suite: Suite::Smoke,
-        out: out.clone(),
-        megatrain: megatrain(),
-        python: "python3".into(),
-        steps: 4,
-        systems: vec![System::Ours],
-        models: vec![],
-        tokens: vec![(4, 64)],
-        depths: vec![],
-        slices: vec![],
-        device: "cpu".into(),
-        model_config: None,
-        run_timeout_s: 300,
-        megatrain_args: vec![],
-        largest: None,
-        ours_streamed: false,
-        ours_noclip: false,
-    };
+    let opts = smoke_options(&out);
     let mut p = plan(&opts).expect("smoke plan");
     p.jobs.truncate(2);
     p.fixed.clear();
