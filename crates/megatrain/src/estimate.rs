@@ -31,13 +31,15 @@ pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
 /// minus store + staging/landing: 513 MB for Llama-3-8B, 524 MB for SmolLM2-135M.
 pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
 
-/// Host RAM a run of `plan` holds: store + staging/landing + the process overhead, and on the
-/// CPU backend the device pool too (weight ring, outer slot, gradient buffers, checkpoints; not
-/// the planner's GPU workspace reserve, which on the CPU is transient heap).
+/// Host RAM a run of `plan` holds while it trains: store + staging/landing + the process
+/// overhead, less the resident units' gradient pages (given back once the engine has loaded
+/// them), and on the CPU backend the device pool too (weight ring, outer slot, gradient buffers,
+/// checkpoints; not the planner's GPU workspace reserve, which on the CPU is transient heap).
 pub fn host_bytes(plan: &Plan, device: DeviceKind) -> u64 {
+    let held = plan.host.total - plan.host.released_by_resident;
     match device {
-        DeviceKind::Cuda => plan.host.total + PROCESS_OVERHEAD_CUDA,
-        DeviceKind::Cpu => plan.host.total + plan.gpu.total - plan.gpu.workspace + PROCESS_OVERHEAD_CPU,
+        DeviceKind::Cuda => held + PROCESS_OVERHEAD_CUDA,
+        DeviceKind::Cpu => held + plan.gpu.total - plan.gpu.workspace + PROCESS_OVERHEAD_CPU,
     }
 }
 /// Default GPU memory: one H200 as the driver reports it.
@@ -134,6 +136,7 @@ impl Estimate {
             "n_params": p.n_params,
             "batch_size": p.batch, "seq_len": p.seq, "n_chunks": p.n_chunks, "ring_depth": p.ring_depth,
             "host_bytes": self.host_bytes, "host_store_bytes": p.host.store, "host_staging_bytes": p.host.pinned,
+            "host_peak_bytes": p.host.total, "host_released_by_resident_bytes": p.host.released_by_resident,
             "pinned_bytes": self.pinned_bytes, "device_bytes": self.device_bytes,
             "pcie_h2d_bytes_per_step": p.pcie_h2d_per_step, "pcie_d2h_bytes_per_step": p.pcie_d2h_per_step,
             "model_flops_per_step": p.flops_per_step,

@@ -126,8 +126,12 @@ pub struct HostBytes {
     pub store: u64,
     /// Staging and landing buffers (page-locked on CUDA).
     pub pinned: u64,
-    /// Sum of the two.
+    /// Sum of the two: what must fit (the whole store is populated before the engine starts).
     pub total: u64,
+    /// Of the store, the gradient regions of the resident units, which the engine gives back to
+    /// the kernel once it has loaded them (`HostStore::release_grad`, anonymous stores): the
+    /// host holds `total - released_by_resident` while it trains.
+    pub released_by_resident: u64,
 }
 
 /// A step plan.
@@ -173,17 +177,21 @@ fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 
+fn grad_elem_bytes(grad: GradDtype) -> u64 {
+    match grad {
+        GradDtype::F32 => 4,
+        GradDtype::Bf16 => 2,
+        GradDtype::None => 0,
+    }
+}
+
 fn round_page(n: u64) -> u64 {
     n.div_ceil(PAGE as u64) * PAGE as u64
 }
 
 /// Exactly the bytes [`mt_store::HostStore`] maps for `layout` with `grad` gradients.
 pub fn store_bytes(layout: &ModelLayout, grad: GradDtype) -> u64 {
-    let g = match grad {
-        GradDtype::F32 => 4,
-        GradDtype::Bf16 => 2,
-        GradDtype::None => 0,
-    };
+    let g = grad_elem_bytes(grad);
     let record = |len: u64| PAGE as u64 + 3 * round_page(len * 4) + round_page(len * g);
     PAGE as u64 + record(layout.outer.len as u64) + layout.n_layers as u64 * record(layout.layer.len as u64)
 }
@@ -262,7 +270,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     // The transferred part of the outer unit: none of it when it is resident.
     let ol_moved = if resident_outer { 0 } else { ol };
     let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * 4 + ol_moved * 4;
-    let host = HostBytes { store, pinned, total: store + pinned };
+    let mut host = HostBytes { store, pinned, total: store + pinned, released_by_resident: 0 };
     if host.total > input.host_bytes {
         return opt(format!(
             "host store ({:.2} GiB) + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
@@ -330,6 +338,9 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let resident_bytes = resident_layers as u64 * per_resident_layer;
     total += resident_bytes - asked_resident;
     let streamed_layers = nl - resident_layers as u64;
+    let grad_region = |len: u64| round_page(len * grad_elem_bytes(input.grad_dtype));
+    host.released_by_resident =
+        resident_layers as u64 * grad_region(ll) + if resident_outer { grad_region(ol) } else { 0 };
     let gpu = GpuBytes {
         weight_ring,
         outer,
@@ -375,10 +386,11 @@ impl fmt::Display for Plan {
             gib(g.weight_ring), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.checkpoints), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
         writeln!(
             f,
-            "host (GiB)  store {:.2} | pinned {:.2} | total {:.2}",
+            "host (GiB)  store {:.2} | pinned {:.2} | total {:.2} | given back by resident units {:.2}",
             gib(h.store),
             gib(h.pinned),
-            gib(h.total)
+            gib(h.total),
+            gib(h.released_by_resident)
         )?;
         writeln!(
             f,

@@ -266,3 +266,32 @@ fn auto_keeps_as_many_leading_layers_resident_as_the_gpu_holds_after_its_chunkin
     let e = err(&PlanInput { resident_layers: Some(28), gpu_bytes: 40 * GIB, ..small });
     assert!(e.contains("resident layers 47.2"), "{e}");
 }
+
+#[test]
+fn the_gradient_pages_the_plan_counts_as_given_back_are_what_the_store_releases() {
+    let cfg = ModelConfig::tiny_llama();
+    let layout = ModelLayout::new(&cfg);
+    for (grad, mode) in [
+        (GradDtype::F32, OptimMode::Exact),
+        (GradDtype::Bf16, OptimMode::Exact),
+        (GradDtype::None, OptimMode::Lean),
+    ] {
+        let base = PlanInput {
+            grad_dtype: grad,
+            mode,
+            resident_outer: Some(true),
+            ..input(cfg.clone(), 2, 16, GIB)
+        };
+        let p = plan(&PlanInput { resident_layers: Some(2), ..base.clone() }).unwrap();
+        let store = HostStore::anonymous(&layout, grad).unwrap();
+        let released: usize = [Unit::Outer, Unit::Layer(0), Unit::Layer(1)]
+            .into_iter()
+            .map(|u| store.release_grad(u).unwrap())
+            .sum();
+        assert_eq!(p.host.released_by_resident, released as u64, "{grad:?}");
+        assert_eq!(released > 0, grad != GradDtype::None);
+        let streamed =
+            plan(&PlanInput { resident_outer: Some(false), resident_layers: Some(0), ..base }).unwrap();
+        assert_eq!(streamed.host.released_by_resident, 0);
+    }
+}
