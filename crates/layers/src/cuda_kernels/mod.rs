@@ -24,9 +24,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Storage, Tensor,
-};
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use half::bf16;
 
 const FUSED_SOURCE: &str = include_str!("../../../../kernels/fused.cu");
@@ -166,169 +164,12 @@ mod embed;
 pub(crate) use embed::rows_add;
 mod gemm;
 pub(crate) use gemm::{accumulate_matmul_t, gemm_applies};
+mod norm;
+pub(crate) use norm::{rms_norm, rms_norm_backward};
 mod optim;
 pub(crate) use optim::{adamw, sum_squares_partials};
 mod softmax;
 pub(crate) use softmax::{causal_softmax, softmax_backward};
-
-struct RmsStats {
-    eps: f32,
-}
-
-impl CustomOp1 for RmsStats {
-    cuda_only!("mt-rms-stats", 1);
-    fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, n) = rows_and_t(l, "rms stats")?;
-        let dev = x.device();
-        let xs = x.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_rms_stats", FUSED, fused_ptx()?)?;
-        // SAFETY: every element is written by the kernel below.
-        let out = unsafe { dev.alloc::<f32>(rows)? };
-        let (n32, eps) = (n as i32, self.eps);
-        let mut b = func.builder();
-        b.arg(&xs);
-        b.arg(&out);
-        b.arg(&n32);
-        b.arg(&eps);
-        // SAFETY: signature (bf16*, float*, int, float); one block per row of n elements.
-        unsafe { b.launch(launch_cfg(rows)) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(rows)))
-    }
-}
-
-struct RmsApply {
-    w: Tensor,
-}
-
-impl CustomOp2 for RmsApply {
-    cuda_only!("mt-rms-apply", 2);
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        lx: &Layout,
-        r: &CudaStorage,
-        lr: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, n) = rows_and_t(lx, "rms apply")?;
-        if lr.shape().elem_count() != rows || self.w.elem_count() != n {
-            return Err(msg("rms apply: r or w does not match x"));
-        }
-        let dev = x.device();
-        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
-        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_rms_apply", FUSED, fused_ptx()?)?;
-        let total = rows * n;
-        // SAFETY: every element is written by the kernel below.
-        let out = unsafe { dev.alloc::<bf16>(total)? };
-        let (tot, n32) = (total as i64, n as i32);
-        with_bf16(&self.w, |ws| {
-            let mut b = func.builder();
-            b.arg(&xs);
-            b.arg(&rs);
-            b.arg(ws);
-            b.arg(&out);
-            b.arg(&tot);
-            b.arg(&n32);
-            // SAFETY: signature (bf16*, float*, bf16*, bf16*, long long, int); sizes checked above.
-            unsafe { b.launch(grid_for(total)) }.w()?;
-            Ok(())
-        })?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
-    }
-}
-
-struct RmsBwdDx {
-    w: Tensor,
-}
-
-impl CustomOp3 for RmsBwdDx {
-    cuda_only!("mt-rms-bwd-dx", 3);
-    fn cuda_fwd(
-        &self,
-        dy: &CudaStorage,
-        ldy: &Layout,
-        x: &CudaStorage,
-        lx: &Layout,
-        r: &CudaStorage,
-        lr: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, n) = rows_and_t(lx, "rms backward")?;
-        if rows_and_t(ldy, "rms backward dy")? != (rows, n)
-            || lr.shape().elem_count() != rows
-            || self.w.elem_count() != n
-        {
-            return Err(msg("rms backward: dy, r or w does not match x"));
-        }
-        let dev = x.device();
-        let dys = dy.as_cuda_slice::<bf16>()?.slice(ldy.start_offset()..);
-        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
-        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_rms_bwd_dx", FUSED, fused_ptx()?)?;
-        // SAFETY: every element is written by the kernel below.
-        let out = unsafe { dev.alloc::<bf16>(rows * n)? };
-        let n32 = n as i32;
-        with_bf16(&self.w, |ws| {
-            let mut b = func.builder();
-            b.arg(&dys);
-            b.arg(&xs);
-            b.arg(&rs);
-            b.arg(ws);
-            b.arg(&out);
-            b.arg(&n32);
-            // SAFETY: signature (bf16*, bf16*, float*, bf16*, bf16*, int); one block per row.
-            unsafe { b.launch(launch_cfg(rows)) }.w()?;
-            Ok(())
-        })?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
-    }
-}
-
-/// Row groups of the deterministic RMSNorm weight-gradient reduction.
-const DW_GROUPS: usize = 64;
-
-struct RmsBwdDw;
-
-impl CustomOp3 for RmsBwdDw {
-    cuda_only!("mt-rms-bwd-dw", 3);
-    fn cuda_fwd(
-        &self,
-        dy: &CudaStorage,
-        ldy: &Layout,
-        x: &CudaStorage,
-        lx: &Layout,
-        r: &CudaStorage,
-        lr: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, n) = rows_and_t(lx, "rms dw")?;
-        if rows_and_t(ldy, "rms dw dy")? != (rows, n) || lr.shape().elem_count() != rows {
-            return Err(msg("rms dw: dy or r does not match x"));
-        }
-        let dev = x.device();
-        let dys = dy.as_cuda_slice::<bf16>()?.slice(ldy.start_offset()..);
-        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
-        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_rms_bwd_dw", FUSED, fused_ptx()?)?;
-        let groups = DW_GROUPS.min(rows.max(1));
-        // SAFETY: every element is written by the kernel below (each (group, column) once).
-        let out = unsafe { dev.alloc::<f32>(groups * n)? };
-        let (rows32, n32) = (rows as i32, n as i32);
-        let mut b = func.builder();
-        b.arg(&dys);
-        b.arg(&xs);
-        b.arg(&rs);
-        b.arg(&out);
-        b.arg(&rows32);
-        b.arg(&n32);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(32) as u32, groups as u32, 1),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: signature (bf16*, bf16*, float*, float*, int, int); out holds groups * n.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((groups, n))))
-    }
-}
 
 struct Swiglu;
 
@@ -477,27 +318,6 @@ pub(crate) fn applies(x: &Tensor) -> bool {
         }),
         _ => false,
     }
-}
-
-/// RMSNorm over the last axis: `(y, r)` with `r = 1/sqrt(mean(x²) + eps)` per row (f32).
-pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<(Tensor, Tensor)> {
-    let x = x.contiguous()?;
-    let r = x.apply_op1_no_bwd(&RmsStats { eps: eps as f32 })?;
-    let y = x.apply_op2_no_bwd(&r, &RmsApply { w: w.contiguous()? })?;
-    Ok((y, r))
-}
-
-/// Backward of [`rms_norm`]: `(dx` bf16, `dw` f32 `[n])`.
-pub(crate) fn rms_norm_backward(
-    dy: &Tensor,
-    x: &Tensor,
-    w: &Tensor,
-    r: &Tensor,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let (dy, x) = (dy.contiguous()?, x.contiguous()?);
-    let dx = dy.apply_op3_no_bwd(&x, r, &RmsBwdDx { w: w.contiguous()? })?;
-    let dw = dy.apply_op3_no_bwd(&x, r, &RmsBwdDw)?.sum(0)?;
-    Ok((dx, dw))
 }
 
 /// `bf16(silu(gate)) * up`.
