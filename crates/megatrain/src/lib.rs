@@ -10,6 +10,7 @@
 #![recursion_limit = "256"]
 
 pub mod checkpoint;
+mod checks;
 pub mod cli;
 pub mod data;
 pub mod estimate;

@@ -14,7 +14,8 @@ use mt_sched::{Backend, CpuBackend, CpuOptions, Engine, EngineOptions, StepRepor
 use mt_store::HostStore;
 
 use crate::checkpoint;
-use crate::cli::{DeviceKind, ExportDtypeArg, GradDtypeArg, OptimModeArg, TrainArgs};
+use crate::checks;
+use crate::cli::{DeviceKind, ExportDtypeArg, TrainArgs};
 use crate::data::{describe_source, TrainData};
 use crate::init::init_store;
 use crate::metrics::{self, MetricsLog, RunInfo};
@@ -73,9 +74,9 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     }
     let model = ModelSource::from_args(args.model.as_deref(), args.config.as_deref())?;
     let cfg = model.cfg.clone();
-    check_sizes(args, &cfg)?;
-    let trace_step = check_trace(args)?;
-    check_outputs(args)?;
+    checks::check_sizes(args, &cfg)?;
+    let trace_step = checks::check_trace(args)?;
+    checks::check_outputs(args)?;
     let data = TrainData::new(args, cfg.vocab_size, args.model.as_deref())
         .with_context(|| format!("--data for model {}", model.name))?;
 
@@ -481,7 +482,7 @@ fn evaluate<B: Backend>(engine: &mut Engine<B>, batches: &[mt_sched::Batch]) -> 
 }
 
 /// Where checkpoints go: `--checkpoint-dir`, else `OUT/checkpoints`; `None` without either.
-fn checkpoint_dir(args: &TrainArgs) -> Option<std::path::PathBuf> {
+pub(crate) fn checkpoint_dir(args: &TrainArgs) -> Option<std::path::PathBuf> {
     args.checkpoint_dir.clone().or_else(|| args.out.as_ref().map(|o| o.join("checkpoints")))
 }
 
@@ -529,93 +530,6 @@ fn defining_options(args: &TrainArgs, model: &ModelSource) -> Result<serde_json:
         "beta2": args.beta2,
         "eps": args.eps,
     }))
-}
-
-/// Refuses output options that cannot work, before any work is done: an `--out` that is a
-/// file, checkpoints with nowhere to go.
-fn check_outputs(args: &TrainArgs) -> Result<()> {
-    if let Some(out) = &args.out {
-        if out.exists() && !out.is_dir() {
-            bail!("--out {} exists and is not a directory", out.display());
-        }
-    }
-    if let (Some(out), Some(model)) = (&args.out, &args.model) {
-        let same = match (out.canonicalize(), model.canonicalize()) {
-            (Ok(a), Ok(b)) => a == b,
-            _ => false,
-        };
-        if same {
-            bail!("--out {} is the --model directory: export into another directory", out.display());
-        }
-    }
-    if (args.save_every > 0 || args.resume) && checkpoint_dir(args).is_none() {
-        bail!("--save-every and --resume need --out DIR or --checkpoint-dir DIR (where checkpoints live)");
-    }
-    if let (Some(dir), false) = (checkpoint_dir(args), args.resume) {
-        if let Some((path, m)) = checkpoint::latest(&dir)? {
-            bail!(
-                "{} holds a checkpoint of step {} ({}): continue that run with --resume, or start a new \
-                 one with another --out or --checkpoint-dir",
-                dir.display(),
-                m.step,
-                path.display()
-            );
-        }
-    }
-    if args.resume && args.store.is_some() {
-        bail!("--resume restores a checkpoint into the store; with --store, rerun with the same --store instead");
-    }
-    Ok(())
-}
-
-/// The step of this invocation (1-based) that `--trace` records: `--trace-step`, else 2 (the
-/// first step is a warm-up: buffers are allocated and worker threads start), or 1 for a
-/// one-step run. Refuses a step past `--steps` and a trace path whose directory is missing,
-/// before any training step runs.
-fn check_trace(args: &TrainArgs) -> Result<usize> {
-    let step = args.trace_step.unwrap_or(if args.steps >= 2 { 2 } else { 1 });
-    if step > args.steps {
-        bail!(
-            "--trace-step {step} is past the last step of this run (--steps {}); use 1..={}",
-            args.steps,
-            args.steps
-        );
-    }
-    if let Some(path) = &args.trace {
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        if !dir.is_dir() {
-            bail!("--trace {}: directory {} does not exist; create it first", path.display(), dir.display());
-        }
-    }
-    Ok(step)
-}
-
-/// Refuses option combinations the model or the engine cannot run, naming the option to change.
-fn check_sizes(args: &TrainArgs, cfg: &ModelConfig) -> Result<()> {
-    if args.seq_len > cfg.max_position_embeddings {
-        bail!(
-            "--seq-len {} exceeds the model's max_position_embeddings ({}); use a shorter sequence",
-            args.seq_len,
-            cfg.max_position_embeddings
-        );
-    }
-    cfg.check_seq_len(args.seq_len).context("--seq-len")?;
-    if let Some(c) = args.chunks.filter(|&c| c > args.batch_size) {
-        bail!(
-            "--chunks {c} exceeds --batch-size {}: each chunk holds at least one whole sequence",
-            args.batch_size
-        );
-    }
-    if args.grad_dtype() == GradDtypeArg::None && args.optim_mode == OptimModeArg::Exact {
-        bail!(
-            "--grad-dtype none needs --optim-mode lean: exact mode keeps each step's gradient in the \
-             store until the next step"
-        );
-    }
-    Ok(())
 }
 
 /// The `--store` file (opened if it exists, else created) or an anonymous store; `true` when
