@@ -18,6 +18,8 @@
 //! Host bytes: exactly the arena of [`mt_store::HostStore`] (header page, per unit a meta page
 //! and page-rounded master, m, v and gradient regions) plus the staging and landing buffers
 //! (page-locked on CUDA): `2 × layer.len × e + outer.len × e` and `2 × layer.len × 4 + outer.len × 4`.
+//! All of it must fit (the store is populated before the engine starts); while training, the
+//! resident units' gradient regions are given back (`HostBytes::released_by_resident`).
 
 use std::fmt;
 
