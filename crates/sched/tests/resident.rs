@@ -244,3 +244,33 @@ fn a_crash_after_a_flush_and_a_step_is_refused_and_a_drop_is_not() {
     assert!(!store.device_owned());
     engine(&cfg, store, opts, 0).step(&data[1], 1e-3).unwrap();
 }
+
+/// The write-back (`sync_store`) moves a resident unit through the landing buffer a layer's
+/// length at a time: here the outer unit (a 1024-token vocabulary) is 4.3 layers long, so it
+/// crosses in five pieces, the last one partial. A resident run dropped half-way and continued
+/// by a streamed engine trains bitwise as a streamed run throughout.
+#[test]
+fn a_resident_unit_longer_than_the_landing_buffer_is_written_back_whole() {
+    let cfg = ModelConfig { vocab_size: 1024, ..cfg() };
+    let layout = ModelLayout::new(&cfg);
+    assert!(layout.outer.len > 4 * layout.layer.len && !layout.outer.len.is_multiple_of(layout.layer.len));
+    let data = small_batches(&cfg, 4, 71);
+    let run = |sessions: [(bool, usize); 2]| {
+        let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
+        let mut losses = Vec::new();
+        for ((outer, layers), part) in sessions.into_iter().zip([&data[..2], &data[2..]]) {
+            let o = EngineOptions { resident_outer: outer, resident_layers: layers, ..golden_opts() };
+            let mut e = engine(&cfg, store.clone(), o, 200);
+            for b in part {
+                losses.push(e.step(b, 1e-3).unwrap().loss);
+            }
+            e.flush_pending().unwrap();
+        }
+        (losses, store)
+    };
+    let (l0, s0) = run([(false, 0), (false, 0)]);
+    let (l1, s1) = run([(true, 1), (false, 0)]);
+    assert_eq!(l0, l1, "losses");
+    assert_bitwise_eq(&params_of(&s1), &params_of(&s0), "resident-then-streamed vs streamed params");
+    assert_eq!(all_moments(&s1), all_moments(&s0), "moments and applied steps");
+}
