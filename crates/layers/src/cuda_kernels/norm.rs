@@ -3,7 +3,7 @@
 //! (`kernels/fused.cu`), with the same roundings as the candle sequence they replace.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use half::bf16;
@@ -76,6 +76,32 @@ impl CustomOp2 for RmsApply {
     }
 }
 
+/// The backward kernels' inputs as device views, with `x`'s shape `[rows, n]`.
+struct BwdInputs<'a> {
+    rows: usize,
+    n: usize,
+    dy: CudaView<'a, bf16>,
+    x: CudaView<'a, bf16>,
+    r: CudaView<'a, f32>,
+}
+
+/// Views of `dy` (bf16), `x` (bf16) and `r` (f32), checked against `x`'s `[rows, n]`.
+fn backward_inputs<'a>(
+    (dy, ldy): (&'a CudaStorage, &Layout),
+    (x, lx): (&'a CudaStorage, &Layout),
+    (r, lr): (&'a CudaStorage, &Layout),
+    what: &str,
+) -> candle_core::Result<BwdInputs<'a>> {
+    let (rows, n) = rows_and_t(lx, what)?;
+    if rows_and_t(ldy, what)? != (rows, n) || lr.shape().elem_count() != rows {
+        return Err(msg(format!("{what}: dy or r does not match x")));
+    }
+    let dys = dy.as_cuda_slice::<bf16>()?.slice(ldy.start_offset()..);
+    let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
+    let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
+    Ok(BwdInputs { rows, n, dy: dys, x: xs, r: rs })
+}
+
 struct RmsBwdDx {
     w: Tensor,
 }
@@ -91,17 +117,12 @@ impl CustomOp3 for RmsBwdDx {
         r: &CudaStorage,
         lr: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, n) = rows_and_t(lx, "rms backward")?;
-        if rows_and_t(ldy, "rms backward dy")? != (rows, n)
-            || lr.shape().elem_count() != rows
-            || self.w.elem_count() != n
-        {
-            return Err(msg("rms backward: dy, r or w does not match x"));
+        let BwdInputs { rows, n, dy: dys, x: xs, r: rs } =
+            backward_inputs((dy, ldy), (x, lx), (r, lr), "rms backward")?;
+        if self.w.elem_count() != n {
+            return Err(msg("rms backward: w does not match x"));
         }
         let dev = x.device();
-        let dys = dy.as_cuda_slice::<bf16>()?.slice(ldy.start_offset()..);
-        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
-        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
         let func = dev.get_or_load_custom_func("mt_rms_bwd_dx", FUSED, fused_ptx()?)?;
         // SAFETY: every element is written by the kernel below.
         let out = unsafe { dev.alloc::<bf16>(rows * n)? };
@@ -138,14 +159,9 @@ impl CustomOp3 for RmsBwdDw {
         r: &CudaStorage,
         lr: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (rows, n) = rows_and_t(lx, "rms dw")?;
-        if rows_and_t(ldy, "rms dw dy")? != (rows, n) || lr.shape().elem_count() != rows {
-            return Err(msg("rms dw: dy or r does not match x"));
-        }
+        let BwdInputs { rows, n, dy: dys, x: xs, r: rs } =
+            backward_inputs((dy, ldy), (x, lx), (r, lr), "rms dw")?;
         let dev = x.device();
-        let dys = dy.as_cuda_slice::<bf16>()?.slice(ldy.start_offset()..);
-        let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
-        let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
         let func = dev.get_or_load_custom_func("mt_rms_bwd_dw", FUSED, fused_ptx()?)?;
         let groups = DW_GROUPS.min(rows.max(1));
         // SAFETY: every element is written by the kernel below (each (group, column) once).
