@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
 use half::bf16;
-use mt_optim::{cast_into, step_fused, sum_squares, AdamW, Grad, StepArgs, Upload, CHUNK};
+use mt_optim::{cast_into, cast_sum_squares, step_fused, sum_squares, AdamW, Grad, StepArgs, Upload, CHUNK};
 use rayon::prelude::*;
 
 const N: usize = 64 << 20;
@@ -51,6 +51,11 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function(BenchmarkId::new("cast_into", "bf16"), |b| {
         b.iter(|| cast_into(&master, Upload::Bf16(&mut upload)).unwrap())
+    });
+    // The engine's land: the downloaded f32 gradient stored as bf16, with its sum of squares.
+    let mut grad_store = vec![bf16::ZERO; N];
+    g.bench_function(BenchmarkId::new("cast_sum_squares", "f32_to_bf16"), |b| {
+        b.iter(|| cast_sum_squares(&grad, Upload::Bf16(&mut grad_store)).unwrap())
     });
     g.bench_function(BenchmarkId::new("sum_squares", "f32"), |b| b.iter(|| sum_squares(Grad::F32(&grad))));
     // 8 B of traffic per element (plus 4 B if the stores allocate the line first).

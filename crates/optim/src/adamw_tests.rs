@@ -361,3 +361,29 @@ fn three_steps_match_pytorch_adamw() {
         }
     }
 }
+
+#[test]
+fn branchless_bf16_rounding_equals_half_on_every_rounding_boundary_and_special_value() {
+    // Every upper half (sign, exponent, kept mantissa) with the dropped half at the places the
+    // rounding decides on: zero, just below / at / just above one half, and all ones. That is
+    // every tie (both parities), every carry into the exponent (incl. to infinity) and every NaN
+    // pattern of the upper bits; plus a strided sweep of everything else.
+    let lows = [0x0000u32, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF];
+    let boundary = (0..=0xFFFFu32).flat_map(|hi| lows.iter().map(move |&lo| (hi << 16) | lo));
+    let sweep = (0..=u32::MAX / 7919).map(|i| i * 7919);
+    let mut checked = 0u64;
+    for b in boundary.chain(sweep) {
+        let x = f32::from_bits(b);
+        assert_eq!(bf16_bits(x), bf16::from_f32(x).to_bits(), "f32 bits {b:#010x}");
+        checked += 1;
+    }
+    assert!(checked > 900_000);
+}
+
+#[test]
+fn branchless_bf16_widening_equals_half_on_every_bf16() {
+    for b in 0..=u16::MAX {
+        let x = bf16::from_bits(b);
+        assert_eq!(GradElem::to_f32(x).to_bits(), x.to_f32().to_bits(), "bf16 bits {b:#06x}");
+    }
+}
