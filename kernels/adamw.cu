@@ -99,3 +99,27 @@ extern "C" __global__ void mt_sumsq(const float* __restrict__ g, double* __restr
     }
     if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
 }
+
+// A streamed layer's gradient for a bf16 landing (exact mode, bf16 store gradients): out[i] =
+// bf16(g[i]) (round to nearest even; NaN as a quiet NaN), and partial[block] = sum of out[i]^2 in
+// f64 over the block's grid-stride set, reduced in the same fixed tree as mt_sumsq (deterministic
+// for a fixed grid). The host adds the partials in order: the layer's share of the global norm is
+// that of the gradient the optimizer will read, as the host's land took it.
+extern "C" __global__ void mt_narrow_sumsq_bf16(const float* __restrict__ g, unsigned short* __restrict__ out,
+                                                double* __restrict__ partial, long long n) {
+    __shared__ double sh[256];
+    double acc = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const unsigned short b = f2bf(g[i]);
+        out[i] = b;
+        const double x = (double)__uint_as_float(((unsigned)b) << 16);
+        acc += x * x;
+    }
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}

@@ -153,3 +153,93 @@ pub fn sum_squares(grad: &Tensor) -> Result<SumSquares> {
     let g = grad.flatten_all()?.to_vec1::<f32>()?;
     Ok(SumSquares::Value(mt_optim::sum_squares(Grad::F32(&g))))
 }
+
+/// [`narrow_bf16_sum_squares`]'s in-place op on the bf16 output.
+struct NarrowSumSq {
+    /// The CPU path's sum.
+    cpu_sum: std::sync::Mutex<Option<f64>>,
+    /// The CUDA path's per-block partials (`SUMSQ_BLOCKS` f64), written by the kernel.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    partials: Option<Tensor>,
+}
+
+impl InplaceOp2 for NarrowSumSq {
+    fn name(&self) -> &'static str {
+        "mt-narrow-sumsq-bf16"
+    }
+
+    fn cpu_fwd(
+        &self,
+        out: &mut CpuStorage,
+        lo: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<()> {
+        let g = f32_slice(g, lg, "the gradient")?;
+        let CpuStorage::BF16(o) = out else {
+            return Err(candle_core::Error::Msg("gradient narrowing: the output must be bf16".into()));
+        };
+        let (off, len) = (lo.start_offset(), lo.shape().elem_count());
+        if !lo.is_contiguous() || len != g.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "gradient narrowing: a contiguous {}-element output expected, found {len}",
+                g.len()
+            )));
+        }
+        let s = mt_optim::cast_sum_squares(g, Upload::Bf16(&mut o[off..off + len]))
+            .map_err(|e| candle_core::Error::Msg(format!("gradient narrowing: {e}")))?;
+        *self.cpu_sum.lock().unwrap_or_else(|p| p.into_inner()) = Some(s);
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        out: &mut candle_core::CudaStorage,
+        lo: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<()> {
+        let p = self.partials.as_ref().ok_or_else(|| candle_core::Error::Msg("no partials buffer".into()))?;
+        let (ps, lp) = p.storage_and_layout();
+        match &*ps {
+            candle_core::Storage::Cuda(cs) => {
+                crate::cuda_kernels::narrow_bf16_sum_squares(out, lo, g, lg, cs, lp)
+            }
+            _ => Err(candle_core::Error::Msg("gradient narrowing: partials not on the CUDA device".into())),
+        }
+    }
+}
+
+/// A streamed layer's f32 gradient narrowed into `out` (bf16, same length) for a bf16 landing,
+/// with the sum of squares of what `out` holds: the values and the sum the host's land would have
+/// taken (`mt_optim::cast_sum_squares` into a bf16 store gradient). On the CPU that very
+/// function, so bitwise the host's land; on CUDA `kernels/adamw.cu` (the same rounding; the sum in
+/// a fixed tree, read by [`SumSquares::value`]).
+pub fn narrow_bf16_sum_squares(grad: &Tensor, out: &Tensor) -> Result<SumSquares> {
+    if grad.dtype() != DType::F32 {
+        return Err(Error::dtype("gradient to narrow", "f32", grad.dtype()));
+    }
+    if out.dtype() != DType::BF16 {
+        return Err(Error::dtype("bf16 gradient landing buffer", "bf16", out.dtype()));
+    }
+    if grad.elem_count() != out.elem_count() || !grad.is_contiguous() || !out.is_contiguous() {
+        return Err(Error::shape(
+            "bf16 gradient landing buffer",
+            format!("[{}]", grad.elem_count()),
+            out.dims(),
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if grad.device().is_cuda() {
+        let partials = crate::cuda_kernels::sum_squares_partials_buffer(grad.device())?;
+        let op = NarrowSumSq { cpu_sum: std::sync::Mutex::new(None), partials: Some(partials.clone()) };
+        out.inplace_op2(grad, &op)?;
+        return Ok(SumSquares::Partials(partials));
+    }
+    let op = NarrowSumSq { cpu_sum: std::sync::Mutex::new(None), partials: None };
+    out.inplace_op2(grad, &op)?;
+    let s = op.cpu_sum.lock().unwrap_or_else(|p| p.into_inner()).take();
+    s.map(SumSquares::Value)
+        .ok_or_else(|| candle_core::Error::Msg("gradient narrowing: the CPU op did not run".into()).into())
+}

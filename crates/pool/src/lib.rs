@@ -67,6 +67,10 @@ pub struct PoolSpec {
     /// Decoder layers `0..resident_layers` get their own slot, gradient buffer and optimizer
     /// state ([`ResidentLayer`]) instead of passing through the ring.
     pub resident_layers: usize,
+    /// Give every layer gradient buffer a bf16 twin ([`DevicePool::grad_narrow`]) that the
+    /// gradient is narrowed into before its download (exact mode with bf16 store gradients: the
+    /// host keeps bf16 anyway, so half the bytes cross PCIe and land).
+    pub land_bf16: bool,
 }
 
 /// The device buffers of one resident decoder layer.
@@ -121,6 +125,8 @@ pub struct DevicePool {
     pub outer_slot: Tensor,
     /// Layer gradient buffer ring.
     pub grad_bufs: Vec<Tensor>,
+    /// bf16 twins of `grad_bufs` (same index; empty unless [`PoolSpec::land_bf16`]).
+    pub grad_narrow: Vec<Tensor>,
     /// Outer gradient buffer.
     pub outer_grad: Tensor,
     /// The resident outer unit's `[master | m | v]` (f32, `3 × outer_len`), when
@@ -158,10 +164,15 @@ impl DevicePool {
         let grad_bufs = (0..spec.n_grad_bufs)
             .map(|_| Tensor::zeros(spec.layer_len, spec.grad_dtype, device))
             .collect::<candle_core::Result<_>>()?;
+        let narrow_bufs = if spec.land_bf16 { spec.n_grad_bufs } else { 0 };
+        let grad_narrow = (0..narrow_bufs)
+            .map(|_| Tensor::zeros(spec.layer_len, DType::BF16, device))
+            .collect::<candle_core::Result<_>>()?;
         Ok(DevicePool {
             slots,
             outer_slot: Tensor::zeros(spec.outer_len, spec.weight_dtype, device)?,
             grad_bufs,
+            grad_narrow,
             outer_grad: Tensor::zeros(spec.outer_len, spec.grad_dtype, device)?,
             outer_state: if spec.resident_outer {
                 Some(Tensor::zeros(3 * spec.outer_len, DType::F32, device)?)
@@ -225,7 +236,8 @@ impl DevicePool {
         PoolBytes {
             weight_ring: self.slots.iter().map(tensor_bytes).sum(),
             outer: tensor_bytes(&self.outer_slot),
-            grads: self.grad_bufs.iter().map(tensor_bytes).sum::<usize>() + tensor_bytes(&self.outer_grad),
+            grads: self.grad_bufs.iter().chain(&self.grad_narrow).map(tensor_bytes).sum::<usize>()
+                + tensor_bytes(&self.outer_grad),
             checkpoints: self.checkpoints.iter().map(|c| held(c)).sum(),
             act_grads: held(&self.act_grads),
             outer_state: self.outer_state.as_ref().map_or(0, tensor_bytes),
@@ -254,6 +266,7 @@ mod tests {
             n_chunks: 2,
             resident_outer: false,
             resident_layers: 0,
+            land_bf16: false,
         }
     }
 

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
-use mt_store::{HostVec, Staging};
+use mt_store::Staging;
 
 use crate::program::Stream;
 use crate::Result;
@@ -47,19 +47,22 @@ pub trait Backend {
         name: String,
     ) -> Self::Event;
 
-    /// D2H stream: copy a device gradient buffer into a landing buffer after `waits`.
+    /// D2H stream: copy a whole device buffer's bytes into a landing buffer of the same size in
+    /// bytes after `waits` (a gradient into a landing buffer of its type; the write-back's f32
+    /// pieces into whatever the first landing buffer holds, read back with
+    /// [`Staging::bytes_as_f32`]).
     fn download(
         &self,
         waits: &[Self::Event],
         src: Tensor,
-        dst: Arc<Mutex<HostVec<f32>>>,
+        dst: Arc<Mutex<Staging>>,
         name: String,
     ) -> Self::Event;
 
     /// Host stream: run a CPU job after `waits`.
     fn host(&self, waits: &[Self::Event], job: HostJob, name: String) -> Self::Event;
 
-    /// Whether staging and landing buffers should be page-locked ([`HostVec::pin`]) once at
+    /// Whether staging and landing buffers should be page-locked ([`Staging::pin`]) once at
     /// start (true for a real GPU: asynchronous DMA needs it).
     fn pins_host_buffers(&self) -> bool {
         false

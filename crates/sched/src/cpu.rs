@@ -9,8 +9,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Device, Tensor};
-use mt_store::{HostVec, Staging};
+use candle_core::{DType, Device, Tensor};
+use mt_store::Staging;
 
 use crate::backend::{Backend, HostJob, Span};
 use crate::program::Stream;
@@ -66,31 +66,31 @@ impl Backend for CpuBackend {
         self.workers.submit(Stream::H2D, waits.to_vec(), job, name)
     }
 
-    fn download(
-        &self,
-        waits: &[CpuEvent],
-        src: Tensor,
-        dst: Arc<Mutex<HostVec<f32>>>,
-        name: String,
-    ) -> CpuEvent {
+    fn download(&self, waits: &[CpuEvent], src: Tensor, dst: Arc<Mutex<Staging>>, name: String) -> CpuEvent {
         let clock = Arc::clone(&self.workers.clock);
         let job: HostJob = Box::new(move || {
-            let v = src.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
             let mut d = dst.lock().unwrap_or_else(|p| p.into_inner());
-            if d.len() != v.len() {
+            let flat = src.flatten_all()?;
+            let v: Vec<u8> = match src.dtype() {
+                DType::F32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
+                DType::BF16 => bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
+                other => {
+                    return Err(Error::Stream {
+                        stream: "d2h",
+                        msg: format!("download of a {other:?} buffer"),
+                    })
+                }
+            };
+            let dst = d.as_bytes_mut();
+            if dst.len() != v.len() {
                 return Err(Error::Stream {
                     stream: "d2h",
-                    msg: format!(
-                        "{}-element gradient buffer into a {}-element landing buffer",
-                        v.len(),
-                        d.len()
-                    ),
+                    msg: format!("{}-byte device buffer into a {}-byte landing buffer", v.len(), dst.len()),
                 });
             }
-            d.copy_from_slice(&v);
-            clock
-                .d2h_bytes
-                .fetch_add((src.elem_count() * src.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
+            dst.copy_from_slice(&v);
+            let n = src.elem_count();
+            clock.d2h_bytes.fetch_add((n * src.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
             Ok(())
         });
         self.workers.submit(Stream::D2H, waits.to_vec(), job, name)

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Tensor};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
-use mt_store::{HostVec, Staging};
+use mt_store::Staging;
 
 use crate::backend::{Backend, HostJob, Span};
 use crate::cuda_ffi;
@@ -206,7 +206,7 @@ impl Backend for CudaBackend {
         &self,
         waits: &[CudaOpEvent],
         src: Tensor,
-        dst: Arc<Mutex<HostVec<f32>>>,
+        dst: Arc<Mutex<Staging>>,
         name: String,
     ) -> CudaOpEvent {
         self.issue_copy(Stream::D2H, waits, name, move |stream| {

@@ -16,7 +16,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Storage, Tensor};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DevicePtr};
 use half::{bf16, f16};
-use mt_store::{HostVec, Staging};
+use mt_store::Staging;
 
 use crate::{Error, Result};
 
@@ -139,19 +139,20 @@ pub(crate) fn enqueue_upload(staging: &Staging, dst: &Tensor, stream: &CudaStrea
     Ok(bytes.len() as u64)
 }
 
-/// Enqueues the download of a whole f32 device gradient buffer into a page-locked landing buffer
-/// on `stream`; returns the bytes copied. Sound under the module invariant.
-pub(crate) fn enqueue_download(src: &Tensor, dst: &Mutex<HostVec<f32>>, stream: &CudaStream) -> Result<u64> {
+/// Enqueues the download of a whole device buffer's bytes into a page-locked landing buffer of
+/// the same size in bytes on `stream`; returns the bytes copied. Sound under the module invariant.
+pub(crate) fn enqueue_download(src: &Tensor, dst: &Mutex<Staging>, stream: &CudaStream) -> Result<u64> {
     let (sptr, sbytes) = device_ptr(src, stream)?;
     let mut land = dst.lock().unwrap_or_else(|p| p.into_inner());
-    if src.dtype() != DType::F32 || sbytes != land.len() * 4 {
+    if sbytes != land.as_bytes().len() {
         return Err(Error::Cuda(format!(
-            "download of a {sbytes}-byte {:?} gradient into a {}-element f32 landing buffer",
+            "download of a {sbytes}-byte {:?} gradient into a {}-element {:?} landing buffer",
             src.dtype(),
-            land.len()
+            land.len(),
+            land.dtype()
         )));
     }
-    let dst_ptr = land.as_mut_ptr().cast::<u8>();
+    let dst_ptr = land.as_bytes_mut().as_mut_ptr();
     drop(land);
     // SAFETY: dst_ptr addresses the landing buffer's sbytes bytes, which nothing reads or writes
     // until this copy completes and which outlive it (module invariant); sptr is the whole

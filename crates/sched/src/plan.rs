@@ -221,6 +221,14 @@ pub fn loss_workspace(cfg: &ModelConfig, t: usize, rows_per_block: usize, e: u64
     LOGIT_TENSORS * rows * v * 4 + v * h * (e + 8) + 2 * t as u64 * h * e
 }
 
+/// Whether the streamed layers' gradients cross PCIe and land in bf16: in exact mode with bf16
+/// store gradients the host stores bf16 anyway, so the device narrows the f32 accumulation (and
+/// takes its share of the global norm) and half the bytes cross and land. Otherwise f32 lands
+/// (lean mode updates from the f32 gradient; f32 store gradients keep it).
+pub fn lands_bf16(mode: OptimMode, grad_dtype: GradDtype) -> bool {
+    mode == OptimMode::Exact && grad_dtype == GradDtype::Bf16
+}
+
 /// Plans a step; fails, naming what does not fit and by how much, when it cannot.
 pub fn plan(input: &PlanInput) -> Result<Plan> {
     match input.resident_outer {
@@ -271,7 +279,9 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let store = store_bytes(&layout, input.grad_dtype);
     // The transferred part of the outer unit: none of it when it is resident.
     let ol_moved = if resident_outer { 0 } else { ol };
-    let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * 4 + ol_moved * 4;
+    // Bytes per element of a landed layer gradient (the outer unit's lands in f32).
+    let le: u64 = if lands_bf16(input.mode, input.grad_dtype) { 2 } else { 4 };
+    let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * le + ol_moved * 4;
     let mut host = HostBytes { store, pinned, total: store + pinned, released_by_resident: 0 };
     if host.total > input.host_bytes {
         return opt(format!(
@@ -281,7 +291,9 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     }
 
     let budget = (input.gpu_bytes as f64 * GPU_USABLE_FRACTION) as u64;
-    let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + ol * 4);
+    // Layer gradient buffers (f32) with their bf16 twins when bf16 lands, and the outer one.
+    let narrow = if le == 2 { N_BUFS * ll * 2 } else { 0 };
+    let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + narrow + ol * 4);
     let outer_state = if resident_outer { 12 * ol } else { 0 };
     let per_resident_layer = ll * (e + 4 + 12);
     if let Some(k) = input.resident_layers.filter(|&k| k > layout.n_layers) {
@@ -369,7 +381,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         gpu,
         host,
         pcie_h2d_per_step: (ol_moved + 2 * streamed_layers * ll) * e,
-        pcie_d2h_per_step: (streamed_layers * ll + ol_moved) * 4,
+        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4,
         n_params: layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(cfg, batch, seq),
     })

@@ -85,6 +85,14 @@ fn program_placed(
     })
 }
 
+/// Bytes a program's downloads move: layer gradients in bf16 where they land so, the rest f32.
+fn downloaded(prog: &Program, layout: &ModelLayout, mode: OptimMode, grad: GradDtype) -> u64 {
+    let le = if lands_bf16(mode, grad) { 2 } else { 4 };
+    prog.downloads()
+        .map(|u| layout.unit(u).len as u64 * if matches!(u, Unit::Layer(_)) { le } else { 4 })
+        .sum()
+}
+
 #[test]
 fn pcie_bytes_equal_the_step_programs_copies() {
     let cfg = ModelConfig::tiny_llama();
@@ -92,10 +100,18 @@ fn pcie_bytes_equal_the_step_programs_copies() {
     let len = |u: Unit| layout.unit(u).len as u64;
     for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
         let prog = program(layout.n_layers, mode, pending, false);
-        for (dtype, e) in [(DType::BF16, 2), (DType::F32, 4)] {
-            let p = plan(&PlanInput { weight_dtype: dtype, ..input(cfg.clone(), 2, 16, GIB) }).unwrap();
-            assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * e);
-            assert_eq!(p.pcie_d2h_per_step, prog.downloads().map(len).sum::<u64>() * 4);
+        for grad in [GradDtype::Bf16, GradDtype::F32] {
+            for (dtype, e) in [(DType::BF16, 2), (DType::F32, 4)] {
+                let i = PlanInput {
+                    weight_dtype: dtype,
+                    mode,
+                    grad_dtype: grad,
+                    ..input(cfg.clone(), 2, 16, GIB)
+                };
+                let p = plan(&i).unwrap();
+                assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * e);
+                assert_eq!(p.pcie_d2h_per_step, downloaded(&prog, &layout, mode, grad));
+            }
         }
     }
 }
@@ -109,16 +125,18 @@ fn llama3_3b_parameters_pcie_and_flops_match_the_closed_form() {
     // Total: 28 · 100_669_440 + 788_007_936 = 3_606_752_256.
     assert_eq!(p.n_params, 3_606_752_256);
     assert!((p.n_params as f64 / 3.6e9 - 1.0).abs() < 0.01);
-    // Uploads: (788_007_936 + 2 · 28 · 100_669_440) · 2 B; downloads: 3_606_752_256 · 4 B.
+    // Uploads: (788_007_936 + 2 · 28 · 100_669_440) · 2 B; downloads (exact mode, bf16 store
+    // gradients: layers land in bf16): 28 · 100_669_440 · 2 B + 788_007_936 · 4 B.
     assert_eq!(p.pcie_h2d_per_step, 12_850_993_152);
-    assert_eq!(p.pcie_d2h_per_step, 14_427_009_024);
+    assert_eq!(p.pcie_d2h_per_step, 8_789_520_384);
     // FLOPs (measured.md's convention): 6 · N · T + 6 · L · seq · hidden · T, all parameters;
     // at this size 7.78e14 per step (329 TFLOP/s = 14_505 tok/s at 4 x 2048, as measured.md).
     let want = 6.0 * 3_606_752_256.0 * 32_768.0 + 6.0 * 28.0 * 2048.0 * 3072.0 * 32_768.0;
     assert_eq!(p.flops_per_step, want);
     // Checkpoints: 29 boundaries · 32_768 tokens · 3072 · 2 B.
     assert_eq!(p.gpu.checkpoints, 29 * 32_768 * 3072 * 2);
-    assert_eq!(p.gpu.grads, (2 * 100_669_440 + 788_007_936) * 4);
+    // Two f32 layer gradient buffers with their bf16 twins, and the outer one.
+    assert_eq!(p.gpu.grads, 2 * 100_669_440 * (4 + 2) + 788_007_936 * 4);
     assert!(p.gpu.total <= p.gpu.budget);
     assert_eq!(p.resident_layers, 0);
 }
@@ -128,7 +146,7 @@ fn a_plan_that_cannot_fit_names_what_does_not() {
     let e = err(&input(llama3_3b(), 16, 2048, 8 * GIB));
     assert!(e.contains("checkpoints for 16 x 2048 tokens need 5.44 GiB"), "{e}");
     let e = err(&input(llama3_3b(), 16, 2048, 4 * GIB));
-    assert!(e.contains("weights and gradient buffers need 5.53 GiB"), "{e}");
+    assert!(e.contains("weights and gradient buffers need 5.90 GiB"), "{e}");
     let e = err(&PlanInput { host_bytes: 32 * GIB, ..input(llama3_3b(), 1, 2048, H200) });
     assert!(e.contains("host store (47.") && e.contains("32.00 GiB"), "{e}");
     let e = err(&input(llama3_3b(), 1, 131_072, H200));
@@ -165,7 +183,7 @@ fn bad_user_choices_are_refused() {
 #[test]
 fn display_shows_the_pcie_line() {
     let s = plan(&input(llama3_3b(), 16, 2048, H200)).unwrap().to_string();
-    assert!(s.contains("PCIe per step: H2D 12850993152 B (11.97 GiB), D2H 14427009024 B"), "{s}");
+    assert!(s.contains("PCIe per step: H2D 12850993152 B (11.97 GiB), D2H 8789520384 B"), "{s}");
     assert!(s.contains("ring depth 2") && s.contains("checkpoints on Gpu"), "{s}");
 }
 
@@ -180,7 +198,7 @@ fn a_resident_outer_unit_moves_no_bytes_and_costs_its_state_on_the_gpu() {
         let p = plan(&PlanInput { resident_outer: Some(true), mode, ..base.clone() }).unwrap();
         assert!(p.resident_outer);
         assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * 2);
-        assert_eq!(p.pcie_d2h_per_step, prog.downloads().map(len).sum::<u64>() * 4);
+        assert_eq!(p.pcie_d2h_per_step, downloaded(&prog, &layout, mode, GradDtype::Bf16));
         assert_eq!(p.gpu.outer_state, 12 * len(Unit::Outer));
         let streamed = plan(&PlanInput { mode, ..base.clone() }).unwrap();
         assert_eq!(streamed.pcie_h2d_per_step - p.pcie_h2d_per_step, 2 * len(Unit::Outer));
@@ -232,7 +250,11 @@ fn resident_layers_move_no_bytes_and_cost_their_state_on_the_gpu() {
             let p = plan(&placed).unwrap();
             assert_eq!(p.resident_layers, k);
             assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * 2, "{k} resident");
-            assert_eq!(p.pcie_d2h_per_step, prog.downloads().map(len).sum::<u64>() * 4, "{k} resident");
+            assert_eq!(
+                p.pcie_d2h_per_step,
+                downloaded(&prog, &layout, mode, GradDtype::Bf16),
+                "{k} resident"
+            );
             // bf16 weights + f32 gradient + f32 master, m, v.
             assert_eq!(p.gpu.resident_layers, k as u64 * 18 * len(Unit::Layer(0)));
             assert!(p.gpu.total <= p.gpu.budget);

@@ -50,6 +50,46 @@ fn lean_and_exact_agree_bitwise_without_clipping_and_lean_needs_no_gradient_buff
     assert_eq!(lean12.state().step, 3);
 }
 
+/// Exact mode with bf16 store gradients narrows each streamed layer's gradient on the device and
+/// lands it in bf16 (half the bytes); landing f32 and narrowing on the host is the same rounding
+/// and the same sum of squares: gradients, norms (so clipping), losses, weights and moments are
+/// bitwise those of the host's land, step after step.
+#[test]
+fn a_gradient_narrowed_on_the_device_lands_bitwise_as_the_hosts_narrowing() {
+    let cfg = cfg();
+    let data = small_batches(&cfg, 3, 60);
+    let run = |device_narrowing: bool| {
+        let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
+        let opts = EngineOptions { device_narrowing, n_chunks: 2, ..golden_opts() };
+        let mut e = engine(&cfg, store.clone(), opts, 100);
+        let mut seen = Vec::new();
+        for b in &data {
+            let r = e.step(b, 1e-2).unwrap();
+            seen.push((r.loss.to_bits(), r.grad_norm.to_bits(), r.d2h_bytes, grads_of(&store)));
+        }
+        e.flush_pending().unwrap();
+        (seen, store)
+    };
+    let ((device, dstore), (host, hstore)) = (run(true), run(false));
+    for (s, (d, h)) in device.iter().zip(&host).enumerate() {
+        assert_eq!((d.0, d.1), (h.0, h.1), "step {s}: loss and gradient norm bits");
+        assert!(d.2 < h.2, "step {s}: bf16 landing moves fewer bytes ({} vs {})", d.2, h.2);
+        assert_bitwise_eq(&d.3, &h.3, &format!("step {s}: stored gradients"));
+    }
+    assert!(f64::from_bits(device[0].1) > 1.0, "the clip (1.0) is active, so the norm matters");
+    assert_bitwise_eq(&params_of(&dstore), &params_of(&hstore), "params");
+    let moments = |st: &HostStore| -> Vec<u32> {
+        st.layout()
+            .units()
+            .flat_map(|u| {
+                let r = st.record(u);
+                r.m().iter().chain(r.v().iter()).map(|x| x.to_bits()).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    assert!(moments(&dstore) == moments(&hstore), "AdamW moments differ");
+}
+
 #[test]
 fn exact_mode_refuses_a_store_without_gradient_buffers() {
     let cfg = cfg();
@@ -140,15 +180,22 @@ fn bad_optimizer_settings_are_refused_up_front() {
 }
 
 /// Bytes counted by the copy operations themselves: each layer's weights cross twice, the outer
-/// unit's once, and every gradient once (fp32), whatever the batch size or chunking.
+/// unit's once, and every gradient once, whatever the batch size or chunking: a layer's in bf16
+/// where exact mode keeps bf16 gradients (the device narrows it), else in fp32.
 #[test]
 fn each_layer_crosses_twice_and_its_gradient_once() {
     let cfg = cfg();
     let layout = ModelLayout::new(&cfg);
-    for (dtype, size) in [(candle_core::DType::F32, 4u64), (candle_core::DType::BF16, 2)] {
+    let combos = [
+        (candle_core::DType::F32, 4u64, OptimMode::Exact, GradDtype::Bf16, 2u64),
+        (candle_core::DType::BF16, 2, OptimMode::Exact, GradDtype::Bf16, 2),
+        (candle_core::DType::BF16, 2, OptimMode::Exact, GradDtype::F32, 4),
+        (candle_core::DType::BF16, 2, OptimMode::Lean, GradDtype::Bf16, 4),
+    ];
+    for (dtype, size, mode, grad, landed) in combos {
         for (batch, chunks) in [(2, 1), (4, 4)] {
-            let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
-            let opts = EngineOptions { weight_dtype: dtype, n_chunks: chunks, ..golden_opts() };
+            let store = store_with(&cfg, &random_params(&cfg, 8), grad);
+            let opts = EngineOptions { weight_dtype: dtype, n_chunks: chunks, mode, ..golden_opts() };
             let mut e = engine(&cfg, store, opts, 0);
             let (input_ids, targets) = random_batch(&cfg, batch, 8, 1, 0.0);
             let mut planned = (0, 0);
@@ -158,8 +205,9 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
                 })
                 .unwrap();
             let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
-            assert_eq!(r.h2d_bytes, (2 * n * l + o) * size, "{dtype:?}, batch {batch}");
-            assert_eq!(r.d2h_bytes, (n * l + o) * 4, "{dtype:?}, batch {batch}");
+            let what = format!("{dtype:?}, {mode:?}, {grad:?} gradients, batch {batch}");
+            assert_eq!(r.h2d_bytes, (2 * n * l + o) * size, "{what}");
+            assert_eq!(r.d2h_bytes, n * l * landed + o * 4, "{what}");
             assert_eq!(planned, (2 * n as usize + 1, n as usize + 1), "the program plans what was copied");
         }
     }

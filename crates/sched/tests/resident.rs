@@ -248,18 +248,25 @@ fn a_crash_after_a_flush_and_a_step_is_refused_and_a_drop_is_not() {
 /// The write-back (`sync_store`) moves a resident unit through the landing buffer a layer's
 /// length at a time: here the outer unit (a 1024-token vocabulary) is 4.3 layers long, so it
 /// crosses in five pieces, the last one partial. A resident run dropped half-way and continued
-/// by a streamed engine trains bitwise as a streamed run throughout.
+/// by a streamed engine trains bitwise as a streamed run throughout. With bf16 store gradients
+/// the landing ring holds bf16 (half the bytes: nine pieces of f32, as raw bytes), and the same
+/// sessions train bitwise as with an f32 landing ring (device narrowing off).
 #[test]
 fn a_resident_unit_longer_than_the_landing_buffer_is_written_back_whole() {
     let cfg = ModelConfig { vocab_size: 1024, ..cfg() };
     let layout = ModelLayout::new(&cfg);
     assert!(layout.outer.len > 4 * layout.layer.len && !layout.outer.len.is_multiple_of(layout.layer.len));
     let data = small_batches(&cfg, 4, 71);
-    let run = |sessions: [(bool, usize); 2]| {
-        let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
+    let run = |grad: GradDtype, device_narrowing: bool, sessions: [(bool, usize); 2]| {
+        let store = store_with(&cfg, &random_params(&cfg, 5), grad);
         let mut losses = Vec::new();
         for ((outer, layers), part) in sessions.into_iter().zip([&data[..2], &data[2..]]) {
-            let o = EngineOptions { resident_outer: outer, resident_layers: layers, ..golden_opts() };
+            let o = EngineOptions {
+                resident_outer: outer,
+                resident_layers: layers,
+                device_narrowing,
+                ..golden_opts()
+            };
             let mut e = engine(&cfg, store.clone(), o, 200);
             for b in part {
                 losses.push(e.step(b, 1e-3).unwrap().loss);
@@ -268,9 +275,14 @@ fn a_resident_unit_longer_than_the_landing_buffer_is_written_back_whole() {
         }
         (losses, store)
     };
-    let (l0, s0) = run([(false, 0), (false, 0)]);
-    let (l1, s1) = run([(true, 1), (false, 0)]);
+    let (l0, s0) = run(GradDtype::F32, true, [(false, 0), (false, 0)]);
+    let (l1, s1) = run(GradDtype::F32, true, [(true, 1), (false, 0)]);
     assert_eq!(l0, l1, "losses");
     assert_bitwise_eq(&params_of(&s1), &params_of(&s0), "resident-then-streamed vs streamed params");
     assert_eq!(all_moments(&s1), all_moments(&s0), "moments and applied steps");
+    let (l2, s2) = run(GradDtype::Bf16, true, [(true, 1), (false, 0)]);
+    let (l3, s3) = run(GradDtype::Bf16, false, [(true, 1), (false, 0)]);
+    assert_eq!(l2, l3, "bf16 gradients: losses");
+    assert_bitwise_eq(&params_of(&s2), &params_of(&s3), "bf16 landing ring vs f32 landing ring params");
+    assert_eq!(all_moments(&s2), all_moments(&s3), "bf16 gradients: moments and applied steps");
 }

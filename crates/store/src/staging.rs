@@ -3,6 +3,10 @@
 //! The optimizer writes it in the same pass as the update (exact mode, just ahead of the
 //! upload); a re-fetch for backward casts the unchanged master into it. On CUDA these buffers are
 //! registered (page-locked) once at start; on CPU they are ordinary memory behind the same type.
+//!
+//! The gradient landing ring uses the same type the other way round: a download writes a unit's
+//! gradient into it (f32, or bf16 when exact mode's store keeps bf16 gradients and the device
+//! narrows them), and the host's land reads it.
 
 use half::{bf16, f16};
 
@@ -88,6 +92,22 @@ impl Staging {
             Staging::F32(b) => bytemuck::cast_slice(b),
             Staging::Bf16(b) => bytemuck::cast_slice(b),
             Staging::F16(b) => bytemuck::cast_slice(b),
+        }
+    }
+
+    /// The bytes read as f32 (`len() * size / 4` values; the buffer is page-aligned): how a raw
+    /// download of f32 data into a narrower buffer is read back.
+    pub fn bytes_as_f32(&self) -> &[f32] {
+        let b = self.as_bytes();
+        bytemuck::cast_slice(&b[..b.len() / 4 * 4])
+    }
+
+    /// The raw bytes, writable (what a download fills).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Staging::F32(b) => bytemuck::cast_slice_mut(b),
+            Staging::Bf16(b) => bytemuck::cast_slice_mut(b),
+            Staging::F16(b) => bytemuck::cast_slice_mut(b),
         }
     }
 }

@@ -72,6 +72,12 @@ impl<B: Backend> Engine<B> {
                     self.pool.put_act_grad(c, dx);
                 }
                 self.pool.drop_checkpoints(layer);
+                if let Some(narrow) = grad_buf.and_then(|k| self.pool.grad_narrow.get(k)) {
+                    // bf16 landing: narrow here; the layer's share of the global norm is that
+                    // of the narrowed gradient (what the host would have taken as it landed).
+                    let ss = mt_layers::device_optim::narrow_bf16_sum_squares(&gbuf, narrow)?;
+                    self.device_sumsq.push((Unit::Layer(layer), ss));
+                }
                 if grad_buf.is_none() {
                     // A resident layer's gradient never lands on the host: its share of the
                     // global norm is taken here (deterministic order), read at the step's end.

@@ -8,9 +8,7 @@ use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, Outer, Rope};
 use mt_optim::{AdamW, Grad, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
-use mt_store::{
-    GradDtype, GradMut, GradRef, HostStore, HostVec, RecordGuard, Staging, StoreState, UploadDtype,
-};
+use mt_store::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, Staging, StoreState, UploadDtype};
 
 use crate::backend::{Backend, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
@@ -55,6 +53,12 @@ pub struct EngineOptions {
     /// must finish each streamed layer's update before its upload, and every resident layer
     /// ahead of the first streamed one gives it that much more time.
     pub resident_layers: usize,
+    /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
+    /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
+    /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
+    /// `true`. Not for production use.
+    #[doc(hidden)]
+    pub device_narrowing: bool,
 }
 
 impl Default for EngineOptions {
@@ -70,6 +74,7 @@ impl Default for EngineOptions {
             overlap_optimizer: true,
             resident_outer: false,
             resident_layers: 0,
+            device_narrowing: true,
         }
     }
 }
@@ -104,8 +109,8 @@ pub struct Engine<B: Backend> {
     // stream first, so no copy is in flight when they go.
     staging: Vec<Arc<Mutex<Staging>>>,
     outer_staging: Arc<Mutex<Staging>>,
-    landing: Vec<Arc<Mutex<HostVec<f32>>>>,
-    outer_landing: Arc<Mutex<HostVec<f32>>>,
+    landing: Vec<Arc<Mutex<Staging>>>,
+    outer_landing: Arc<Mutex<Staging>>,
     cfg: ModelConfig,
     layout: ModelLayout,
     store: Arc<HostStore>,
@@ -189,6 +194,14 @@ fn update_unit(
     Ok(())
 }
 
+/// `dst.copy_from_slice(src)` on every core (a layer's landed gradient is hundreds of MB).
+fn copy_par<T: Copy + Send + Sync>(src: &[T], dst: &mut [T]) {
+    use rayon::prelude::*;
+    dst.par_chunks_mut(mt_optim::CHUNK)
+        .zip(src.par_chunks(mt_optim::CHUNK))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
 fn upload_view(s: &mut Staging, n: usize) -> Upload<'_> {
     match s {
         Staging::F32(v) => Upload::F32(&mut v[..n]),
@@ -230,6 +243,7 @@ impl<B: Backend> Engine<B> {
             )));
         }
         let up = upload_dtype(opts.weight_dtype)?;
+        let land_bf16 = opts.device_narrowing && crate::plan::lands_bf16(opts.mode, store.grad_dtype());
         let pool = DevicePool::new(
             &PoolSpec {
                 ring_depth: opts.ring_depth,
@@ -242,6 +256,7 @@ impl<B: Backend> Engine<B> {
                 n_chunks: opts.n_chunks,
                 resident_outer: opts.resident_outer,
                 resident_layers: opts.resident_layers,
+                land_bf16,
             },
             backend.device(),
         )?;
@@ -257,13 +272,15 @@ impl<B: Backend> Engine<B> {
             }
             Ok(Arc::new(Mutex::new(s)))
         };
-        let land = |n| -> Result<_> {
-            let mut v = HostVec::<f32>::zeroed(n);
+        let land = |dtype, n| -> Result<_> {
+            let mut v = Staging::new(dtype, n);
             if pin && n > 0 {
                 v.pin()?;
             }
             Ok(Arc::new(Mutex::new(v)))
         };
+        // Layer gradients land in bf16 when the device narrows them.
+        let layer_land = if land_bf16 { UploadDtype::Bf16 } else { UploadDtype::F32 };
         // A resident outer unit needs no staging or landing buffer of its own.
         let outer_host_len = if opts.resident_outer { 0 } else { layout.outer.len };
         let layout_units = layout.n_units();
@@ -271,8 +288,8 @@ impl<B: Backend> Engine<B> {
             cfg: cfg.clone(),
             staging: (0..N_STAGING).map(|_| mk(layout.layer.len)).collect::<Result<_>>()?,
             outer_staging: mk(outer_host_len)?,
-            landing: (0..N_LANDING).map(|_| land(layout.layer.len)).collect::<Result<_>>()?,
-            outer_landing: land(outer_host_len)?,
+            landing: (0..N_LANDING).map(|_| land(layer_land, layout.layer.len)).collect::<Result<_>>()?,
+            outer_landing: land(UploadDtype::F32, outer_host_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             device_sumsq: Vec::new(),
             layer_t: DecoderLayer::new(cfg),
@@ -498,7 +515,7 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    fn landing_of(&self, b: HostBuf) -> Arc<Mutex<HostVec<f32>>> {
+    fn landing_of(&self, b: HostBuf) -> Arc<Mutex<Staging>> {
         match b {
             HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
             HostBuf::Outer => Arc::clone(&self.outer_landing),
@@ -534,8 +551,9 @@ impl<B: Backend> Engine<B> {
                 self.backend.upload(waits, self.staging_of(staging), dst, name)
             }
             Op::Download { grad_buf, landing, .. } => {
+                // A layer gradient narrowed to bf16 by its backward downloads from the twin.
                 let src = match grad_buf {
-                    Some(k) => self.pool.grad_bufs[k].clone(),
+                    Some(k) => self.pool.grad_narrow.get(k).unwrap_or(&self.pool.grad_bufs[k]).clone(),
                     None => self.pool.outer_grad.clone(),
                 };
                 self.backend.download(waits, src, self.landing_of(landing), name)
@@ -556,6 +574,25 @@ impl<B: Backend> Engine<B> {
                             ),
                         });
                     }
+                    let src = match &*src {
+                        Staging::F32(v) => v,
+                        Staging::Bf16(v) => {
+                            // Narrowed on the device, which also took its sum of squares: store it.
+                            return match r.grad_mut() {
+                                Some(GradMut::Bf16(g)) if !update => {
+                                    copy_par(v, g);
+                                    Ok(())
+                                }
+                                _ => Err(Error::Stream {
+                                    stream: "host",
+                                    msg: "a bf16 landing is for exact mode's bf16 store gradients".into(),
+                                }),
+                            };
+                        }
+                        Staging::F16(_) => {
+                            return Err(Error::Stream { stream: "host", msg: "f16 gradient landing".into() })
+                        }
+                    };
                     // Store the gradient (parallel cast) and take Σg² of the gradient the
                     // optimizer will use: the stored (possibly bf16) one, in the same pass; in
                     // lean mode, which updates from the landed f32 gradient now, of that one.
@@ -565,14 +602,14 @@ impl<B: Backend> Engine<B> {
                         None => Upload::None,
                     };
                     let ss = if update {
-                        mt_optim::cast_into(&src, stored)?;
-                        mt_optim::sum_squares(Grad::F32(&src))
+                        mt_optim::cast_into(src, stored)?;
+                        mt_optim::sum_squares(Grad::F32(src))
                     } else {
-                        mt_optim::cast_sum_squares(&src, stored)?
+                        mt_optim::cast_sum_squares(src, stored)?
                     };
                     sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
                     if update {
-                        update_unit(&mut r, &hyper, &args, Some(&src), Upload::None)?;
+                        update_unit(&mut r, &hyper, &args, Some(src), Upload::None)?;
                     }
                     Ok(())
                 });

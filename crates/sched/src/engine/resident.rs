@@ -159,7 +159,8 @@ impl<B: Backend> Engine<B> {
         // two minutes for a 14B model's 16 resident layers.)
         let land =
             Arc::clone(self.landing.first().ok_or_else(|| Error::Options("no landing buffer".into()))?);
-        let piece = land.lock().unwrap_or_else(|p| p.into_inner()).len();
+        // f32 values travel as raw bytes, whatever the landing buffer's own type.
+        let piece = land.lock().unwrap_or_else(|p| p.into_inner()).bytes_as_f32().len();
         let staging = Tensor::zeros(piece, DType::F32, self.backend.device())?;
         let fetch = |src: &Tensor, o: usize, len: usize, dst: Upload<'_>| -> Result<()> {
             staging.narrow(0, 0, len)?.slice_set(&src.narrow(0, o, len)?, 0, 0)?;
@@ -167,7 +168,7 @@ impl<B: Backend> Engine<B> {
             self.backend.download(&[], staging.clone(), Arc::clone(&land), "write-back".into());
             self.backend.synchronize()?;
             let landed = land.lock().unwrap_or_else(|p| p.into_inner());
-            Ok(mt_optim::cast_into(&landed[..len], dst)?)
+            Ok(mt_optim::cast_into(&landed.bytes_as_f32()[..len], dst)?)
         };
         for unit in units {
             let bufs = self.resident_bufs(unit)?;
