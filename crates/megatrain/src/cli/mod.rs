@@ -82,18 +82,21 @@ pub struct EstimateArgs {
     /// Host memory in GiB [default: MemAvailable of this machine].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub host_mem: Option<f64>,
-    /// Sustained model TFLOP/s of the device's compute stream alone (the default is what the
-    /// CUDA backend measured on an H200 at 16 x 2048 tokens per step: 244 TFLOP/s at 89%
-    /// compute busy; on the CPU, measure your own).
-    #[arg(long, default_value_t = 274.0, value_parser = positive_f64)]
+    /// Sustained TFLOP/s of the device's compute stream alone, recompute included (measured on an
+    /// H200 with every layer resident at 4 x 2048 tokens per step: 413; streamed at 16 x 2048:
+    /// 443 over its busy time; 2026-11-23). On the CPU, measure your own.
+    #[arg(long, default_value_t = 420.0, value_parser = positive_f64)]
     pub tflops: f64,
     /// PCIe bandwidth per direction in GB/s with both directions busy (H200 machine: 50.9).
     #[arg(long, default_value_t = 50.0, value_parser = positive_f64)]
     pub pcie_gbs: f64,
-    /// Host optimizer throughput in Gparam/s: staging cast, AdamW update and gradient landing
-    /// together (measured on the 16-core H200 machine: 2.5).
-    #[arg(long, default_value_t = 2.5, value_parser = positive_f64)]
-    pub host_gparams: f64,
+    /// Host memory bandwidth in GB/s that the optimizer's passes sustain (AdamW, the casts into
+    /// staging, the gradient land; each priced by its bytes read and written per parameter).
+    /// Measured on the 16-core H200 machine: the fused AdamW pass at 5.0 Gparam/s x 28 B inside
+    /// a streamed step (the backward's casts and land, under concurrent DMA, run at ~60% of it
+    /// but hide behind the GPU's backward).
+    #[arg(long, default_value_t = 140.0, value_parser = positive_f64)]
+    pub host_gbs: f64,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,

@@ -82,6 +82,16 @@ pub enum Precision {
     Bf16,
 }
 
+impl Precision {
+    /// Bytes per weight element on the device.
+    pub fn bytes(self) -> f64 {
+        match self {
+            Precision::Fp32 => 4.0,
+            Precision::Bf16 => 2.0,
+        }
+    }
+}
+
 impl From<Precision> for DType {
     fn from(p: Precision) -> Self {
         match p {
