@@ -317,3 +317,36 @@ fn the_gradient_pages_the_plan_counts_as_given_back_are_what_the_store_releases(
         assert_eq!(streamed.host.released_by_resident, 0);
     }
 }
+
+/// The plan's fixed GPU bytes are what the pool allocates for the same choices: the weight ring,
+/// the outer slot, and the gradient buffers with their bf16 twins where gradients land in bf16.
+#[test]
+fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
+    let cfg = ModelConfig::tiny_llama();
+    let layout = ModelLayout::new(&cfg);
+    for (mode, grad) in [
+        (OptimMode::Exact, GradDtype::Bf16),
+        (OptimMode::Exact, GradDtype::F32),
+        (OptimMode::Lean, GradDtype::Bf16),
+    ] {
+        let p = plan(&PlanInput { mode, grad_dtype: grad, ..input(cfg.clone(), 2, 16, GIB) }).unwrap();
+        let spec = mt_pool::PoolSpec {
+            ring_depth: p.ring_depth,
+            layer_len: layout.layer.len,
+            outer_len: layout.outer.len,
+            weight_dtype: DType::BF16,
+            grad_dtype: DType::F32,
+            n_grad_bufs: N_BUFS as usize,
+            n_layers: layout.n_layers,
+            n_chunks: p.n_chunks,
+            resident_outer: false,
+            resident_layers: 0,
+            land_bf16: lands_bf16(mode, grad),
+        };
+        let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
+        let what = format!("{mode:?}, {grad:?} gradients");
+        assert_eq!(b.grads as u64, p.gpu.grads, "{what}: gradient buffers");
+        assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
+        assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
+    }
+}
