@@ -82,15 +82,11 @@ extern "C" __global__ void mt_adamw(float* __restrict__ state, const float* __re
     }
 }
 
-// partial[block] = sum of g^2 (f64) over the grid-stride set of `block`, reduced in a fixed tree:
-// deterministic for a fixed grid, whatever the timing. The host adds the partials in order.
-extern "C" __global__ void mt_sumsq(const float* __restrict__ g, double* __restrict__ partial, long long n) {
+// partial[blockIdx.x] = the block's `acc` values summed in a fixed tree (blockDim.x == 256, a
+// power of two): deterministic for a fixed grid, whatever the timing. The host adds the partials
+// in order.
+__device__ __forceinline__ void block_sum_into(double acc, double* __restrict__ partial) {
     __shared__ double sh[256];
-    double acc = 0.0;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const double x = (double)g[i];
-        acc += x * x;
-    }
     sh[threadIdx.x] = acc;
     __syncthreads();
     for (int s = blockDim.x / 2; s > 0; s >>= 1) {
@@ -100,14 +96,22 @@ extern "C" __global__ void mt_sumsq(const float* __restrict__ g, double* __restr
     if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
 }
 
+// partial[block] = sum of g^2 (f64) over the grid-stride set of `block` (block_sum_into).
+extern "C" __global__ void mt_sumsq(const float* __restrict__ g, double* __restrict__ partial, long long n) {
+    double acc = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const double x = (double)g[i];
+        acc += x * x;
+    }
+    block_sum_into(acc, partial);
+}
+
 // A streamed layer's gradient for a bf16 landing (exact mode, bf16 store gradients): out[i] =
 // bf16(g[i]) (round to nearest even; NaN as a quiet NaN), and partial[block] = sum of out[i]^2 in
-// f64 over the block's grid-stride set, reduced in the same fixed tree as mt_sumsq (deterministic
-// for a fixed grid). The host adds the partials in order: the layer's share of the global norm is
-// that of the gradient the optimizer will read, as the host's land took it.
+// f64 over the block's grid-stride set (block_sum_into, as mt_sumsq). The layer's share of the
+// global norm is that of the gradient the optimizer will read, as the host's land took it.
 extern "C" __global__ void mt_narrow_sumsq_bf16(const float* __restrict__ g, unsigned short* __restrict__ out,
                                                 double* __restrict__ partial, long long n) {
-    __shared__ double sh[256];
     double acc = 0.0;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const unsigned short b = f2bf(g[i]);
@@ -115,11 +119,5 @@ extern "C" __global__ void mt_narrow_sumsq_bf16(const float* __restrict__ g, uns
         const double x = (double)__uint_as_float(((unsigned)b) << 16);
         acc += x * x;
     }
-    sh[threadIdx.x] = acc;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+    block_sum_into(acc, partial);
 }

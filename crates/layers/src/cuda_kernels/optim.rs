@@ -17,6 +17,15 @@ const MODULE: &str = "mt_adamw";
 const SUMSQ_BLOCKS: usize = 1024;
 const SUMSQ_THREADS: u32 = 256;
 
+/// The fixed grid of the sum-of-squares reductions (their order, and so their result, depends on it).
+fn sumsq_grid() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (SUMSQ_BLOCKS as u32, 1, 1),
+        block_dim: (SUMSQ_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn ptx() -> candle_core::Result<&'static str> {
     static PTX: Compiled = OnceLock::new();
     compile(&PTX, SOURCE, "adamw.cu")
@@ -107,11 +116,7 @@ impl CustomOp1 for SumSq {
         b.arg(&gs);
         b.arg(&out);
         b.arg(&n);
-        let cfg = LaunchConfig {
-            grid_dim: (SUMSQ_BLOCKS as u32, 1, 1),
-            block_dim: (SUMSQ_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = sumsq_grid();
         // SAFETY: signature (const float*, double*, long long); the kernel's shared array holds
         // SUMSQ_THREADS doubles (its tree reduction assumes that block size, a power of two);
         // g holds n elements; out SUMSQ_BLOCKS.
@@ -158,11 +163,7 @@ pub(crate) fn narrow_bf16_sum_squares(
     b.arg(&mut os);
     b.arg(&ps);
     b.arg(&n64);
-    let cfg = LaunchConfig {
-        grid_dim: (SUMSQ_BLOCKS as u32, 1, 1),
-        block_dim: (SUMSQ_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = sumsq_grid();
     // SAFETY: signature (const float*, unsigned short*, double*, long long); g and out hold n
     // elements from their offsets, partials SUMSQ_BLOCKS (checked above); each block writes its own
     // partial, each thread the out elements of its grid-stride set; the shared array holds
