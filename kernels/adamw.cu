@@ -5,12 +5,13 @@
 // `update_block`), with the f32 scalars `Coeffs::of` derives on the host; NVRTC runs with
 // --fmad=false and IEEE division and square root, so every element rounds as on the CPU.
 // state = [master | m | v], n elements each. With `w_out` non-zero, the new master weights are
-// also written there as bf16 (round to nearest even, as candle's cast for every finite value; a
-// NaN becomes the canonical 0x7fc0), the unit's device slot: one pass instead of update + cast +
-// copy.
+// also written there as bf16 (f2bf: round to nearest even, and a NaN kept quiet with its sign and
+// top payload bits, as the host's cast), the unit's device slot: one pass instead of update + cast
+// + copy.
 __device__ __forceinline__ unsigned short f2bf(float f) {
     unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    // NaN: quiet, sign and top payload bits kept (as half's bf16::from_f32 and mt-optim's cast).
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
@@ -106,18 +107,23 @@ extern "C" __global__ void mt_sumsq(const float* __restrict__ g, double* __restr
     block_sum_into(acc, partial);
 }
 
-// A streamed layer's gradient for a bf16 landing (exact mode, bf16 store gradients): out[i] =
-// bf16(g[i]) (round to nearest even; NaN as a quiet NaN), and partial[block] = sum of out[i]^2 in
-// f64 over the block's grid-stride set (block_sum_into, as mt_sumsq). The layer's share of the
-// global norm is that of the gradient the optimizer will read, as the host's land took it.
-extern "C" __global__ void mt_narrow_sumsq_bf16(const float* __restrict__ g, unsigned short* __restrict__ out,
-                                                double* __restrict__ partial, long long n) {
+// partial[block] = sum of x^2 (f64) of the bf16 values of g over the grid-stride set of `block`
+// (block_sum_into, as mt_sumsq).
+extern "C" __global__ void mt_sumsq_bf16(const unsigned short* __restrict__ g, double* __restrict__ partial,
+                                         long long n) {
     double acc = 0.0;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const unsigned short b = f2bf(g[i]);
-        out[i] = b;
-        const double x = (double)__uint_as_float(((unsigned)b) << 16);
+        const double x = (double)__uint_as_float(((unsigned)g[i]) << 16);
         acc += x * x;
     }
     block_sum_into(acc, partial);
+}
+
+// A streamed layer's gradient for a bf16 landing (exact mode, bf16 store gradients): out[i] =
+// bf16(g[i]), rounded as the host's land rounds (f2bf: nearest even; a NaN keeps its sign and top
+// payload bits, quiet). Its share of the global norm is then mt_sumsq_bf16 of `out`.
+extern "C" __global__ void mt_narrow_bf16(const float* __restrict__ g, unsigned short* __restrict__ out, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        out[i] = f2bf(g[i]);
+    }
 }

@@ -155,17 +155,14 @@ pub fn sum_squares(grad: &Tensor) -> Result<SumSquares> {
 }
 
 /// [`narrow_bf16_sum_squares`]'s in-place op on the bf16 output.
-struct NarrowSumSq {
-    /// The CPU path's sum.
+struct NarrowBf16 {
+    /// The CPU path's sum of squares (taken in the same pass as the cast).
     cpu_sum: std::sync::Mutex<Option<f64>>,
-    /// The CUDA path's per-block partials (`SUMSQ_BLOCKS` f64), written by the kernel.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    partials: Option<Tensor>,
 }
 
-impl InplaceOp2 for NarrowSumSq {
+impl InplaceOp2 for NarrowBf16 {
     fn name(&self) -> &'static str {
-        "mt-narrow-sumsq-bf16"
+        "mt-narrow-bf16"
     }
 
     fn cpu_fwd(
@@ -200,22 +197,15 @@ impl InplaceOp2 for NarrowSumSq {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> candle_core::Result<()> {
-        let p = self.partials.as_ref().ok_or_else(|| candle_core::Error::Msg("no partials buffer".into()))?;
-        let (ps, lp) = p.storage_and_layout();
-        match &*ps {
-            candle_core::Storage::Cuda(cs) => {
-                crate::cuda_kernels::narrow_bf16_sum_squares(out, lo, g, lg, cs, lp)
-            }
-            _ => Err(candle_core::Error::Msg("gradient narrowing: partials not on the CUDA device".into())),
-        }
+        crate::cuda_kernels::narrow_bf16(out, lo, g, lg)
     }
 }
 
 /// A streamed layer's f32 gradient narrowed into `out` (bf16, same length) for a bf16 landing,
 /// with the sum of squares of what `out` holds: the values and the sum the host's land would have
 /// taken (`mt_optim::cast_sum_squares` into a bf16 store gradient). On the CPU that very
-/// function, so bitwise the host's land; on CUDA `kernels/adamw.cu` (the same rounding; the sum in
-/// a fixed tree, read by [`SumSquares::value`]).
+/// function, so bitwise the host's land; on CUDA `kernels/adamw.cu` (the same rounding, NaNs
+/// included; the sum in a fixed tree over the narrowed values, read by [`SumSquares::value`]).
 pub fn narrow_bf16_sum_squares(grad: &Tensor, out: &Tensor) -> Result<SumSquares> {
     if grad.dtype() != DType::F32 {
         return Err(Error::dtype("gradient to narrow", "f32", grad.dtype()));
@@ -230,15 +220,12 @@ pub fn narrow_bf16_sum_squares(grad: &Tensor, out: &Tensor) -> Result<SumSquares
             out.dims(),
         ));
     }
-    #[cfg(feature = "cuda")]
-    if grad.device().is_cuda() {
-        let partials = crate::cuda_kernels::sum_squares_partials_buffer(grad.device())?;
-        let op = NarrowSumSq { cpu_sum: std::sync::Mutex::new(None), partials: Some(partials.clone()) };
-        out.inplace_op2(grad, &op)?;
-        return Ok(SumSquares::Partials(partials));
-    }
-    let op = NarrowSumSq { cpu_sum: std::sync::Mutex::new(None), partials: None };
+    let op = NarrowBf16 { cpu_sum: std::sync::Mutex::new(None) };
     out.inplace_op2(grad, &op)?;
+    #[cfg(feature = "cuda")]
+    if out.device().is_cuda() {
+        return Ok(SumSquares::Partials(crate::cuda_kernels::sum_squares_partials(out)?));
+    }
     let s = op.cpu_sum.lock().unwrap_or_else(|p| p.into_inner()).take();
     s.map(SumSquares::Value)
         .ok_or_else(|| candle_core::Error::Msg("gradient narrowing: the CPU op did not run".into()).into())

@@ -122,8 +122,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
     let b = HostTraffic::of(mode, grad, args.precision.bytes());
     let secs = |bytes: f64| bytes / (args.host_gbs * 1e9);
-    let host_update_s = secs((layer_params + outer_params) * b.update + layer_params * b.fwd_cast);
-    let host_backward_s = secs(layer_params * b.bwd_cast + (layer_params + outer_params) * b.land);
+    let host_update_s = secs((layer_params + outer_params) * (b.update + b.fwd_cast));
+    let host_backward_s = secs(layer_params * (b.bwd_cast + b.land) + outer_params * b.outer_land);
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
     let fill = if streamed_layers > 0 {
@@ -134,8 +134,14 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     let step_s = match mode {
         // Exact: the update needs the whole step's norm, so it runs in the next forward (which
-        // waits for it layer by layer) and cannot overlap the backward.
-        mt_sched::OptimMode::Exact => fwd_s.max(host_update_s) + bwd_s.max(host_backward_s).max(pcie_s),
+        // waits for it layer by layer) and cannot overlap the backward. The forward's uploads
+        // overlap the forward; the backward's re-uploads and every download the backward.
+        mt_sched::OptimMode::Exact => {
+            let bwd_h2d = (streamed_layers * layout.layer.len) as f64 * args.precision.bytes();
+            let pcie_fwd_s = (p.pcie_h2d_per_step as f64 - bwd_h2d) / (args.pcie_gbs * 1e9);
+            let pcie_bwd_s = bwd_h2d.max(p.pcie_d2h_per_step as f64) / (args.pcie_gbs * 1e9);
+            fwd_s.max(host_update_s).max(pcie_fwd_s) + bwd_s.max(host_backward_s).max(pcie_bwd_s)
+        }
         // Lean: every host pass may overlap any compute.
         mt_sched::OptimMode::Lean => compute_s.max(host_s).max(pcie_s),
     } + fill;
@@ -156,15 +162,18 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
 /// (what the step time's host side is priced by).
 struct HostTraffic {
     /// The AdamW pass: exact mode's fused update + cast into staging (gradient, master, m, v,
-    /// upload copy); lean mode's update at land time (landed f32, master, m, v, stored gradient).
+    /// upload copy); lean mode's land + update (the landed f32 cast into the stored gradient,
+    /// read again for its sum of squares and for the update, master, m, v).
     update: f64,
     /// The forward's cast into staging (lean mode; exact mode fuses it into the update).
     fwd_cast: f64,
-    /// The backward's re-cast into staging (master read, upload copy written).
+    /// The backward's re-cast into staging of a layer (master read, upload copy written).
     bwd_cast: f64,
-    /// The land: exact mode's copy (bf16 landing) or cast (f32 landing) into the store gradient;
-    /// in lean mode part of `update`.
+    /// A layer's land in exact mode: a copy (bf16 landing) or a cast with its sum of squares (f32
+    /// landing); in lean mode part of `update`.
     land: f64,
+    /// The outer unit's land in exact mode (it always lands f32: cast + sum of squares).
+    outer_land: f64,
 }
 
 impl HostTraffic {
@@ -181,10 +190,15 @@ impl HostTraffic {
                 fwd_cast: 0.0,
                 bwd_cast: cast,
                 land: if mt_sched::plan::lands_bf16(mode, grad) { 2.0 + 2.0 } else { 4.0 + g },
+                outer_land: 4.0 + g,
             },
-            mt_sched::OptimMode::Lean => {
-                HostTraffic { update: 4.0 + 24.0 + g, fwd_cast: cast, bwd_cast: cast, land: 0.0 }
-            }
+            mt_sched::OptimMode::Lean => HostTraffic {
+                update: 4.0 + g + 4.0 + 4.0 + 24.0,
+                fwd_cast: cast,
+                bwd_cast: cast,
+                land: 0.0,
+                outer_land: 0.0,
+            },
         }
     }
 }
@@ -277,9 +291,16 @@ mod tests {
         assert!((streamed.host_s - n * 38.0 / 140e9).abs() < 1e-9);
         assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
         assert!(streamed.step_s > all.step_s);
-        // Lean overlaps everything: no serial update (but more host bytes: a cast each way).
+        // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read
+        // three times (cast into the stored bf16 gradient, sum of squares, update), and each
+        // upload copy is a cast of its own.
         let lean =
             estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on", "--optim-mode", "lean"]);
-        assert!((lean.host_s - n * (28.0 + 6.0 + 6.0 + 2.0) / 140e9).abs() < 1e-9, "{}", lean.host_s);
+        let want = n * (4.0 + 2.0 + 4.0 + 4.0 + 24.0 + 6.0 + 6.0) / 140e9;
+        assert!((lean.host_s - want).abs() < 1e-9, "{}", lean.host_s);
+        // A streamed outer unit lands in f32 (cast + sum of squares: 6 B) and is uploaded once.
+        let outer = estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "off"]);
+        let o = 788_007_936.0;
+        assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
     }
 }

@@ -102,7 +102,8 @@ pub struct GpuBytes {
     pub weight_ring: u64,
     /// Outer slot (embedding, final norm, LM head).
     pub outer: u64,
-    /// fp32 layer gradient buffers and the outer gradient buffer.
+    /// fp32 layer gradient buffers (with their bf16 twins where gradients land in bf16,
+    /// [`lands_bf16`]) and the outer gradient buffer.
     pub grads: u64,
     /// Layer-boundary checkpoints of the whole batch.
     pub checkpoints: u64,

@@ -167,7 +167,7 @@ pub(crate) use gemm::{accumulate_matmul_t, gemm_applies};
 mod norm;
 pub(crate) use norm::{rms_norm, rms_norm_backward};
 mod optim;
-pub(crate) use optim::{adamw, narrow_bf16_sum_squares, sum_squares_partials, sum_squares_partials_buffer};
+pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials};
 mod softmax;
 pub(crate) use softmax::{causal_softmax, softmax_backward};
 

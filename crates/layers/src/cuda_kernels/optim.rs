@@ -104,72 +104,68 @@ impl CustomOp1 for SumSq {
 
     fn cuda_fwd(&self, g: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         if !l.is_contiguous() {
-            return Err(msg("sum of squares: needs a contiguous f32 tensor"));
+            return Err(msg("sum of squares: needs a contiguous tensor"));
         }
         let dev = g.device();
-        let gs = g.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx()?)?;
         // SAFETY: each of the SUMSQ_BLOCKS blocks writes its own element below.
         let out = unsafe { dev.alloc::<f64>(SUMSQ_BLOCKS)? };
         let n = l.shape().elem_count() as i64;
-        let mut b = func.builder();
-        b.arg(&gs);
-        b.arg(&out);
-        b.arg(&n);
-        let cfg = sumsq_grid();
-        // SAFETY: signature (const float*, double*, long long); the kernel's shared array holds
-        // SUMSQ_THREADS doubles (its tree reduction assumes that block size, a power of two);
-        // g holds n elements; out SUMSQ_BLOCKS.
-        unsafe { b.launch(cfg) }.w()?;
+        match g.dtype() {
+            candle_core::DType::F32 => {
+                let gs = g.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+                let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx()?)?;
+                let mut b = func.builder();
+                b.arg(&gs);
+                b.arg(&out);
+                b.arg(&n);
+                // SAFETY: signature (const float*, double*, long long); the kernel's shared array
+                // holds SUMSQ_THREADS doubles (its tree reduction assumes that block size, a power
+                // of two); g holds n elements; out SUMSQ_BLOCKS.
+                unsafe { b.launch(sumsq_grid()) }.w()?;
+            }
+            candle_core::DType::BF16 => {
+                let gs = g.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..);
+                let func = dev.get_or_load_custom_func("mt_sumsq_bf16", MODULE, ptx()?)?;
+                let mut b = func.builder();
+                b.arg(&gs);
+                b.arg(&out);
+                b.arg(&n);
+                // SAFETY: as above, with (const unsigned short*, double*, long long): bf16 as bits.
+                unsafe { b.launch(sumsq_grid()) }.w()?;
+            }
+            other => return Err(msg(format!("sum of squares: f32 or bf16, not {other:?}"))),
+        }
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(SUMSQ_BLOCKS)))
     }
 }
 
-/// Per-block partial sums (f64) of `g²`, to be added in order.
+/// Per-block partial sums (f64) of `g²` (f32 or bf16), to be added in order.
 pub(crate) fn sum_squares_partials(g: &Tensor) -> candle_core::Result<Tensor> {
     g.apply_op1_no_bwd(&SumSq)
 }
 
-/// A zeroed buffer for [`narrow_bf16_sum_squares`]'s partial sums.
-pub(crate) fn sum_squares_partials_buffer(dev: &candle_core::Device) -> candle_core::Result<Tensor> {
-    Tensor::zeros(SUMSQ_BLOCKS, candle_core::DType::F64, dev)
-}
-
-/// `out = bf16(g)` (contiguous, `n` elements each) and the per-block partial sums (f64) of
-/// `out²` into `partials` (`SUMSQ_BLOCKS` elements), to be added in order.
-pub(crate) fn narrow_bf16_sum_squares(
+/// `out = bf16(g)` in place (contiguous, one length), rounded as the host's land rounds.
+pub(crate) fn narrow_bf16(
     out: &mut CudaStorage,
     lo: &Layout,
     g: &CudaStorage,
     lg: &Layout,
-    partials: &CudaStorage,
-    lp: &Layout,
 ) -> candle_core::Result<()> {
     let n = lg.shape().elem_count();
-    if !lo.is_contiguous() || !lg.is_contiguous() || !lp.is_contiguous() || lo.shape().elem_count() != n {
+    if !lo.is_contiguous() || !lg.is_contiguous() || lo.shape().elem_count() != n {
         return Err(msg("gradient narrowing: needs contiguous bf16 out and f32 gradient of one length"));
     }
-    if lp.shape().elem_count() != SUMSQ_BLOCKS {
-        return Err(msg(format!("gradient narrowing: {SUMSQ_BLOCKS} partial sums expected")));
-    }
     let dev = g.device().clone();
-    let func = dev.get_or_load_custom_func("mt_narrow_sumsq_bf16", MODULE, ptx()?)?;
+    let func = dev.get_or_load_custom_func("mt_narrow_bf16", MODULE, ptx()?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
     let mut os = out.as_cuda_slice_mut::<half::bf16>()?.slice_mut(lo.start_offset()..);
-    let ps = partials.as_cuda_slice::<f64>()?.slice(lp.start_offset()..);
     let n64 = n as i64;
     let mut b = func.builder();
     b.arg(&gs);
     b.arg(&mut os);
-    b.arg(&ps);
     b.arg(&n64);
-    let cfg = sumsq_grid();
-    // SAFETY: signature (const float*, unsigned short*, double*, long long); g and out hold n
-    // elements from their offsets, partials SUMSQ_BLOCKS (checked above); each block writes its own
-    // partial, each thread the out elements of its grid-stride set; the shared array holds
-    // SUMSQ_THREADS doubles (the tree assumes that block size, a power of two). The partials are
-    // written through a shared view: the op's caller allocated them for this launch alone, and
-    // candle's one stream orders every later reader after the kernel.
-    unsafe { b.launch(cfg) }.w()?;
+    // SAFETY: signature (const float*, unsigned short*, long long); g and out hold n elements
+    // from their offsets (checked); each thread writes the out elements of its grid-stride set.
+    unsafe { b.launch(grid_for(n)) }.w()?;
     Ok(())
 }
