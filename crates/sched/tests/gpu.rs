@@ -406,10 +406,10 @@ fn cuda_bf16_engine_matches_the_cpu_engine_in_bf16() {
 }
 
 /// Exact mode with bf16 store gradients narrows each streamed layer's gradient on the GPU
-/// (`mt_narrow_sumsq_bf16`) and lands it in bf16. Against landing f32 and narrowing on the host:
-/// the stored bf16 gradients must be bitwise equal (the same rounding of the same f32 sums), the
-/// gradient norm equal up to the order of its sum (1e-12), and 3 steps of training agree (a
-/// norm differing in its last bits may move the clip coefficient by an ulp).
+/// (`mt_narrow_bf16`, then `mt_sumsq_bf16`) and lands it in bf16. Against landing f32 and
+/// narrowing on the host: the stored bf16 gradients must be bitwise equal (the same rounding of
+/// the same f32 sums), the gradient norm equal up to the order of its sum (1e-12), and 3 steps of
+/// training agree (a norm differing in its last bits may move the clip coefficient by an ulp).
 #[test]
 fn cuda_bf16_landing_matches_the_hosts_narrowing() {
     let name = "qwen2_bias";
