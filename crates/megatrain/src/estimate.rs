@@ -162,8 +162,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
 /// (what the step time's host side is priced by).
 struct HostTraffic {
     /// The AdamW pass: exact mode's fused update + cast into staging (gradient, master, m, v,
-    /// upload copy); lean mode's land + update (the landed f32 cast into the stored gradient,
-    /// read again for its sum of squares and for the update, master, m, v).
+    /// upload copy); lean mode's fused land + update (`mt_optim::land_and_step`: the landed f32
+    /// read once, the stored gradient written, master, m, v).
     update: f64,
     /// The forward's cast into staging (lean mode; exact mode fuses it into the update).
     fwd_cast: f64,
@@ -193,7 +193,7 @@ impl HostTraffic {
                 outer_land: 4.0 + g,
             },
             mt_sched::OptimMode::Lean => HostTraffic {
-                update: 4.0 + g + 4.0 + 4.0 + 24.0,
+                update: 4.0 + g + 24.0,
                 fwd_cast: cast,
                 bwd_cast: cast,
                 land: 0.0,
@@ -292,11 +292,10 @@ mod tests {
         assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
         assert!(streamed.step_s > all.step_s);
         // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read
-        // three times (cast into the stored bf16 gradient, sum of squares, update), and each
-        // upload copy is a cast of its own.
+        // (and stored in bf16) in the update pass, and each upload copy is a cast of its own.
         let lean =
             estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on", "--optim-mode", "lean"]);
-        let want = n * (4.0 + 2.0 + 4.0 + 4.0 + 24.0 + 6.0 + 6.0) / 140e9;
+        let want = n * (4.0 + 2.0 + 24.0 + 6.0 + 6.0) / 140e9;
         assert!((lean.host_s - want).abs() < 1e-9, "{}", lean.host_s);
         // A streamed outer unit lands in f32 (cast + sum of squares: 6 B) and is uploaded once.
         let outer = estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "off"]);

@@ -387,3 +387,51 @@ fn branchless_bf16_widening_equals_half_on_every_bf16() {
         assert_eq!(GradElem::to_f32(x).to_bits(), x.to_f32().to_bits(), "bf16 bits {b:#06x}");
     }
 }
+
+/// The fused land + update is bitwise the three passes it replaces (store, sum of squares,
+/// update), for every stored type, across chunk boundaries and thread counts; an invalid step
+/// writes nothing.
+#[test]
+fn land_and_step_is_bitwise_the_separate_passes() {
+    let mut rng = StdRng::seed_from_u64(77);
+    let g = grads(&mut rng, N);
+    let (p0, m0) = (uniform(&mut rng, N, -1.0, 1.0), uniform(&mut rng, N, -1e-3, 1e-3));
+    let v0 = uniform(&mut rng, N, 0.0, 1e-4);
+    let h = AdamW { weight_decay: 0.1, ..AdamW::default() };
+    let a = StepArgs { step: 3, lr: 1e-3, grad_scale: 0.7 };
+    for stored in ["none", "f32", "bf16"] {
+        let (mut p1, mut m1, mut v1) = (p0.clone(), m0.clone(), v0.clone());
+        let (mut s32, mut s16) = (vec![0.0f32; N], vec![bf16::ZERO; N]);
+        let want_ss = crate::sum_squares(Grad::F32(&g));
+        let (mut w32, mut w16) = (vec![0.0f32; N], vec![bf16::ZERO; N]);
+        match stored {
+            "f32" => cast_into(&g, Upload::F32(&mut w32)).unwrap(),
+            "bf16" => cast_into(&g, Upload::Bf16(&mut w16)).unwrap(),
+            _ => {}
+        }
+        step_fused(&h, &a, Grad::F32(&g), &mut p1, &mut m1, &mut v1, Upload::None).unwrap();
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
+            let ss = pool.install(|| {
+                let st = match stored {
+                    "f32" => Upload::F32(&mut s32),
+                    "bf16" => Upload::Bf16(&mut s16),
+                    _ => Upload::None,
+                };
+                land_and_step(&h, &a, &g, st, &mut p2, &mut m2, &mut v2).unwrap()
+            });
+            let what = format!("stored {stored}, {threads} threads");
+            assert_eq!(ss.to_bits(), want_ss.to_bits(), "{what}: sum of squares");
+            assert_bitwise(&format!("{what}: master"), &p2, &p1);
+            assert_bitwise(&format!("{what}: m"), &m2, &m1);
+            assert_bitwise(&format!("{what}: v"), &v2, &v1);
+            assert_bitwise(&format!("{what}: stored f32"), &s32, &w32);
+            assert!(s16.iter().zip(&w16).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: stored bf16");
+        }
+    }
+    let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+    let zero = StepArgs { step: 0, ..a };
+    assert!(land_and_step(&h, &zero, &g, Upload::None, &mut p, &mut m, &mut v).is_err());
+    assert_bitwise("untouched master", &p, &p0);
+}

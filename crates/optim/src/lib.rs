@@ -49,6 +49,8 @@ mod adamw;
 mod error;
 mod norm;
 
-pub use adamw::{cast_into, step_fused, step_reference, AdamW, Coeffs, Grad, StepArgs, Upload, CHUNK};
+pub use adamw::{
+    cast_into, land_and_step, step_fused, step_reference, AdamW, Coeffs, Grad, StepArgs, Upload, CHUNK,
+};
 pub use error::Error;
 pub use norm::{cast_sum_squares, clip_coef, sum_squares};

@@ -62,7 +62,7 @@ fn widen_bf16(x: half::bf16) -> f32 {
 }
 
 #[inline(always)]
-fn chunk_sum_squares<T: Copy>(chunk: &[T], to_f32: impl Fn(T) -> f32) -> f64 {
+pub(crate) fn chunk_sum_squares<T: Copy>(chunk: &[T], to_f32: impl Fn(T) -> f32) -> f64 {
     let mut acc = [0.0f64; LANES];
     let mut exact = chunk.chunks_exact(LANES);
     for group in &mut exact {

@@ -129,6 +129,20 @@ pub struct RecordParts<'r> {
     pub grad: Option<GradRef<'r>>,
 }
 
+/// Simultaneous views of a record for a pass that lands a gradient and updates at once (lean
+/// mode): the state and the gradient buffer, all writable.
+#[derive(Debug)]
+pub struct RecordPartsMut<'r> {
+    /// fp32 master weights.
+    pub master: &'r mut [f32],
+    /// AdamW first moment.
+    pub m: &'r mut [f32],
+    /// AdamW second moment.
+    pub v: &'r mut [f32],
+    /// Gradient buffer (absent in a store without gradient buffers).
+    pub grad: Option<GradMut<'r>>,
+}
+
 impl RecordGuard<'_> {
     /// fp32 master weights.
     pub fn master(&self) -> &[f32] {
@@ -167,6 +181,15 @@ impl RecordGuard<'_> {
             v: self.v,
             grad: self.grad.as_ref().map(GradMut::as_ref),
         }
+    }
+    /// Master, moments and gradient buffer, all mutable, for a pass that lands and updates.
+    pub fn parts_mut(&mut self) -> RecordPartsMut<'_> {
+        let grad = match &mut self.grad {
+            Some(GradMut::F32(g)) => Some(GradMut::F32(g)),
+            Some(GradMut::Bf16(g)) => Some(GradMut::Bf16(g)),
+            None => None,
+        };
+        RecordPartsMut { master: self.master, m: self.m, v: self.v, grad }
     }
     /// Number of optimizer updates applied to this unit so far (kept in the record, under its
     /// lock, so an update interrupted by an error is never applied twice).

@@ -25,7 +25,9 @@ mod host_vec;
 mod snapshot;
 mod staging;
 
-pub use arena::{GradDtype, GradMut, GradRef, HostStore, RecordGuard, RecordParts, StoreState};
+pub use arena::{
+    GradDtype, GradMut, GradRef, HostStore, RecordGuard, RecordParts, RecordPartsMut, StoreState,
+};
 pub use host_vec::{HostVec, PinError};
 pub use staging::{Staging, UploadDtype};
 

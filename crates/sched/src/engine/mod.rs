@@ -166,30 +166,19 @@ fn grad_view(g: GradRef<'_>) -> Grad<'_> {
     }
 }
 
-/// Applies optimizer step `args.step` to one unit — once: if the record says the update was
-/// already applied (a failed step is being retried), only the upload copy is refreshed. The
-/// gradient is `landed` when given (lean mode, straight from the landing buffer), else the
-/// record's gradient buffer.
-fn update_unit(
-    r: &mut RecordGuard<'_>,
-    hyper: &AdamW,
-    args: &StepArgs,
-    landed: Option<&[f32]>,
-    upload: Upload<'_>,
-) -> Result<()> {
+/// Applies optimizer step `args.step` to one unit from the record's gradient buffer — once: if
+/// the record says the update was already applied (a failed step is being retried), only the
+/// upload copy is refreshed. (Lean mode updates as it lands: `mt_optim::land_and_step`.)
+fn update_unit(r: &mut RecordGuard<'_>, hyper: &AdamW, args: &StepArgs, upload: Upload<'_>) -> Result<()> {
     if r.applied_step() >= args.step {
         mt_optim::cast_into(r.master(), upload)?;
         return Ok(());
     }
     let p = r.parts();
-    let grad = match (landed, p.grad) {
-        (Some(l), _) => Grad::F32(l),
-        (None, Some(g)) => grad_view(g),
-        (None, None) => {
-            return Err(Error::Options("an exact-mode update needs a store with gradient buffers".into()))
-        }
+    let Some(g) = p.grad else {
+        return Err(Error::Options("an exact-mode update needs a store with gradient buffers".into()));
     };
-    mt_optim::step_fused(hyper, args, grad, p.master, p.m, p.v, upload)?;
+    mt_optim::step_fused(hyper, args, grad_view(g), p.master, p.m, p.v, upload)?;
     r.set_applied_step(args.step);
     Ok(())
 }
@@ -452,7 +441,7 @@ impl<B: Backend> Engine<B> {
             if self.is_resident(u) {
                 continue;
             }
-            update_unit(&mut self.store.record(u), &self.opts.adamw, &args, None, Upload::None)?;
+            update_unit(&mut self.store.record(u), &self.opts.adamw, &args, Upload::None)?;
         }
         self.sync_store()?;
         self.store.set_state(StoreState { step: state.step + 1, pending_update: false, ..state });
@@ -533,7 +522,7 @@ impl<B: Backend> Engine<B> {
                     let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
                     let up = upload_view(&mut s, r.master().len());
                     if update {
-                        update_unit(&mut r, &hyper, &args, None, up)
+                        update_unit(&mut r, &hyper, &args, up)
                     } else {
                         Ok(mt_optim::cast_into(r.master(), up)?)
                     }
@@ -595,22 +584,32 @@ impl<B: Backend> Engine<B> {
                     };
                     // Store the gradient (parallel cast) and take Σg² of the gradient the
                     // optimizer will use: the stored (possibly bf16) one, in the same pass; in
-                    // lean mode, which updates from the landed f32 gradient now, of that one.
-                    let stored = match r.grad_mut() {
-                        Some(GradMut::F32(g)) => Upload::F32(g),
-                        Some(GradMut::Bf16(g)) => Upload::Bf16(g),
-                        None => Upload::None,
-                    };
-                    let ss = if update {
-                        mt_optim::cast_into(src, stored)?;
-                        mt_optim::sum_squares(Grad::F32(src))
+                    // lean mode, which updates from the landed f32 gradient now, of that one,
+                    // with the update in the same pass too (unless a retried step applied it).
+                    let ss = if update && r.applied_step() < args.step {
+                        let p = r.parts_mut();
+                        let stored = match p.grad {
+                            Some(GradMut::F32(g)) => Upload::F32(g),
+                            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
+                            None => Upload::None,
+                        };
+                        let ss = mt_optim::land_and_step(&hyper, &args, src, stored, p.master, p.m, p.v)?;
+                        r.set_applied_step(args.step);
+                        ss
                     } else {
-                        mt_optim::cast_sum_squares(src, stored)?
+                        let stored = match r.grad_mut() {
+                            Some(GradMut::F32(g)) => Upload::F32(g),
+                            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
+                            None => Upload::None,
+                        };
+                        if update {
+                            mt_optim::cast_into(src, stored)?;
+                            mt_optim::sum_squares(Grad::F32(src))
+                        } else {
+                            mt_optim::cast_sum_squares(src, stored)?
+                        }
                     };
                     sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
-                    if update {
-                        update_unit(&mut r, &hyper, &args, Some(src), Upload::None)?;
-                    }
                     Ok(())
                 });
                 self.backend.host(waits, job, name)

@@ -98,7 +98,7 @@ impl<B: Backend> Engine<B> {
                     lr: state.pending_lr,
                     grad_scale: state.pending_grad_scale,
                 };
-                update_unit(&mut r, &self.opts.adamw, &args, None, Upload::None)?;
+                update_unit(&mut r, &self.opts.adamw, &args, Upload::None)?;
             }
             let n = r.master().len();
             let p = r.parts();
