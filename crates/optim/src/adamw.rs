@@ -347,6 +347,27 @@ fn run_upload<G: GradElem>(c: &Coeffs, g: &[G], p: &mut [f32], m: &mut [f32], v:
     }
 }
 
+/// The checks of an update over `n` parameters (every length equal to the master's, the extra
+/// buffer's too when given; hyper-parameters torch would accept), then its scalars.
+fn checked(
+    h: &AdamW,
+    a: &StepArgs,
+    n: usize,
+    grad: usize,
+    m: usize,
+    v: usize,
+    (extra, extra_len): (&'static str, Option<usize>),
+) -> Result<Coeffs, Error> {
+    check_len("grad", n, grad)?;
+    check_len("m", n, m)?;
+    check_len("v", n, v)?;
+    if let Some(len) = extra_len {
+        check_len(extra, n, len)?;
+    }
+    h.validate(a)?;
+    Ok(Coeffs::new(h, a))
+}
+
 /// One fused AdamW pass over a parameter range: reads `grad`, `master`, `m`, `v`; writes `master`,
 /// `m`, `v` and, if given, the upload copy of the new master. Parallel over fixed [`CHUNK`]s on the
 /// current rayon pool; the result is bitwise identical to [`step_reference`] on the (widened) gradient
@@ -365,15 +386,7 @@ pub fn step_fused(
     v: &mut [f32],
     upload: Upload<'_>,
 ) -> Result<(), Error> {
-    let n = master.len();
-    check_len("grad", n, grad.len())?;
-    check_len("m", n, m.len())?;
-    check_len("v", n, v.len())?;
-    if let Some(len) = upload.len() {
-        check_len("upload", n, len)?;
-    }
-    h.validate(a)?;
-    let c = Coeffs::new(h, a);
+    let c = checked(h, a, master.len(), grad.len(), m.len(), v.len(), ("upload", upload.len()))?;
     match grad {
         Grad::F32(g) => run_upload(&c, g, master, m, v, upload),
         Grad::Bf16(g) => run_upload(&c, g, master, m, v, upload),
@@ -398,15 +411,7 @@ pub fn land_and_step(
     m: &mut [f32],
     v: &mut [f32],
 ) -> Result<f64, Error> {
-    let n = master.len();
-    check_len("grad", n, landed.len())?;
-    check_len("m", n, m.len())?;
-    check_len("v", n, v.len())?;
-    if let Some(len) = stored.len() {
-        check_len("stored gradient", n, len)?;
-    }
-    h.validate(a)?;
-    let c = Coeffs::new(h, a);
+    let c = checked(h, a, master.len(), landed.len(), m.len(), v.len(), ("stored gradient", stored.len()))?;
     fn go<U: UploadElem>(
         c: &Coeffs,
         g: &[f32],
