@@ -473,9 +473,7 @@ impl HostStore {
         let mut r = self.record(u);
         let range = spec.offset..spec.offset + data.len();
         let p = r.parts();
-        p.master[range.clone()].par_chunks_mut(BLOCK).zip(data.par_chunks(BLOCK)).for_each(|(d, s)| {
-            d.copy_from_slice(s);
-        });
+        crate::par_copy(&mut p.master[range.clone()], data);
         // Zero the moments only where they are not zero already: reading a never-written page
         // of an anonymous or sparse mapping maps the shared zero page, writing would allocate
         // it, so importing into a fresh store keeps its moments out of RAM until training.

@@ -137,6 +137,19 @@ impl<T: bytemuck::Pod + std::fmt::Debug> std::fmt::Debug for HostVec<T> {
     }
 }
 
+/// `dst.copy_from_slice(src)` on every core, in 1 Mi-element blocks: host buffers here are
+/// hundreds of MB (a layer's landed gradient, a parameter's master weights), which one thread
+/// copies several times slower than the machine's memory allows.
+///
+/// # Panics
+/// If the lengths differ (as `copy_from_slice`).
+pub fn par_copy<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
+    use rayon::prelude::*;
+    const BLOCK: usize = 1 << 20;
+    assert_eq!(dst.len(), src.len(), "par_copy: lengths differ");
+    dst.par_chunks_mut(BLOCK).zip(src.par_chunks(BLOCK)).for_each(|(d, s)| d.copy_from_slice(s));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

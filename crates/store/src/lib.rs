@@ -28,7 +28,7 @@ mod staging;
 pub use arena::{
     GradDtype, GradMut, GradRef, HostStore, RecordGuard, RecordParts, RecordPartsMut, StoreState,
 };
-pub use host_vec::{HostVec, PinError};
+pub use host_vec::{par_copy, HostVec, PinError};
 pub use staging::{Staging, UploadDtype};
 
 /// Size of a page; every record region starts on a page boundary (DMA-friendly).

@@ -183,14 +183,6 @@ fn update_unit(r: &mut RecordGuard<'_>, hyper: &AdamW, args: &StepArgs, upload: 
     Ok(())
 }
 
-/// `dst.copy_from_slice(src)` on every core (a layer's landed gradient is hundreds of MB).
-fn copy_par<T: Copy + Send + Sync>(src: &[T], dst: &mut [T]) {
-    use rayon::prelude::*;
-    dst.par_chunks_mut(mt_optim::CHUNK)
-        .zip(src.par_chunks(mt_optim::CHUNK))
-        .for_each(|(d, s)| d.copy_from_slice(s));
-}
-
 fn upload_view(s: &mut Staging, n: usize) -> Upload<'_> {
     match s {
         Staging::F32(v) => Upload::F32(&mut v[..n]),
@@ -254,19 +246,12 @@ impl<B: Backend> Engine<B> {
         // Staging and landing rings: allocated once, page-locked once when the backend wants it
         // (never the store itself).
         let pin = backend.pins_host_buffers();
-        let mk = |n| -> Result<_> {
-            let mut s = Staging::new(up, n);
+        let host_buf = |dtype, n| -> Result<_> {
+            let mut s = Staging::new(dtype, n);
             if pin && n > 0 {
                 s.pin()?;
             }
             Ok(Arc::new(Mutex::new(s)))
-        };
-        let land = |dtype, n| -> Result<_> {
-            let mut v = Staging::new(dtype, n);
-            if pin && n > 0 {
-                v.pin()?;
-            }
-            Ok(Arc::new(Mutex::new(v)))
         };
         // Layer gradients land in bf16 when the device narrows them.
         let layer_land = if land_bf16 { UploadDtype::Bf16 } else { UploadDtype::F32 };
@@ -275,10 +260,10 @@ impl<B: Backend> Engine<B> {
         let layout_units = layout.n_units();
         let mut engine = Engine {
             cfg: cfg.clone(),
-            staging: (0..N_STAGING).map(|_| mk(layout.layer.len)).collect::<Result<_>>()?,
-            outer_staging: mk(outer_host_len)?,
-            landing: (0..N_LANDING).map(|_| land(layer_land, layout.layer.len)).collect::<Result<_>>()?,
-            outer_landing: land(UploadDtype::F32, outer_host_len)?,
+            staging: (0..N_STAGING).map(|_| host_buf(up, layout.layer.len)).collect::<Result<_>>()?,
+            outer_staging: host_buf(up, outer_host_len)?,
+            landing: (0..N_LANDING).map(|_| host_buf(layer_land, layout.layer.len)).collect::<Result<_>>()?,
+            outer_landing: host_buf(UploadDtype::F32, outer_host_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             device_sumsq: Vec::new(),
             layer_t: DecoderLayer::new(cfg),
@@ -569,7 +554,7 @@ impl<B: Backend> Engine<B> {
                             // Narrowed on the device, which also took its sum of squares: store it.
                             return match r.grad_mut() {
                                 Some(GradMut::Bf16(g)) if !update => {
-                                    copy_par(v, g);
+                                    mt_store::par_copy(g, v);
                                     Ok(())
                                 }
                                 _ => Err(Error::Stream {
