@@ -132,8 +132,16 @@ fn three_adamw_steps_match_torch() {
 /// statistics, fp32 gradient accumulation), small loss row blocks, 2 chunks.
 ///
 /// Held to 3e-2 against transformers' float64 gradients: bf16 carries 8 significant bits
-/// (eps 7.8e-3) and Qwen3's q/k RMSNorm amplifies it (measured worst: 2.4e-2, q_norm). The 2e-2
-/// bar of the CUDA issue compares GPU bf16 with this CPU engine, a different pair.
+/// (eps 7.8e-3) and Qwen3's q/k RMSNorm amplifies it (measured worst: 2.4e-2, q_norm).
+///
+/// And to 2e-2 against the exact gradient of the same weights rounded to bf16
+/// ([`Golden::rounded_model_grads`]): that takes out the weights' own rounding (up to 1.7e-2
+/// between the two oracles) and bounds the noise of the bf16 computation alone (measured
+/// 2026-11-23: worst 1.0e-2 / 1.5e-2 / 1.4e-2 / 1.8e-2 over the four fixtures). Two engines each
+/// this far from the oracle, with independent roundings, can be ~2.3e-2 apart: see
+/// `tests/gpu.rs` for what that means for the GPU-vs-CPU comparison.
+///
+/// [`Golden::rounded_model_grads`]: mt_testkit::golden::Golden::rounded_model_grads
 #[test]
 fn bf16_engine_matches_transformers_within_bf16_tolerance() {
     for name in GOLDEN_NAMES {
@@ -144,9 +152,19 @@ fn bf16_engine_matches_transformers_within_bf16_tolerance() {
         let mut e = engine(&g.cfg, store.clone(), opts, 100);
         let r = e.step(&golden_batch(&g), 1e-3).unwrap();
         assert!((r.loss - g.loss).abs() / g.loss <= 1e-2, "{name}: bf16 loss {} vs {}", r.loss, g.loss);
-        let report = compare_maps(&grads_of(&store), &g.grads, Tolerance { rel: 3e-2 });
+        let grads = grads_of(&store);
+        let report = compare_maps(&grads, &g.grads, Tolerance { rel: 3e-2 });
         report.assert_ok(&format!("{name}: bf16 engine vs transformers"));
-        let w = report.worst().unwrap();
-        eprintln!("SUMMARY {name}: bf16 engine, worst grad {:.2e} ({})", w.rel_err(), w.name);
+        let rounded =
+            compare_maps(&grads, &g.rounded_model_grads(DType::BF16).unwrap(), Tolerance { rel: 2e-2 });
+        rounded.assert_ok(&format!("{name}: bf16 engine vs the exact gradient of its bf16 weights"));
+        let (w, wr) = (report.worst().unwrap(), rounded.worst().unwrap());
+        eprintln!(
+            "SUMMARY {name}: bf16 engine, worst grad {:.2e} ({}); vs its bf16 weights' exact gradient {:.2e} ({})",
+            w.rel_err(),
+            w.name,
+            wr.rel_err(),
+            wr.name
+        );
     }
 }

@@ -377,6 +377,16 @@ fn cuda_fused_adamw_writes_the_cast_of_its_master_and_matches_the_cpu() {
 /// except Qwen3's q/k-norm weights, held to 3e-2: their gradient is a sum over every token and
 /// head of bf16 products that largely cancel, and the two bf16 engines' roundings (cuBLAS vs the
 /// CPU GEMM, the fused softmax) leave 2.3e-2 between them (H200, commit ef38d10).
+///
+/// Why that is the floor of this comparison, not a defect of either engine: each is measured
+/// against the exact gradient of the same bf16 weights ([`Golden::rounded_model_grads`]), every
+/// tensor within 2e-2 (the CPU engine's worst 1.8e-2 in `tests/golden.rs`). Two computations
+/// each ~1.7e-2 from that oracle with independent roundings are ~√2 · 1.7e-2 ≈ 2.4e-2 apart; on
+/// the CPU alone, computing only the attention in f32 instead of bf16 moves Qwen3's k_norm
+/// gradient by 1.6e-2 (2026-11-23). So the GPU is also held to 2e-2 against that oracle on every
+/// tensor, q/k norms included.
+///
+/// [`Golden::rounded_model_grads`]: mt_testkit::golden::Golden::rounded_model_grads
 #[test]
 fn cuda_bf16_engine_matches_the_cpu_engine_in_bf16() {
     let mut failures = Vec::new();
@@ -390,16 +400,20 @@ fn cuda_bf16_engine_matches_the_cpu_engine_in_bf16() {
         };
         let grads = compare_maps(&part(&r.grads, false), &part(&cpu.grads, false), Tolerance { rel: 2e-2 });
         let norms = compare_maps(&part(&r.grads, true), &part(&cpu.grads, true), Tolerance { rel: 3e-2 });
-        let wg = grads.worst().unwrap();
+        let oracle = golden::load(name).unwrap().rounded_model_grads(DType::BF16).unwrap();
+        let exact = compare_maps(&r.grads, &oracle, Tolerance { rel: 2e-2 });
+        let (wg, we) = (grads.worst().unwrap(), exact.worst().unwrap());
         eprintln!(
-            "SUMMARY gpu bf16 vs cpu bf16 {name}: losses rel [{}]; worst grad {:.2e} ({}); q/k norm {}",
+            "SUMMARY gpu bf16 vs cpu bf16 {name}: losses rel [{}]; worst grad {:.2e} ({}); q/k norm {}; gpu vs its bf16 weights' exact gradient {:.2e} ({})",
             loss_rel.iter().map(|x| format!("{x:.2e}")).collect::<Vec<_>>().join(", "),
             wg.rel_err(),
             wg.name,
-            norms.worst().map_or("none".into(), |w| format!("{:.2e} ({})", w.rel_err(), w.name))
+            norms.worst().map_or("none".into(), |w| format!("{:.2e} ({})", w.rel_err(), w.name)),
+            we.rel_err(),
+            we.name
         );
-        if !grads.is_ok() || !norms.is_ok() || loss_rel.iter().any(|x| *x > 1e-3) {
-            failures.push(format!("{name}\n{grads}\n{norms}"));
+        if !grads.is_ok() || !norms.is_ok() || !exact.is_ok() || loss_rel.iter().any(|x| *x > 1e-3) {
+            failures.push(format!("{name}\n{grads}\n{norms}\n{exact}"));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -67,6 +67,20 @@ impl Golden {
     pub fn input_tensor(&self) -> Result<Tensor> {
         Ok(Tensor::from_slice(&self.input_ids, (self.batch, self.seq), &Device::Cpu)?)
     }
+
+    /// The exact (f64) gradient of the loss at the initial weights rounded to `dtype`: the oracle
+    /// of an engine that holds its weights in `dtype`. Against it, what remains is the noise of
+    /// the engine's own computation; the rounding of the weights, which no computation undoes,
+    /// is taken out (for bf16 it alone moves the fixtures' gradients by up to ~1.7e-2).
+    pub fn rounded_model_grads(&self, dtype: DType) -> Result<BTreeMap<String, Tensor>> {
+        let rounded = self
+            .params
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.to_dtype(dtype)?.to_dtype(DType::F64)?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        let model = crate::ReferenceModel::new(&self.cfg, &rounded, DType::F64)?;
+        Ok(model.loss_and_grads(&self.input_tensor()?, &self.targets)?.1)
+    }
 }
 
 /// Loads a committed fixture from [`fixtures_dir`].
