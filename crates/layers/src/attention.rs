@@ -40,6 +40,19 @@ pub(crate) struct AttnCache {
     p: Probs,
 }
 
+impl AttnCache {
+    /// Bytes of its tensors.
+    pub(crate) fn bytes(&self) -> u64 {
+        let t = |x: &Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
+        let p = match &self.p {
+            Probs::Full(p) => t(p),
+            #[cfg(feature = "cuda")]
+            Probs::Fused { s, pb, stats } => t(s) + t(pb) + t(stats),
+        };
+        t(&self.q) + t(&self.k) + t(&self.v) + p
+    }
+}
+
 /// How the forward keeps the probabilities for the backward.
 #[derive(Debug)]
 enum Probs {

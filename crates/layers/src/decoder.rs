@@ -18,7 +18,40 @@ pub struct DecoderLayer {
     cfg: ModelConfig,
 }
 
-/// Everything the backward needs, recomputed from the layer input.
+/// What a forward kept for its backward ([`DecoderLayer::forward_keep`]): device activations
+/// only, no view of the weights, so it outlives the ring slot the forward ran from.
+pub struct LayerState(Saved);
+
+impl LayerState {
+    /// Bytes of the tensors it holds, beyond what it shares: the layer input (which the fused
+    /// CUDA path's input norm keeps itself) and RoPE's `cos`, `sin` (views of the model's table).
+    pub fn bytes(&self) -> u64 {
+        let s = &self.0;
+        let t = |x: &Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
+        let norm = |c: &RmsCache| c.bytes();
+        let qk = s.q_norm.as_ref().map_or(0, norm) + s.k_norm.as_ref().map_or(0, norm);
+        let input_shared = if s.norm1.shares_input() { t(s.norm1.input()) } else { 0 };
+        norm(&s.norm1) - input_shared
+            + t(&s.a)
+            + qk
+            + s.attn.bytes()
+            + t(&s.o)
+            + norm(&s.norm2)
+            + t(&s.c)
+            + t(&s.gate)
+            + t(&s.up)
+            + s.act.as_ref().map_or(0, t)
+            + t(&s.mid)
+    }
+}
+
+impl std::fmt::Debug for LayerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LayerState({} rows, {} B)", self.0.rows, self.bytes())
+    }
+}
+
+/// Everything the backward needs, from the forward or recomputed from the layer input.
 struct Saved {
     rows: usize,
     dims: Dims,
@@ -66,6 +99,58 @@ impl DecoderLayer {
         Ok(out.expect("the forward keeps its output"))
     }
 
+    /// Forward that keeps what the backward needs ([`LayerState`]), so that
+    /// [`DecoderLayer::backward_kept`] need not recompute it: the same operations as
+    /// [`DecoderLayer::forward`], so the same output and, backwards, the same gradients bit for
+    /// bit; memory traded for the recompute (see [`DecoderLayer::kept_state_bytes`]).
+    pub fn forward_keep(&self, w: &LayerWeights, x: &Tensor, rope: &Rope) -> Result<(Tensor, LayerState)> {
+        let (out, saved) = self.run(w, x, rope, 0, Output::Keep)?;
+        Ok((out.expect("the forward keeps its output"), LayerState(saved)))
+    }
+
+    /// Back-propagates `dy: [b, t, h]` through the forward that `state` kept: what
+    /// [`DecoderLayer::backward`] does after its recompute.
+    pub fn backward_kept(
+        &self,
+        w: &LayerWeights,
+        state: LayerState,
+        dy: &Tensor,
+        grads: &GradSink,
+    ) -> Result<Tensor> {
+        let s = state.0;
+        let Dims { b, t, .. } = s.dims;
+        let want = [b, t, self.cfg.hidden_size];
+        if dy.dims() != want || dy.dtype() != s.a.dtype() {
+            return Err(Error::shape(
+                "dy",
+                format!("{want:?} {:?} (the kept forward's)", s.a.dtype()),
+                dy.dims(),
+            ));
+        }
+        self.backward_saved(w, &s, dy, grads)
+    }
+
+    /// Device bytes a [`LayerState`] of `b` sequences of `s` tokens holds on the fused CUDA path
+    /// (weights of `e` bytes), beyond the layer's input checkpoint that it shares: the input-norm
+    /// output, q (and Qwen3's pre-norm q, k), k, v, the raw scores and probabilities
+    /// (`2 × b·heads·s²`) with their row statistics, the attention output, `x1`, the post-norm
+    /// output, gate, up and their product, the norms' f32 reciprocal RMS. Linear in `b`: a
+    /// batch's chunks together hold what the whole batch would.
+    pub fn kept_state_bytes(cfg: &ModelConfig, b: usize, s: usize, e: u64) -> u64 {
+        let (n, sq) = ((b * s) as u64, (s * s) as u64);
+        let (h, f, hd) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.head_dim as u64);
+        let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
+        let heads = (b * cfg.num_attention_heads) as u64;
+        // a, x1, c; q, k, v (heads first), o; gate, up, mid.
+        let acts = n * e * (3 * h + 2 * qd + 2 * kvd + 3 * f);
+        let scores = heads * sq * 2 * e + heads * s as u64 * 2 * 4;
+        // The two norms' f32 reciprocal RMS per row.
+        let tables = 2 * n * 4;
+        // Qwen3: the q and k norms keep their bf16 input and an f32 reciprocal RMS per head.
+        let qk = if cfg.qk_norm { n * (qd + kvd) * e + n * ((qd + kvd) / hd) * 4 } else { 0 };
+        acts + scores + tables + qk
+    }
+
     /// Recomputes the forward from the checkpointed input `x`, back-propagates `dy: [b, t, h]`,
     /// accumulates every weight gradient into `grads` and returns `dx` (in `x`'s dtype).
     pub fn backward(
@@ -98,11 +183,16 @@ impl DecoderLayer {
         }
         // The recompute stops before `down_proj`: the layer's output is not needed backwards.
         let (_, s) = self.run(w, x, rope, start, Output::Skip)?;
+        self.backward_saved(w, &s, dy, grads)
+    }
+
+    /// The backward proper, from what the forward saved.
+    fn backward_saved(&self, w: &LayerWeights, s: &Saved, dy: &Tensor, grads: &GradSink) -> Result<Tensor> {
+        let dev = dy.device();
         let h = self.cfg.hidden_size;
         let Dims { b, t, nh, nkv, hd } = s.dims;
         let n = s.rows;
         let dy = dy.reshape((n, h))?;
-        let dev = x.device();
         prof_start(dev);
 
         // MLP: out = x1 + down(silu(gate(c)) ⊙ up(c)), c = norm2(x1).

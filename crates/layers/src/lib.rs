@@ -31,7 +31,7 @@ pub mod profile;
 mod rope;
 mod weights;
 
-pub use decoder::DecoderLayer;
+pub use decoder::{DecoderLayer, LayerState};
 pub use error::{Error, Result};
 pub use grads::GradSink;
 pub use outer::Outer;

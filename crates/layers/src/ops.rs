@@ -44,6 +44,24 @@ pub(crate) struct RmsCache {
     xhat: Option<Tensor>,
 }
 
+impl RmsCache {
+    /// Bytes of its tensors.
+    pub(crate) fn bytes(&self) -> u64 {
+        let t = |x: &Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
+        t(&self.xs) + t(&self.r) + self.xhat.as_ref().map_or(0, t)
+    }
+
+    /// Whether `xs` is the norm's input itself (the fused CUDA path) rather than a copy.
+    pub(crate) fn shares_input(&self) -> bool {
+        self.xhat.is_none()
+    }
+
+    /// The kept input (or its statistics-dtype copy).
+    pub(crate) fn input(&self) -> &Tensor {
+        &self.xs
+    }
+}
+
 /// RMSNorm over the last dimension, as transformers computes it: statistics in the statistics
 /// dtype, `x * r` cast back to the input dtype, then multiplied by the weight in that dtype.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsCache)> {

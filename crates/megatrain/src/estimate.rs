@@ -100,15 +100,18 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         rows_per_block: 4096,
         resident_outer: args.resident_outer.choice(args.device, false),
         resident_layers: args.resident_layers.choice(args.device, false),
+        kept_layers: args.kept_layers.choice(args.device, false),
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
     let host_bytes = host_bytes(&p, args.device);
     let layout = ModelLayout::new(cfg);
     let tokens = (args.batch_size * args.seq_len) as f64;
-    // Model FLOPs plus the recomputed forward of every layer, which stops before down_proj.
+    // Model FLOPs plus the recomputed forward of every layer that does not keep its
+    // activations (the recompute stops before down_proj).
     let down = layout.layer.get(mt_core::names::DOWN).map_or(0, |s| s.numel());
-    let recompute = 2.0 * (layout.n_layers * (layout.layer.n_params() - down)) as f64 * tokens;
+    let recomputed = layout.n_layers - p.kept_layers;
+    let recompute = 2.0 * (recomputed * (layout.layer.n_params() - down)) as f64 * tokens;
     let compute_s = (p.flops_per_step + recompute) / (args.tflops * 1e12);
     // The forward is a third of the model FLOPs; the backward the rest plus the recompute.
     let fwd_s = p.flops_per_step / 3.0 / (args.tflops * 1e12);

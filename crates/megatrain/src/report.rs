@@ -119,6 +119,9 @@ pub struct TrainSummary {
     /// Host bytes the plan counted (store + staging/landing + process overhead; on the CPU also
     /// the device buffers), to set against the RSS: `megatrain estimate`'s host RAM.
     pub planned_host_bytes: u64,
+    /// Forward activations kept for the backward (the most a step held), and what the plan
+    /// counted for them.
+    pub kept_bytes: (u64, u64),
     /// Held-out losses `(global step, loss)`, in order.
     pub evals: Vec<(u64, f64)>,
     /// Where the model was exported (`--out`).
@@ -145,6 +148,8 @@ pub struct StepTotals {
     steps: u64,
     h2d_bytes: u64,
     d2h_bytes: u64,
+    /// The most bytes of kept activations a step held.
+    kept_bytes: u64,
     /// Per stream: sums of busy fractions and of longest gaps, and the longest gap.
     streams: Vec<StreamMean>,
 }
@@ -155,6 +160,7 @@ impl StepTotals {
         self.steps += 1;
         self.h2d_bytes += r.h2d_bytes;
         self.d2h_bytes += r.d2h_bytes;
+        self.kept_bytes = self.kept_bytes.max(r.kept_bytes);
         for s in &r.streams {
             let i = match self.streams.iter().position(|t| t.stream == s.stream) {
                 Some(i) => i,
@@ -170,6 +176,11 @@ impl StepTotals {
             t.max_gap_s += s.max_gap_s;
             t.worst_gap_s = t.worst_gap_s.max(s.max_gap_s);
         }
+    }
+
+    /// The most bytes of kept activations a step held.
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept_bytes
     }
 
     /// Steps added.
@@ -301,6 +312,14 @@ impl fmt::Display for TrainSummary {
             mb(self.h2d_bytes_per_step),
             mb(self.d2h_bytes_per_step)
         )?;
+        if self.kept_bytes != (0, 0) {
+            writeln!(
+                f,
+                "kept activations (no recompute): {} at the loss; the plan counted {}",
+                mb(self.kept_bytes.0 as f64),
+                mb(self.kept_bytes.1 as f64)
+            )?;
+        }
         let streams: Vec<String> = self
             .streams
             .iter()
@@ -347,6 +366,7 @@ mod tests {
             step_s,
             h2d_bytes,
             d2h_bytes: 2 * h2d_bytes,
+            kept_bytes: 0,
             streams: stream_stats(&spans, step_s),
             spans,
         }
@@ -398,6 +418,7 @@ mod tests {
             d2h_bytes_per_step: t.d2h_bytes_per_step(),
             streams: t.stream_means(),
             planned_host_bytes: 180,
+            kept_bytes: (3_000_000, 3_000_000),
             evals: vec![(1, 3.0), (2, 2.5)],
             exported: Some(PathBuf::from("/tmp/out")),
         }
@@ -405,6 +426,10 @@ mod tests {
         assert!(s.contains("counted 0.00 MB: RSS is 111.1% of it"), "{s}");
         assert!(s.contains("eval loss: 3.000000 at step 1 -> 2.500000 at step 2 (2 evaluations)"), "{s}");
         assert!(s.contains("model exported to /tmp/out"), "{s}");
+        assert!(
+            s.contains("kept activations (no recompute): 3.00 MB at the loss; the plan counted 3.00 MB"),
+            "{s}"
+        );
         assert!(s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB"), "{s}");
         assert!(
             s.contains("steady state (steps after the first): 2000.0 ms/step, 4 tokens/s, 4.0 model TFLOP/s"),

@@ -147,6 +147,7 @@ mod tests {
             step_s,
             h2d_bytes: 1234,
             d2h_bytes: 567,
+            kept_bytes: 0,
             streams: stream_stats(&spans, step_s),
             spans,
         }

@@ -168,6 +168,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         rows_per_block: args.rows_per_block,
         resident_outer: args.resident_outer.choice(args.device, args.store.is_some()),
         resident_layers: args.resident_layers.choice(args.device, args.store.is_some()),
+        kept_layers: args.kept_layers.choice(args.device, false),
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");
@@ -247,6 +248,7 @@ fn run<B: Backend>(
     let mut eopts = engine_options(args);
     eopts.resident_outer = plan.resident_outer;
     eopts.resident_layers = plan.resident_layers;
+    eopts.kept_layers = plan.kept_layers;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let t_engine = Instant::now();
@@ -455,6 +457,7 @@ fn run<B: Backend>(
         store_bytes_per_param: store.bytes_per_param(),
         rss_bytes: rss_bytes(),
         planned_host_bytes: crate::estimate::host_bytes(&plan, args.device),
+        kept_bytes: (totals.kept_bytes(), plan.gpu.kept),
         flops_per_step: plan.flops_per_step,
         later_step_s: (!later_s.is_empty()).then(|| later_s.iter().sum::<f64>() / later_s.len() as f64),
         store_path: store.path().map(Path::to_owned),

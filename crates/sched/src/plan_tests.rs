@@ -40,6 +40,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         rows_per_block: 1024,
         resident_outer: Some(false),
         resident_layers: Some(0),
+        kept_layers: Some(0),
     }
 }
 
@@ -349,4 +350,39 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
         assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
         assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
     }
+}
+
+/// Auto keeps the activations of as many resident layers as fit in what residency leaves (bf16
+/// only), counts them in the GPU total, and refuses an explicit count that does not fit.
+#[test]
+fn kept_activations_fill_what_residency_leaves() {
+    let base = PlanInput { kept_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
+    let cfg = llama3_3b();
+    let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2);
+    // a, x1, c, q, o (3072 each), k, v (1024 each), gate, up, mid (8192 each) per token in bf16,
+    // raw scores and probabilities of 4 x 24 heads with their f32 (max, sum) per row, the two
+    // norms' f32 reciprocal RMS per token: ~2.1 GiB a layer.
+    let acts = 4 * 2048 * 2 * (5 * 3072 + 2 * 1024 + 3 * 8192);
+    let scores = 4 * 24 * 2048 * 2048 * 2 * 2;
+    let (stats, rms) = (4 * 24 * 2048 * 2 * 4, 2 * 4 * 2048 * 4);
+    assert_eq!(per, acts + scores + stats + rms);
+    // Auto keeps none of the streamed layers' (their backward waits on the host); asked for,
+    // every layer's fit beside a streamed 3.6B, counted in the total.
+    assert_eq!(plan(&base).unwrap().kept_layers, 0);
+    let streamed = plan(&PlanInput { kept_layers: Some(28), ..base.clone() }).unwrap();
+    assert_eq!(streamed.gpu.kept, 28 * per);
+    let none = plan(&PlanInput { kept_layers: Some(0), ..base.clone() }).unwrap();
+    assert_eq!(streamed.gpu.total, none.gpu.total + 28 * per);
+    assert!(streamed.gpu.total <= streamed.gpu.budget);
+    // Residency first: all 28 layers resident, the rest kept, within the budget.
+    let both = plan(&PlanInput { resident_layers: None, ..base.clone() }).unwrap();
+    assert_eq!(both.resident_layers, 28);
+    assert!(both.kept_layers > 0 && both.kept_layers < 28, "{}", both.kept_layers);
+    assert!(both.gpu.total <= both.gpu.budget && both.gpu.budget - both.gpu.total < per);
+    // Not on fp32 (the bytes are the fused bf16 path's); an explicit count that cannot fit is refused.
+    let f32 = plan(&PlanInput { weight_dtype: DType::F32, resident_layers: None, ..base.clone() }).unwrap();
+    assert!(f32.resident_layers > 0 && f32.kept_layers == 0, "{f32}");
+    let e = err(&PlanInput { kept_layers: Some(28), gpu_bytes: 80 * GIB, ..base.clone() });
+    assert!(e.contains("--kept-layers"), "{e}");
+    assert!(err(&PlanInput { kept_layers: Some(29), ..base }).contains("29 layers"));
 }

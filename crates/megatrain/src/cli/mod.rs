@@ -8,9 +8,9 @@ use clap::{Args, Parser, Subcommand};
 mod config_file;
 mod values;
 pub use config_file::{config_file_options, parse_args, ArgsError};
-use values::{at_least_one, fraction, non_negative, parse_data, positive_f64, resident_layers};
+use values::{at_least_one, fraction, layer_count, non_negative, parse_data, positive_f64};
 pub use values::{
-    DataKind, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, OptimModeArg, Precision, ResidentLayers,
+    DataKind, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, OptimModeArg, Precision,
     ResidentOuter, ScheduleKind,
 };
 
@@ -74,8 +74,11 @@ pub struct EstimateArgs {
     #[arg(long, value_enum, default_value_t = ResidentOuter::Auto)]
     pub resident_outer: ResidentOuter,
     /// As `megatrain train --resident-layers`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = resident_layers)]
-    pub resident_layers: ResidentLayers,
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub resident_layers: LayerCount,
+    /// As `megatrain train --kept-layers`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub kept_layers: LayerCount,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -297,8 +300,15 @@ pub struct TrainArgs {
     /// master weights and AdamW moments (updated there; they never cross PCIe nor cost the
     /// host optimizer anything): a number, or `auto` = as many as fit beside the step's
     /// chunking (always 0 on the CPU or with a file-backed --store).
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = resident_layers)]
-    pub resident_layers: ResidentLayers,
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub resident_layers: LayerCount,
+
+    /// How many leading decoder layers keep their forward activations on the GPU for the
+    /// backward instead of recomputing them from the layer input (the same gradients bit for
+    /// bit, a quarter fewer GEMM FLOPs for those layers): a number, or `auto` = as many as fit
+    /// in the GPU memory that residency leaves (bf16 only; always 0 on the CPU).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub kept_layers: LayerCount,
 
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.

@@ -128,31 +128,32 @@ impl ResidentOuter {
 
 /// How many leading decoder layers stay on the GPU (`--resident-layers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResidentLayers {
+/// A number of decoder layers given to some placement (`--resident-layers`, `--kept-layers`).
+pub enum LayerCount {
     /// The planner decides (as many as fit on a GPU, none on the CPU).
     Auto,
     /// Exactly this many.
     Count(usize),
 }
 
-impl ResidentLayers {
+impl LayerCount {
     /// The planner's input: `None` lets it decide. `auto` keeps every layer of a file-backed
     /// store streamed, as [`ResidentOuter::choice`].
     pub fn choice(self, device: DeviceKind, file_backed_store: bool) -> Option<usize> {
         match (self, device) {
-            (ResidentLayers::Count(k), _) => Some(k),
-            (ResidentLayers::Auto, DeviceKind::Cpu) => Some(0),
-            (ResidentLayers::Auto, DeviceKind::Cuda) if file_backed_store => Some(0),
-            (ResidentLayers::Auto, DeviceKind::Cuda) => None,
+            (LayerCount::Count(k), _) => Some(k),
+            (LayerCount::Auto, DeviceKind::Cpu) => Some(0),
+            (LayerCount::Auto, DeviceKind::Cuda) if file_backed_store => Some(0),
+            (LayerCount::Auto, DeviceKind::Cuda) => None,
         }
     }
 }
 
-pub(super) fn resident_layers(s: &str) -> std::result::Result<ResidentLayers, String> {
+pub(super) fn layer_count(s: &str) -> std::result::Result<LayerCount, String> {
     if s == "auto" {
-        return Ok(ResidentLayers::Auto);
+        return Ok(LayerCount::Auto);
     }
-    s.parse().map(ResidentLayers::Count).map_err(|_| format!("{s:?}: expected `auto` or a layer count"))
+    s.parse().map(LayerCount::Count).map_err(|_| format!("{s:?}: expected `auto` or a layer count"))
 }
 
 /// Compute device.

@@ -37,9 +37,22 @@ impl<B: Backend> Engine<B> {
             Op::Forward { layer, slot } => {
                 let _s = tracing::debug_span!("forward", layer).entered();
                 let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let keep = layer < self.opts.kept_layers;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
-                    let y = self.layer_t.forward(&w, &x, rope)?;
+                    let y = if keep {
+                        let (y, state) = self.layer_t.forward_keep(&w, &x, rope)?;
+                        let entry = self.kept.get_mut(layer * chunks.len() + c).ok_or_else(|| {
+                            CoreError::Plan(format!(
+                                "no place to keep layer {layer}, chunk {c} (scheduling bug)"
+                            ))
+                        })?;
+                        self.kept_bytes += state.bytes();
+                        *entry = Some(state);
+                        y
+                    } else {
+                        self.layer_t.forward(&w, &x, rope)?
+                    };
                     self.pool.put_checkpoint(layer + 1, c, y);
                 }
             }
@@ -68,7 +81,10 @@ impl<B: Backend> Engine<B> {
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
-                    let dx = self.layer_t.backward(&w, &x, &dy, rope, &sink)?;
+                    let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
+                        Some(state) => self.layer_t.backward_kept(&w, state, &dy, &sink)?,
+                        None => self.layer_t.backward(&w, &x, &dy, rope, &sink)?,
+                    };
                     self.pool.put_act_grad(c, dx);
                 }
                 self.pool.drop_checkpoints(layer);

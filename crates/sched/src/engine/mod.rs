@@ -53,6 +53,12 @@ pub struct EngineOptions {
     /// must finish each streamed layer's update before its upload, and every resident layer
     /// ahead of the first streamed one gives it that much more time.
     pub resident_layers: usize,
+    /// Decoder layers `0..kept_layers` keep their forward's activations on the device until
+    /// their backward (`DecoderLayer::forward_keep`), which then does not recompute the forward:
+    /// the same gradients bit for bit, a quarter fewer GEMM FLOPs for those layers, at
+    /// `DecoderLayer::kept_state_bytes` of device memory each. The first layers, as residency:
+    /// a resident layer's backward is compute-bound, so the recompute it skips is time saved.
+    pub kept_layers: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
     /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
@@ -74,6 +80,7 @@ impl Default for EngineOptions {
             overlap_optimizer: true,
             resident_outer: false,
             resident_layers: 0,
+            kept_layers: 0,
             device_narrowing: true,
         }
     }
@@ -98,6 +105,10 @@ pub struct StepReport {
     pub d2h_bytes: u64,
     /// Per-stream busy time and idle gaps.
     pub streams: Vec<StreamStats>,
+    /// Bytes of the forward activations the kept layers held for their backward
+    /// (`LayerState::bytes`, all of them alive at the loss): what the plan counts as
+    /// `GpuBytes::kept`.
+    pub kept_bytes: u64,
     /// Every operation's span (for traces).
     pub spans: Vec<Span>,
 }
@@ -122,6 +133,11 @@ pub struct Engine<B: Backend> {
     sumsq: Arc<Mutex<Vec<f64>>>,
     /// Resident units' shares of the global norm, still on the device until the step ends.
     device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
+    /// Forward activations kept for the backward, by `layer * n_chunks + chunk` (only layers
+    /// `0..opts.kept_layers`; empty outside a step).
+    kept: Vec<Option<mt_layers::LayerState>>,
+    /// Bytes kept this step (see [`StepReport::kept_bytes`]).
+    kept_bytes: u64,
     opts: EngineOptions,
     /// Resident units: the optimizer step each one's device state has applied (by unit index),
     /// and whether any device state is newer than the host store's records.
@@ -223,6 +239,12 @@ impl<B: Backend> Engine<B> {
                 opts.resident_layers, layout.n_layers
             )));
         }
+        if opts.kept_layers > layout.n_layers {
+            return Err(Error::Options(format!(
+                "{} layers with kept activations asked of a {}-layer model",
+                opts.kept_layers, layout.n_layers
+            )));
+        }
         let up = upload_dtype(opts.weight_dtype)?;
         let land_bf16 = opts.device_narrowing && crate::plan::lands_bf16(opts.mode, store.grad_dtype());
         let pool = DevicePool::new(
@@ -266,6 +288,8 @@ impl<B: Backend> Engine<B> {
             outer_landing: host_buf(UploadDtype::F32, outer_host_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             device_sumsq: Vec::new(),
+            kept: Vec::new(),
+            kept_bytes: 0,
             layer_t: DecoderLayer::new(cfg),
             outer_t: Outer::new(cfg, opts.rows_per_block),
             rope: None,
@@ -367,7 +391,12 @@ impl<B: Backend> Engine<B> {
         }
         self.backend.begin_step();
         self.device_sumsq.clear();
-        let loss = self.execute(&program, &chunks, update_args)?;
+        self.kept = std::iter::repeat_with(|| None).take(self.layout.n_layers * chunks.len()).collect();
+        self.kept_bytes = 0;
+        let loss = self.execute(&program, &chunks, update_args);
+        // Whatever a failed step left kept is freed with it.
+        self.kept.clear();
+        let loss = loss?;
         for (unit, ss) in std::mem::take(&mut self.device_sumsq) {
             let ss = ss.value()?;
             self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
@@ -403,6 +432,7 @@ impl<B: Backend> Engine<B> {
             h2d_bytes,
             d2h_bytes,
             streams: stream_stats(&spans, step_s),
+            kept_bytes: self.kept_bytes,
             spans,
         })
     }
