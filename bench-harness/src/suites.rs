@@ -2,7 +2,8 @@
 //! plan, writing `results.json` and the figures ([`execute`]).
 //!
 //! - `smoke`: CPU only, megatrain on tiny models (throughput, ablation, depth parts).
-//! - `ablate`: ring depth 1/2/3, optimizer overlap off, chunk sweep on one model config;
+//! - `ablate`: ring depth 1/2/3, optimizer overlap off, chunk sweep on one model config (every
+//!   layer through the ring), and the planner's held layers and kept activations on top;
 //!   checkpoints on the host is listed as skipped (not implemented by the engine).
 //! - `paper`: every system on every model and tokens-per-step setting, depth scaling at the
 //!   first model's width, and the largest-model part recorded as not run.
@@ -140,9 +141,17 @@ fn model_label(label: &str) -> String {
     Path::new(label).file_stem().map_or(label.to_owned(), |s| s.to_string_lossy().into_owned())
 }
 
-/// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers).
+/// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers; the
+/// planner may still hold streamed layers' weights from forward to backward and keep their
+/// activations, as it would for a user).
 fn streamed_layers() -> Vec<String> {
     vec!["--resident-layers".into(), "0".into()]
+}
+
+/// Every decoder layer through the weight ring, twice a step, recomputed: the streaming engine
+/// the ring-depth, overlap and chunk ablations measure.
+fn ring_streamed_layers() -> Vec<String> {
+    ["--resident-layers", "0", "--held-layers", "0", "--kept-layers", "0"].map(String::from).to_vec()
 }
 
 /// No gradient clipping, as the DeepSpeed baseline runs: each update as its gradient lands
@@ -283,12 +292,16 @@ pub fn plan(opts: &Options) -> Result<Plan> {
         for c in [1usize, 2, 4].into_iter().filter(|&c| c <= b) {
             variants.push((format!("chunks{c}"), vec!["--chunks".into(), c.to_string()]));
         }
-        // The ablations measure the streaming engine: every decoder layer streams in all of them.
+        // The ablations measure the streaming engine: every decoder layer streams through the
+        // ring in all of them; `held_kept` adds what the planner does with the GPU memory left
+        // (layers held from forward to backward, activations kept instead of recomputed).
         for (v, extra) in &variants {
             let s = spec("ablation", System::Ours, model, config.clone(), first_tokens, v);
-            let extra = extra.iter().cloned().chain(streamed_layers()).collect();
+            let extra = extra.iter().cloned().chain(ring_streamed_layers()).collect();
             cx.add(Spec { extra, trace: v == "ring2", ..s });
         }
+        let s = spec("ablation", System::Ours, model, config.clone(), first_tokens, "held_kept");
+        cx.add(Spec { extra: streamed_layers(), ..s });
         let s = spec("ablation", System::Ours, model, config, first_tokens, "checkpoints_host");
         let reason = "the engine keeps layer-boundary checkpoints on the GPU only; checkpoints in host \
                       memory are not implemented (megatrain train has no option for it)";

@@ -101,6 +101,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         resident_outer: args.resident_outer.choice(args.device, false),
         resident_layers: args.resident_layers.choice(args.device, false),
         kept_layers: args.kept_layers.choice(args.device, false),
+        held_layers: args.held_layers.choice(args.device, false),
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
@@ -126,7 +127,10 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let b = HostTraffic::of(mode, grad, args.precision.bytes());
     let secs = |bytes: f64| bytes / (args.host_gbs * 1e9);
     let host_update_s = secs((layer_params + outer_params) * (b.update + b.fwd_cast));
-    let host_backward_s = secs(layer_params * (b.bwd_cast + b.land) + outer_params * b.outer_land);
+    // Held layers are not re-cast for the backward (their weights stay on the GPU).
+    let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
+    let host_backward_s =
+        secs(recast_params * b.bwd_cast + layer_params * b.land + outer_params * b.outer_land);
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
     let fill = if streamed_layers > 0 {
@@ -140,7 +144,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         // waits for it layer by layer) and cannot overlap the backward. The forward's uploads
         // overlap the forward; the backward's re-uploads and every download the backward.
         mt_sched::OptimMode::Exact => {
-            let bwd_h2d = (streamed_layers * layout.layer.len) as f64 * args.precision.bytes();
+            let bwd_h2d =
+                ((streamed_layers - p.held_layers) * layout.layer.len) as f64 * args.precision.bytes();
             let pcie_fwd_s = (p.pcie_h2d_per_step as f64 - bwd_h2d) / (args.pcie_gbs * 1e9);
             let pcie_bwd_s = bwd_h2d.max(p.pcie_d2h_per_step as f64) / (args.pcie_gbs * 1e9);
             fwd_s.max(host_update_s).max(pcie_fwd_s) + bwd_s.max(host_backward_s).max(pcie_bwd_s)

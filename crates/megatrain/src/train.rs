@@ -169,6 +169,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         resident_outer: args.resident_outer.choice(args.device, args.store.is_some()),
         resident_layers: args.resident_layers.choice(args.device, args.store.is_some()),
         kept_layers: args.kept_layers.choice(args.device, false),
+        held_layers: args.held_layers.choice(args.device, false),
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");
@@ -249,6 +250,7 @@ fn run<B: Backend>(
     eopts.resident_outer = plan.resident_outer;
     eopts.resident_layers = plan.resident_layers;
     eopts.kept_layers = plan.kept_layers;
+    eopts.held_layers = plan.held_layers;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let t_engine = Instant::now();

@@ -67,6 +67,9 @@ pub struct PoolSpec {
     /// Decoder layers `0..resident_layers` get their own slot, gradient buffer and optimizer
     /// state ([`ResidentLayer`]) instead of passing through the ring.
     pub resident_layers: usize,
+    /// The last `held_layers` decoder layers (streamed ones) get their own weight slot
+    /// ([`DevicePool::held`]) that holds them from their forward to their backward.
+    pub held_layers: usize,
     /// Give every layer gradient buffer a bf16 twin ([`DevicePool::grad_narrow`]) that the
     /// gradient is narrowed into before its download (exact mode with bf16 store gradients: the
     /// host keeps bf16 anyway, so half the bytes cross PCIe and land).
@@ -89,6 +92,8 @@ pub struct ResidentLayer {
 pub struct PoolBytes {
     /// Weight ring.
     pub weight_ring: usize,
+    /// Held layers' slots.
+    pub held: usize,
     /// Outer slot.
     pub outer: usize,
     /// Layer and outer gradient buffers.
@@ -107,6 +112,7 @@ impl PoolBytes {
     /// Sum of all buffers.
     pub fn total(&self) -> usize {
         self.weight_ring
+            + self.held
             + self.outer
             + self.grads
             + self.checkpoints
@@ -134,6 +140,8 @@ pub struct DevicePool {
     pub outer_state: Option<Tensor>,
     /// Resident decoder layers `0..spec.resident_layers`.
     pub resident: Vec<ResidentLayer>,
+    /// Weight slots of the held layers `n_layers - held_layers..n_layers`, in layer order.
+    pub held: Vec<Tensor>,
     checkpoints: Vec<Vec<Option<Tensor>>>,
     act_grads: Vec<Option<Tensor>>,
     spec: PoolSpec,
@@ -150,6 +158,12 @@ impl DevicePool {
             return Err(Error::Config(format!(
                 "{} resident layers of a {}-layer model",
                 spec.resident_layers, spec.n_layers
+            )));
+        }
+        if spec.resident_layers + spec.held_layers > spec.n_layers {
+            return Err(Error::Config(format!(
+                "{} held layers beside {} resident ones of a {}-layer model",
+                spec.held_layers, spec.resident_layers, spec.n_layers
             )));
         }
         if spec.ring_depth == 0 || spec.n_grad_bufs == 0 || spec.n_chunks == 0 {
@@ -187,6 +201,9 @@ impl DevicePool {
                         state: Tensor::zeros(3 * spec.layer_len, DType::F32, device)?,
                     })
                 })
+                .collect::<candle_core::Result<_>>()?,
+            held: (0..spec.held_layers)
+                .map(|_| Tensor::zeros(spec.layer_len, spec.weight_dtype, device))
                 .collect::<candle_core::Result<_>>()?,
             checkpoints: vec![vec![None; spec.n_chunks]; spec.n_layers + 1],
             act_grads: vec![None; spec.n_chunks],
@@ -232,14 +249,15 @@ impl DevicePool {
 
     /// Bytes currently held, by kind.
     pub fn bytes(&self) -> PoolBytes {
-        let held = |v: &[Option<Tensor>]| v.iter().flatten().map(tensor_bytes).sum::<usize>();
+        let live = |v: &[Option<Tensor>]| v.iter().flatten().map(tensor_bytes).sum::<usize>();
         PoolBytes {
             weight_ring: self.slots.iter().map(tensor_bytes).sum(),
+            held: self.held.iter().map(tensor_bytes).sum(),
             outer: tensor_bytes(&self.outer_slot),
             grads: self.grad_bufs.iter().chain(&self.grad_narrow).map(tensor_bytes).sum::<usize>()
                 + tensor_bytes(&self.outer_grad),
-            checkpoints: self.checkpoints.iter().map(|c| held(c)).sum(),
-            act_grads: held(&self.act_grads),
+            checkpoints: self.checkpoints.iter().map(|c| live(c)).sum(),
+            act_grads: live(&self.act_grads),
             outer_state: self.outer_state.as_ref().map_or(0, tensor_bytes),
             resident_layers: self
                 .resident
@@ -266,6 +284,7 @@ mod tests {
             n_chunks: 2,
             resident_outer: false,
             resident_layers: 0,
+            held_layers: 0,
             land_bf16: false,
         }
     }
@@ -305,6 +324,26 @@ mod tests {
         assert_eq!(p.bytes().resident_layers, 2 * (128 * 4 + 128 * 4 + 3 * 128 * 4));
         let err = DevicePool::new(&PoolSpec { resident_layers: 4, ..spec() }, &Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("4 resident layers of a 3-layer model"), "{err}");
+    }
+
+    #[test]
+    fn held_layers_get_a_slot_each_and_must_be_streamed_ones() {
+        let p = DevicePool::new(&PoolSpec { resident_layers: 1, held_layers: 2, ..spec() }, &Device::Cpu)
+            .unwrap();
+        assert_eq!(p.held.len(), 2);
+        assert_eq!(p.bytes().held, 2 * 128 * 4);
+        assert_eq!(
+            p.bytes().total(),
+            p.bytes().weight_ring
+                + p.bytes().held
+                + p.bytes().outer
+                + p.bytes().grads
+                + p.bytes().outer_state
+                + p.bytes().resident_layers
+        );
+        let err = DevicePool::new(&PoolSpec { resident_layers: 2, held_layers: 2, ..spec() }, &Device::Cpu)
+            .unwrap_err();
+        assert!(err.to_string().contains("2 held layers beside 2 resident ones of a 3-layer model"), "{err}");
     }
 
     #[test]

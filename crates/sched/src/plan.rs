@@ -4,7 +4,8 @@
 //! Pure arithmetic: no device is touched.
 //!
 //! GPU bytes (`e` = bytes of the weight dtype, `t` = tokens of the largest chunk):
-//! - weight ring: `ring_depth × layer.len × e`; outer slot: `outer.len × e`;
+//! - weight ring: `ring_depth × layer.len × e`; outer slot: `outer.len × e`; held layers' slots:
+//!   `held_layers × layer.len × e`;
 //! - gradients (fp32): `2 × layer.len × 4 + outer.len × 4`;
 //! - a resident outer unit's optimizer state: `12 × outer.len` (fp32 master, m, v);
 //! - each resident decoder layer: `(e + 4 + 12) × layer.len` (its weights, fp32 gradient,
@@ -90,6 +91,10 @@ pub struct PlanInput {
     /// recomputing them (`Some(k)`), or decide (`None`): with bf16 weights, as many resident
     /// layers as fit in what residency leaves (the bytes are those of the fused bf16 path).
     pub kept_layers: Option<usize>,
+    /// The last `h` decoder layers (streamed ones) are uploaded once a step and held on the GPU
+    /// from their forward to their backward (`Some(h)`), or decide (`None`): as many streamed
+    /// layers as fit in what residency leaves.
+    pub held_layers: Option<usize>,
 }
 
 /// Where the layer-boundary checkpoints live.
@@ -106,6 +111,8 @@ pub enum Placement {
 pub struct GpuBytes {
     /// Weight slot ring.
     pub weight_ring: u64,
+    /// Held layers' own slots (`held_layers × layer.len × e`).
+    pub held: u64,
     /// Outer slot (embedding, final norm, LM head).
     pub outer: u64,
     /// fp32 layer gradient buffers (with their bf16 twins where gradients land in bf16,
@@ -171,12 +178,15 @@ pub struct Plan {
     pub resident_outer: bool,
     /// Decoder layers `0..kept_layers` keep their forward activations (no recompute).
     pub kept_layers: usize,
+    /// The last `held_layers` decoder layers (streamed) are uploaded once a step and held on
+    /// the GPU from their forward to their backward.
+    pub held_layers: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
     /// Host bytes.
     pub host: HostBytes,
-    /// Bytes uploaded per step: `(outer.len + 2 × streamed layers × layer.len) × e`, without
-    /// the `outer.len` term when the outer unit is resident.
+    /// Bytes uploaded per step: `(outer.len + (2 × streamed layers - held layers) × layer.len)
+    /// × e`, without the `outer.len` term when the outer unit is resident.
     pub pcie_h2d_per_step: u64,
     /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise.
     pub pcie_d2h_per_step: u64,
@@ -363,6 +373,28 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     };
     let resident_bytes = resident_layers as u64 * per_resident_layer;
     total += resident_bytes - asked_resident;
+    // Held layers: streamed layers whose weights stay on the GPU from their forward to their
+    // backward (one upload, no re-cast on the host). They take what residency leaves; each
+    // costs only its weights (`layer.len × e`).
+    let streamed_count = layout.n_layers - resident_layers;
+    let held_layers = match input.held_layers {
+        Some(h) if h > streamed_count => {
+            return opt(format!(
+                "{h} held layers asked, but only {streamed_count} of {} layers stream ({resident_layers} resident); held layers are streamed ones",
+                layout.n_layers
+            ))
+        }
+        Some(h) if total + h as u64 * ll * e > budget => {
+            return opt(format!(
+                "holding {h} layers' weights needs {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; hold fewer (--held-layers)",
+                gib(h as u64 * ll * e), gib(budget - total)
+            ))
+        }
+        Some(h) => h,
+        None => (((budget - total) / (ll * e)) as usize).min(streamed_count),
+    };
+    let held = held_layers as u64 * ll * e;
+    total += held;
     // Kept activations take what residency leaves (residency saves host work, which is what
     // limits a streamed step; keeping saves the recompute). Auto keeps them for resident layers
     // only: their backward is compute-bound, so the skipped recompute is time saved (3.6B at
@@ -381,7 +413,9 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
             ))
         }
         Some(k) => k,
-        None if *weight_dtype == DType::BF16 => (((budget - total) / per_kept_layer) as usize).min(resident_layers),
+        None if *weight_dtype == DType::BF16 => {
+            (((budget - total) / per_kept_layer) as usize).min(resident_layers + held_layers)
+        }
         None => 0,
     };
     let kept = kept_layers as u64 * per_kept_layer;
@@ -392,6 +426,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         resident_layers as u64 * grad_region(ll) + if resident_outer { grad_region(ol) } else { 0 };
     let gpu = GpuBytes {
         weight_ring,
+        held,
         outer,
         grads,
         checkpoints,
@@ -415,9 +450,10 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         resident_layers,
         resident_outer,
         kept_layers,
+        held_layers,
         gpu,
         host,
-        pcie_h2d_per_step: (ol_moved + 2 * streamed_layers * ll) * e,
+        pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64) * ll) * e,
         pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4,
         n_params: layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(cfg, batch, seq),
@@ -429,12 +465,12 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} layers keep their activations (no recompute)",
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} layers keep their activations (no recompute)",
             self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers, self.n_layers,
-            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.kept_layers
+            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.kept_layers
         )?;
-        writeln!(f, "GPU (GiB)   ring {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
-            gib(g.weight_ring), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
+        writeln!(f, "GPU (GiB)   ring {:.2} | held {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
+            gib(g.weight_ring), gib(g.held), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
         writeln!(
             f,
             "host (GiB)  store {:.2} | pinned {:.2} | total {:.2} | given back by resident units {:.2}",

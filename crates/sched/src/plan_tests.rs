@@ -41,6 +41,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         resident_outer: Some(false),
         resident_layers: Some(0),
         kept_layers: Some(0),
+        held_layers: Some(0),
     }
 }
 
@@ -73,6 +74,17 @@ fn program_placed(
     resident_outer: bool,
     resident_layers: usize,
 ) -> Program {
+    program_held(n_layers, mode, pending_update, resident_outer, resident_layers, 0)
+}
+
+fn program_held(
+    n_layers: usize,
+    mode: OptimMode,
+    pending_update: bool,
+    resident_outer: bool,
+    resident_layers: usize,
+    held_layers: usize,
+) -> Program {
     Program::build(ProgramSpec {
         n_layers,
         ring_depth: 2,
@@ -83,6 +95,7 @@ fn program_placed(
         pending_update,
         resident_outer,
         resident_layers,
+        held_layers,
     })
 }
 
@@ -99,14 +112,18 @@ fn pcie_bytes_equal_the_step_programs_copies() {
     let cfg = ModelConfig::tiny_llama();
     let layout = ModelLayout::new(&cfg);
     let len = |u: Unit| layout.unit(u).len as u64;
-    for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
-        let prog = program(layout.n_layers, mode, pending, false);
+    for ((mode, pending), held) in [(OptimMode::Exact, true), (OptimMode::Lean, false)]
+        .into_iter()
+        .flat_map(|m| [(m, 0), (m, 1), (m, 2)])
+    {
+        let prog = program_held(layout.n_layers, mode, pending, false, 0, held);
         for grad in [GradDtype::Bf16, GradDtype::F32] {
             for (dtype, e) in [(DType::BF16, 2), (DType::F32, 4)] {
                 let i = PlanInput {
                     weight_dtype: dtype,
                     mode,
                     grad_dtype: grad,
+                    held_layers: Some(held),
                     ..input(cfg.clone(), 2, 16, GIB)
                 };
                 let p = plan(&i).unwrap();
@@ -325,12 +342,14 @@ fn the_gradient_pages_the_plan_counts_as_given_back_are_what_the_store_releases(
 fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
     let cfg = ModelConfig::tiny_llama();
     let layout = ModelLayout::new(&cfg);
-    for (mode, grad) in [
-        (OptimMode::Exact, GradDtype::Bf16),
-        (OptimMode::Exact, GradDtype::F32),
-        (OptimMode::Lean, GradDtype::Bf16),
+    for (mode, grad, held) in [
+        (OptimMode::Exact, GradDtype::Bf16, 0),
+        (OptimMode::Exact, GradDtype::F32, 1),
+        (OptimMode::Lean, GradDtype::Bf16, 2),
     ] {
-        let p = plan(&PlanInput { mode, grad_dtype: grad, ..input(cfg.clone(), 2, 16, GIB) }).unwrap();
+        let i =
+            PlanInput { mode, grad_dtype: grad, held_layers: Some(held), ..input(cfg.clone(), 2, 16, GIB) };
+        let p = plan(&i).unwrap();
         let spec = mt_pool::PoolSpec {
             ring_depth: p.ring_depth,
             layer_len: layout.layer.len,
@@ -342,6 +361,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             n_chunks: p.n_chunks,
             resident_outer: false,
             resident_layers: 0,
+            held_layers: p.held_layers,
             land_bf16: lands_bf16(mode, grad),
         };
         let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
@@ -349,6 +369,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
         assert_eq!(b.grads as u64, p.gpu.grads, "{what}: gradient buffers");
         assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
         assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
+        assert_eq!((b.held as u64, p.held_layers), (p.gpu.held, held), "{what}: held layers' slots");
     }
 }
 
@@ -385,4 +406,28 @@ fn kept_activations_fill_what_residency_leaves() {
     let e = err(&PlanInput { kept_layers: Some(28), gpu_bytes: 80 * GIB, ..base.clone() });
     assert!(e.contains("--kept-layers"), "{e}");
     assert!(err(&PlanInput { kept_layers: Some(29), ..base }).contains("29 layers"));
+}
+
+/// Auto holds every streamed layer whose weights fit in what residency leaves (a streamed 3.6B:
+/// all 28, 5.25 GiB), which takes one upload per layer off the PCIe bytes; with room for none
+/// it holds none; asking for more than stream, or more than fit, is refused.
+#[test]
+fn held_layers_take_what_residency_leaves_and_cross_once() {
+    let base = PlanInput { held_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
+    let layout = ModelLayout::new(&llama3_3b());
+    let (ll, ol) = (layout.layer.len as u64, layout.outer.len as u64);
+    let p = plan(&base).unwrap();
+    assert_eq!(p.held_layers, 28);
+    assert_eq!(p.gpu.held, 28 * ll * 2);
+    assert_eq!(p.pcie_h2d_per_step, (ol + 28 * ll) * 2, "each layer crosses once");
+    let none = plan(&PlanInput { held_layers: Some(0), ..base.clone() }).unwrap();
+    assert_eq!(none.pcie_h2d_per_step, (ol + 56 * ll) * 2);
+    assert_eq!(p.gpu.total, none.gpu.total + 28 * ll * 2);
+    // Everything resident: nothing streams, so nothing is held.
+    let resident = plan(&PlanInput { resident_layers: None, ..base.clone() }).unwrap();
+    assert_eq!((resident.resident_layers, resident.held_layers), (28, 0));
+    let e = err(&PlanInput { resident_layers: Some(20), held_layers: Some(9), ..base.clone() });
+    assert!(e.contains("only 8 of 28 layers stream"), "{e}");
+    let e = err(&PlanInput { held_layers: Some(28), gpu_bytes: 22 * GIB, ..base });
+    assert!(e.contains("--held-layers"), "{e}");
 }

@@ -10,6 +10,9 @@
 //! the loss runs chunk by chunk, then layers `L-1..0` are uploaded again, recomputed and
 //! back-propagated over all chunks, and each layer's gradient is downloaded once.
 //!
+//! Held layers (the last `held_layers` streamed ones) are fetched once, for their forward, into
+//! their own slot, and their backward reads it there.
+//!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
 //! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
 //! their gradient accumulates in their own buffer, and [`Op::UpdateResident`] applies their
@@ -40,6 +43,9 @@ pub enum Slot {
     Outer,
     /// The own slot of resident decoder layer `l` (never uploaded into during a step).
     Resident(usize),
+    /// The own slot of held decoder layer `l`: a streamed layer uploaded once a step, for its
+    /// forward, whose weights stay there for its backward.
+    Held(usize),
 }
 
 /// A host-side buffer of a ring (staging for uploads, landing for downloads), or the outer
@@ -172,6 +178,10 @@ pub struct ProgramSpec {
     /// Decoder layers `0..resident_layers` live on the device likewise (weights, gradient,
     /// optimizer state); the ring streams the others.
     pub resident_layers: usize,
+    /// The last `held_layers` decoder layers (streamed ones) are uploaded once, for their
+    /// forward, into their own slot ([`Slot::Held`]), and their backward reads them there: no
+    /// re-cast, no second upload. At most `n_layers - resident_layers`.
+    pub held_layers: usize,
 }
 
 /// The instructions of one step.
@@ -211,6 +221,8 @@ struct Builder {
     last: LastUse,
     /// The Stage that applies a unit's pending update in this step, if any.
     update_of: std::collections::HashMap<Unit, usize>,
+    /// Layer fetches so far (staging buffers are taken in fetch order).
+    n_fetches: usize,
 }
 
 impl Builder {
@@ -259,37 +271,60 @@ impl Program {
     /// prefetch never queues behind an offload on the host stream.
     pub fn build(spec: ProgramSpec) -> Program {
         assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
+        assert!(
+            spec.resident_layers + spec.held_layers <= spec.n_layers,
+            "held layers must be streamed ones"
+        );
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
         let n = spec.n_layers;
         let resident = |layer: usize| layer < spec.resident_layers;
-        let mut b = Builder { instrs: Vec::new(), last: LastUse::default(), update_of: Default::default() };
-        // Use k: (layer, is_backward). Only streamed layers' uses take ring slots: streamed use
-        // `j` (the j-th of them) goes through slot `j % ring_depth` and staging `j % n_staging`.
+        let held = |layer: usize| !resident(layer) && layer + spec.held_layers >= n;
+        let mut b = Builder {
+            instrs: Vec::new(),
+            last: LastUse::default(),
+            update_of: Default::default(),
+            n_fetches: 0,
+        };
+        // Use k: (layer, is_backward). Ring uses are the streamed, not held layers' uses: ring
+        // use `j` goes through slot `j % ring_depth`. Held layers are fetched once, for their
+        // forward, into their own slot. Staging buffers are taken in fetch order.
         let uses: Vec<(usize, bool)> =
             (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
-        let streamed: Vec<usize> = (0..uses.len()).filter(|&k| !resident(uses[k].0)).collect();
+        let ring: Vec<usize> =
+            (0..uses.len()).filter(|&k| !resident(uses[k].0) && !held(uses[k].0)).collect();
         let mut uploads = vec![usize::MAX; uses.len()];
-        let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, j: usize| {
-            let k = streamed[j];
+        let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, k: usize, slot: Slot| {
             let (layer, backward) = uses[k];
-            let staging = HostBuf::Ring(j % spec.n_staging);
-            let slot = Slot::Ring(j % spec.ring_depth);
+            let staging = HostBuf::Ring(b.n_fetches % spec.n_staging);
+            b.n_fetches += 1;
             uploads[k] = b.fetch(Unit::Layer(layer), staging, slot, exact_update && !backward);
+        };
+        // A held layer's forward is fetched as a ring use would be: `ring_depth` streamed forward
+        // uses ahead of its compute (forward use `k` of a streamed layer is position
+        // `k - resident_layers`).
+        let fetch_held = |b: &mut Builder, uploads: &mut Vec<usize>, pos: usize| {
+            let k = spec.resident_layers + pos;
+            if k < n && held(k) {
+                fetch(b, uploads, k, Slot::Held(k));
+            }
         };
 
         // Forward order = update order: the outer unit first, then layers 0..L-1.
         let up_outer =
             (!spec.resident_outer).then(|| b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update));
-        for j in 0..spec.ring_depth.min(streamed.len()) {
-            fetch(&mut b, &mut uploads, j);
+        for j in 0..spec.ring_depth {
+            if j < ring.len() {
+                fetch(&mut b, &mut uploads, ring[j], Slot::Ring(j % spec.ring_depth));
+            }
+            fetch_held(&mut b, &mut uploads, j);
         }
         if spec.resident_outer && exact_update {
             b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
         }
         b.push(Stream::Compute, Op::Embed, up_outer.into_iter().collect());
         let mut n_grads = 0usize;
-        let mut j = 0usize; // streamed uses so far
+        let mut j = 0usize; // ring uses so far
         for (k, &(layer, backward)) in uses.iter().enumerate() {
             if k == n {
                 b.push(Stream::Compute, Op::Loss, vec![]);
@@ -310,28 +345,38 @@ impl Program {
                 }
                 continue;
             }
-            let slot = j % spec.ring_depth;
-            let id = b.next();
-            b.last.take(K_SLOT, slot, id);
-            let prefetch = j + spec.ring_depth;
-            j += 1;
+            let slot = if held(layer) {
+                Slot::Held(layer)
+            } else {
+                let slot = j % spec.ring_depth;
+                let id = b.next();
+                b.last.take(K_SLOT, slot, id);
+                Slot::Ring(slot)
+            };
+            // The ring use whose fetch this compute (the last reader of its slot) releases.
+            let prefetch = (!held(layer)).then(|| j + spec.ring_depth).filter(|&p| p < ring.len());
+            if !held(layer) {
+                j += 1;
+            }
             if !backward {
-                b.push(Stream::Compute, Op::Forward { layer, slot: Slot::Ring(slot) }, vec![uploads[k]]);
-                if prefetch < streamed.len() {
-                    fetch(&mut b, &mut uploads, prefetch);
+                b.push(Stream::Compute, Op::Forward { layer, slot }, vec![uploads[k]]);
+                fetch_held(&mut b, &mut uploads, layer - spec.resident_layers + spec.ring_depth);
+                if let Some(p) = prefetch {
+                    fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
                 }
                 continue;
             }
             let grad_buf = n_grads % spec.n_grad_bufs;
             let landing = HostBuf::Ring(n_grads % spec.n_landing);
             n_grads += 1;
-            // Wait for the previous download out of this gradient buffer before zeroing it.
-            let mut waits = vec![uploads[k]];
+            // Wait for the previous download out of this gradient buffer before zeroing it (a held
+            // layer's weights are in its slot since its forward, earlier on this stream).
+            let mut waits: Vec<usize> = (!held(layer)).then_some(uploads[k]).into_iter().collect();
             waits.extend(b.last.0.get(&(K_GRAD, grad_buf)).copied());
-            let op = Op::Backward { layer, slot: Slot::Ring(slot), grad_buf: Some(grad_buf) };
+            let op = Op::Backward { layer, slot, grad_buf: Some(grad_buf) };
             let bwd = b.push(Stream::Compute, op, waits);
-            if prefetch < streamed.len() {
-                fetch(&mut b, &mut uploads, prefetch);
+            if let Some(p) = prefetch {
+                fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
             }
             let mut waits = vec![bwd];
             waits.extend(b.last.0.get(&(K_LANDING, buf_idx(landing))).copied()); // previous land

@@ -29,6 +29,18 @@ fn spec_resident(
     resident: bool,
     resident_layers: usize,
 ) -> ProgramSpec {
+    spec_held(n_layers, ring_depth, mode, pending, resident, resident_layers, 0)
+}
+
+fn spec_held(
+    n_layers: usize,
+    ring_depth: usize,
+    mode: OptimMode,
+    pending: bool,
+    resident: bool,
+    resident_layers: usize,
+    held_layers: usize,
+) -> ProgramSpec {
     ProgramSpec {
         n_layers,
         ring_depth,
@@ -39,6 +51,7 @@ fn spec_resident(
         pending_update: pending,
         resident_outer: resident,
         resident_layers,
+        held_layers,
     }
 }
 
@@ -53,7 +66,12 @@ fn all_specs() -> Vec<ProgramSpec> {
                         let mut ks = vec![0, 1, l.saturating_sub(1), l];
                         ks.dedup();
                         for k in ks {
-                            v.push(spec_resident(l, n, mode, pending, resident, k));
+                            // No held layer, one, every streamed one.
+                            let mut hs = vec![0, 1.min(l - k), l - k];
+                            hs.dedup();
+                            for h in hs {
+                                v.push(spec_held(l, n, mode, pending, resident, k, h));
+                            }
                         }
                     }
                 }
@@ -116,8 +134,13 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
                 assert!(up.is_none(), "{s:?}: a resident layer's slot is uploaded into");
                 continue;
             }
+            if let Slot::Held(l) = slot {
+                assert!(l + s.held_layers >= s.n_layers && l >= s.resident_layers, "{s:?}: {:?}", ins.op);
+            }
             if let Unit::Layer(l) = unit {
                 assert!(l >= s.resident_layers, "{s:?}: resident layer {l} read from the ring");
+                let held = l + s.held_layers >= s.n_layers;
+                assert_eq!(held, slot == Slot::Held(l), "{s:?}: layer {l} read from {slot:?}");
             }
             let (j, op) =
                 up.unwrap_or_else(|| panic!("{s:?}: instr {i} {:?} has no upload before it", ins.op));
@@ -145,8 +168,9 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
             Slot::Outer => true,
             Slot::Ring(k) => *k < s.ring_depth,
             Slot::Resident(l) => *l < s.resident_layers,
+            Slot::Held(l) => *l + s.held_layers >= s.n_layers,
         }));
-        assert!(slots.len() <= s.ring_depth + 1 + s.resident_layers);
+        assert!(slots.len() <= s.ring_depth + 1 + s.resident_layers + s.held_layers);
         let mut ups: HashMap<Unit, usize> = HashMap::new();
         p.uploads().for_each(|u| *ups.entry(u).or_default() += 1);
         let mut downs: HashMap<Unit, usize> = HashMap::new();
@@ -155,9 +179,16 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
         let outer = (!s.resident_outer).then_some(1);
         assert_eq!(ups.get(&Unit::Outer).copied(), outer, "{s:?}");
         assert_eq!(downs.get(&Unit::Outer).copied(), outer, "{s:?}");
-        // A resident layer never crosses the bus; a streamed one twice up, once down.
+        // A resident layer never crosses the bus; a streamed one twice up (a held one once),
+        // once down.
         for l in 0..s.n_layers {
-            let (up, down) = if l < s.resident_layers { (None, None) } else { (Some(&2), Some(&1)) };
+            let (up, down) = if l < s.resident_layers {
+                (None, None)
+            } else if l + s.held_layers >= s.n_layers {
+                (Some(&1), Some(&1))
+            } else {
+                (Some(&2), Some(&1))
+            };
             assert_eq!(ups.get(&Unit::Layer(l)), up, "{s:?}: layer {l} uploads");
             assert_eq!(downs.get(&Unit::Layer(l)), down, "{s:?}: layer {l} downloads");
         }
@@ -321,6 +352,11 @@ fn depth_two_hides_uploads_behind_compute_and_depth_one_does_not() {
     assert_eq!(idle(&p1, &t1), (2 * l - 1) as f64 * 6.0 - 1.0, "depth 1 idle");
     assert!(t1.makespan > t2.makespan + (2 * l - 2) as f64 * 6.0);
     assert!(t3.makespan <= t2.makespan + 1e-9);
+    // Holding every layer from forward to backward: no backward upload at all, nothing exposed.
+    let ph = Program::build(spec_held(l, 2, OptimMode::Exact, true, false, 0, l));
+    let th = simulate(&ph, cost);
+    assert_eq!(idle(&ph, &th), 0.0, "held layers leave compute idle");
+    assert_eq!(ph.uploads().count(), l + 1);
 }
 
 #[test]

@@ -459,24 +459,27 @@ fn cuda_bf16_landing_matches_the_hosts_narrowing() {
     assert!(loss_rel < 1e-6, "losses {:?} vs {:?}", dev.3, host.3);
 }
 
-/// Keeping every layer's forward activations on the GPU (no recompute in the backward) trains
-/// bitwise as recomputing them: losses, first-step gradients and the weights after 3 steps, for
-/// every golden model in bf16 (the fused kernels) and fp32, streamed and with a resident layer.
-/// The bytes the kept layers held equal the planner's count on the bf16 path.
+/// Keeping every layer's forward activations on the GPU (no recompute in the backward), and
+/// holding the streamed layers' weights there from forward to backward (no re-cast, no second
+/// upload), train bitwise as recomputing and re-streaming: losses, first-step gradients and the
+/// weights after 3 steps, for every golden model in bf16 (the fused kernels) and fp32, streamed
+/// and with a resident layer. The bytes the kept layers held equal the planner's count on the
+/// bf16 path; a held layer's upload is saved.
 #[test]
-fn cuda_kept_activations_train_bitwise_as_recompute() {
+fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
     for name in GOLDEN_NAMES {
         let g = golden::load(name).unwrap();
         let n = g.cfg.num_hidden_layers;
         for dtype in [DType::BF16, DType::F32] {
             for resident_layers in [0, 1] {
-                let run = |kept_layers: usize| {
+                let run = |kept_layers: usize, held_layers: usize| {
                     let store = store_with(&g.cfg, &g.params, GradDtype::F32);
                     let opts = EngineOptions {
                         weight_dtype: dtype,
                         n_chunks: 2,
                         resident_layers,
                         kept_layers,
+                        held_layers,
                         ..golden_opts()
                     };
                     let backend = CudaBackend::new(0, CpuOptions::default()).unwrap();
@@ -490,28 +493,42 @@ fn cuda_kept_activations_train_bitwise_as_recompute() {
                         losses.push(e.step(&batch, 1e-3).unwrap().loss.to_bits());
                     }
                     e.flush_pending().unwrap();
-                    (losses, grads, params_of(&store), first.kept_bytes)
+                    (losses, grads, params_of(&store), first.kept_bytes, first.h2d_bytes)
                 };
-                let (kept, full) = (run(n), run(0));
-                let what = format!("{name} {dtype:?} {resident_layers} resident");
-                let planned = n as u64 * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, 2);
-                eprintln!(
-                    "SUMMARY gpu kept activations {what}: losses bitwise {}; grads bitwise {}; params bitwise {}; kept {} B (plan {planned} B), recompute run kept {} B",
-                    kept.0 == full.0,
-                    bitwise_eq(&kept.1, &full.1),
-                    bitwise_eq(&kept.2, &full.2),
-                    kept.3,
-                    full.3
-                );
-                assert_eq!(kept.0, full.0, "{what}: losses");
-                assert!(bitwise_eq(&kept.1, &full.1), "{what}: gradients differ");
-                assert!(bitwise_eq(&kept.2, &full.2), "{what}: weights after 3 steps differ");
-                assert_eq!(full.3, 0, "{what}: nothing kept without kept layers");
-                if dtype == DType::BF16 {
-                    assert_eq!(kept.3, planned, "{what}: kept bytes vs the planner's count");
-                } else {
-                    assert!(kept.3 > 0, "{what}");
+                let full = run(0, 0);
+                let streamed = n - resident_layers;
+                for (kept, held) in [(n, 0), (0, streamed), (n, streamed)] {
+                    let r = run(kept, held);
+                    let what =
+                        format!("{name} {dtype:?} {resident_layers} resident, {kept} kept, {held} held");
+                    let planned =
+                        kept as u64 * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, 2);
+                    let layer_bytes = (full.4 - r.4) / held.max(1) as u64;
+                    eprintln!(
+                        "SUMMARY gpu kept/held {what}: losses bitwise {}; grads bitwise {}; params bitwise {}; kept {} B (plan {planned} B); H2D {} B vs {} B",
+                        r.0 == full.0,
+                        bitwise_eq(&r.1, &full.1),
+                        bitwise_eq(&r.2, &full.2),
+                        r.3,
+                        r.4,
+                        full.4
+                    );
+                    assert_eq!(r.0, full.0, "{what}: losses");
+                    assert!(bitwise_eq(&r.1, &full.1), "{what}: gradients differ");
+                    assert!(bitwise_eq(&r.2, &full.2), "{what}: weights after 3 steps differ");
+                    if dtype == DType::BF16 {
+                        assert_eq!(r.3, planned, "{what}: kept bytes vs the planner's count");
+                    }
+                    assert_eq!(r.3 > 0, kept > 0, "{what}");
+                    if held > 0 {
+                        let e = if dtype == DType::BF16 { 2 } else { 4 };
+                        let layer = mt_core::ModelLayout::new(&g.cfg).layer.len as u64;
+                        assert_eq!(layer_bytes, layer * e, "{what}: each held layer saves its upload");
+                    } else {
+                        assert_eq!(r.4, full.4, "{what}");
+                    }
                 }
+                assert_eq!(full.3, 0, "nothing kept without kept layers");
             }
         }
     }

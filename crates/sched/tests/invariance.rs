@@ -65,12 +65,13 @@ fn ring_depth_1_2_3_give_bitwise_identical_training() {
 }
 
 /// Keeping a layer's forward activations for its backward (instead of recomputing them from the
-/// checkpoint) is the same arithmetic: losses, gradients, weights and moments are bitwise those
-/// of full recompute, for none, some or all layers kept, streamed or resident, over two chunks
-/// (a state handed to the wrong chunk or layer would show), Llama and Qwen3 (q/k norms), f32
-/// and bf16.
+/// checkpoint), and holding a streamed layer's weights on the device from its forward to its
+/// backward (instead of re-casting and re-uploading them), are the same arithmetic: losses,
+/// gradients, weights and moments are bitwise those of full recompute and streaming, for none,
+/// some or all layers kept or held, streamed or resident, over two chunks (a state handed to the
+/// wrong chunk or layer would show), Llama and Qwen3 (q/k norms), f32 and bf16.
 #[test]
-fn kept_activations_give_bitwise_identical_training() {
+fn kept_activations_and_held_weights_train_bitwise_as_recompute_and_streaming() {
     let mut qwen3 = golden::load("qwen3_qknorm").unwrap().cfg;
     qwen3.num_hidden_layers = 3;
     for cfg in [config(), qwen3] {
@@ -85,9 +86,14 @@ fn kept_activations_give_bitwise_identical_training() {
                 ..golden_opts()
             };
             let (l0, p0, g0, m0) = run(&cfg, opts(0, 0), &batches, 0);
-            for (kept, resident) in [(1, 0), (n, 0), (n, 1), (2, n)] {
-                let what = format!("{dtype:?}, {kept} kept, {resident} resident", dtype = weight_dtype);
-                let (l, p, g, m) = run(&cfg, opts(kept, resident), &batches, 0);
+            // (kept, resident, held)
+            for (kept, resident, held) in
+                [(1, 0, 0), (n, 0, 0), (n, 1, 0), (2, n, 0), (0, 0, 1), (n, 0, n), (2, 1, 1)]
+            {
+                let what =
+                    format!("{dtype:?}, {kept} kept, {resident} resident, {held} held", dtype = weight_dtype);
+                let (l, p, g, m) =
+                    run(&cfg, EngineOptions { held_layers: held, ..opts(kept, resident) }, &batches, 0);
                 assert_eq!(l, l0, "{what}: losses differ from full recompute");
                 assert_bitwise_eq(&p, &p0, &format!("{what}: params"));
                 assert_bitwise_eq(&g, &g0, &format!("{what}: grads"));

@@ -212,3 +212,26 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
         }
     }
 }
+
+/// A held layer (uploaded once, its weights kept on the device from forward to backward) crosses
+/// once: the measured upload bytes fall by exactly its weights.
+#[test]
+fn a_held_layer_crosses_once() {
+    let cfg = cfg();
+    let layout = ModelLayout::new(&cfg);
+    let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
+    for held_layers in 0..=layout.n_layers {
+        let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
+        let opts = EngineOptions { held_layers, n_chunks: 2, ..golden_opts() };
+        let mut e = engine(&cfg, store, opts, 0);
+        let (input_ids, targets) = random_batch(&cfg, 2, 8, 1, 0.0);
+        let r = e.step(&Batch { batch: 2, seq: 8, input_ids, targets }, 1e-3).unwrap();
+        assert_eq!(r.h2d_bytes, ((2 * n - held_layers as u64) * l + o) * 4, "{held_layers} held");
+        assert_eq!(r.d2h_bytes, n * l * 2 + o * 4, "{held_layers} held");
+    }
+    let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
+    let opts = EngineOptions { held_layers: 2, resident_layers: 1, ..golden_opts() };
+    let err = mt_sched::Engine::new(&cfg, store, CpuBackend::new(mt_sched::CpuOptions::default()), opts)
+        .unwrap_err();
+    assert!(err.to_string().contains("held layers are streamed ones"), "{err}");
+}

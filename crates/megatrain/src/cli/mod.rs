@@ -79,6 +79,9 @@ pub struct EstimateArgs {
     /// As `megatrain train --kept-layers`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub kept_layers: LayerCount,
+    /// As `megatrain train --held-layers`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub held_layers: LayerCount,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -309,6 +312,13 @@ pub struct TrainArgs {
     /// in the GPU memory that residency leaves (bf16 only; always 0 on the CPU).
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub kept_layers: LayerCount,
+
+    /// How many of the last decoder layers, streamed ones, are uploaded once a step and held on
+    /// the GPU from their forward to their backward (no re-cast on the host, no second upload;
+    /// their weights' bytes of GPU memory each): a number, or `auto` = as many streamed layers
+    /// as fit in what residency leaves (always 0 on the CPU).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub held_layers: LayerCount,
 
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.

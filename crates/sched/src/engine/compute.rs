@@ -132,6 +132,15 @@ impl<B: Backend> Engine<B> {
             Slot::Ring(k) => self.pool.slots[k].clone(),
             Slot::Outer => self.pool.outer_slot.clone(),
             Slot::Resident(l) => self.resident_bufs(Unit::Layer(l))?.slot,
+            Slot::Held(l) => self.held_slot(l)?,
+        })
+    }
+
+    /// The own slot of held layer `l`.
+    pub(super) fn held_slot(&self, l: usize) -> Result<candle_core::Tensor> {
+        let first = self.layout.n_layers - self.pool.held.len();
+        l.checked_sub(first).and_then(|i| self.pool.held.get(i)).cloned().ok_or_else(|| {
+            CoreError::Plan(format!("layer {l} is not held (layers {first}.. are; scheduling bug)")).into()
         })
     }
 }

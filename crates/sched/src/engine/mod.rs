@@ -59,6 +59,11 @@ pub struct EngineOptions {
     /// `DecoderLayer::kept_state_bytes` of device memory each. The first layers, as residency:
     /// a resident layer's backward is compute-bound, so the recompute it skips is time saved.
     pub kept_layers: usize,
+    /// The last `held_layers` decoder layers (streamed ones) are uploaded once a step, for their
+    /// forward, into their own device slot, where their backward finds them: no re-cast on the
+    /// host, no second upload (`layer.len` weight-dtype elements of device memory each). The
+    /// rest of their path (host update, gradient download and land) is a streamed layer's.
+    pub held_layers: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
     /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
@@ -81,6 +86,7 @@ impl Default for EngineOptions {
             resident_outer: false,
             resident_layers: 0,
             kept_layers: 0,
+            held_layers: 0,
             device_narrowing: true,
         }
     }
@@ -239,6 +245,12 @@ impl<B: Backend> Engine<B> {
                 opts.resident_layers, layout.n_layers
             )));
         }
+        if opts.resident_layers + opts.held_layers > layout.n_layers {
+            return Err(Error::Options(format!(
+                "{} held layers beside {} resident ones of a {}-layer model: held layers are streamed ones",
+                opts.held_layers, opts.resident_layers, layout.n_layers
+            )));
+        }
         if opts.kept_layers > layout.n_layers {
             return Err(Error::Options(format!(
                 "{} layers with kept activations asked of a {}-layer model",
@@ -259,6 +271,7 @@ impl<B: Backend> Engine<B> {
                 n_chunks: opts.n_chunks,
                 resident_outer: opts.resident_outer,
                 resident_layers: opts.resident_layers,
+                held_layers: opts.held_layers,
                 land_bf16,
             },
             backend.device(),
@@ -365,6 +378,7 @@ impl<B: Backend> Engine<B> {
             pending_update: state.pending_update,
             resident_outer: self.opts.resident_outer,
             resident_layers: self.opts.resident_layers,
+            held_layers: self.opts.held_layers,
         });
         edit(&mut program);
         program.validate()?;
@@ -548,6 +562,7 @@ impl<B: Backend> Engine<B> {
                 let dst = match slot {
                     Slot::Ring(k) => self.pool.slots[k].clone(),
                     Slot::Outer => self.pool.outer_slot.clone(),
+                    Slot::Held(l) => self.held_slot(l)?,
                     Slot::Resident(l) => {
                         return Err(Error::Options(format!("upload into resident layer {l}'s slot")))
                     }
