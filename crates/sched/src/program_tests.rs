@@ -18,18 +18,7 @@ fn spec_placed(
     pending: bool,
     resident: bool,
 ) -> ProgramSpec {
-    spec_resident(n_layers, ring_depth, mode, pending, resident, 0)
-}
-
-fn spec_resident(
-    n_layers: usize,
-    ring_depth: usize,
-    mode: OptimMode,
-    pending: bool,
-    resident: bool,
-    resident_layers: usize,
-) -> ProgramSpec {
-    spec_held(n_layers, ring_depth, mode, pending, resident, resident_layers, 0)
+    spec_held(n_layers, ring_depth, mode, pending, resident, 0, 0)
 }
 
 fn spec_held(

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 use mt_sched::program::{Op, Stream};
-use mt_sched::{Backend, CpuBackend, CpuOptions, CudaBackend, Engine, EngineOptions};
+use mt_sched::{Backend, CpuBackend, CpuOptions, CudaBackend, Engine, EngineOptions, StepReport};
 use mt_store::GradDtype;
 use mt_testkit::golden::{self, GOLDEN_NAMES};
 use mt_testkit::tol::compare_maps;
@@ -24,6 +24,8 @@ struct Run {
     losses: Vec<f64>,
     grads: BTreeMap<String, Tensor>,
     params: BTreeMap<String, Tensor>,
+    /// The first step's report.
+    first: StepReport,
 }
 
 fn run_on<B: Backend>(name: &str, backend: B, dtype: DType, ring_depth: usize) -> Run {
@@ -38,19 +40,29 @@ fn run_placed<B: Backend>(
     ring_depth: usize,
     (resident_outer, resident_layers): (bool, usize),
 ) -> Run {
+    let opts = EngineOptions { ring_depth, resident_outer, resident_layers, ..EngineOptions::default() };
+    run_with(name, backend, dtype, opts)
+}
+
+/// Three steps of a golden model in `dtype` over two chunks, with these placement options: the
+/// losses, the first step's gradients and report, the weights after the last update.
+fn run_with<B: Backend>(name: &str, backend: B, dtype: DType, placement: EngineOptions) -> Run {
     let g = golden::load(name).unwrap();
     let store = store_with(&g.cfg, &g.params, GradDtype::F32);
     let opts = EngineOptions {
         weight_dtype: dtype,
         n_chunks: 2,
-        ring_depth,
-        resident_outer,
-        resident_layers,
+        ring_depth: placement.ring_depth,
+        resident_outer: placement.resident_outer,
+        resident_layers: placement.resident_layers,
+        kept_layers: placement.kept_layers,
+        held_layers: placement.held_layers,
         ..golden_opts()
     };
     let mut e = Engine::new(&g.cfg, store.clone(), backend, opts).unwrap();
     let batch = golden_batch(&g);
-    let mut losses = vec![e.step(&batch, 1e-3).unwrap().loss];
+    let first = e.step(&batch, 1e-3).unwrap();
+    let mut losses = vec![first.loss];
     // Resident units' gradients reach the store when they are synced.
     e.sync_store().unwrap();
     let grads = grads_of(&store);
@@ -58,7 +70,7 @@ fn run_placed<B: Backend>(
         losses.push(e.step(&batch, 1e-3).unwrap().loss);
     }
     e.flush_pending().unwrap();
-    Run { losses, grads, params: params_of(&store) }
+    Run { losses, grads, params: params_of(&store), first }
 }
 
 fn cpu_run(name: &str) -> Run {
@@ -470,32 +482,21 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
     for name in GOLDEN_NAMES {
         let g = golden::load(name).unwrap();
         let n = g.cfg.num_hidden_layers;
+        let layer = mt_core::ModelLayout::new(&g.cfg).layer.len as u64;
         for dtype in [DType::BF16, DType::F32] {
             for resident_layers in [0, 1] {
-                let run = |kept_layers: usize, held_layers: usize| {
-                    let store = store_with(&g.cfg, &g.params, GradDtype::F32);
+                let run = |kept_layers, held_layers| {
+                    let backend = CudaBackend::new(0, CpuOptions::default()).unwrap();
                     let opts = EngineOptions {
-                        weight_dtype: dtype,
-                        n_chunks: 2,
                         resident_layers,
                         kept_layers,
                         held_layers,
-                        ..golden_opts()
+                        ..EngineOptions::default()
                     };
-                    let backend = CudaBackend::new(0, CpuOptions::default()).unwrap();
-                    let mut e = Engine::new(&g.cfg, store.clone(), backend, opts).unwrap();
-                    let batch = golden_batch(&g);
-                    let first = e.step(&batch, 1e-3).unwrap();
-                    e.sync_store().unwrap();
-                    let grads = grads_of(&store);
-                    let mut losses = vec![first.loss.to_bits()];
-                    for _ in 0..2 {
-                        losses.push(e.step(&batch, 1e-3).unwrap().loss.to_bits());
-                    }
-                    e.flush_pending().unwrap();
-                    (losses, grads, params_of(&store), first.kept_bytes, first.h2d_bytes)
+                    run_with(name, backend, dtype, opts)
                 };
                 let full = run(0, 0);
+                assert_eq!(full.first.kept_bytes, 0, "nothing kept without kept layers");
                 let streamed = n - resident_layers;
                 for (kept, held) in [(n, 0), (0, streamed), (n, streamed)] {
                     let r = run(kept, held);
@@ -503,32 +504,29 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
                         format!("{name} {dtype:?} {resident_layers} resident, {kept} kept, {held} held");
                     let planned =
                         kept as u64 * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, 2);
-                    let layer_bytes = (full.4 - r.4) / held.max(1) as u64;
-                    eprintln!(
-                        "SUMMARY gpu kept/held {what}: losses bitwise {}; grads bitwise {}; params bitwise {}; kept {} B (plan {planned} B); H2D {} B vs {} B",
-                        r.0 == full.0,
-                        bitwise_eq(&r.1, &full.1),
-                        bitwise_eq(&r.2, &full.2),
-                        r.3,
-                        r.4,
-                        full.4
+                    let (same_losses, same_grads, same_params) = (
+                        r.losses == full.losses,
+                        bitwise_eq(&r.grads, &full.grads),
+                        bitwise_eq(&r.params, &full.params),
                     );
-                    assert_eq!(r.0, full.0, "{what}: losses");
-                    assert!(bitwise_eq(&r.1, &full.1), "{what}: gradients differ");
-                    assert!(bitwise_eq(&r.2, &full.2), "{what}: weights after 3 steps differ");
+                    eprintln!(
+                        "SUMMARY gpu kept/held {what}: losses bitwise {same_losses}; grads bitwise {same_grads}; params bitwise {same_params}; kept {} B (plan {planned} B); H2D {} B vs {} B",
+                        r.first.kept_bytes, r.first.h2d_bytes, full.first.h2d_bytes
+                    );
+                    assert!(same_losses, "{what}: losses {:?} vs {:?}", r.losses, full.losses);
+                    assert!(same_grads, "{what}: gradients differ");
+                    assert!(same_params, "{what}: weights after 3 steps differ");
                     if dtype == DType::BF16 {
-                        assert_eq!(r.3, planned, "{what}: kept bytes vs the planner's count");
+                        assert_eq!(r.first.kept_bytes, planned, "{what}: kept bytes vs the planner's count");
                     }
-                    assert_eq!(r.3 > 0, kept > 0, "{what}");
-                    if held > 0 {
-                        let e = if dtype == DType::BF16 { 2 } else { 4 };
-                        let layer = mt_core::ModelLayout::new(&g.cfg).layer.len as u64;
-                        assert_eq!(layer_bytes, layer * e, "{what}: each held layer saves its upload");
-                    } else {
-                        assert_eq!(r.4, full.4, "{what}");
-                    }
+                    assert_eq!(r.first.kept_bytes > 0, kept > 0, "{what}");
+                    let e = if dtype == DType::BF16 { 2 } else { 4 };
+                    assert_eq!(
+                        full.first.h2d_bytes - r.first.h2d_bytes,
+                        held as u64 * layer * e,
+                        "{what}: each held layer saves its upload"
+                    );
                 }
-                assert_eq!(full.3, 0, "nothing kept without kept layers");
             }
         }
     }
