@@ -1,4 +1,4 @@
-//! bench-harness CLI: `--suite smoke|paper|ablate|regress`; see the library docs and
+//! bench-harness CLI: `--suite smoke|paper|ablate|regress|replot`; see the library docs and
 //! `results/README.md` for what each suite runs and the results schema.
 #![forbid(unsafe_code)]
 
@@ -152,6 +152,14 @@ fn run_suite(cli: &Cli, suite: Suite) -> Result<Option<Results>> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if cli.suite == Suite::Replot {
+        let out = cli.out.as_ref().context("--suite replot needs --out DIR (a run's directory)")?;
+        // The measurements are left as they are: results.json is only read.
+        let results = Results::load(&out.join("results.json"))?;
+        let figures = bench_harness::plot::draw_all(&results, out)?;
+        eprintln!("redrew {} figures in {}", figures.len(), out.display());
+        return Ok(());
+    }
     if cli.suite != Suite::Regress {
         run_suite(&cli, cli.suite)?;
         return Ok(());

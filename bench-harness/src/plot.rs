@@ -136,7 +136,7 @@ fn bars<DB: DrawingBackend>(
         .x_labels(n)
         .x_label_formatter(&label)
         .y_desc(y_desc)
-        .label_style(("sans-serif", 14))
+        .label_style(("sans-serif", if n > 6 { 12 } else { 14 }))
         .draw()
         .map_err(msg)?;
     for (k, name) in legend.iter().enumerate() {
@@ -280,21 +280,29 @@ pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
     }
 
     let peers = ["deepspeed", "torch"];
-    let ratio_bars: Vec<Bar> = results
-        .ratios
+    let throughput: Vec<_> = results.ratios.iter().filter(|r| r.part == "throughput").collect();
+    // The peer is the bar's colour; the label names the model (when there are several), the
+    // tokens per step and our variant (when not the planner's default).
+    let one_model = throughput.windows(2).all(|w| w[0].model == w[1].model);
+    let ratio_bars: Vec<Bar> = throughput
         .iter()
-        .filter(|r| r.part == "throughput")
         .filter_map(|r| {
             let k = peers.iter().position(|p| *p == r.peer)?;
-            let label = format!("{} {}x{} /{}", r.model, r.batch_size, r.seq_len, r.peer);
+            let model = if one_model { String::new() } else { format!("{} ", r.model) };
+            let variant = if r.variant == "default" { String::new() } else { format!(" {}", r.variant) };
+            let label = format!("{model}{}x{}{variant}", r.batch_size, r.seq_len);
             Some((label, vec![(r.tokens_per_s_ratio_ours_over_peer, k)]))
         })
         .collect();
     if !ratio_bars.is_empty() {
         let legend = ["ours / DeepSpeed ZeRO-3 offload", "ours / resident PyTorch"];
+        let title = match (one_model, throughput.first()) {
+            (true, Some(r)) => format!("Throughput ratio, same run ({})", r.model),
+            _ => "Throughput ratio, same run".to_owned(),
+        };
         render!(out, "ratio", files, |root| bars(
             &root,
-            "Throughput ratio, same run",
+            &title,
             "tokens/s ratio",
             &legend,
             &ratio_bars,

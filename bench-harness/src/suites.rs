@@ -31,6 +31,8 @@ pub enum Suite {
     Ablate,
     /// Compare results with a baseline file.
     Regress,
+    /// Redraw the figures of an earlier run from its `results.json` (`--out DIR`).
+    Replot,
 }
 
 /// A system under test.
@@ -419,8 +421,8 @@ pub fn plan(opts: &Options) -> Result<Plan> {
             };
             cx.plan.fixed.push(cx.entry(&s, Status::NotRun, Some(reason.into())));
         }
-        Suite::Regress => {
-            return Err(Error::Options("regress compares results; it has no runs of its own".into()))
+        Suite::Regress | Suite::Replot => {
+            return Err(Error::Options(format!("{:?} has no runs of its own", opts.suite)))
         }
     }
     if cx.plan.jobs.iter().any(|j| j.run.system == "ours") && !opts.megatrain.is_file() {

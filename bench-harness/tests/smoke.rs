@@ -93,6 +93,15 @@ fn smoke_suite_runs_megatrain_and_writes_results_and_figures() {
         }
     }
     assert!(!r.figures.iter().any(|f| f.starts_with("ratio")));
+
+    // Redrawn from results.json alone, the same figures come back and the file is untouched.
+    let json = std::fs::read(out.join("results.json")).unwrap();
+    for f in &r.figures {
+        std::fs::remove_file(out.join(f)).unwrap();
+    }
+    assert_eq!(bench_harness::plot::draw_all(&r, &out).expect("redraw"), r.figures);
+    assert!(r.figures.iter().all(|f| out.join(f).is_file()));
+    assert_eq!(std::fs::read(out.join("results.json")).unwrap(), json);
     let _ = std::fs::remove_dir_all(&out);
 }
 
