@@ -101,7 +101,7 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Te
     let v = heads_first(v)?;
     let scale = 1.0 / (hd as f64).sqrt();
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && dtype == DType::BF16 {
+    if crate::cuda_kernels::applies(&q) {
         // One fused kernel for scale, mask and softmax (kernels/softmax.cu), bf16 out.
         let s = q.matmul(&k.t()?)?;
         let (pb, stats) = crate::cuda_kernels::causal_softmax(&s, scale)?;

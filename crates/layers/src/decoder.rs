@@ -130,25 +130,43 @@ impl DecoderLayer {
         self.backward_saved(w, &s, dy, grads)
     }
 
-    /// Device bytes a [`LayerState`] of `b` sequences of `s` tokens holds on the fused CUDA path
-    /// (weights of `e` bytes), beyond the layer's input checkpoint that it shares: the input-norm
-    /// output, q (and Qwen3's pre-norm q, k), k, v, the raw scores and probabilities
-    /// (`2 × b·heads·s²`) with their row statistics, the attention output, `x1`, the post-norm
-    /// output, gate, up and their product, the norms' f32 reciprocal RMS. Linear in `b`: a
+    /// Bytes a [`LayerState`] of `b` sequences of `s` tokens holds (weights and activations of
+    /// `e` bytes), beyond the layer's input checkpoint when it shares it: exactly
+    /// [`LayerState::bytes`]. `fused`: the CUDA bf16 kernels of compute capability 9.0+
+    /// ([`fused_kernels`]): the input-norm output, q (and Qwen3's pre-norm q, k), k, v, the raw
+    /// scores and bf16 probabilities (`2 × b·heads·s²`) with f32 row statistics, the attention
+    /// output, `x1`, the post-norm output, gate, up and their product, the norms' f32 reciprocal
+    /// RMS. Otherwise (candle's ops) also each norm's statistics-dtype input copy and normalised
+    /// input, `silu(gate)`, and f32 probabilities instead of the scores. Linear in `b`: a
     /// batch's chunks together hold what the whole batch would.
-    pub fn kept_state_bytes(cfg: &ModelConfig, b: usize, s: usize, e: u64) -> u64 {
+    ///
+    /// [`fused_kernels`]: crate::fused_kernels
+    pub fn kept_state_bytes(cfg: &ModelConfig, b: usize, s: usize, e: u64, fused: bool) -> u64 {
         let (n, sq) = ((b * s) as u64, (s * s) as u64);
         let (h, f, hd) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.head_dim as u64);
         let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
         let heads = (b * cfg.num_attention_heads) as u64;
-        // a, x1, c; q, k, v (heads first), o; gate, up, mid.
-        let acts = n * e * (3 * h + 2 * qd + 2 * kvd + 3 * f);
-        let scores = heads * sq * 2 * e + heads * s as u64 * 2 * 4;
-        // The two norms' f32 reciprocal RMS per row.
-        let tables = 2 * n * 4;
-        // Qwen3: the q and k norms keep their bf16 input and an f32 reciprocal RMS per head.
-        let qk = if cfg.qk_norm { n * (qd + kvd) * e + n * ((qd + kvd) / hd) * 4 } else { 0 };
-        acts + scores + tables + qk
+        // a, c, q, k, v (heads first), o, gate, up, mid; the norms' f32 reciprocal RMS per row.
+        let common = n * e * (2 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * n * 4;
+        // Qwen3: the q and k norms keep their pre-norm input and an f32 reciprocal RMS per head.
+        let qk_rows = n * ((qd + kvd) / hd) * 4;
+        if fused {
+            // x1 (the post-norm's input); raw scores and bf16 probabilities, (max, sum) per row.
+            let scores = heads * sq * 2 * e + heads * s as u64 * 2 * 4;
+            let qk = if cfg.qk_norm { n * (qd + kvd) * e + qk_rows } else { 0 };
+            return common + n * h * e + scores + qk;
+        }
+        // The statistics dtype: f32 for f32, bf16 and f16 weights.
+        let sd = 4;
+        // Input norm: an f32 copy of the input unless it is f32 already (then the input itself),
+        // and x·r in the weights' dtype; post norm: x1 in the statistics dtype (a copy or x1
+        // itself) and x·r; silu(gate); the probabilities in the statistics dtype.
+        let norm1 = if e == sd { 0 } else { n * h * sd } + n * h * e;
+        let norm2 = n * h * sd + n * h * e;
+        let scores = heads * sq * sd;
+        // Qwen3: the norms' inputs in the statistics dtype and x·r in the weights' dtype.
+        let qk = if cfg.qk_norm { n * (qd + kvd) * (sd + e) + qk_rows } else { 0 };
+        common + norm1 + norm2 + n * f * e + scores + qk
     }
 
     /// Recomputes the forward from the checkpointed input `x`, back-propagates `dy: [b, t, h]`,

@@ -32,6 +32,19 @@ mod rope;
 mod weights;
 
 pub use decoder::{DecoderLayer, LayerState};
+
+/// Whether the fused CUDA kernels (`kernels/*.cu`, built for compute capability 9.0) run for
+/// tensors of `dtype` on `device`: bf16 on a Hopper or later GPU. Elsewhere candle's ops run,
+/// which keep more for the backward ([`DecoderLayer::kept_state_bytes`]).
+pub fn fused_kernels(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
+    #[cfg(feature = "cuda")]
+    return cuda_kernels::applies_on(device, dtype);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, dtype);
+        false
+    }
+}
 pub use error::{Error, Result};
 pub use grads::GradSink;
 pub use outer::Outer;

@@ -42,6 +42,9 @@ pub(crate) struct RmsCache {
     /// `x * r` cast to the compute dtype (what the weight multiplies); `None` on the fused CUDA
     /// path, where `xs` is the bf16 input itself and `r` is `[rows]`.
     xhat: Option<Tensor>,
+    /// `xs` is the input tensor itself (the fused path, or an input already in the statistics
+    /// dtype), not a copy.
+    xs_is_input: bool,
 }
 
 impl RmsCache {
@@ -51,9 +54,9 @@ impl RmsCache {
         t(&self.xs) + t(&self.r) + self.xhat.as_ref().map_or(0, t)
     }
 
-    /// Whether `xs` is the norm's input itself (the fused CUDA path) rather than a copy.
+    /// Whether `xs` is the norm's input itself rather than a copy.
     pub(crate) fn shares_input(&self) -> bool {
-        self.xhat.is_none()
+        self.xs_is_input
     }
 
     /// The kept input (or its statistics-dtype copy).
@@ -68,7 +71,7 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsC
     #[cfg(feature = "cuda")]
     if crate::cuda_kernels::applies(x) && w.dtype() == DType::BF16 {
         let (y, r) = crate::cuda_kernels::rms_norm(x, w, eps)?;
-        return Ok((y, RmsCache { xs: x.clone(), r, xhat: None }));
+        return Ok((y, RmsCache { xs: x.clone(), r, xhat: None, xs_is_input: true }));
     }
     let dtype = x.dtype();
     let xs = x.to_dtype(stat_dtype(dtype))?;
@@ -76,7 +79,7 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsC
     let r = (var + eps)?.sqrt()?.recip()?;
     let xhat = xs.broadcast_mul(&r)?.to_dtype(dtype)?;
     let y = xhat.broadcast_mul(w)?;
-    Ok((y, RmsCache { xs, r, xhat: Some(xhat) }))
+    Ok((y, RmsCache { xs, r, xhat: Some(xhat), xs_is_input: stat_dtype(dtype) == dtype }))
 }
 
 /// Backward of [`rms_norm`]. With `r = (mean(x²) + eps)^(-1/2)` over the `n` features and

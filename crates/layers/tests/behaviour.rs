@@ -351,3 +351,42 @@ fn decoder_inputs_with_wrong_shapes_or_types_are_refused() {
     let err = layer.forward(&w, &long, &rope).unwrap_err().to_string();
     assert!(err.contains("sliding_window"), "{err}");
 }
+
+/// What a kept forward holds is exactly what the planner counts for candle's ops (the CPU path;
+/// the fused CUDA path is checked on the GPU, `crates/sched/tests/gpu.rs`), and back-propagating
+/// from it is bitwise the recomputing backward, for every layer kind, in f32 and bf16.
+#[test]
+fn a_kept_forward_holds_what_the_planner_counts_and_backs_up_as_the_recompute() {
+    for (name, cfg) in all_configs() {
+        let layout = ModelLayout::new(&cfg).layer;
+        let mut rng = rng(7);
+        let slot = random_slot(&mut rng, &layout);
+        let x = randn(&mut rng, &[2, 8, cfg.hidden_size], 1.0);
+        let dy = randn(&mut rng, &[2, 8, cfg.hidden_size], 1.0);
+        let layer = DecoderLayer::new(&cfg);
+        for dtype in [DType::F32, DType::BF16] {
+            let slot = slot.to_dtype(dtype).unwrap();
+            let w = LayerWeights::bind(&cfg, &layout, &slot).unwrap();
+            let rope = Rope::new(&cfg, 8, dtype, &Device::Cpu).unwrap();
+            let (x, dy) = (x.to_dtype(dtype).unwrap(), dy.to_dtype(dtype).unwrap());
+            let (out, state) = layer.forward_keep(&w, &x, &rope).unwrap();
+            let e = dtype.size_in_bytes() as u64;
+            assert_eq!(
+                state.bytes(),
+                DecoderLayer::kept_state_bytes(&cfg, 2, 8, e, false),
+                "{name} {dtype:?}"
+            );
+            let plain = layer.forward(&w, &x, &rope).unwrap();
+            assert_eq!(rel_err(&out, &plain), 0.0, "{name} {dtype:?}: forward");
+            let (kept, recomputed) = (zeros(layout.len, DType::F32), zeros(layout.len, DType::F32));
+            let dx_kept =
+                layer.backward_kept(&w, state, &dy, &GradSink::new(&layout, &kept).unwrap()).unwrap();
+            let dx =
+                layer.backward(&w, &x, &dy, &rope, &GradSink::new(&layout, &recomputed).unwrap()).unwrap();
+            assert_eq!(rel_err(&dx_kept, &dx), 0.0, "{name} {dtype:?}: dx");
+            let bits =
+                |t: &Tensor| t.to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&kept) == bits(&recomputed), "{name} {dtype:?}: weight gradients");
+        }
+    }
+}

@@ -25,7 +25,7 @@ use mt_core::ModelLayout;
 use mt_sched::plan::{plan, Plan, PlanInput};
 use serde_json::{json, Value};
 
-use crate::cli::{DeviceKind, EstimateArgs};
+use crate::cli::{DeviceKind, EstimateArgs, Precision};
 use crate::train::ModelSource;
 
 /// RSS of a CPU run beyond its planned bytes (binary, libraries, allocator arenas): the
@@ -102,6 +102,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         resident_layers: args.resident_layers.choice(args.device, false),
         kept_layers: args.kept_layers.choice(args.device, false),
         held_layers: args.held_layers.choice(args.device, false),
+        // A GPU is assumed to be a Hopper or later one (the fused bf16 kernels).
+        fused_kernels: args.device == DeviceKind::Cuda && args.precision == Precision::Bf16,
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };

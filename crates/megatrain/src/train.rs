@@ -86,7 +86,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
         DeviceKind::Cpu => {
             // On the CPU the "device" buffers share host memory with the store.
             let avail = host_available_bytes();
-            let p = make_plan(args, &cfg, avail, avail)?;
+            let p = make_plan(args, &cfg, avail, avail, false)?;
             run(args, &model, layout, p, CpuBackend::new(opts), t0, trace_step, data)
         }
         DeviceKind::Cuda => cuda_run(args, &model, layout, opts, t0, trace_step, data),
@@ -108,7 +108,8 @@ fn cuda_run(
     let (_, total) = backend.mem_info()?;
     let gpu = args.gpu_mem.map_or(total as u64, gib_to_bytes);
     eprintln!("device: {}", backend.describe());
-    let p = make_plan(args, &model.cfg, gpu, host_available_bytes())?;
+    let fused = mt_layers::fused_kernels(mt_sched::Backend::device(&backend), args.precision.into());
+    let p = make_plan(args, &model.cfg, gpu, host_available_bytes(), fused)?;
     run(args, model, layout, p, backend, t0, trace_step, data)
 }
 
@@ -151,7 +152,14 @@ pub(crate) fn rss_bytes() -> Option<u64> {
 
 /// Plans the step (chunking, ring depth, bytes per place, PCIe bytes) and prints it; refuses an
 /// impossible plan before anything is allocated.
-fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u64) -> Result<Plan> {
+/// `fused`: the device runs the fused CUDA kernels (`mt_layers::fused_kernels`).
+fn make_plan(
+    args: &TrainArgs,
+    cfg: &ModelConfig,
+    gpu_bytes: u64,
+    host_bytes: u64,
+    fused: bool,
+) -> Result<Plan> {
     let host_bytes = args.host_mem.map_or(host_bytes, gib_to_bytes);
     let gpu_bytes = args.gpu_mem.map_or(gpu_bytes, gib_to_bytes);
     let p = plan(&PlanInput {
@@ -170,6 +178,7 @@ fn make_plan(args: &TrainArgs, cfg: &ModelConfig, gpu_bytes: u64, host_bytes: u6
         resident_layers: args.resident_layers.choice(args.device, args.store.is_some()),
         kept_layers: args.kept_layers.choice(args.device, false),
         held_layers: args.held_layers.choice(args.device, false),
+        fused_kernels: fused,
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");

@@ -88,13 +88,16 @@ pub struct PlanInput {
     /// or decide (`None`): as many as fit in what the chosen chunking leaves.
     pub resident_layers: Option<usize>,
     /// Decoder layers `0..k` keep their forward activations for the backward instead of
-    /// recomputing them (`Some(k)`), or decide (`None`): with bf16 weights, as many resident
-    /// layers as fit in what residency leaves (the bytes are those of the fused bf16 path).
+    /// recomputing them (`Some(k)`), or decide (`None`): as many as fit in what residency and
+    /// holding leave, of the resident layers (of all, when every layer is resident or held).
     pub kept_layers: Option<usize>,
     /// The last `h` decoder layers (streamed ones) are uploaded once a step and held on the GPU
     /// from their forward to their backward (`Some(h)`), or decide (`None`): as many streamed
     /// layers as fit in what residency leaves.
     pub held_layers: Option<usize>,
+    /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
+    /// capability 9.0+), which keep less for the backward than candle's ops.
+    pub fused_kernels: bool,
 }
 
 /// Where the layer-boundary checkpoints live.
@@ -366,10 +369,16 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         ));
     };
     let mut total = fixed + checkpoints + act_grads + workspace;
-    // Auto: as many leading layers as fit in what is left (their state costs no chunk).
+    // Explicit held and kept counts are served before the automatic choices take what is left.
+    let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels);
+    let asked_held = input.held_layers.unwrap_or(0);
+    let reserved = asked_held as u64 * ll * e + input.kept_layers.unwrap_or(0) as u64 * per_kept_layer;
+    // Auto: as many leading layers as fit in what is left (their state costs no chunk), leaving
+    // the held layers asked for streamed.
     let resident_layers = match input.resident_layers {
         Some(k) => k,
-        None => (((budget - total) / per_resident_layer) as usize).min(layout.n_layers),
+        None => ((budget.saturating_sub(total + reserved) / per_resident_layer) as usize)
+            .min(layout.n_layers.saturating_sub(asked_held)),
     };
     let resident_bytes = resident_layers as u64 * per_resident_layer;
     total += resident_bytes - asked_resident;
@@ -387,21 +396,21 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         Some(h) if total + h as u64 * ll * e > budget => {
             return opt(format!(
                 "holding {h} layers' weights needs {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; hold fewer (--held-layers)",
-                gib(h as u64 * ll * e), gib(budget - total)
+                gib(h as u64 * ll * e), gib(budget.saturating_sub(total))
             ))
         }
         Some(h) => h,
-        None => (((budget - total) / (ll * e)) as usize).min(streamed_count),
+        None => ((budget.saturating_sub(total + reserved) / (ll * e)) as usize).min(streamed_count),
     };
     let held = held_layers as u64 * ll * e;
     total += held;
-    // Kept activations take what residency leaves (residency saves host work, which is what
-    // limits a streamed step; keeping saves the recompute). Auto keeps them for resident layers
-    // only: their backward is compute-bound, so the skipped recompute is time saved (3.6B at
-    // 4 x 2048, all resident, H200: 347.9 -> 419.6 model TFLOP/s). A streamed layer's backward
-    // waits on the host's re-cast and land on 16 cores, and the streamed 3.6B ran no faster
-    // with every layer kept (170.5-175.0 vs 184.5-192.2; +8% on 32 cores): ask for it by count.
-    let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e);
+    // Kept activations take what is left after that (residency and holding save host work,
+    // which is what limits a streamed step; keeping saves the recompute). Kept layers are the
+    // leading ones, so auto keeps where that covers only layers whose backward is then
+    // compute-bound: the resident ones, and the held ones when every layer is resident or held
+    // (a streamed, not held layer's backward waits on the host's re-cast and land on 16 cores).
+    // 3.6B at 4 x 2048 on an H200: all resident, 24 of 28 kept, 347.9 -> 419.6 model TFLOP/s;
+    // all streamed, held and kept, 201.3 -> 216.1.
     let kept_layers = match input.kept_layers {
         Some(k) if k > layout.n_layers => {
             return opt(format!("{k} layers with kept activations asked of a {}-layer model", layout.n_layers))
@@ -409,14 +418,15 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         Some(k) if total + k as u64 * per_kept_layer > budget => {
             return opt(format!(
                 "keeping the activations of {k} layers needs {:.2} GiB ({:.2} GiB a layer), the GPU has {:.2} GiB left of its {budget_line}; keep fewer (--kept-layers)",
-                gib(k as u64 * per_kept_layer), gib(per_kept_layer), gib(budget - total)
+                gib(k as u64 * per_kept_layer), gib(per_kept_layer), gib(budget.saturating_sub(total))
             ))
         }
         Some(k) => k,
-        None if *weight_dtype == DType::BF16 => {
-            (((budget - total) / per_kept_layer) as usize).min(resident_layers + held_layers)
+        None => {
+            let covered =
+                if resident_layers + held_layers == layout.n_layers { layout.n_layers } else { resident_layers };
+            ((budget.saturating_sub(total) / per_kept_layer) as usize).min(covered)
         }
-        None => 0,
     };
     let kept = kept_layers as u64 * per_kept_layer;
     total += kept;

@@ -42,6 +42,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         resident_layers: Some(0),
         kept_layers: Some(0),
         held_layers: Some(0),
+        fused_kernels: true,
     }
 }
 
@@ -373,13 +374,14 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
     }
 }
 
-/// Auto keeps the activations of as many resident layers as fit in what residency leaves (bf16
-/// only), counts them in the GPU total, and refuses an explicit count that does not fit.
+/// Auto keeps the activations of as many resident (or, when every layer is resident or held,
+/// held) layers as fit in what is left, counts them in the GPU total, and refuses an explicit
+/// count that does not fit. The count per layer is the fused path's or candle's.
 #[test]
 fn kept_activations_fill_what_residency_leaves() {
     let base = PlanInput { kept_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
     let cfg = llama3_3b();
-    let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2);
+    let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, true);
     // a, x1, c, q, o (3072 each), k, v (1024 each), gate, up, mid (8192 each) per token in bf16,
     // raw scores and probabilities of 4 x 24 heads with their f32 (max, sum) per row, the two
     // norms' f32 reciprocal RMS per token: ~2.1 GiB a layer.
@@ -387,22 +389,35 @@ fn kept_activations_fill_what_residency_leaves() {
     let scores = 4 * 24 * 2048 * 2048 * 2 * 2;
     let (stats, rms) = (4 * 24 * 2048 * 2 * 4, 2 * 4 * 2048 * 4);
     assert_eq!(per, acts + scores + stats + rms);
-    // Auto keeps none of the streamed layers' (their backward waits on the host); asked for,
-    // every layer's fit beside a streamed 3.6B, counted in the total.
+    // candle's ops also keep each norm's f32 input copy and x·r, silu(gate), and f32
+    // probabilities instead of the bf16 scores and probabilities with their statistics.
+    let unfused = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, false);
+    let n = 4 * 2048;
+    assert_eq!(unfused, per + 2 * n * 3072 * 4 + n * 3072 * 2 + n * 8192 * 2 - stats);
+    // Auto keeps none of the streamed, not held layers' (their backward waits on the host);
+    // asked for, every layer's fit beside a streamed 3.6B, counted in the total.
     assert_eq!(plan(&base).unwrap().kept_layers, 0);
     let streamed = plan(&PlanInput { kept_layers: Some(28), ..base.clone() }).unwrap();
     assert_eq!(streamed.gpu.kept, 28 * per);
     let none = plan(&PlanInput { kept_layers: Some(0), ..base.clone() }).unwrap();
     assert_eq!(streamed.gpu.total, none.gpu.total + 28 * per);
     assert!(streamed.gpu.total <= streamed.gpu.budget);
+    // Every layer held: all kept.
+    let held = plan(&PlanInput { held_layers: None, ..base.clone() }).unwrap();
+    assert_eq!((held.held_layers, held.kept_layers), (28, 28));
     // Residency first: all 28 layers resident, the rest kept, within the budget.
     let both = plan(&PlanInput { resident_layers: None, ..base.clone() }).unwrap();
     assert_eq!(both.resident_layers, 28);
     assert!(both.kept_layers > 0 && both.kept_layers < 28, "{}", both.kept_layers);
     assert!(both.gpu.total <= both.gpu.budget && both.gpu.budget - both.gpu.total < per);
-    // Not on fp32 (the bytes are the fused bf16 path's); an explicit count that cannot fit is refused.
-    let f32 = plan(&PlanInput { weight_dtype: DType::F32, resident_layers: None, ..base.clone() }).unwrap();
-    assert!(f32.resident_layers > 0 && f32.kept_layers == 0, "{f32}");
+    // Without the fused kernels the larger count decides.
+    let candle = plan(&PlanInput { resident_layers: None, fused_kernels: false, ..base.clone() }).unwrap();
+    assert_eq!(candle.gpu.kept, candle.kept_layers as u64 * unfused);
+    assert!(candle.kept_layers < both.kept_layers && candle.gpu.total <= candle.gpu.budget, "{candle}");
+    // An explicit count is served before automatic residency takes the memory.
+    let asked = plan(&PlanInput { resident_layers: None, kept_layers: Some(28), ..base.clone() }).unwrap();
+    assert_eq!(asked.kept_layers, 28);
+    assert!(asked.resident_layers < 28 && asked.gpu.total <= asked.gpu.budget, "{asked}");
     let e = err(&PlanInput { kept_layers: Some(28), gpu_bytes: 80 * GIB, ..base.clone() });
     assert!(e.contains("--kept-layers"), "{e}");
     assert!(err(&PlanInput { kept_layers: Some(29), ..base }).contains("29 layers"));
@@ -428,6 +443,9 @@ fn held_layers_take_what_residency_leaves_and_cross_once() {
     assert_eq!((resident.resident_layers, resident.held_layers), (28, 0));
     let e = err(&PlanInput { resident_layers: Some(20), held_layers: Some(9), ..base.clone() });
     assert!(e.contains("only 8 of 28 layers stream"), "{e}");
+    // Asked for with residency left to the planner: those layers stay streamed and are held.
+    let asked = plan(&PlanInput { resident_layers: None, held_layers: Some(2), ..base.clone() }).unwrap();
+    assert_eq!((asked.resident_layers, asked.held_layers), (26, 2), "{asked}");
     let e = err(&PlanInput { held_layers: Some(28), gpu_bytes: 22 * GIB, ..base });
     assert!(e.contains("--held-layers"), "{e}");
 }

@@ -313,11 +313,18 @@ impl Program {
         // Forward order = update order: the outer unit first, then layers 0..L-1.
         let up_outer =
             (!spec.resident_outer).then(|| b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update));
+        // The first `ring_depth` forward positions (ring or held) in forward order, then any
+        // backward use among the first `ring_depth` ring uses (few layers through the ring), so
+        // that no re-cast is staged ahead of a forward's update.
+        let is_backward = |j: usize| uses[ring[j]].1;
         for j in 0..spec.ring_depth {
-            if j < ring.len() {
+            if j < ring.len() && !is_backward(j) {
                 fetch(&mut b, &mut uploads, ring[j], Slot::Ring(j % spec.ring_depth));
             }
             fetch_held(&mut b, &mut uploads, j);
+        }
+        for j in (0..spec.ring_depth.min(ring.len())).filter(|&j| is_backward(j)) {
+            fetch(&mut b, &mut uploads, ring[j], Slot::Ring(j % spec.ring_depth));
         }
         if spec.resident_outer && exact_update {
             b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);

@@ -311,9 +311,14 @@ impl CustomOp3 for Rope {
 /// Whether the fused bf16 kernels apply to `x`: a bf16 tensor on a CUDA device of compute
 /// capability 9.0 or later (the PTX targets `compute_90`; older GPUs use the candle path).
 pub(crate) fn applies(x: &Tensor) -> bool {
+    applies_on(x.device(), x.dtype())
+}
+
+/// [`applies`] for tensors of `dtype` on `device`.
+pub(crate) fn applies_on(device: &candle_core::Device, dtype: DType) -> bool {
     static HOPPER: OnceLock<bool> = OnceLock::new();
-    match x.device() {
-        candle_core::Device::Cuda(d) if x.dtype() == DType::BF16 => *HOPPER.get_or_init(|| {
+    match device {
+        candle_core::Device::Cuda(d) if dtype == DType::BF16 => *HOPPER.get_or_init(|| {
             d.cuda_stream().context().compute_capability().is_ok_and(|(major, _)| major >= 9)
         }),
         _ => false,

@@ -57,7 +57,8 @@ pub struct EngineOptions {
     /// their backward (`DecoderLayer::forward_keep`), which then does not recompute the forward:
     /// the same gradients bit for bit, a quarter fewer GEMM FLOPs for those layers, at
     /// `DecoderLayer::kept_state_bytes` of device memory each. The first layers, as residency:
-    /// a resident layer's backward is compute-bound, so the recompute it skips is time saved.
+    /// a resident (or held) layer's backward is compute-bound, so the recompute it skips is time
+    /// saved.
     pub kept_layers: usize,
     /// The last `held_layers` decoder layers (streamed ones) are uploaded once a step, for their
     /// forward, into their own device slot, where their backward finds them: no re-cast on the
