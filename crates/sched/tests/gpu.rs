@@ -502,8 +502,8 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
                     let r = run(kept, held);
                     let what =
                         format!("{name} {dtype:?} {resident_layers} resident, {kept} kept, {held} held");
-                    let planned =
-                        kept as u64 * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, 2);
+                    let planned = kept as u64
+                        * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, 2, true);
                     let (same_losses, same_grads, same_params) = (
                         r.losses == full.losses,
                         bitwise_eq(&r.grads, &full.grads),
