@@ -1,0 +1,128 @@
+//! [`EngineOptions`]: how the engine runs, and the checks an engine makes of them before it
+//! allocates anything.
+
+use candle_core::DType;
+use mt_core::ModelLayout;
+use mt_optim::AdamW;
+use mt_store::GradDtype;
+
+use crate::program::OptimMode;
+use crate::{Error, Result};
+
+/// How the engine runs.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Weight dtype on the device (and of upload staging): F32, BF16 or F16.
+    pub weight_dtype: DType,
+    /// Device weight slots (1 = no overlap, 2 = double buffering, 3 = triple).
+    pub ring_depth: usize,
+    /// Token chunks per step (each a contiguous group of sequences).
+    pub n_chunks: usize,
+    /// Optimizer placement.
+    pub mode: OptimMode,
+    /// AdamW hyper-parameters (the learning rate is given per step).
+    pub adamw: AdamW,
+    /// Global-norm clipping threshold (`None` = no clipping).
+    pub clip: Option<f64>,
+    /// Rows of logits alive at once in the loss.
+    pub rows_per_block: usize,
+    /// Let the CPU optimizer (stage, update, land) run concurrently with compute. `false` is an
+    /// ablation: every host operation then waits for the compute issued before it and compute
+    /// waits for it, so the optimizer's time adds to the step.
+    pub overlap_optimizer: bool,
+    /// Keep the outer unit (embedding, final norm, LM head) resident on the compute device with
+    /// its fp32 master weights and AdamW moments, updated there (`mt_layers::device_optim`): it
+    /// then never crosses the bus, and the step boundary no longer waits for its download, host
+    /// update and upload. The host store's copy is brought up to date by [`Engine::sync_store`](super::Engine::sync_store)
+    /// (called by [`Engine::flush_pending`](super::Engine::flush_pending) and on drop).
+    pub resident_outer: bool,
+    /// Keep decoder layers `0..resident_layers` resident on the compute device likewise
+    /// (weights, fp32 gradient, master weights and moments, AdamW there): they never cross the
+    /// bus and cost the host optimizer nothing. The first layers, because in exact mode the host
+    /// must finish each streamed layer's update before its upload, and every resident layer
+    /// ahead of the first streamed one gives it that much more time.
+    pub resident_layers: usize,
+    /// Decoder layers `0..kept_layers` keep their forward's activations on the device until
+    /// their backward (`DecoderLayer::forward_keep`), which then does not recompute the forward:
+    /// the same gradients bit for bit, a quarter fewer GEMM FLOPs for those layers, at
+    /// `DecoderLayer::kept_state_bytes` of device memory each. The first layers, as residency:
+    /// a resident (or held) layer's backward is compute-bound, so the recompute it skips is time
+    /// saved.
+    pub kept_layers: usize,
+    /// The last `held_layers` decoder layers (streamed ones) are uploaded once a step, for their
+    /// forward, into their own device slot, where their backward finds them: no re-cast on the
+    /// host, no second upload (`layer.len` weight-dtype elements of device memory each). The
+    /// rest of their path (host update, gradient download and land) is a streamed layer's.
+    pub held_layers: usize,
+    /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
+    /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
+    /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
+    /// `true`. Not for production use.
+    #[doc(hidden)]
+    pub device_narrowing: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            weight_dtype: DType::F32,
+            ring_depth: 2,
+            n_chunks: 1,
+            mode: OptimMode::Exact,
+            adamw: AdamW::default(),
+            clip: Some(1.0),
+            rows_per_block: 1024,
+            overlap_optimizer: true,
+            resident_outer: false,
+            resident_layers: 0,
+            kept_layers: 0,
+            held_layers: 0,
+            device_narrowing: true,
+        }
+    }
+}
+
+impl EngineOptions {
+    /// Refuses options that cannot run on `layout` with a store keeping `store_grad` gradients,
+    /// naming the problem.
+    pub(super) fn check(&self, layout: &ModelLayout, store_grad: GradDtype) -> Result<()> {
+        if self.ring_depth == 0 || self.n_chunks == 0 || self.rows_per_block == 0 {
+            return Err(Error::Options(format!(
+                "ring_depth ({}), n_chunks ({}) and rows_per_block ({}) must be at least 1",
+                self.ring_depth, self.n_chunks, self.rows_per_block
+            )));
+        }
+        self.adamw.validate(&self.adamw.args(1))?;
+        if let Some(c) = self.clip {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::Options(format!(
+                    "clip threshold {c} must be finite and > 0 (None = no clipping)"
+                )));
+            }
+        }
+        if self.mode == OptimMode::Exact && store_grad == GradDtype::None {
+            return Err(Error::Options(
+                "exact mode keeps each step's gradient until the next step: the store needs gradient buffers (f32 or bf16)".into(),
+            ));
+        }
+        if self.resident_layers > layout.n_layers {
+            return Err(Error::Options(format!(
+                "{} resident layers asked of a {}-layer model",
+                self.resident_layers, layout.n_layers
+            )));
+        }
+        if self.resident_layers + self.held_layers > layout.n_layers {
+            return Err(Error::Options(format!(
+                "{} held layers beside {} resident ones of a {}-layer model: held layers are streamed ones",
+                self.held_layers, self.resident_layers, layout.n_layers
+            )));
+        }
+        if self.kept_layers > layout.n_layers {
+            return Err(Error::Options(format!(
+                "{} layers with kept activations asked of a {}-layer model",
+                self.kept_layers, layout.n_layers
+            )));
+        }
+        Ok(())
+    }
+}
