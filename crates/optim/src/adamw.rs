@@ -5,6 +5,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::error::{check_len, Error};
+use crate::streaming::Writer;
 
 /// Elements per rayon task. Fixed, so the work split (and [`crate::sum_squares`]'s reduction order)
 /// does not depend on the thread count. 16K f32 = 64 KiB per stream: large enough to amortise task
@@ -254,13 +255,29 @@ impl GradElem for bf16 {
 }
 
 /// An upload element type the fused kernel and [`cast_into`] write.
-pub(crate) trait UploadElem: Copy + Send + Sync {
+pub(crate) trait UploadElem: bytemuck::Pod + Send + Sync {
     fn narrow(src: &[f32], dst: &mut [Self]);
+
+    /// [`UploadElem::narrow`] written with streaming stores (see [`crate::streaming`]): the
+    /// casts go to an L1-sized block buffer and from there to `dst`, so `dst`'s lines are never
+    /// read. For outputs nobody on the CPU reads soon: upload staging, the stored gradient.
+    fn narrow_streaming(src: &[f32], dst: &mut [Self], w: &mut Writer) {
+        let mut buf = [Self::zeroed(); BLOCK];
+        for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
+            let b = &mut buf[..s.len()];
+            Self::narrow(s, b);
+            w.copy(d, b);
+        }
+    }
 }
 
 impl UploadElem for f32 {
     fn narrow(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+
+    fn narrow_streaming(src: &[f32], dst: &mut [f32], w: &mut Writer) {
+        w.copy(dst, src);
     }
 }
 
@@ -306,13 +323,14 @@ fn update_chunk<G: GradElem, U: UploadElem>(
     mut up: Option<&mut [U]>,
 ) {
     let mut buf = [0.0f32; BLOCK];
+    let mut w = up.is_some().then(Writer::new);
     let blocks = p.chunks_mut(BLOCK).zip(m.chunks_mut(BLOCK)).zip(v.chunks_mut(BLOCK)).zip(g.chunks(BLOCK));
     for (i, (((p, m), v), g)) in blocks.enumerate() {
         let g = G::widen(g, &mut buf);
         update_block(c, g, p, m, v);
-        if let Some(up) = up.as_deref_mut() {
+        if let (Some(up), Some(w)) = (up.as_deref_mut(), w.as_mut()) {
             let lo = i * BLOCK;
-            U::narrow(p, &mut up[lo..lo + p.len()]);
+            U::narrow_streaming(p, &mut up[lo..lo + p.len()], w);
         }
     }
 }
@@ -424,7 +442,7 @@ pub fn land_and_step(
         (chunks.0, chunks.1, chunks.2, g.par_chunks(CHUNK), st.par_chunks_mut(CHUNK))
             .into_par_iter()
             .map(|(p, m, v, g, st)| {
-                U::narrow(g, st);
+                U::narrow_streaming(g, st, &mut Writer::new());
                 let ss = crate::norm::chunk_sum_squares(g, |x| x);
                 update_chunk::<f32, f32>(c, g, p, m, v, None);
                 ss
@@ -518,7 +536,9 @@ pub fn cast_into(master: &[f32], upload: Upload<'_>) -> Result<(), Error> {
 
 fn cast_par<U: UploadElem>(src: &[f32], dst: &mut [U]) -> Result<(), Error> {
     check_len("upload", src.len(), dst.len())?;
-    dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| U::narrow(s, d));
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| U::narrow_streaming(s, d, &mut Writer::new()));
     Ok(())
 }
 
