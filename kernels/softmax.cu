@@ -230,3 +230,157 @@ extern "C" __global__ void mt_softmax_bwd_warp(const unsigned short* __restrict_
         }
     }
 }
+
+// ---- Warp-per-row kernels for rows whose length is a multiple of 8 (every attention here) ----
+// The same formulas, reductions in the same order and the same roundings as the `_warp` kernels
+// above, so the outputs are bit for bit theirs. What differs is how memory is read: all of a
+// lane's 16-byte loads of the row are issued before any of them is used, and the row is held as
+// raw bf16 bits (4 registers per chunk, not 8 floats), with P recomputed from them where needed
+// (expf is cheap next to DRAM). The `_warp` kernels load, convert and reduce one chunk at a time,
+// which leaves one or two loads in flight per warp; at 2048 keys their backward held 152
+// registers a thread and moved its bytes at about a quarter of HBM's bandwidth.
+
+__device__ __forceinline__ void unpack8(uint4 u, float* out) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        out[2 * e] = bf2f((unsigned short)(w[e] & 0xffffu));
+        out[2 * e + 1] = bf2f((unsigned short)(w[e] >> 16));
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const unsigned short* v) {
+    uint4 u;
+    u.x = (unsigned)v[0] | ((unsigned)v[1] << 16);
+    u.y = (unsigned)v[2] | ((unsigned)v[3] << 16);
+    u.z = (unsigned)v[4] | ((unsigned)v[5] << 16);
+    u.w = (unsigned)v[6] | ((unsigned)v[7] << 16);
+    return u;
+}
+
+__device__ __forceinline__ uint4 zero4() {
+    uint4 u;
+    u.x = 0u;
+    u.y = 0u;
+    u.z = 0u;
+    u.w = 0u;
+    return u;
+}
+
+// Requires t % 8 == 0, t <= WARP_ROW_MAX and 16-byte aligned row starts (checked by the caller).
+extern "C" __global__ void mt_causal_softmax_fwd_warp8(const unsigned short* __restrict__ s, unsigned short* __restrict__ pb,
+                                                        float* __restrict__ stats, int t, float c, long long rows) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const int i = (int)(row % (long long)t);
+    const int nk = i / 256 + 1;  // chunks with k * 256 <= i: the only ones read
+    const uint4* sr = reinterpret_cast<const uint4*>(s + row * (long long)t);
+    uint4* pr = reinterpret_cast<uint4*>(pb + row * (long long)t);
+    uint4 raw[WARP_CHUNKS];
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) raw[k] = (k < nk && k * 256 + lane * 8 < t) ? sr[k * 32 + lane] : zero4();
+    float m = __int_as_float(0xff800000);
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        const int j0 = k * 256 + lane * 8;
+        if (k < nk && j0 < t) {
+            float x[8];
+            unpack8(raw[k], x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (j0 + e <= i) m = fmaxf(m, c * x[e]);
+        }
+    }
+    m = warp_reduce(m, true);
+    float z = 0.0f;
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        const int j0 = k * 256 + lane * 8;
+        if (k < nk && j0 < t) {
+            float x[8];
+            unpack8(raw[k], x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) z += j0 + e <= i ? expf(c * x[e] - m) : 0.0f;
+        }
+    }
+    z = warp_reduce(z, false);
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        const int j0 = k * 256 + lane * 8;
+        if (j0 < t) {
+            unsigned short o[8];
+            if (k < nk) {
+                float x[8];
+                unpack8(raw[k], x);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = j0 + e <= i ? f2bf(probf(x[e], c, m, z)) : (unsigned short)0;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = 0;
+            }
+            pr[k * 32 + lane] = pack8(o);
+        }
+    }
+    if (lane == 0) {
+        stats[2 * row] = m;
+        stats[2 * row + 1] = z;
+    }
+}
+
+// Requires t % 8 == 0, t <= WARP_ROW_MAX and 16-byte aligned row starts (checked by the caller).
+extern "C" __global__ void mt_softmax_bwd_warp8(const unsigned short* __restrict__ dp, const unsigned short* __restrict__ s,
+                                                const float* __restrict__ stats, unsigned short* __restrict__ ds, int t,
+                                                float c, long long rows) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const int i = (int)(row % (long long)t);
+    const int nk = i / 256 + 1;
+    const uint4* dpr = reinterpret_cast<const uint4*>(dp + row * (long long)t);
+    const uint4* sr = reinterpret_cast<const uint4*>(s + row * (long long)t);
+    uint4* dsr = reinterpret_cast<uint4*>(ds + row * (long long)t);
+    const float m = stats[2 * row], z = stats[2 * row + 1];
+    uint4 sraw[WARP_CHUNKS], graw[WARP_CHUNKS];
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        const bool live = k < nk && k * 256 + lane * 8 < t;
+        sraw[k] = live ? sr[k * 32 + lane] : zero4();
+        graw[k] = live ? dpr[k * 32 + lane] : zero4();
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        const int j0 = k * 256 + lane * 8;
+        if (k < nk && j0 < t) {
+            float sv[8], g[8];
+            unpack8(sraw[k], sv);
+            unpack8(graw[k], g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float p = j0 + e <= i ? probf(sv[e], c, m, z) : 0.0f;
+                acc += g[e] * p;
+            }
+        }
+    }
+    acc = warp_reduce(acc, false);
+#pragma unroll
+    for (int k = 0; k < WARP_CHUNKS; ++k) {
+        const int j0 = k * 256 + lane * 8;
+        if (j0 < t) {
+            unsigned short o[8];
+            if (k < nk) {
+                float sv[8], g[8];
+                unpack8(sraw[k], sv);
+                unpack8(graw[k], g);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    o[e] = j0 + e <= i ? f2bf(c * probf(sv[e], c, m, z) * (g[e] - acc)) : (unsigned short)0;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = 0;
+            }
+            dsr[k * 32 + lane] = pack8(o);
+        }
+    }
+}
