@@ -210,6 +210,9 @@ pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64, rss_
     m.insert("h2d_bytes".into(), json!(r.h2d_bytes));
     m.insert("d2h_bytes".into(), json!(r.d2h_bytes));
     m.insert("rss_bytes".into(), json!(rss_bytes));
+    if let Some(b) = r.device_peak_bytes {
+        m.insert("gpu_peak_bytes".into(), json!(b));
+    }
     for s in &r.streams {
         add_stream(&mut m, s);
     }

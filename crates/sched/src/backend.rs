@@ -93,4 +93,10 @@ pub trait Backend {
     /// Bytes actually copied host-to-device and device-to-host since `begin_step` (counted by
     /// the copy operations themselves, not derived from the program).
     fn transferred(&self) -> (u64, u64);
+
+    /// Most device memory ever in use at once by the engine's allocations since the backend was
+    /// made (the CUDA backend: its stream-ordered memory pool's high-water mark), if measurable.
+    fn device_peak_bytes(&self) -> Option<u64> {
+        None
+    }
 }

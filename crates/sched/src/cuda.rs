@@ -305,6 +305,10 @@ impl Backend for CudaBackend {
         self.workers.clock.transferred()
     }
 
+    fn device_peak_bytes(&self) -> Option<u64> {
+        cuda_ffi::pool_used_high(&self.ctx).ok().filter(|&b| b > 0)
+    }
+
     /// Host spans (wall clock) and GPU spans (CUDA event time since the step's origin event);
     /// call after [`Backend::synchronize`].
     fn spans(&self) -> Vec<Span> {

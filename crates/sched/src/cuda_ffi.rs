@@ -59,6 +59,28 @@ pub(crate) fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
     })
 }
 
+/// The device's default memory pool's high-water mark of memory in use by allocations
+/// (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`): every stream-ordered allocation candle makes, not the
+/// context, modules or library workspaces allocated outside the pool.
+pub(crate) fn pool_used_high(ctx: &CudaContext) -> Result<u64> {
+    ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: pool is a valid out-pointer; the device handle comes from a live context.
+    check("cuDeviceGetDefaultMemPool", unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+    })?;
+    let mut high: u64 = 0;
+    // SAFETY: USED_MEM_HIGH writes one u64 through the pointer, which lives across the call.
+    check("cuMemPoolGetAttribute(USED_MEM_HIGH)", unsafe {
+        sys::cuMemPoolGetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&mut high as *mut u64).cast(),
+        )
+    })?;
+    Ok(high)
+}
+
 // The original (pre-12.8) entry point: every driver since CUDA 2 exports it for old binaries,
 // while cudarc's CUDA-13 bindings only name `cuEventElapsedTime_v2`, which the Debian libcuda
 // this project links against at build time (535) lacks.

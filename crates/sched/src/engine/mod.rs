@@ -46,6 +46,8 @@ pub struct StepReport {
     /// (`LayerState::bytes`, all of them alive at the loss): what the plan counts as
     /// `GpuBytes::kept`.
     pub kept_bytes: u64,
+    /// Most device memory in use at once so far ([`Backend::device_peak_bytes`]), after this step.
+    pub device_peak_bytes: Option<u64>,
     /// Every operation's span (for traces).
     pub spans: Vec<Span>,
 }
@@ -342,6 +344,7 @@ impl<B: Backend> Engine<B> {
             d2h_bytes,
             streams: stream_stats(&spans, step_s),
             kept_bytes: self.kept_bytes,
+            device_peak_bytes: self.backend.device_peak_bytes(),
             spans,
         })
     }
