@@ -364,7 +364,10 @@ impl CustomOp2 for CeLoss {
         let dev = l.device();
         let ls = l.as_cuda_slice::<bf16>()?.slice(ll.start_offset()..);
         let ts = t.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_ce_loss", FUSED, fused_ptx()?)?;
+        // 16-byte loads when every row starts 16-byte aligned (candle's allocations are).
+        let vec8 = v.is_multiple_of(8) && ll.start_offset().is_multiple_of(8);
+        let kernel = if vec8 { "mt_ce_loss8" } else { "mt_ce_loss" };
+        let func = dev.get_or_load_custom_func(kernel, FUSED, fused_ptx()?)?;
         // SAFETY: every element is written by the kernel below (one per row).
         let out = unsafe { dev.alloc::<f32>(rows)? };
         let v32 = v as i32;
@@ -375,7 +378,9 @@ impl CustomOp2 for CeLoss {
         b.arg(&v32);
         let cfg =
             LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: signature (bf16*, unsigned*, float*, int); one block per row of V logits.
+        // SAFETY: signature (bf16*, unsigned*, float*, int); one block per row of V logits; the
+        // `8` kernel's 16-byte loads only with V % 8 == 0 and a view starting at a multiple of 8
+        // elements of a 256-byte aligned allocation, so every row is 16-byte aligned.
         unsafe { b.launch(cfg) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(rows)))
     }
@@ -406,7 +411,9 @@ impl CustomOp3 for CeGrad {
         let ls = l.as_cuda_slice::<bf16>()?.slice(ll.start_offset()..);
         let ts = t.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
         let ws = w.as_cuda_slice::<f32>()?.slice(lw.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_ce_grad", FUSED, fused_ptx()?)?;
+        let vec8 = v.is_multiple_of(8) && ll.start_offset().is_multiple_of(8);
+        let kernel = if vec8 { "mt_ce_grad8" } else { "mt_ce_grad" };
+        let func = dev.get_or_load_custom_func(kernel, FUSED, fused_ptx()?)?;
         // SAFETY: every element is written by the kernel below.
         let out = unsafe { dev.alloc::<bf16>(rows * v)? };
         let v32 = v as i32;
@@ -418,7 +425,9 @@ impl CustomOp3 for CeGrad {
         b.arg(&v32);
         let cfg =
             LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: signature (bf16*, unsigned*, float*, bf16*, int); one block per row.
+        // SAFETY: signature (bf16*, unsigned*, float*, bf16*, int); one block per row; the `8`
+        // kernel's 16-byte loads and stores under the alignment conditions of `CeLoss` (`out` is
+        // a fresh allocation, its rows as aligned as the logits').
         unsafe { b.launch(cfg) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), ll.shape().clone()))
     }
@@ -433,3 +442,6 @@ pub(crate) fn ce_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<
 pub(crate) fn ce_grad(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> candle_core::Result<Tensor> {
     logits.contiguous()?.apply_op3_no_bwd(&targets.contiguous()?, &weights.contiguous()?, &CeGrad)
 }
+
+#[cfg(test)]
+mod ce_tests;
