@@ -159,7 +159,7 @@ __device__ __forceinline__ void row_max_sum(const unsigned short* lr, int V, flo
 }
 
 // ce[row] = logsumexp(l) - l[target[row]].
-extern "C" __global__ void mt_ce_loss(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
+extern "C" __global__ void __launch_bounds__(1024) mt_ce_loss(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
                                       float* __restrict__ ce, int V) {
     __shared__ float sh[32];
     const unsigned short* lr = logits + (size_t)blockIdx.x * V;
@@ -169,7 +169,7 @@ extern "C" __global__ void mt_ce_loss(const unsigned short* __restrict__ logits,
 }
 
 // dl[row, j] = bf16(w p_j - w [j == target]), p = softmax(l): d(w ce)/dl.
-extern "C" __global__ void mt_ce_grad(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
+extern "C" __global__ void __launch_bounds__(1024) mt_ce_grad(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
                                       const float* __restrict__ w, unsigned short* __restrict__ dl, int V) {
     __shared__ float sh[32];
     const size_t off = (size_t)blockIdx.x * V;
@@ -189,7 +189,10 @@ extern "C" __global__ void mt_ce_grad(const unsigned short* __restrict__ logits,
 // above keep one 2-byte load in flight a thread: a quarter of HBM's bandwidth at V = 128256).
 // The statistics are the same formulas in f32, summed in another order (thread t owns the
 // 8-element groups t, t + blockDim, ...), so they may differ from the kernels above in the last
-// bits; the passes after the first read the row back mostly from L2.
+// bits; the passes after the first read the row back mostly from L2. Launched with 1024 threads a
+// block: `__launch_bounds__(1024)` holds every cross-entropy kernel to the 64 registers a thread
+// that allows (mt_ce_grad8 needs 63 with sm_90's ptxas), whichever compiler turns the PTX into
+// machine code.
 
 __device__ __forceinline__ void unpack8(uint4 u, float* out) {
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
@@ -252,7 +255,7 @@ __device__ __forceinline__ void row_max_sum8(const uint4* __restrict__ lr, int G
 }
 
 // As mt_ce_loss; V % 8 == 0, rows 16-byte aligned.
-extern "C" __global__ void mt_ce_loss8(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
+extern "C" __global__ void __launch_bounds__(1024) mt_ce_loss8(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
                                        float* __restrict__ ce, int V) {
     __shared__ float sh[32];
     const unsigned short* lr = logits + (size_t)blockIdx.x * V;
@@ -262,7 +265,7 @@ extern "C" __global__ void mt_ce_loss8(const unsigned short* __restrict__ logits
 }
 
 // As mt_ce_grad; V % 8 == 0, rows 16-byte aligned.
-extern "C" __global__ void mt_ce_grad8(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
+extern "C" __global__ void __launch_bounds__(1024) mt_ce_grad8(const unsigned short* __restrict__ logits, const unsigned* __restrict__ target,
                                        const float* __restrict__ w, unsigned short* __restrict__ dl, int V) {
     __shared__ float sh[32];
     const size_t off = (size_t)blockIdx.x * V;

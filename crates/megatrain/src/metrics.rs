@@ -210,8 +210,11 @@ pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64, rss_
     m.insert("h2d_bytes".into(), json!(r.h2d_bytes));
     m.insert("d2h_bytes".into(), json!(r.d2h_bytes));
     m.insert("rss_bytes".into(), json!(rss_bytes));
-    if let Some(b) = r.device_peak_bytes {
-        m.insert("gpu_peak_bytes".into(), json!(b));
+    // Running maxima since the engine started (setup and earlier steps included), not this
+    // step's own peak: the most the run needed so far.
+    if let Some(p) = r.device_peak {
+        m.insert("gpu_peak_bytes".into(), json!(p.used));
+        m.insert("gpu_reserved_peak_bytes".into(), json!(p.reserved));
     }
     for s in &r.streams {
         add_stream(&mut m, s);

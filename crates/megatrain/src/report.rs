@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use mt_sched::program::Stream;
-use mt_sched::StepReport;
+use mt_sched::{DevicePeak, StepReport};
 
 use crate::metrics::stream_name;
 
@@ -122,10 +122,10 @@ pub struct TrainSummary {
     /// Forward activations kept for the backward (the most a step held), and what the plan
     /// counted for them.
     pub kept_bytes: (u64, u64),
-    /// The most device memory in use at once (the CUDA memory pool's high-water mark: every
-    /// tensor the engine allocated, from setup to the last step; `None` on the CPU), and the
-    /// device bytes the plan counted.
-    pub device_peak_bytes: (Option<u64>, u64),
+    /// The device memory high-water marks (the CUDA memory pool's: every tensor the engine
+    /// allocated, from setup to the last step; `None` on the CPU), and the device bytes the plan
+    /// counted.
+    pub device_peak: (Option<DevicePeak>, u64),
     /// Held-out losses `(global step, loss)`, in order.
     pub evals: Vec<(u64, f64)>,
     /// Where the model was exported (`--out`).
@@ -154,8 +154,8 @@ pub struct StepTotals {
     d2h_bytes: u64,
     /// The most bytes of kept activations a step held.
     kept_bytes: u64,
-    /// The device's high-water mark of memory in use, after the last step that reported one.
-    device_peak_bytes: Option<u64>,
+    /// The device's memory high-water marks, after the last step that reported them.
+    device_peak: Option<DevicePeak>,
     /// Per stream: sums of busy fractions and of longest gaps, and the longest gap.
     streams: Vec<StreamMean>,
 }
@@ -167,7 +167,7 @@ impl StepTotals {
         self.h2d_bytes += r.h2d_bytes;
         self.d2h_bytes += r.d2h_bytes;
         self.kept_bytes = self.kept_bytes.max(r.kept_bytes);
-        self.device_peak_bytes = self.device_peak_bytes.max(r.device_peak_bytes);
+        self.device_peak = self.device_peak.max(r.device_peak);
         for s in &r.streams {
             let i = match self.streams.iter().position(|t| t.stream == s.stream) {
                 Some(i) => i,
@@ -190,9 +190,9 @@ impl StepTotals {
         self.kept_bytes
     }
 
-    /// The most device memory in use at once, where the backend measures it.
-    pub fn device_peak_bytes(&self) -> Option<u64> {
-        self.device_peak_bytes
+    /// The device memory high-water marks, where the backend measures them.
+    pub fn device_peak(&self) -> Option<DevicePeak> {
+        self.device_peak
     }
 
     /// Steps added.
@@ -332,14 +332,17 @@ impl fmt::Display for TrainSummary {
                 mb(self.kept_bytes.1 as f64)
             )?;
         }
-        if let (Some(peak), planned) = self.device_peak_bytes {
+        if let (Some(peak), planned) = self.device_peak {
             writeln!(
                 f,
-                "GPU memory in use at most: {} (the memory pool's high-water mark: every tensor, not the \
-                 CUDA context or library workspaces); the plan counted {}: {:.1}% of it",
-                mb(peak as f64),
+                "GPU memory in use at most: {}, held by the memory pool at most: {} (every tensor; not \
+                 the CUDA context or library workspaces); the plan counted {}: in use {:.1}%, held \
+                 {:.1}% of it",
+                mb(peak.used as f64),
+                mb(peak.reserved as f64),
                 mb(planned as f64),
-                100.0 * peak as f64 / planned.max(1) as f64
+                100.0 * peak.used as f64 / planned.max(1) as f64,
+                100.0 * peak.reserved as f64 / planned.max(1) as f64
             )?;
         }
         let streams: Vec<String> = self
@@ -389,7 +392,7 @@ mod tests {
             h2d_bytes,
             d2h_bytes: 2 * h2d_bytes,
             kept_bytes: 0,
-            device_peak_bytes: Some(h2d_bytes),
+            device_peak: Some(DevicePeak { used: h2d_bytes, reserved: 2 * h2d_bytes }),
             streams: stream_stats(&spans, step_s),
             spans,
         }
@@ -442,7 +445,7 @@ mod tests {
             streams: t.stream_means(),
             planned_host_bytes: 180,
             kept_bytes: (3_000_000, 3_000_000),
-            device_peak_bytes: (t.device_peak_bytes(), 4_000_000),
+            device_peak: (t.device_peak(), 8_000_000),
             evals: vec![(1, 3.0), (2, 2.5)],
             exported: Some(PathBuf::from("/tmp/out")),
         }
@@ -455,8 +458,11 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB"), "{s}");
-        assert!(s.contains("GPU memory in use at most: 3.00 MB (the memory pool's"), "{s}");
-        assert!(s.contains("the plan counted 4.00 MB: 75.0% of it"), "{s}");
+        assert!(
+            s.contains("GPU memory in use at most: 3.00 MB, held by the memory pool at most: 6.00 MB"),
+            "{s}"
+        );
+        assert!(s.contains("the plan counted 8.00 MB: in use 37.5%, held 75.0% of it"), "{s}");
         assert!(
             s.contains("steady state (steps after the first): 2000.0 ms/step, 4 tokens/s, 4.0 model TFLOP/s"),
             "{s}"

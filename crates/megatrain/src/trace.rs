@@ -148,7 +148,7 @@ mod tests {
             h2d_bytes: 1234,
             d2h_bytes: 567,
             kept_bytes: 0,
-            device_peak_bytes: None,
+            device_peak: None,
             streams: stream_stats(&spans, step_s),
             spans,
         }

@@ -469,7 +469,7 @@ fn run<B: Backend>(
         rss_bytes: rss_bytes(),
         planned_host_bytes: crate::estimate::host_bytes(&plan, args.device),
         kept_bytes: (totals.kept_bytes(), plan.gpu.kept),
-        device_peak_bytes: (totals.device_peak_bytes(), plan.gpu.total),
+        device_peak: (totals.device_peak(), plan.gpu.total),
         flops_per_step: plan.flops_per_step,
         later_step_s: (!later_s.is_empty()).then(|| later_s.iter().sum::<f64>() / later_s.len() as f64),
         store_path: store.path().map(Path::to_owned),

@@ -6,8 +6,9 @@
 //! writes whole lines through the write-combining buffers without that read, and does not evict
 //! the master, `m` and `v` lines the update is working on. On the H200 machines' 16-core Xeon the
 //! fused bf16 AdamW is bound by DRAM bandwidth (it runs as fast as a loop that only adds the
-//! gradient to `p`, `m` and `v`), and streaming its upload copy made it 10% faster (5.09 vs 4.60
-//! Gparam/s, 256M parameters, 2026-11-23).
+//! gradient to `p`, `m` and `v`), and streaming its upload copy made it 4.5-5% faster in an
+//! interleaved A/B (medians 5.05 -> 5.28 and 4.94 -> 5.19 Gparam/s, 256M parameters, 2026-11-23;
+//! `results/2026-11-23-streaming-stores-h200/`).
 //!
 //! Streaming stores are weakly ordered: the thread that issued them must fence before any other
 //! thread or device may read the memory. [`Writer`] fences when it is dropped.
@@ -19,11 +20,13 @@
 /// is visible to every thread and device before any later store of the thread that dropped it
 /// (the rayon latch that publishes a task's completion among them). Create one per rayon task, not
 /// per block: a fence waits for the write-combining buffers to drain.
-pub(crate) struct Writer(());
+/// It is neither `Send` nor `Sync` (the raw-pointer marker): the fence must run on the thread that
+/// issued the stores. Leaking it (`mem::forget`) would skip the fence; nothing here does.
+pub(crate) struct Writer(std::marker::PhantomData<*const ()>);
 
 impl Writer {
     pub(crate) fn new() -> Self {
-        Writer(())
+        Writer(std::marker::PhantomData)
     }
 
     /// Copies `src` into `dst` (same length) with streaming stores where the CPU has them (x86-64:

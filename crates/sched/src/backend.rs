@@ -94,9 +94,20 @@ pub trait Backend {
     /// the copy operations themselves, not derived from the program).
     fn transferred(&self) -> (u64, u64);
 
-    /// Most device memory ever in use at once by the engine's allocations since the backend was
-    /// made (the CUDA backend: its stream-ordered memory pool's high-water mark), if measurable.
-    fn device_peak_bytes(&self) -> Option<u64> {
+    /// High-water marks of device memory since the backend was made, if measurable (the CUDA
+    /// backend: its stream-ordered memory pool's).
+    fn device_peak(&self) -> Option<DevicePeak> {
         None
     }
+}
+
+/// High-water marks of device memory, running maxima since the backend was made (setup, steps
+/// and evaluations alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DevicePeak {
+    /// The most memory in use by allocations at once.
+    pub used: u64,
+    /// The most memory the allocator held from the driver at once (used plus what it kept free:
+    /// fragmentation); what runs out first.
+    pub reserved: u64,
 }

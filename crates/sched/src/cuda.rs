@@ -20,7 +20,7 @@ use candle_core::{Device, Tensor};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use mt_store::Staging;
 
-use crate::backend::{Backend, HostJob, Span};
+use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::cuda_ffi;
 use crate::program::Stream;
 use crate::worker::{CpuEvent, CpuOptions, Workers};
@@ -305,8 +305,9 @@ impl Backend for CudaBackend {
         self.workers.clock.transferred()
     }
 
-    fn device_peak_bytes(&self) -> Option<u64> {
-        cuda_ffi::pool_used_high(&self.ctx).ok().filter(|&b| b > 0)
+    fn device_peak(&self) -> Option<DevicePeak> {
+        let (used, reserved) = cuda_ffi::pool_high_water(&self.ctx).ok()?;
+        (used > 0).then_some(DevicePeak { used, reserved })
     }
 
     /// Host spans (wall clock) and GPU spans (CUDA event time since the step's origin event);

@@ -59,26 +59,30 @@ pub(crate) fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
     })
 }
 
-/// The device's default memory pool's high-water mark of memory in use by allocations
-/// (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`): every stream-ordered allocation candle makes, not the
-/// context, modules or library workspaces allocated outside the pool.
-pub(crate) fn pool_used_high(ctx: &CudaContext) -> Result<u64> {
+/// The device's default memory pool's high-water marks `(used, reserved)`:
+/// `CU_MEMPOOL_ATTR_USED_MEM_HIGH` (memory in use by allocations) and `RESERVED_MEM_HIGH` (memory
+/// the pool held from the driver: used plus what fragmentation kept free). Every stream-ordered
+/// allocation candle makes counts; the context, modules and library workspaces allocated outside
+/// the pool do not.
+pub(crate) fn pool_high_water(ctx: &CudaContext) -> Result<(u64, u64)> {
     ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: pool is a valid out-pointer; the device handle comes from a live context.
     check("cuDeviceGetDefaultMemPool", unsafe {
         sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
     })?;
-    let mut high: u64 = 0;
-    // SAFETY: USED_MEM_HIGH writes one u64 through the pointer, which lives across the call.
-    check("cuMemPoolGetAttribute(USED_MEM_HIGH)", unsafe {
-        sys::cuMemPoolGetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-            (&mut high as *mut u64).cast(),
-        )
-    })?;
-    Ok(high)
+    let get = |attr, what| -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: both high-water attributes write one u64 through the pointer, which lives
+        // across the call; the pool handle is the device's default pool.
+        check(what, unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) })?;
+        Ok(v)
+    };
+    use sys::CUmemPool_attribute::{CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, CU_MEMPOOL_ATTR_USED_MEM_HIGH};
+    Ok((
+        get(CU_MEMPOOL_ATTR_USED_MEM_HIGH, "cuMemPoolGetAttribute(USED_MEM_HIGH)")?,
+        get(CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, "cuMemPoolGetAttribute(RESERVED_MEM_HIGH)")?,
+    ))
 }
 
 // The original (pre-12.8) entry point: every driver since CUDA 2 exports it for old binaries,

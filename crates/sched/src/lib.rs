@@ -22,7 +22,7 @@ pub mod simulate;
 pub mod stats;
 mod worker;
 
-pub use backend::Backend;
+pub use backend::{Backend, DevicePeak};
 pub use batch::{Batch, IGNORE_INDEX};
 pub use cpu::{CpuBackend, CpuOptions};
 #[cfg(feature = "cuda")]

@@ -10,7 +10,7 @@ use mt_optim::{AdamW, Grad, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
 use mt_store::{GradMut, GradRef, HostStore, RecordGuard, Staging, StoreState, UploadDtype};
 
-use crate::backend::{Backend, HostJob, Span};
+use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
 use crate::program::{HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 use crate::stats::{stream_stats, StreamStats};
@@ -46,8 +46,8 @@ pub struct StepReport {
     /// (`LayerState::bytes`, all of them alive at the loss): what the plan counts as
     /// `GpuBytes::kept`.
     pub kept_bytes: u64,
-    /// Most device memory in use at once so far ([`Backend::device_peak_bytes`]), after this step.
-    pub device_peak_bytes: Option<u64>,
+    /// Device memory high-water marks so far ([`Backend::device_peak`]), after this step.
+    pub device_peak: Option<DevicePeak>,
     /// Every operation's span (for traces).
     pub spans: Vec<Span>,
 }
@@ -344,7 +344,7 @@ impl<B: Backend> Engine<B> {
             d2h_bytes,
             streams: stream_stats(&spans, step_s),
             kept_bytes: self.kept_bytes,
-            device_peak_bytes: self.backend.device_peak_bytes(),
+            device_peak: self.backend.device_peak(),
             spans,
         })
     }
