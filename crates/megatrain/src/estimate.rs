@@ -77,6 +77,12 @@ fn gib_to_bytes(g: f64) -> u64 {
     (g * (1u64 << 30) as f64) as u64
 }
 
+/// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 9.0 or
+/// more, as `mt_layers::fused_kernels` requires of a real device).
+fn fused_kernels(args: &EstimateArgs) -> bool {
+    args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 9.0
+}
+
 /// Plans the run and prices it.
 pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let model = ModelSource::from_args(args.model.as_deref(), args.config.as_deref())?;
@@ -102,8 +108,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         resident_layers: args.resident_layers.choice(args.device, false),
         kept_layers: args.kept_layers.choice(args.device, false),
         held_layers: args.held_layers.choice(args.device, false),
-        // A GPU is assumed to be a Hopper or later one (the fused bf16 kernels).
-        fused_kernels: args.device == DeviceKind::Cuda && args.precision == Precision::Bf16,
+        // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
+        fused_kernels: fused_kernels(args),
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
@@ -230,7 +236,8 @@ impl Estimate {
             "step_s": self.step_s,
             "tokens_per_s": (p.batch * p.seq) as f64 / self.step_s,
             "model_tflops": p.flops_per_step / self.step_s / 1e12,
-            "assumed": {"tflops": args.tflops, "pcie_gbs": args.pcie_gbs, "host_gbs": args.host_gbs},
+            "assumed": {"tflops": args.tflops, "pcie_gbs": args.pcie_gbs, "host_gbs": args.host_gbs,
+                        "compute_capability": args.compute_capability, "fused_kernels": fused_kernels(args)},
         })
     }
 }
@@ -325,5 +332,24 @@ mod tests {
             estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "off", "--held-layers", "0"]);
         let o = 788_007_936.0;
         assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
+    }
+
+    /// A pre-Hopper GPU runs candle's ops, whose transient memory is counted larger: the same
+    /// 3.6B step on an 8.0 device plans more workspace and keeps fewer layers' activations.
+    #[test]
+    fn the_compute_capability_decides_which_workspace_is_counted() {
+        let hopper = estimate_3_6b(&[]);
+        let ampere = estimate_3_6b(&["--compute-capability", "8.0"]);
+        assert!(
+            hopper.plan.gpu.workspace < ampere.plan.gpu.workspace / 2,
+            "{} vs {}",
+            hopper.plan,
+            ampere.plan
+        );
+        assert!(hopper.plan.kept_layers > ampere.plan.kept_layers, "{} vs {}", hopper.plan, ampere.plan);
+        assert_eq!(
+            estimate_3_6b(&["--compute-capability", "9.0"]).plan.gpu.workspace,
+            hopper.plan.gpu.workspace
+        );
     }
 }

@@ -88,6 +88,12 @@ pub struct EstimateArgs {
     /// Host memory in GiB [default: MemAvailable of this machine].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub host_mem: Option<f64>,
+    /// Compute capability of the GPU the estimate is for (`major.minor`, e.g. `8.0` for an A100).
+    /// At 9.0 and above bf16 runs through the fused kernels, whose transient memory the planner
+    /// counts smaller than candle's ops' (bf16 scores and logits); `megatrain train` reads the
+    /// real device instead.
+    #[arg(long, default_value_t = 9.0, value_name = "MAJOR.MINOR", value_parser = positive_f64)]
+    pub compute_capability: f64,
     /// Sustained TFLOP/s of the device's compute stream alone, recompute included (measured on an
     /// H200 with every layer resident at 4 x 2048 tokens per step: 413; streamed at 16 x 2048:
     /// 443 over its busy time; 2026-11-23). On the CPU, measure your own.
