@@ -133,12 +133,8 @@ extern "C" __global__ void mt_rope(const unsigned short* __restrict__ x, const u
     }
 }
 
-// Cross-entropy over one block of logits rows (bf16 [rows, V], from the LM-head GEMM), one
-// CUDA block per row, statistics in f32 as the candle path (logits rounded to bf16, then f32):
-//   m = max_j l_j, z = sum_j exp(l_j - m), ce = m + ln z - l[target].
-__device__ __forceinline__ void row_max_sum(const unsigned short* lr, int V, float* sh, float* m_out, float* z_out) {
-    float m = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, bf2f(lr[j]));
+// The block's maximum of `v` (every thread gets it), as `block_sum` sums.
+__device__ __forceinline__ float block_max(float m, float* sh) {
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (lane == 0) sh[warp] = m;
@@ -151,6 +147,16 @@ __device__ __forceinline__ void row_max_sum(const unsigned short* lr, int V, flo
     __syncthreads();
     m = sh[0];
     __syncthreads();
+    return m;
+}
+
+// Cross-entropy over one block of logits rows (bf16 [rows, V], from the LM-head GEMM), one
+// CUDA block per row, statistics in f32 as the candle path (logits rounded to bf16, then f32):
+//   m = max_j l_j, z = sum_j exp(l_j - m), ce = m + ln z - l[target].
+__device__ __forceinline__ void row_max_sum(const unsigned short* lr, int V, float* sh, float* m_out, float* z_out) {
+    float m = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, bf2f(lr[j]));
+    m = block_max(m, sh);
     float z = 0.0f;
     for (int j = threadIdx.x; j < V; j += blockDim.x) z += expf(bf2f(lr[j]) - m);
     z = block_sum(z, sh);
@@ -222,18 +228,7 @@ __device__ __forceinline__ void row_max_sum8(const uint4* __restrict__ lr, int G
                 for (int e = 0; e < 8; ++e) m = fmaxf(m, x[e]);
             }
     }
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    if (lane == 0) sh[warp] = m;
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < nw ? sh[lane] : __int_as_float(0xff800000);
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) sh[0] = m;
-    }
-    __syncthreads();
-    m = sh[0];
-    __syncthreads();
+    m = block_max(m, sh);
     float z = 0.0f;
     for (int g0 = threadIdx.x; g0 < G; g0 += CE_UNROLL * step) {
         uint4 u[CE_UNROLL];
