@@ -95,9 +95,10 @@ pub struct EstimateArgs {
     #[arg(long, default_value_t = 9.0, value_name = "MAJOR.MINOR", value_parser = positive_f64)]
     pub compute_capability: f64,
     /// Sustained TFLOP/s of the device's compute stream alone, recompute included (measured on an
-    /// H200 with every layer resident at 4 x 2048 tokens per step: 413; streamed at 16 x 2048:
-    /// 443 over its busy time; 2026-11-23). On the CPU, measure your own.
-    #[arg(long, default_value_t = 420.0, value_parser = positive_f64)]
+    /// H200 with every layer resident, build 1b473bc: 467 at 4 x 2048 tokens per step with every
+    /// layer's activations kept, 474 at 16 x 2048 counting the 24 layers' recompute; 2026-11-23).
+    /// On the CPU, measure your own.
+    #[arg(long, default_value_t = 465.0, value_parser = positive_f64)]
     pub tflops: f64,
     /// PCIe bandwidth per direction in GB/s with both directions busy (H200 machine: 50.9).
     #[arg(long, default_value_t = 50.0, value_parser = positive_f64)]
