@@ -384,3 +384,127 @@ extern "C" __global__ void mt_softmax_bwd_warp8(const unsigned short* __restrict
         }
     }
 }
+
+// ---- Block-per-row kernels for rows longer than WARP_ROW_MAX whose length is a multiple of 8 ----
+// The same formulas as mt_causal_softmax_fwd / mt_softmax_bwd, over 16-byte groups of 8 keys
+// (thread x owns the groups x, x + blockDim, ...), BLOCK8_UNROLL loads in flight a thread; only
+// groups that reach the diagonal are read. The statistics are summed in another order than the
+// one-element kernels (so they may differ in the last bits); the backward recomputes P with
+// `probf` from the forward's own (m, z), so within a pair P is the forward's bit for bit.
+#define BLOCK8_UNROLL 4
+
+extern "C" __global__ void mt_causal_softmax_fwd_block8(const unsigned short* __restrict__ s, unsigned short* __restrict__ pb,
+                                                         float* __restrict__ stats, int t, float c) {
+    __shared__ float sh[32];
+    const size_t row = blockIdx.x;
+    const int i = (int)(row % (size_t)t);
+    const uint4* sr = reinterpret_cast<const uint4*>(s + row * (size_t)t);
+    uint4* pr = reinterpret_cast<uint4*>(pb + row * (size_t)t);
+    const int G = t / 8, live = i / 8 + 1, step = blockDim.x;  // groups 0..live-1 hold keys <= i
+    float m = __int_as_float(0xff800000);
+    for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
+        uint4 u[BLOCK8_UNROLL];
+#pragma unroll
+        for (int k = 0; k < BLOCK8_UNROLL; ++k)
+            if (g0 + k * step < live) u[k] = sr[g0 + k * step];
+#pragma unroll
+        for (int k = 0; k < BLOCK8_UNROLL; ++k) {
+            const int g = g0 + k * step;
+            if (g < live) {
+                float x[8];
+                unpack8(u[k], x);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (8 * g + e <= i) m = fmaxf(m, c * x[e]);
+            }
+        }
+    }
+    m = block_reduce(m, sh, true);
+    float z = 0.0f;
+    for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
+        uint4 u[BLOCK8_UNROLL];
+#pragma unroll
+        for (int k = 0; k < BLOCK8_UNROLL; ++k)
+            if (g0 + k * step < live) u[k] = sr[g0 + k * step];
+#pragma unroll
+        for (int k = 0; k < BLOCK8_UNROLL; ++k) {
+            const int g = g0 + k * step;
+            if (g < live) {
+                float x[8];
+                unpack8(u[k], x);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) z += 8 * g + e <= i ? expf(c * x[e] - m) : 0.0f;
+            }
+        }
+    }
+    z = block_reduce(z, sh, false);
+    for (int g = threadIdx.x; g < G; g += step) {
+        unsigned short o[8];
+        if (g < live) {
+            float x[8];
+            unpack8(sr[g], x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = 8 * g + e <= i ? f2bf(probf(x[e], c, m, z)) : (unsigned short)0;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = 0;
+        }
+        pr[g] = pack8(o);
+    }
+    if (threadIdx.x == 0) {
+        stats[2 * row] = m;
+        stats[2 * row + 1] = z;
+    }
+}
+
+extern "C" __global__ void mt_softmax_bwd_block8(const unsigned short* __restrict__ dp, const unsigned short* __restrict__ s,
+                                                 const float* __restrict__ stats, unsigned short* __restrict__ ds, int t,
+                                                 float c) {
+    __shared__ float sh[32];
+    const size_t row = blockIdx.x;
+    const int i = (int)(row % (size_t)t);
+    const uint4* dpr = reinterpret_cast<const uint4*>(dp + row * (size_t)t);
+    const uint4* sr = reinterpret_cast<const uint4*>(s + row * (size_t)t);
+    uint4* dsr = reinterpret_cast<uint4*>(ds + row * (size_t)t);
+    const float m = stats[2 * row], z = stats[2 * row + 1];
+    const int G = t / 8, live = i / 8 + 1, step = blockDim.x;
+    float acc = 0.0f;
+    for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
+        uint4 us[BLOCK8_UNROLL], ug[BLOCK8_UNROLL];
+#pragma unroll
+        for (int k = 0; k < BLOCK8_UNROLL; ++k)
+            if (g0 + k * step < live) {
+                us[k] = sr[g0 + k * step];
+                ug[k] = dpr[g0 + k * step];
+            }
+#pragma unroll
+        for (int k = 0; k < BLOCK8_UNROLL; ++k) {
+            const int g = g0 + k * step;
+            if (g < live) {
+                float sv[8], gv[8];
+                unpack8(us[k], sv);
+                unpack8(ug[k], gv);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc += gv[e] * (8 * g + e <= i ? probf(sv[e], c, m, z) : 0.0f);
+            }
+        }
+    }
+    acc = block_reduce(acc, sh, false);
+    for (int g = threadIdx.x; g < G; g += step) {
+        unsigned short o[8];
+        if (g < live) {
+            float sv[8], gv[8];
+            unpack8(sr[g], sv);
+            unpack8(dpr[g], gv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float pj = 8 * g + e <= i ? probf(sv[e], c, m, z) : 0.0f;
+                o[e] = f2bf(c * pj * (gv[e] - acc));
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = 0;
+        }
+        dsr[g] = pack8(o);
+    }
+}

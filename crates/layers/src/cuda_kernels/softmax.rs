@@ -2,7 +2,7 @@
 //! probabilities and per-row statistics) and its backward (the f32 probabilities recomputed bit
 //! for bit), warp-per-row for rows of up to `WARP_ROW_MAX` keys (the `_warp8` kernels, which
 //! issue a row's loads all at once, when the row length is a multiple of 8), block-per-row
-//! beyond.
+//! beyond (the `_block8` kernels, 16-byte loads, when it is a multiple of 8).
 
 use std::sync::OnceLock;
 
@@ -64,10 +64,12 @@ impl CustomOp1 for CausalSoftmax {
         let dev = s.device();
         let src = s.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
         // The warp kernel's 16-byte accesses need 16-byte aligned rows: an aligned view start.
-        let warp = t <= WARP_ROW_MAX && l.start_offset().is_multiple_of(8);
-        let kernel = match (warp, self.warp8 && t % 8 == 0) {
+        let aligned = l.start_offset().is_multiple_of(8);
+        let warp = t <= WARP_ROW_MAX && aligned;
+        let kernel = match (warp, self.warp8 && t.is_multiple_of(8)) {
             (true, true) => "mt_causal_softmax_fwd_warp8",
             (true, false) => "mt_causal_softmax_fwd_warp",
+            (false, true) if aligned => "mt_causal_softmax_fwd_block8",
             (false, _) => "mt_causal_softmax_fwd",
         };
         let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
@@ -91,9 +93,10 @@ impl CustomOp1 for CausalSoftmax {
         // region as float*: it starts at an even bf16 index of a fresh allocation, so 4-byte
         // aligned, and holds 2 f32 per row; the warp kernel also takes the row count as i64);
         // one block per row, or one warp per row for rows of at most WARP_ROW_MAX elements
-        // (16-byte accesses, and the `_warp8` kernel, only when t % 8 == 0 and the view starts
-        // at a multiple of 8 elements of candle's 256-byte aligned allocation, so every row
-        // start is 16-byte aligned); src holds rows * t elements, pb rows * t, stats 2 * rows f32.
+        // (16-byte accesses, and the `_warp8` and `_block8` kernels, only when t % 8 == 0 and the
+        // view starts at a multiple of 8 elements of candle's 256-byte aligned allocation, so
+        // every row start is 16-byte aligned); src holds rows * t elements, pb rows * t, stats
+        // 2 * rows f32.
         unsafe { b.launch(softmax_cfg(rows, warp)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(len)))
     }
@@ -131,11 +134,12 @@ impl CustomOp3 for SoftmaxBackward {
         let dps = dp.as_cuda_slice::<bf16>()?.slice(ldp.start_offset()..);
         let ss = s.as_cuda_slice::<bf16>()?.slice(ls.start_offset()..);
         let st = stats.as_cuda_slice::<bf16>()?.slice(lst.start_offset()..);
-        let warp =
-            t <= WARP_ROW_MAX && ldp.start_offset().is_multiple_of(8) && ls.start_offset().is_multiple_of(8);
-        let kernel = match (warp, self.warp8 && t % 8 == 0) {
+        let aligned = ldp.start_offset().is_multiple_of(8) && ls.start_offset().is_multiple_of(8);
+        let warp = t <= WARP_ROW_MAX && aligned;
+        let kernel = match (warp, self.warp8 && t.is_multiple_of(8)) {
             (true, true) => "mt_softmax_bwd_warp8",
             (true, false) => "mt_softmax_bwd_warp",
+            (false, true) if aligned => "mt_softmax_bwd_block8",
             (false, _) => "mt_softmax_bwd",
         };
         let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
@@ -155,9 +159,9 @@ impl CustomOp3 for SoftmaxBackward {
         // SAFETY: argument types match the kernel's signature; the stats view starts at an even
         // bf16 offset of its allocation (checked above; [`causal_softmax`] made it 4-byte
         // aligned) and holds 2 f32 per row; one block (or, as in the forward, one warp) per row,
-        // the `_warp8` kernel only under the forward's alignment conditions (t % 8 == 0, views
-        // at multiples of 8 elements); dP, S and dS hold rows * t elements, contiguous from
-        // their views' starts.
+        // the `_warp8` and `_block8` kernels only under the forward's alignment conditions
+        // (t % 8 == 0, views at multiples of 8 elements); dP, S and dS hold rows * t elements,
+        // contiguous from their views' starts.
         unsafe { b.launch(softmax_cfg(rows, warp)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), ldp.shape().clone()))
     }
@@ -233,7 +237,8 @@ mod gpu_tests {
         x.flatten_all().unwrap().to_device(&Device::Cpu).unwrap().to_vec1::<bf16>().unwrap()
     }
 
-    /// Every path (warp8: t % 8 == 0; warp: other t; block: t > WARP_ROW_MAX), rows shorter and
+    /// Every path (warp8: t % 8 == 0; warp: other t; block8 and block: t > WARP_ROW_MAX, a multiple
+    /// of 8 or not), rows shorter and
     /// longer than a 256-key chunk, against an f64 evaluation of the same formulas from the same
     /// bf16 inputs: P within one bf16 ulp (2^-7 relative: a correctly rounded result is within
     /// 2^-8, the f32 evaluation may round the other way near a tie), dS within one bf16 ulp plus
@@ -242,7 +247,7 @@ mod gpu_tests {
     fn softmax_kernels_match_an_f64_reference() {
         let dev = Device::new_cuda(0).expect("this test needs a CUDA device");
         let scale = 1.0 / 128f64.sqrt();
-        for t in [13usize, 64, 200, 520, 2048, 2056] {
+        for t in [13usize, 64, 200, 520, 2048, 2053, 2056, 4096] {
             let (s, dp) = inputs(t, t as u64);
             let (sd, dpd) = (s.to_device(&dev).unwrap(), dp.to_device(&dev).unwrap());
             let (p, stats) = causal_softmax(&sd, scale).unwrap();
