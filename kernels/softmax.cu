@@ -393,6 +393,14 @@ extern "C" __global__ void mt_softmax_bwd_warp8(const unsigned short* __restrict
 // `probf` from the forward's own (m, z), so within a pair P is the forward's bit for bit.
 #define BLOCK8_UNROLL 4
 
+// u[k] = p[g0 + k * step] for the k with g0 + k * step < n: a thread's next BLOCK8_UNROLL groups,
+// all loads issued before any is used.
+__device__ __forceinline__ void load_groups(const uint4* __restrict__ p, int g0, int step, int n, uint4* u) {
+#pragma unroll
+    for (int k = 0; k < BLOCK8_UNROLL; ++k)
+        if (g0 + k * step < n) u[k] = p[g0 + k * step];
+}
+
 extern "C" __global__ void mt_causal_softmax_fwd_block8(const unsigned short* __restrict__ s, unsigned short* __restrict__ pb,
                                                          float* __restrict__ stats, int t, float c) {
     __shared__ float sh[32];
@@ -404,9 +412,7 @@ extern "C" __global__ void mt_causal_softmax_fwd_block8(const unsigned short* __
     float m = __int_as_float(0xff800000);
     for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
         uint4 u[BLOCK8_UNROLL];
-#pragma unroll
-        for (int k = 0; k < BLOCK8_UNROLL; ++k)
-            if (g0 + k * step < live) u[k] = sr[g0 + k * step];
+        load_groups(sr, g0, step, live, u);
 #pragma unroll
         for (int k = 0; k < BLOCK8_UNROLL; ++k) {
             const int g = g0 + k * step;
@@ -423,9 +429,7 @@ extern "C" __global__ void mt_causal_softmax_fwd_block8(const unsigned short* __
     float z = 0.0f;
     for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
         uint4 u[BLOCK8_UNROLL];
-#pragma unroll
-        for (int k = 0; k < BLOCK8_UNROLL; ++k)
-            if (g0 + k * step < live) u[k] = sr[g0 + k * step];
+        load_groups(sr, g0, step, live, u);
 #pragma unroll
         for (int k = 0; k < BLOCK8_UNROLL; ++k) {
             const int g = g0 + k * step;
@@ -471,12 +475,8 @@ extern "C" __global__ void mt_softmax_bwd_block8(const unsigned short* __restric
     float acc = 0.0f;
     for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
         uint4 us[BLOCK8_UNROLL], ug[BLOCK8_UNROLL];
-#pragma unroll
-        for (int k = 0; k < BLOCK8_UNROLL; ++k)
-            if (g0 + k * step < live) {
-                us[k] = sr[g0 + k * step];
-                ug[k] = dpr[g0 + k * step];
-            }
+        load_groups(sr, g0, step, live, us);
+        load_groups(dpr, g0, step, live, ug);
 #pragma unroll
         for (int k = 0; k < BLOCK8_UNROLL; ++k) {
             const int g = g0 + k * step;
