@@ -211,14 +211,20 @@ __device__ __forceinline__ void unpack8(uint4 u, float* out) {
 
 #define CE_UNROLL 4
 
+// u[k] = p[g0 + k * step] for the k with g0 + k * step < n: a thread's next CE_UNROLL groups, all
+// loads issued before any is used.
+__device__ __forceinline__ void load_groups(const uint4* __restrict__ p, int g0, int step, int n, uint4* u) {
+#pragma unroll
+    for (int k = 0; k < CE_UNROLL; ++k)
+        if (g0 + k * step < n) u[k] = p[g0 + k * step];
+}
+
 __device__ __forceinline__ void row_max_sum8(const uint4* __restrict__ lr, int G, float* sh, float* m_out, float* z_out) {
     const int step = blockDim.x;
     float m = __int_as_float(0xff800000);
     for (int g0 = threadIdx.x; g0 < G; g0 += CE_UNROLL * step) {
         uint4 u[CE_UNROLL];
-#pragma unroll
-        for (int k = 0; k < CE_UNROLL; ++k)
-            if (g0 + k * step < G) u[k] = lr[g0 + k * step];
+        load_groups(lr, g0, step, G, u);
 #pragma unroll
         for (int k = 0; k < CE_UNROLL; ++k)
             if (g0 + k * step < G) {
@@ -232,9 +238,7 @@ __device__ __forceinline__ void row_max_sum8(const uint4* __restrict__ lr, int G
     float z = 0.0f;
     for (int g0 = threadIdx.x; g0 < G; g0 += CE_UNROLL * step) {
         uint4 u[CE_UNROLL];
-#pragma unroll
-        for (int k = 0; k < CE_UNROLL; ++k)
-            if (g0 + k * step < G) u[k] = lr[g0 + k * step];
+        load_groups(lr, g0, step, G, u);
 #pragma unroll
         for (int k = 0; k < CE_UNROLL; ++k)
             if (g0 + k * step < G) {
@@ -273,9 +277,7 @@ extern "C" __global__ void __launch_bounds__(1024) mt_ce_grad8(const unsigned sh
     const unsigned tg = target[blockIdx.x];
     for (int g0 = threadIdx.x; g0 < G; g0 += CE_UNROLL * step) {
         uint4 u[CE_UNROLL];
-#pragma unroll
-        for (int k = 0; k < CE_UNROLL; ++k)
-            if (g0 + k * step < G) u[k] = lr[g0 + k * step];
+        load_groups(lr, g0, step, G, u);
 #pragma unroll
         for (int k = 0; k < CE_UNROLL; ++k) {
             const int g = g0 + k * step;
