@@ -88,8 +88,11 @@ fn softmax_last(s: &Tensor) -> Result<Tensor> {
 }
 
 /// Forward. `q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]` (after RoPE), compute dtype.
-/// `scores = (q kᵀ) · hd^-1/2` in the compute dtype (transformers scales after the product),
-/// causal mask, softmax in the statistics dtype, probabilities cast back, `o = P v`.
+/// `scores = q kᵀ` in the compute dtype, cast to the statistics dtype and scaled there by
+/// `hd^-1/2` (one rounding, as the fused kernel; transformers' eager path scales in the compute
+/// dtype, rounding twice), causal mask, softmax in the statistics dtype, probabilities cast back,
+/// `o = P v`. On the candle path the scaled scores (and in the backward `c P`) are one more
+/// statistics-dtype temporary of the scores' size.
 /// Returns `o: [b, t, nh·hd]`.
 pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Tensor, AttnCache)> {
     let Dims { b, t, nh, nkv, hd } = d;
@@ -108,9 +111,10 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Te
         let o = swap12(&pb.matmul(&v)?.reshape((b, nh, t, hd))?)?.reshape((b, t, nh * hd))?;
         return Ok((o, AttnCache { q, k, v, p: Probs::Fused { s, pb, stats } }));
     }
-    let s = (q.matmul(&k.t()?)? * scale)?;
+    // The scale is applied in the statistics dtype, one rounding, as the fused kernel does.
+    let s = (q.matmul(&k.t()?)?.to_dtype(sd)? * scale)?;
     let mask = causal_mask(t, sd, q.device())?;
-    let s = s.to_dtype(sd)?.reshape((b, nkv, g, t, t))?.broadcast_add(&mask)?.reshape((b, nkv, g * t, t))?;
+    let s = s.reshape((b, nkv, g, t, t))?.broadcast_add(&mask)?.reshape((b, nkv, g * t, t))?;
     let p = softmax_last(&s)?;
     let o = p.to_dtype(dtype)?.matmul(&v)?;
     let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
@@ -146,10 +150,9 @@ pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims) -> Result<(Tens
     let dv = p.to_dtype(dtype)?.t()?.matmul(&d_o)?;
     let dp = d_o.matmul(&cache.v.t()?)?.to_dtype(p.dtype())?;
     let row = (&dp * p)?.sum_keepdim(D::Minus1)?;
-    let ds = (p * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
-    let dq = (ds.matmul(&cache.k)? * scale)?;
-    let dk = (ds.t()?.matmul(&cache.q)? * scale)?;
-    heads_last(dq, dk, dv, d)
+    // The scale folded into dS before its rounding, `(c P) ⊙ (dP - row)`, as the fused kernel.
+    let ds = ((p * scale)? * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
+    heads_last(ds.matmul(&cache.k)?, ds.t()?.matmul(&cache.q)?, dv, d)
 }
 
 /// `dq [b, nkv, g·t, hd]`, `dk, dv [b, nkv, t, hd]` back to `[b, t, heads, hd]`, contiguous.

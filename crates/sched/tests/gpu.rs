@@ -327,12 +327,26 @@ fn cuda_bias_gradient_column_sums_match_the_cpu() {
         // row left out or counted twice moves a sum by ~1.
         let worst =
             on_cpu.iter().zip(&on_gpu).map(|(a, b)| f64::from((a - b).abs())).fold(0.0, f64::max) / n as f64;
-        let moved = on_cpu.iter().zip(init.to_vec1::<f32>().unwrap()).filter(|(a, b)| **a != *b).count();
+        // Which elements the sum changed, on each device: the bias's w columns (a column whose
+        // random rows sum to exactly zero stays; 2026-11-23 one of 128 did at n = 5, on both).
+        let init = init.to_vec1::<f32>().unwrap();
+        let changed = |x: &[f32]| -> Vec<usize> { (0..x.len()).filter(|&i| x[i] != init[i]).collect() };
+        let (moved_cpu, moved_gpu) = (changed(&on_cpu), changed(&on_gpu));
         let repeat = on_gpu.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
-        eprintln!("SUMMARY gpu bias column sums n={n} w={w}: worst |gpu - cpu| / n {worst:.2e}; {moved} changed; repeat bitwise {repeat}");
+        eprintln!(
+            "SUMMARY gpu bias column sums n={n} w={w}: worst |gpu - cpu| / n {worst:.2e}; {} changed on the GPU, {} on the CPU; repeat bitwise {repeat}",
+            moved_gpu.len(),
+            moved_cpu.len()
+        );
         assert!(
-            moved == w && worst < 1e-6 && repeat,
-            "n={n}: worst {worst:.2e}, moved {moved}, repeat {repeat}"
+            moved_gpu == moved_cpu
+                && moved_cpu.len() + 1 >= w
+                && moved_cpu.len() <= w
+                && worst < 1e-6
+                && repeat,
+            "n={n}: worst {worst:.2e}, moved {} (CPU {}), repeat {repeat}",
+            moved_gpu.len(),
+            moved_cpu.len()
         );
     }
 }
@@ -383,20 +397,23 @@ fn cuda_fused_adamw_writes_the_cast_of_its_master_and_matches_the_cpu() {
 }
 
 /// The bf16 GPU engine against the CPU engine *in bf16* (the same roundings by design: the
-/// kernels reproduce candle's bf16 sequence): what the backend itself adds, apart from bf16's own
-/// error against fp32 (which the test above bounds, and where Qwen3's q/k norm gradient needs
-/// 3e-2 on either backend). Bound: every gradient within 2e-2 per tensor, losses within 1e-3 —
-/// except Qwen3's q/k-norm weights, held to 3e-2: their gradient is a sum over every token and
-/// head of bf16 products that largely cancel, and the two bf16 engines' roundings (cuBLAS vs the
-/// CPU GEMM, the fused softmax) leave 2.3e-2 between them (H200, commit ef38d10).
+/// kernels reproduce the candle path's bf16 sequence, and the candle attention scales its scores
+/// in f32 and folds the scale into dS before rounding, as the fused softmax kernels do): what the
+/// backend itself adds, apart from bf16's own error against fp32 (which the test above bounds).
+/// Bound: every gradient within 2e-2 per tensor, Qwen3's q/k-norm weights included; every step's
+/// loss within 1e-3; after 3 steps, at least 99.5% of the weights within 2e-2 of their tensor's
+/// largest (a per-tensor bound cannot hold there: where a gradient is near zero, AdamW's first
+/// steps move a weight by up to ±lr whatever its size, as between any two fp32 engines in
+/// `tests/golden.rs`, so single elements differ by a few lr; the 99.5% is that test's). Measured
+/// on an H200 (2026-11-23): worst gradient 1.27e-2, q/k norms 1.23e-2; weights 99.80-99.91%
+/// within 2e-2, worst 3.8·lr (three steps on other batches leave only 37-40% within it: measured
+/// on the CPU engine, bf16). Before the candle attention rounded like the kernels (it rounded
+/// `q kᵀ` to bf16, scaled, and rounded again; likewise `dS K`), Qwen3's k_norm gradient was
+/// 2.29e-2 apart: its gradient is a sum over every token and head of bf16 products that largely
+/// cancel, so one more rounding of dq and dk on one side showed.
 ///
-/// Why that is the floor of this comparison, not a defect of either engine: each is measured
-/// against the exact gradient of the same bf16 weights ([`Golden::rounded_model_grads`]), every
-/// tensor within 2e-2 (the CPU engine's worst 1.8e-2 in `tests/golden.rs`). Two computations
-/// each ~1.7e-2 from that oracle with independent roundings are ~√2 · 1.7e-2 ≈ 2.4e-2 apart; on
-/// the CPU alone, computing only the attention in f32 instead of bf16 moves Qwen3's k_norm
-/// gradient by 1.6e-2 (2026-11-23). So the GPU is also held to 2e-2 against that oracle on every
-/// tensor, q/k norms included.
+/// Each engine is also held to 2e-2 against the exact gradient of the same bf16 weights
+/// ([`Golden::rounded_model_grads`]; the CPU engine in `tests/golden.rs`).
 ///
 /// [`Golden::rounded_model_grads`]: mt_testkit::golden::Golden::rounded_model_grads
 #[test]
@@ -406,26 +423,29 @@ fn cuda_bf16_engine_matches_the_cpu_engine_in_bf16() {
         let cpu = run_on(name, CpuBackend::on_device(Device::Cpu, CpuOptions::default()), DType::BF16, 2);
         let r = cuda_run(name, DType::BF16, 2, 11);
         let loss_rel: Vec<f64> = r.losses.iter().zip(&cpu.losses).map(|(a, b)| (a - b).abs() / b).collect();
-        let qk_norm = |n: &String| n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight");
-        let part = |m: &BTreeMap<String, Tensor>, qk: bool| -> BTreeMap<String, Tensor> {
-            m.iter().filter(|(n, _)| qk_norm(n) == qk).map(|(n, t)| (n.clone(), t.clone())).collect()
-        };
-        let grads = compare_maps(&part(&r.grads, false), &part(&cpu.grads, false), Tolerance { rel: 2e-2 });
-        let norms = compare_maps(&part(&r.grads, true), &part(&cpu.grads, true), Tolerance { rel: 3e-2 });
+        let grads = compare_maps(&r.grads, &cpu.grads, Tolerance { rel: 2e-2 });
+        let qk_norm = |n: &str| n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight");
+        let norms = grads
+            .tensors
+            .iter()
+            .filter(|t| qk_norm(&t.name))
+            .max_by(|a, b| a.rel_err().total_cmp(&b.rel_err()));
+        let (frac, worst_lr) = param_agreement(&r.params, &cpu.params, 2e-2);
         let oracle = golden::load(name).unwrap().rounded_model_grads(DType::BF16).unwrap();
         let exact = compare_maps(&r.grads, &oracle, Tolerance { rel: 2e-2 });
         let (wg, we) = (grads.worst().unwrap(), exact.worst().unwrap());
         eprintln!(
-            "SUMMARY gpu bf16 vs cpu bf16 {name}: losses rel [{}]; worst grad {:.2e} ({}); q/k norm {}; gpu vs its bf16 weights' exact gradient {:.2e} ({})",
+            "SUMMARY gpu bf16 vs cpu bf16 {name}: losses rel [{}]; worst grad {:.2e} ({}); q/k norm {}; weights after 3 steps {:.4}% within 2e-2, worst {worst_lr:.3}·lr; gpu vs its bf16 weights' exact gradient {:.2e} ({})",
             loss_rel.iter().map(|x| format!("{x:.2e}")).collect::<Vec<_>>().join(", "),
             wg.rel_err(),
             wg.name,
-            norms.worst().map_or("none".into(), |w| format!("{:.2e} ({})", w.rel_err(), w.name)),
+            norms.map_or("none".into(), |w| format!("{:.2e} ({})", w.rel_err(), w.name)),
+            100.0 * frac,
             we.rel_err(),
             we.name
         );
-        if !grads.is_ok() || !norms.is_ok() || !exact.is_ok() || loss_rel.iter().any(|x| *x > 1e-3) {
-            failures.push(format!("{name}\n{grads}\n{norms}\n{exact}"));
+        if !grads.is_ok() || frac < 0.995 || !exact.is_ok() || loss_rel.iter().any(|x| *x > 1e-3) {
+            failures.push(format!("{name}: weights {:.4}% within 2e-2\n{grads}\n{exact}", 100.0 * frac));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -475,8 +495,8 @@ fn cuda_bf16_landing_matches_the_hosts_narrowing() {
 /// holding the streamed layers' weights there from forward to backward (no re-cast, no second
 /// upload), train bitwise as recomputing and re-streaming: losses, first-step gradients and the
 /// weights after 3 steps, for every golden model in bf16 (the fused kernels) and fp32, streamed
-/// and with a resident layer. The bytes the kept layers held equal the planner's count on the
-/// bf16 path; a held layer's upload is saved.
+/// and with a resident layer. The bytes the kept layers held equal the planner's count (the
+/// fused kernels' in bf16, candle's ops' in fp32); a held layer's upload is saved.
 #[test]
 fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
     for name in GOLDEN_NAMES {
@@ -502,8 +522,11 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
                     let r = run(kept, held);
                     let what =
                         format!("{name} {dtype:?} {resident_layers} resident, {kept} kept, {held} held");
+                    // bf16 runs the fused kernels (the H200/H100 this test runs on: sm_90), f32
+                    // candle's ops (which keep more).
+                    let (e, fused) = if dtype == DType::BF16 { (2, true) } else { (4, false) };
                     let planned = kept as u64
-                        * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, 2, true);
+                        * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, e, fused);
                     let (same_losses, same_grads, same_params) = (
                         r.losses == full.losses,
                         bitwise_eq(&r.grads, &full.grads),
@@ -516,11 +539,8 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
                     assert!(same_losses, "{what}: losses {:?} vs {:?}", r.losses, full.losses);
                     assert!(same_grads, "{what}: gradients differ");
                     assert!(same_params, "{what}: weights after 3 steps differ");
-                    if dtype == DType::BF16 {
-                        assert_eq!(r.first.kept_bytes, planned, "{what}: kept bytes vs the planner's count");
-                    }
+                    assert_eq!(r.first.kept_bytes, planned, "{what}: kept bytes vs the planner's count");
                     assert_eq!(r.first.kept_bytes > 0, kept > 0, "{what}");
-                    let e = if dtype == DType::BF16 { 2 } else { 4 };
                     assert_eq!(
                         full.first.h2d_bytes - r.first.h2d_bytes,
                         held as u64 * layer * e,
