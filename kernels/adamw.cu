@@ -1,5 +1,6 @@
 // AdamW and the gradient's sum of squares for a unit whose optimizer state lives on the GPU (the
-// outer unit and the leading decoder layers the planner keeps resident). Compiled at run time with NVRTC, no headers.
+// outer unit and the leading decoder layers the planner keeps resident). Compiled at run time with NVRTC
+// after common.cuh, no CUDA headers.
 //
 // mt_adamw evaluates exactly the expressions of mt-optim's fused loop (crates/optim/src/adamw.rs,
 // `update_block`), with the f32 scalars `Coeffs::of` derives on the host; NVRTC runs with
@@ -8,14 +9,6 @@
 // also written there as bf16 (f2bf: round to nearest even, and a NaN kept quiet with its sign and
 // top payload bits, as the host's cast), the unit's device slot: one pass instead of update + cast
 // + copy.
-__device__ __forceinline__ unsigned short f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    // NaN: quiet, sign and top payload bits kept (as half's bf16::from_f32 and mt-optim's cast).
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-
 struct AdamWCoeffs {
     float grad_scale, decay;
     int lerp_small;

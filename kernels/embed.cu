@@ -2,12 +2,10 @@
 // `row`. One block per distinct id (so no two blocks touch one row: no atomics), each thread a
 // strided set of columns, adding that id's tokens in ascending token order -- the order of a
 // sequential scatter-add, so every sum rounds as candle's (CPU or CUDA) `scatter_add` does.
-// Compiled at run time with NVRTC, no headers.
+// Compiled at run time with NVRTC after common.cuh, no CUDA headers.
 //
 // csr = [order (k) | seg (n_rows + 1) | rows (n_rows)]: the token positions sorted by id (stable),
 // where each id's positions start, and the ids; built on the host from the batch's ids.
-__device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
-
 __device__ __forceinline__ float widen(unsigned short x) { return bf2f(x); }
 __device__ __forceinline__ float widen(float x) { return x; }
 

@@ -1,21 +1,12 @@
 // Fused elementwise kernels of the decoder layer for bf16 compute: RMSNorm forward/backward,
 // SwiGLU forward/backward, RoPE (forward; the backward is the same kernel with sin negated).
-// Compiled at run time with NVRTC (crates/layers/src/cuda_kernels.rs); no CUDA headers.
+// Compiled at run time with NVRTC after common.cuh (crates/layers/src/cuda_kernels/mod.rs); no CUDA headers.
 //
 // Each kernel reproduces, in one pass, the roundings of the candle op sequence it replaces
 // (crates/layers/src/ops.rs, rope.rs): every intermediate that candle rounds to bf16 is rounded
 // here too (f2bf), statistics are f32, every multiply and add is rounded separately (NVRTC runs
 // with --fmad=false) and means are sum * (1/n) as candle computes them. What still differs:
 // the order of the reductions (sums over a row or over rows) and the exp implementation.
-
-__device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
-
-__device__ __forceinline__ unsigned short f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
 
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }  // round through bf16
 
@@ -200,31 +191,14 @@ extern "C" __global__ void __launch_bounds__(1024) mt_ce_grad(const unsigned sho
 // that allows (mt_ce_grad8 needs 63 with sm_90's ptxas), whichever compiler turns the PTX into
 // machine code.
 
-__device__ __forceinline__ void unpack8(uint4 u, float* out) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        out[2 * e] = bf2f((unsigned short)(w[e] & 0xffffu));
-        out[2 * e + 1] = bf2f((unsigned short)(w[e] >> 16));
-    }
-}
-
 #define CE_UNROLL 4
-
-// u[k] = p[g0 + k * step] for the k with g0 + k * step < n: a thread's next CE_UNROLL groups, all
-// loads issued before any is used.
-__device__ __forceinline__ void load_groups(const uint4* __restrict__ p, int g0, int step, int n, uint4* u) {
-#pragma unroll
-    for (int k = 0; k < CE_UNROLL; ++k)
-        if (g0 + k * step < n) u[k] = p[g0 + k * step];
-}
 
 __device__ __forceinline__ void row_max_sum8(const uint4* __restrict__ lr, int G, float* sh, float* m_out, float* z_out) {
     const int step = blockDim.x;
     float m = __int_as_float(0xff800000);
     for (int g0 = threadIdx.x; g0 < G; g0 += CE_UNROLL * step) {
         uint4 u[CE_UNROLL];
-        load_groups(lr, g0, step, G, u);
+        load_groups<CE_UNROLL>(lr, g0, step, G, u);
 #pragma unroll
         for (int k = 0; k < CE_UNROLL; ++k)
             if (g0 + k * step < G) {
@@ -238,7 +212,7 @@ __device__ __forceinline__ void row_max_sum8(const uint4* __restrict__ lr, int G
     float z = 0.0f;
     for (int g0 = threadIdx.x; g0 < G; g0 += CE_UNROLL * step) {
         uint4 u[CE_UNROLL];
-        load_groups(lr, g0, step, G, u);
+        load_groups<CE_UNROLL>(lr, g0, step, G, u);
 #pragma unroll
         for (int k = 0; k < CE_UNROLL; ++k)
             if (g0 + k * step < G) {
@@ -277,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(1024) mt_ce_grad8(const unsigned sh
     const unsigned tg = target[blockIdx.x];
     for (int g0 = threadIdx.x; g0 < G; g0 += CE_UNROLL * step) {
         uint4 u[CE_UNROLL];
-        load_groups(lr, g0, step, G, u);
+        load_groups<CE_UNROLL>(lr, g0, step, G, u);
 #pragma unroll
         for (int k = 0; k < CE_UNROLL; ++k) {
             const int g = g0 + k * step;

@@ -1,6 +1,7 @@
 // Fused causal softmax forward and backward over rows of attention scores, for bf16 compute.
-// Compiled at run time with NVRTC (crates/layers/src/cuda_kernels.rs): no CUDA headers are
-// included, bf16 is handled as its bit pattern (unsigned short) with round-to-nearest-even.
+// Compiled at run time with NVRTC after common.cuh (crates/layers/src/cuda_kernels/mod.rs): no
+// CUDA headers are included, bf16 is handled as its bit pattern (unsigned short) with
+// round-to-nearest-even.
 //
 // Layout: `rows` rows of `t` columns, contiguous; row r is query position i = r % t (the rows
 // of one [g*t, t] block are g query heads stacked along the time axis). One block per row.
@@ -12,15 +13,6 @@
 //           from S and (m, z) by the same expression as the forward (so bitwise the forward's
 //           f32 P); dP bf16, dS bf16. No f32 [rows, t] tensor is ever stored.
 // (c = 1/sqrt(head_dim) is folded in here, so Q K^T and dS K need no separate scaling pass.)
-
-__device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
-
-__device__ __forceinline__ unsigned short f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
 
 __device__ __forceinline__ float block_reduce(float v, float* sh, bool is_max) {
     for (int o = 16; o > 0; o >>= 1) {
@@ -240,15 +232,6 @@ extern "C" __global__ void mt_softmax_bwd_warp(const unsigned short* __restrict_
 // which leaves one or two loads in flight per warp; at 2048 keys their backward held 152
 // registers a thread and moved its bytes at about a quarter of HBM's bandwidth.
 
-__device__ __forceinline__ void unpack8(uint4 u, float* out) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        out[2 * e] = bf2f((unsigned short)(w[e] & 0xffffu));
-        out[2 * e + 1] = bf2f((unsigned short)(w[e] >> 16));
-    }
-}
-
 __device__ __forceinline__ uint4 pack8(const unsigned short* v) {
     uint4 u;
     u.x = (unsigned)v[0] | ((unsigned)v[1] << 16);
@@ -393,14 +376,6 @@ extern "C" __global__ void mt_softmax_bwd_warp8(const unsigned short* __restrict
 // `probf` from the forward's own (m, z), so within a pair P is the forward's bit for bit.
 #define BLOCK8_UNROLL 4
 
-// u[k] = p[g0 + k * step] for the k with g0 + k * step < n: a thread's next BLOCK8_UNROLL groups,
-// all loads issued before any is used.
-__device__ __forceinline__ void load_groups(const uint4* __restrict__ p, int g0, int step, int n, uint4* u) {
-#pragma unroll
-    for (int k = 0; k < BLOCK8_UNROLL; ++k)
-        if (g0 + k * step < n) u[k] = p[g0 + k * step];
-}
-
 extern "C" __global__ void mt_causal_softmax_fwd_block8(const unsigned short* __restrict__ s, unsigned short* __restrict__ pb,
                                                          float* __restrict__ stats, int t, float c) {
     __shared__ float sh[32];
@@ -412,7 +387,7 @@ extern "C" __global__ void mt_causal_softmax_fwd_block8(const unsigned short* __
     float m = __int_as_float(0xff800000);
     for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
         uint4 u[BLOCK8_UNROLL];
-        load_groups(sr, g0, step, live, u);
+        load_groups<BLOCK8_UNROLL>(sr, g0, step, live, u);
 #pragma unroll
         for (int k = 0; k < BLOCK8_UNROLL; ++k) {
             const int g = g0 + k * step;
@@ -429,7 +404,7 @@ extern "C" __global__ void mt_causal_softmax_fwd_block8(const unsigned short* __
     float z = 0.0f;
     for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
         uint4 u[BLOCK8_UNROLL];
-        load_groups(sr, g0, step, live, u);
+        load_groups<BLOCK8_UNROLL>(sr, g0, step, live, u);
 #pragma unroll
         for (int k = 0; k < BLOCK8_UNROLL; ++k) {
             const int g = g0 + k * step;
@@ -475,8 +450,8 @@ extern "C" __global__ void mt_softmax_bwd_block8(const unsigned short* __restric
     float acc = 0.0f;
     for (int g0 = threadIdx.x; g0 < live; g0 += BLOCK8_UNROLL * step) {
         uint4 us[BLOCK8_UNROLL], ug[BLOCK8_UNROLL];
-        load_groups(sr, g0, step, live, us);
-        load_groups(dpr, g0, step, live, ug);
+        load_groups<BLOCK8_UNROLL>(sr, g0, step, live, us);
+        load_groups<BLOCK8_UNROLL>(dpr, g0, step, live, ug);
 #pragma unroll
         for (int k = 0; k < BLOCK8_UNROLL; ++k) {
             const int g = g0 + k * step;

@@ -27,6 +27,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use half::bf16;
 
+/// Device helpers every kernel file uses (`bf2f`, `f2bf`, ...), prepended to each source.
+const COMMON: &str = include_str!("../../../../kernels/common.cuh");
 const FUSED_SOURCE: &str = include_str!("../../../../kernels/fused.cu");
 const FUSED: &str = "mt_fused";
 const THREADS: u32 = 256;
@@ -43,6 +45,8 @@ fn compile(cell: &'static Compiled, src: &str, name: &str) -> candle_core::Resul
             fmad: Some(false),
             ..Default::default()
         };
+        // The shared helpers first; `#line` keeps NVRTC's messages pointing into the right file.
+        let src = format!("#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{name}\"\n{src}");
         compile_ptx_with_opts(src, opts).map(|p| p.to_src()).map_err(|e| format!("{e:?}"))
     });
     r.as_deref().map_err(|e| msg(format!("NVRTC compiling kernels/{name}: {e}")))
