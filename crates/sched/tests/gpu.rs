@@ -15,6 +15,7 @@ use mt_sched::program::{Op, Stream};
 use mt_sched::{Backend, CpuBackend, CpuOptions, CudaBackend, Engine, EngineOptions, StepReport};
 use mt_store::GradDtype;
 use mt_testkit::golden::{self, GOLDEN_NAMES};
+use mt_testkit::init::randn;
 use mt_testkit::tol::compare_maps;
 use mt_testkit::Tolerance;
 
@@ -283,8 +284,8 @@ fn cuda_embedding_rows_add_is_bitwise_the_cpu_scatter_add() {
         [(DType::BF16, names::EMBED), (DType::F32, names::EMBED), (DType::BF16, names::LM_HEAD)]
     {
         let src =
-            Tensor::randn(0f32, 1.0, (k, cfg.hidden_size), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
-        let init = Tensor::randn(0f32, 1.0, layout.outer.len, &Device::Cpu).unwrap();
+            randn((k, cfg.hidden_size), 1).to_dtype(dtype).unwrap();
+        let init = randn(layout.outer.len, 2);
         let run = |d: &Device| -> Vec<f32> {
             let buf = if d.is_cpu() { init.copy().unwrap() } else { init.to_device(d).unwrap() };
             let sink = GradSink::new(&layout.outer, &buf).unwrap();
@@ -312,8 +313,8 @@ fn cuda_bias_gradient_column_sums_match_the_cpu() {
     let w = layout.layer.get(names::Q_BIAS).unwrap().numel();
     let gpu = Device::new_cuda(0).unwrap();
     for n in [5usize, 256, 4099, 32768] {
-        let dy = Tensor::randn(0f32, 1.0, (n, w), &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
-        let init = Tensor::randn(0f32, 1.0, layout.layer.len, &Device::Cpu).unwrap();
+        let dy = randn((n, w), 3 + n as u64).to_dtype(DType::BF16).unwrap();
+        let init = randn(layout.layer.len, 4 + n as u64);
         let run = |d: &Device| -> Vec<f32> {
             let buf = if d.is_cpu() { init.copy().unwrap() } else { init.to_device(d).unwrap() };
             GradSink::new(&layout.layer, &buf)
@@ -363,12 +364,13 @@ fn cuda_fused_adamw_writes_the_cast_of_its_master_and_matches_the_cpu() {
     let cpu = Device::Cpu;
     for n in [4096usize, 4097, 4098, 4099] {
         for off in [0usize, 1] {
-            let master = Tensor::randn(0f32, 1.0, n, &cpu).unwrap();
-            let m = (Tensor::randn(0f32, 1.0, n, &cpu).unwrap() * 0.1).unwrap();
-            let v = (Tensor::randn(0f32, 1.0, n, &cpu).unwrap().sqr().unwrap() * 0.01).unwrap();
+            let seed = 8 * n as u64 + 4 * off as u64;
+            let master = randn(n, seed);
+            let m = (randn(n, seed + 1) * 0.1).unwrap();
+            let v = (randn(n, seed + 2).sqr().unwrap() * 0.01).unwrap();
             let pad = Tensor::zeros(off, DType::F32, &cpu).unwrap();
             let state = Tensor::cat(&[&pad, &master, &m, &v], 0).unwrap();
-            let grad = Tensor::randn(0f32, 1.0, n, &cpu).unwrap();
+            let grad = randn(n, seed + 3);
             let run = |d: &Device| -> (Vec<f32>, Vec<half::bf16>) {
                 let st = if d.is_cpu() { state.copy().unwrap() } else { state.to_device(d).unwrap() };
                 let w = Tensor::zeros(n + off, DType::BF16, d).unwrap();

@@ -71,6 +71,15 @@ pub fn random_params(cfg: &ModelConfig, seed: u64) -> BTreeMap<String, Tensor> {
     params
 }
 
+/// A deterministic f32 tensor of standard normals with the given shape, on the CPU: what tests
+/// use instead of `Tensor::randn`, whose CPU generator cannot be seeded.
+pub fn randn(shape: impl Into<candle_core::Shape>, seed: u64) -> Tensor {
+    let shape = shape.into();
+    let mut rng = SplitMix64::new(seed);
+    let values: Vec<f32> = (0..shape.elem_count()).map(|_| rng.normal() as f32).collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).expect("element count equals the shape's")
+}
+
 /// A deterministic batch: `batch * seq` token ids uniform in `[0, vocab)` (row-major) and
 /// next-token targets (`targets[b, t] = ids[b, t + 1]`, -100 at each row's last position), of
 /// which `round(mask_frac * n)` of the `n` real targets are then set to -100 at random.
@@ -108,6 +117,17 @@ pub fn random_batch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn randn_is_seeded_and_shaped() {
+        let a = randn((3, 5), 7).to_vec2::<f32>().unwrap();
+        assert_eq!(a, randn((3, 5), 7).to_vec2::<f32>().unwrap());
+        assert_ne!(a, randn((3, 5), 8).to_vec2::<f32>().unwrap());
+        let big = randn(40_000, 1).to_vec1::<f32>().unwrap();
+        let mean = big.iter().map(|&x| f64::from(x)).sum::<f64>() / big.len() as f64;
+        let var = big.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / big.len() as f64;
+        assert!(mean.abs() < 0.02 && (var - 1.0).abs() < 0.03, "mean {mean} var {var}");
+    }
 
     #[test]
     fn splitmix64_matches_the_reference_sequence() {
