@@ -283,8 +283,7 @@ fn cuda_embedding_rows_add_is_bitwise_the_cpu_scatter_add() {
     for (dtype, name) in
         [(DType::BF16, names::EMBED), (DType::F32, names::EMBED), (DType::BF16, names::LM_HEAD)]
     {
-        let src =
-            randn((k, cfg.hidden_size), 1).to_dtype(dtype).unwrap();
+        let src = randn((k, cfg.hidden_size), 1).to_dtype(dtype).unwrap();
         let init = randn(layout.outer.len, 2);
         let run = |d: &Device| -> Vec<f32> {
             let buf = if d.is_cpu() { init.copy().unwrap() } else { init.to_device(d).unwrap() };
