@@ -44,7 +44,8 @@ struct Cli {
     #[arg(long, value_name = "MODEL")]
     largest: Option<String>,
     /// Paper: also run our engine with every decoder layer streamed (`--resident-layers 0`,
-    /// variant `streamed`) beside the planner's placement (variant `default`).
+    /// variant `streamed`; and with every update on the host too, variant `streamed_host`)
+    /// beside the planner's placement (variant `default`).
     #[arg(long)]
     ours_streamed: bool,
     /// Paper: also run our engine without gradient clipping, as the DeepSpeed baseline is

@@ -144,16 +144,25 @@ fn model_label(label: &str) -> String {
 }
 
 /// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers; the
-/// planner may still hold streamed layers' weights from forward to backward and keep their
-/// activations, as it would for a user).
+/// planner may still hold streamed layers' weights from forward to backward, keep their
+/// activations and update some of them on the GPU from their streamed state, as it would for a
+/// user).
 fn streamed_layers() -> Vec<String> {
     vec!["--resident-layers".into(), "0".into()]
 }
 
-/// Every decoder layer through the weight ring, twice a step, recomputed: the streaming engine
-/// the ring-depth, overlap and chunk ablations measure.
+/// [`streamed_layers`] with every update on the host (no GPU-updated layers): variant
+/// `streamed_host`, beside `streamed` in the same run.
+fn streamed_host_updates() -> Vec<String> {
+    ["--resident-layers", "0", "--gpu-updated-layers", "0"].map(String::from).to_vec()
+}
+
+/// Every decoder layer through the weight ring, twice a step, recomputed, updated on the host:
+/// the streaming engine the ring-depth, overlap and chunk ablations measure.
 fn ring_streamed_layers() -> Vec<String> {
-    ["--resident-layers", "0", "--held-layers", "0", "--kept-layers", "0"].map(String::from).to_vec()
+    ["--resident-layers", "0", "--held-layers", "0", "--kept-layers", "0", "--gpu-updated-layers", "0"]
+        .map(String::from)
+        .to_vec()
 }
 
 /// No gradient clipping, as the DeepSpeed baseline runs: each update as its gradient lands
@@ -343,6 +352,7 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                         // Our further variants, each with its own arguments.
                         let variants = [
                             (opts.ours_streamed, "streamed", streamed_layers()),
+                            (opts.ours_streamed, "streamed_host", streamed_host_updates()),
                             (opts.ours_noclip, "noclip", no_clipping()),
                         ];
                         for (_, variant, extra) in variants.into_iter().filter(|v| v.0 && sys == System::Ours)

@@ -125,6 +125,7 @@ fn paper_plan_runs_each_of_our_variants_with_its_own_arguments() {
         [
             "throughput/ours/3.6b/b4x2048/default",
             "throughput/ours/3.6b/b4x2048/streamed",
+            "throughput/ours/3.6b/b4x2048/streamed_host",
             "throughput/ours/3.6b/b4x2048/noclip",
             "throughput/deepspeed/3.6b/b4x2048/default",
         ]
@@ -132,7 +133,9 @@ fn paper_plan_runs_each_of_our_variants_with_its_own_arguments() {
     let args = |i: usize| plan.jobs[i].args.join(" ");
     assert!(!args(0).contains("--clip") && !args(0).contains("--resident-layers"), "{}", args(0));
     assert!(args(1).contains("--resident-layers 0"), "{}", args(1));
-    assert!(args(2).contains("--clip 0 --optim-mode lean --grad-dtype none"), "{}", args(2));
+    assert!(!args(1).contains("--gpu-updated-layers"), "{}", args(1));
+    assert!(args(2).contains("--resident-layers 0 --gpu-updated-layers 0"), "{}", args(2));
+    assert!(args(3).contains("--clip 0 --optim-mode lean --grad-dtype none"), "{}", args(3));
 }
 
 #[test]

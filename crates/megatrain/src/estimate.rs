@@ -108,6 +108,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         resident_layers: args.resident_layers.choice(args.device, false),
         kept_layers: args.kept_layers.choice(args.device, false),
         held_layers: args.held_layers.choice(args.device, false),
+        gpu_updated_layers: args.gpu_updated_layers.choice(args.device, false),
         // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
         fused_kernels: fused_kernels(args),
     })
@@ -134,7 +135,15 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
     let b = HostTraffic::of(mode, grad, args.precision.bytes());
     let secs = |bytes: f64| bytes / (args.host_gbs * 1e9);
-    let host_update_s = secs((layer_params + outer_params) * (b.update + b.fwd_cast));
+    // GPU-updated layers' updates run on the GPU from their streamed state, but the DMA of that
+    // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16)
+    // goes through the same host memory the host's update pass is bound by, in the same window:
+    // priced at the same bandwidth (measured on the 16-core H200: the host's pass per layer
+    // slows from 18.4 to ~24.5 ms beside it, 2026-11-24).
+    let gpu_params = (p.gpu_updated_layers * layout.layer.n_params()) as f64;
+    let state_dma = gpu_params * (24.0 + b.grad);
+    let host_update_s =
+        secs((layer_params - gpu_params + outer_params) * (b.update + b.fwd_cast) + state_dma);
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
     let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
     let host_backward_s =
@@ -154,8 +163,10 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => {
             let bwd_h2d =
                 ((streamed_layers - p.held_layers) * layout.layer.len) as f64 * args.precision.bytes();
-            let pcie_fwd_s = (p.pcie_h2d_per_step as f64 - bwd_h2d) / (args.pcie_gbs * 1e9);
-            let pcie_bwd_s = bwd_h2d.max(p.pcie_d2h_per_step as f64) / (args.pcie_gbs * 1e9);
+            // GPU-updated layers' master and moments come back during the forward.
+            let fwd_d2h = (12 * p.gpu_updated_layers * layout.layer.len) as f64;
+            let pcie_fwd_s = (p.pcie_h2d_per_step as f64 - bwd_h2d).max(fwd_d2h) / (args.pcie_gbs * 1e9);
+            let pcie_bwd_s = bwd_h2d.max(p.pcie_d2h_per_step as f64 - fwd_d2h) / (args.pcie_gbs * 1e9);
             fwd_s.max(host_update_s).max(pcie_fwd_s) + bwd_s.max(host_backward_s).max(pcie_bwd_s)
         }
         // Lean: every host pass may overlap any compute.
@@ -190,6 +201,8 @@ struct HostTraffic {
     land: f64,
     /// The outer unit's land in exact mode (it always lands f32: cast + sum of squares).
     outer_land: f64,
+    /// Bytes of a stored gradient element.
+    grad: f64,
 }
 
 impl HostTraffic {
@@ -207,6 +220,7 @@ impl HostTraffic {
                 bwd_cast: cast,
                 land: if mt_sched::plan::lands_bf16(mode, grad) { 2.0 + 2.0 } else { 4.0 + g },
                 outer_land: 4.0 + g,
+                grad: g,
             },
             mt_sched::OptimMode::Lean => HostTraffic {
                 update: 4.0 + g + 24.0,
@@ -214,6 +228,7 @@ impl HostTraffic {
                 bwd_cast: cast,
                 land: 0.0,
                 outer_land: 0.0,
+                grad: g,
             },
         }
     }

@@ -114,6 +114,10 @@ pub struct TrainSummary {
     pub h2d_bytes_per_step: f64,
     /// Device-to-host bytes per step, mean over the run's steps.
     pub d2h_bytes_per_step: f64,
+    /// Host-to-device and device-to-host bytes of the run's last step: with GPU-updated layers
+    /// a step that applies a pending update (every step after a run's first) moves their state,
+    /// which is what the plan counts; the first step of a fresh run moves only weights.
+    pub last_step_bytes: (u64, u64),
     /// Per-stream busy fractions and idle gaps, averaged over the run's steps.
     pub streams: Vec<StreamMean>,
     /// Host bytes the plan counted (store + staging/landing + process overhead; on the CPU also
@@ -152,6 +156,8 @@ pub struct StepTotals {
     steps: u64,
     h2d_bytes: u64,
     d2h_bytes: u64,
+    /// The last step's bytes, (h2d, d2h).
+    last: (u64, u64),
     /// The most bytes of kept activations a step held.
     kept_bytes: u64,
     /// The device's memory high-water marks, after the last step that reported them.
@@ -166,6 +172,7 @@ impl StepTotals {
         self.steps += 1;
         self.h2d_bytes += r.h2d_bytes;
         self.d2h_bytes += r.d2h_bytes;
+        self.last = (r.h2d_bytes, r.d2h_bytes);
         self.kept_bytes = self.kept_bytes.max(r.kept_bytes);
         self.device_peak = self.device_peak.max(r.device_peak);
         for s in &r.streams {
@@ -211,6 +218,11 @@ impl StepTotals {
     /// Mean host-to-device bytes per step (0 before any step).
     pub fn h2d_bytes_per_step(&self) -> f64 {
         self.mean(self.h2d_bytes as f64)
+    }
+
+    /// The last step's (h2d, d2h) bytes ((0, 0) before any step).
+    pub fn last_step_bytes(&self) -> (u64, u64) {
+        self.last
     }
 
     /// Mean device-to-host bytes per step (0 before any step).
@@ -320,9 +332,11 @@ impl fmt::Display for TrainSummary {
         let n = self.steps();
         writeln!(
             f,
-            "pcie per step (mean of {n} steps): h2d {}, d2h {}",
+            "pcie per step (mean of {n} steps): h2d {}, d2h {}; last step: h2d {} B, d2h {} B",
             mb(self.h2d_bytes_per_step),
-            mb(self.d2h_bytes_per_step)
+            mb(self.d2h_bytes_per_step),
+            self.last_step_bytes.0,
+            self.last_step_bytes.1
         )?;
         if self.kept_bytes != (0, 0) {
             writeln!(
@@ -442,6 +456,7 @@ mod tests {
             store_path: None,
             h2d_bytes_per_step: t.h2d_bytes_per_step(),
             d2h_bytes_per_step: t.d2h_bytes_per_step(),
+            last_step_bytes: t.last_step_bytes(),
             streams: t.stream_means(),
             planned_host_bytes: 180,
             kept_bytes: (3_000_000, 3_000_000),
@@ -457,7 +472,10 @@ mod tests {
             s.contains("kept activations (no recompute): 3.00 MB at the loss; the plan counted 3.00 MB"),
             "{s}"
         );
-        assert!(s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB"), "{s}");
+        assert!(
+            s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB; last step: h2d 2000000 B, d2h 4000000 B"),
+            "{s}"
+        );
         assert!(
             s.contains("GPU memory in use at most: 3.00 MB, held by the memory pool at most: 6.00 MB"),
             "{s}"

@@ -178,6 +178,7 @@ fn make_plan(
         resident_layers: args.resident_layers.choice(args.device, args.store.is_some()),
         kept_layers: args.kept_layers.choice(args.device, false),
         held_layers: args.held_layers.choice(args.device, false),
+        gpu_updated_layers: args.gpu_updated_layers.choice(args.device, args.store.is_some()),
         fused_kernels: fused,
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
@@ -260,6 +261,7 @@ fn run<B: Backend>(
     eopts.resident_layers = plan.resident_layers;
     eopts.kept_layers = plan.kept_layers;
     eopts.held_layers = plan.held_layers;
+    eopts.gpu_updated_layers = plan.gpu_updated_layers;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let t_engine = Instant::now();
@@ -268,6 +270,15 @@ fn run<B: Backend>(
         "engine ready in {:.1} s (device pool, page-locked rings, resident units loaded)",
         t_engine.elapsed().as_secs_f64()
     );
+    if engine.pinned_record_bytes() > 0 {
+        let layers: Vec<String> =
+            engine.gpu_updated_units().iter().map(|u| format!("{}", u.index() - 1)).collect();
+        eprintln!(
+            "GPU-updated layers {}: their store records page-locked in place ({:.2} GiB, part of the store)",
+            layers.join(","),
+            engine.pinned_record_bytes() as f64 / (1u64 << 30) as f64
+        );
+    }
     // A store left by a crashed exact-mode run may hold a complete step's gradients whose
     // update was never applied; applying it now is bitwise what the next step would do.
     engine.flush_pending()?;
@@ -474,6 +485,7 @@ fn run<B: Backend>(
         later_step_s: (!later_s.is_empty()).then(|| later_s.iter().sum::<f64>() / later_s.len() as f64),
         store_path: store.path().map(Path::to_owned),
         h2d_bytes_per_step: totals.h2d_bytes_per_step(),
+        last_step_bytes: totals.last_step_bytes(),
         d2h_bytes_per_step: totals.d2h_bytes_per_step(),
         streams: totals.stream_means(),
         evals,

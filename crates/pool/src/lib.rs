@@ -9,7 +9,10 @@
 //!   layer's backward accumulates) and the outer gradient buffer;
 //! - the checkpoint store: the input of every layer for every token chunk (plus the head's
 //!   input), the only memory that grows with the batch;
-//! - the activation-gradient store: dL/dx at the current layer boundary for every chunk.
+//! - the activation-gradient store: dL/dx at the current layer boundary for every chunk;
+//! - a ring of state slots for the GPU-updated streamed layers: a layer's `[master | m | v]`
+//!   (fp32) and its stored gradient, uploaded from the host store, updated on the device and
+//!   downloaded again.
 //!
 //! On the CPU backend all of it is plain memory behind the same interface.
 //!
@@ -74,6 +77,11 @@ pub struct PoolSpec {
     /// gradient is narrowed into before its download (exact mode with bf16 store gradients: the
     /// host keeps bf16 anyway, so half the bytes cross PCIe and land).
     pub land_bf16: bool,
+    /// State slots for GPU-updated streamed layers ([`DevicePool::state`]); 0 when none is.
+    pub state_slots: usize,
+    /// The dtype of the host store's gradient buffers, which a state slot's gradient keeps
+    /// ([`DevicePool::state_grad`]; f32 or bf16).
+    pub state_grad_dtype: DType,
 }
 
 /// The device buffers of one resident decoder layer.
@@ -106,6 +114,8 @@ pub struct PoolBytes {
     pub outer_state: usize,
     /// Resident decoder layers: weights, gradients and optimizer state.
     pub resident_layers: usize,
+    /// State slots of GPU-updated streamed layers: `[master | m | v]` and a stored gradient.
+    pub state_slots: usize,
 }
 
 impl PoolBytes {
@@ -119,6 +129,7 @@ impl PoolBytes {
             + self.act_grads
             + self.outer_state
             + self.resident_layers
+            + self.state_slots
     }
 }
 
@@ -142,6 +153,11 @@ pub struct DevicePool {
     pub resident: Vec<ResidentLayer>,
     /// Weight slots of the held layers `n_layers - held_layers..n_layers`, in layer order.
     pub held: Vec<Tensor>,
+    /// State slots: a GPU-updated streamed layer's fp32 `[master | m | v]` (`3 × layer_len`),
+    /// uploaded from its host record, updated in place and downloaded back.
+    pub state: Vec<Tensor>,
+    /// The stored gradient of the layer in `state[k]` (`layer_len`, the store's dtype).
+    pub state_grad: Vec<Tensor>,
     checkpoints: Vec<Vec<Option<Tensor>>>,
     act_grads: Vec<Option<Tensor>>,
     spec: PoolSpec,
@@ -170,6 +186,12 @@ impl DevicePool {
             return Err(Error::Config(format!(
                 "ring_depth ({}), n_grad_bufs ({}) and n_chunks ({}) must all be at least 1",
                 spec.ring_depth, spec.n_grad_bufs, spec.n_chunks
+            )));
+        }
+        if spec.state_slots > 0 && !matches!(spec.state_grad_dtype, DType::F32 | DType::BF16) {
+            return Err(Error::Config(format!(
+                "state slots keep the store's gradient in f32 or bf16, not {:?}",
+                spec.state_grad_dtype
             )));
         }
         let slots = (0..spec.ring_depth)
@@ -204,6 +226,12 @@ impl DevicePool {
                 .collect::<candle_core::Result<_>>()?,
             held: (0..spec.held_layers)
                 .map(|_| Tensor::zeros(spec.layer_len, spec.weight_dtype, device))
+                .collect::<candle_core::Result<_>>()?,
+            state: (0..spec.state_slots)
+                .map(|_| Tensor::zeros(3 * spec.layer_len, DType::F32, device))
+                .collect::<candle_core::Result<_>>()?,
+            state_grad: (0..spec.state_slots)
+                .map(|_| Tensor::zeros(spec.layer_len, spec.state_grad_dtype, device))
                 .collect::<candle_core::Result<_>>()?,
             checkpoints: vec![vec![None; spec.n_chunks]; spec.n_layers + 1],
             act_grads: vec![None; spec.n_chunks],
@@ -264,6 +292,7 @@ impl DevicePool {
                 .iter()
                 .map(|r| tensor_bytes(&r.slot) + tensor_bytes(&r.grad) + tensor_bytes(&r.state))
                 .sum(),
+            state_slots: self.state.iter().chain(&self.state_grad).map(tensor_bytes).sum(),
         }
     }
 }
@@ -286,6 +315,8 @@ mod tests {
             resident_layers: 0,
             held_layers: 0,
             land_bf16: false,
+            state_slots: 0,
+            state_grad_dtype: DType::BF16,
         }
     }
 
@@ -341,6 +372,21 @@ mod tests {
         let err = DevicePool::new(&PoolSpec { resident_layers: 2, held_layers: 2, ..spec() }, &Device::Cpu)
             .unwrap_err();
         assert!(err.to_string().contains("2 held layers beside 2 resident ones of a 3-layer model"), "{err}");
+    }
+
+    #[test]
+    fn state_slots_hold_master_moments_and_the_stored_gradient() {
+        let p = DevicePool::new(&PoolSpec { state_slots: 2, ..spec() }, &Device::Cpu).unwrap();
+        assert_eq!(p.state.len(), 2);
+        assert_eq!(p.state[1].dims(), [3 * 128]);
+        assert_eq!(p.state_grad[0].dtype(), DType::BF16);
+        assert_eq!(p.bytes().state_slots, 2 * (3 * 128 * 4 + 128 * 2));
+        let err = DevicePool::new(
+            &PoolSpec { state_slots: 1, state_grad_dtype: DType::F16, ..spec() },
+            &Device::Cpu,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("f32 or bf16, not F16"), "{err}");
     }
 
     #[test]

@@ -9,7 +9,8 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
-use mt_store::Staging;
+use mt_core::Unit;
+use mt_store::{HostStore, Staging};
 
 use crate::program::Stream;
 use crate::Result;
@@ -56,6 +57,33 @@ pub trait Backend {
         waits: &[Self::Event],
         src: Tensor,
         dst: Arc<Mutex<Staging>>,
+        name: String,
+    ) -> Self::Event;
+
+    /// H2D stream: copy `unit`'s fp32 master, m and v from its host record into `state`
+    /// (`[master | m | v]`, `3 × len` f32) and its stored gradient into `grad` (`len` elements of
+    /// the store's gradient dtype) after `waits`. The record is read in place; the step program
+    /// keeps every write to it away until the copy is done.
+    fn upload_record(
+        &self,
+        waits: &[Self::Event],
+        store: Arc<HostStore>,
+        unit: Unit,
+        state: Tensor,
+        grad: Tensor,
+        name: String,
+    ) -> Self::Event;
+
+    /// D2H stream: copy `state`'s master, m and v into `unit`'s host record after `waits`; once
+    /// they are there (the copy complete), record optimizer step `applied` as applied to it
+    /// ([`HostStore::set_applied_step`]), so that a retried step never applies it twice.
+    fn download_record(
+        &self,
+        waits: &[Self::Event],
+        state: Tensor,
+        store: Arc<HostStore>,
+        unit: Unit,
+        applied: u64,
         name: String,
     ) -> Self::Event;
 

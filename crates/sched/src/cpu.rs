@@ -10,7 +10,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
-use mt_store::Staging;
+use mt_core::Unit;
+use mt_store::{GradRef, HostStore, Staging};
 
 use crate::backend::{Backend, HostJob, Span};
 use crate::program::Stream;
@@ -91,6 +92,82 @@ impl Backend for CpuBackend {
             dst.copy_from_slice(&v);
             let n = src.elem_count();
             clock.d2h_bytes.fetch_add((n * src.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
+            Ok(())
+        });
+        self.workers.submit(Stream::D2H, waits.to_vec(), job, name)
+    }
+
+    fn upload_record(
+        &self,
+        waits: &[CpuEvent],
+        store: Arc<HostStore>,
+        unit: Unit,
+        state: Tensor,
+        grad: Tensor,
+        name: String,
+    ) -> CpuEvent {
+        let clock = Arc::clone(&self.workers.clock);
+        let job: HostJob = Box::new(move || {
+            let r = store.record(unit);
+            let n = r.master().len();
+            let device = state.device().clone();
+            if state.elem_count() != 3 * n || grad.elem_count() != n {
+                return Err(Error::Stream {
+                    stream: "h2d",
+                    msg: format!(
+                        "state slot of {} and gradient of {} elements for a {n}-element record",
+                        state.elem_count(),
+                        grad.elem_count()
+                    ),
+                });
+            }
+            for (k, part) in [r.master(), r.m(), r.v()].into_iter().enumerate() {
+                state.slice_set(&Tensor::from_slice(part, n, &device)?, 0, k * n)?;
+            }
+            let g = match r.grad() {
+                Some(GradRef::F32(g)) => Tensor::from_slice(g, n, &device)?,
+                Some(GradRef::Bf16(g)) => Tensor::from_slice(g, n, &device)?,
+                None => {
+                    return Err(Error::Stream {
+                        stream: "h2d",
+                        msg: "a state upload needs a store with gradients".into(),
+                    })
+                }
+            };
+            grad.slice_set(&g, 0, 0)?;
+            let bytes = 12 * n + n * g.dtype().size_in_bytes();
+            clock.h2d_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+            Ok(())
+        });
+        self.workers.submit(Stream::H2D, waits.to_vec(), job, name)
+    }
+
+    fn download_record(
+        &self,
+        waits: &[CpuEvent],
+        state: Tensor,
+        store: Arc<HostStore>,
+        unit: Unit,
+        applied: u64,
+        name: String,
+    ) -> CpuEvent {
+        let clock = Arc::clone(&self.workers.clock);
+        let job: HostJob = Box::new(move || {
+            let v = state.flatten_all()?.to_vec1::<f32>()?;
+            let mut r = store.record(unit);
+            let n = r.master().len();
+            if v.len() != 3 * n {
+                return Err(Error::Stream {
+                    stream: "d2h",
+                    msg: format!("a {}-element state slot into a {n}-element record", v.len()),
+                });
+            }
+            let p = r.parts();
+            p.master.copy_from_slice(&v[..n]);
+            p.m.copy_from_slice(&v[n..2 * n]);
+            p.v.copy_from_slice(&v[2 * n..]);
+            r.set_applied_step(applied);
+            clock.d2h_bytes.fetch_add(12 * n as u64, Ordering::Relaxed);
             Ok(())
         });
         self.workers.submit(Stream::D2H, waits.to_vec(), job, name)

@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Tensor};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
-use mt_store::Staging;
+use mt_core::Unit;
+use mt_store::{HostStore, Staging};
 
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::cuda_ffi;
@@ -211,6 +212,42 @@ impl Backend for CudaBackend {
     ) -> CudaOpEvent {
         self.issue_copy(Stream::D2H, waits, name, move |stream| {
             cuda_ffi::enqueue_download(&src, &dst, stream)
+        })
+    }
+
+    fn upload_record(
+        &self,
+        waits: &[CudaOpEvent],
+        store: Arc<HostStore>,
+        unit: Unit,
+        state: Tensor,
+        grad: Tensor,
+        name: String,
+    ) -> CudaOpEvent {
+        self.issue_copy(Stream::H2D, waits, name, move |stream| {
+            cuda_ffi::enqueue_record_upload(&store, unit, &state, &grad, stream)
+        })
+    }
+
+    fn download_record(
+        &self,
+        waits: &[CudaOpEvent],
+        state: Tensor,
+        store: Arc<HostStore>,
+        unit: Unit,
+        applied: u64,
+        name: String,
+    ) -> CudaOpEvent {
+        // A blocking-sync event: the D2H worker sleeps until the state is in the record (rather
+        // than spinning a core the host optimizer needs), then marks the record updated.
+        let arrived = self.timing_event();
+        self.issue_copy(Stream::D2H, waits, name, move |stream| {
+            let arrived = arrived?;
+            let bytes = cuda_ffi::enqueue_record_download(&state, &store, unit, stream)?;
+            arrived.record(stream).map_err(cuda_err("recording an event"))?;
+            arrived.synchronize().map_err(cuda_err("waiting for a state download"))?;
+            store.set_applied_step(unit, applied);
+            Ok(bytes)
         })
     }
 

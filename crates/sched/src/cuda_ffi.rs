@@ -7,8 +7,12 @@
 //! Module invariant the copy functions rely on (the caller, `cuda.rs`, keeps it by executing a
 //! validated step `Program`): a staging buffer is not written until the upload reading it has
 //! completed (Stage waits for that upload's CUDA event); a landing buffer is not read until the
-//! download writing it has completed (Land waits for it); every buffer outlives its copies (the
-//! backend drains all streams at the end of each step and before it is dropped).
+//! download writing it has completed (Land waits for it); a host record whose state a
+//! GPU-updated layer's copies read or write is not written by the host until they have completed
+//! (its Land and any re-cast wait for its state download, which follows its state upload and
+//! completes before the record is marked updated); every buffer outlives its copies (the backend
+//! drains all streams at the end of each step and before it is dropped, and the engine holds the
+//! store).
 
 use std::sync::Mutex;
 
@@ -16,7 +20,8 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Storage, Tensor};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DevicePtr};
 use half::{bf16, f16};
-use mt_store::Staging;
+use mt_core::Unit;
+use mt_store::{HostStore, Staging};
 
 use crate::{Error, Result};
 
@@ -125,6 +130,99 @@ unsafe fn dtoh_async(dst: *mut u8, bytes: usize, src: sys::CUdeviceptr, stream: 
     // SAFETY: forwarded to the caller's contract above.
     let r = unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream.cu_stream()) };
     check(&format!("cuMemcpyDtoHAsync of {bytes} bytes"), r)
+}
+
+/// Enqueues a copy of `bytes` bytes of host memory at `src` into device memory at `dst`.
+///
+/// # Safety
+/// `dst` must point to at least `bytes` bytes of live device memory; `src` must point to `bytes`
+/// bytes of live host memory that nothing writes until the copy has completed on `stream`.
+unsafe fn htod_raw(dst: sys::CUdeviceptr, src: *const u8, bytes: usize, stream: &CudaStream) -> Result<()> {
+    // SAFETY: forwarded to the caller's contract above.
+    let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, stream.cu_stream()) };
+    check(&format!("cuMemcpyHtoDAsync of {bytes} bytes"), r)
+}
+
+/// Checks a state slot (`[master | m | v]`, f32) and, if given, a gradient buffer against `unit`'s
+/// record; returns the record's addresses and the device addresses and sizes.
+fn state_copy_plan(
+    store: &HostStore,
+    unit: Unit,
+    state: &Tensor,
+    grad: Option<&Tensor>,
+    stream: &CudaStream,
+) -> Result<(mt_store::RecordAddrs, sys::CUdeviceptr, Option<(sys::CUdeviceptr, usize)>)> {
+    let a = store.record_addrs(unit);
+    let n = a.len;
+    let (sptr, sbytes) = device_ptr(state, stream)?;
+    if state.dtype() != DType::F32 || sbytes != 12 * n {
+        return Err(Error::Cuda(format!(
+            "a {sbytes}-byte {:?} state slot for {unit:?}'s {n}-element record (needs 3 x {n} f32)",
+            state.dtype()
+        )));
+    }
+    let grad = match grad {
+        None => None,
+        Some(g) => {
+            let (gptr, gbytes) = device_ptr(g, stream)?;
+            let gsize = a.grad_dtype.size();
+            if gsize == 0 || g.dtype().size_in_bytes() != gsize || gbytes != gsize * n {
+                return Err(Error::Cuda(format!(
+                    "a {gbytes}-byte {:?} gradient buffer for {unit:?}'s {n}-element {:?} store gradient",
+                    g.dtype(),
+                    a.grad_dtype
+                )));
+            }
+            Some((gptr, gbytes))
+        }
+    };
+    Ok((a, sptr, grad))
+}
+
+/// Enqueues the upload of `unit`'s fp32 master, m and v (into `state` at elements 0, n, 2n) and
+/// its stored gradient (into `grad`) straight from its host record (page-locked in place by the
+/// engine: `mt_store::PinnedRecords`); returns the bytes copied. Sound under the module invariant.
+pub(crate) fn enqueue_record_upload(
+    store: &HostStore,
+    unit: Unit,
+    state: &Tensor,
+    grad: &Tensor,
+    stream: &CudaStream,
+) -> Result<u64> {
+    let (a, sptr, g) = state_copy_plan(store, unit, state, Some(grad), stream)?;
+    let (gptr, gbytes) = g.ok_or_else(|| Error::Cuda("no gradient buffer".into()))?;
+    let n = a.len;
+    for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
+        // SAFETY: `host` is the start of the record's n-element f32 region (`record_addrs`), inside
+        // the store's mapping, which the engine keeps alive past every copy; the host writes none
+        // of the record until this copy has completed (module invariant); the device range is the
+        // k-th third of the 12n-byte state slot checked above.
+        unsafe { htod_raw(sptr + (4 * k * n) as u64, host as *const u8, 4 * n, stream)? };
+    }
+    // SAFETY: as above, for the record's gradient region of gbytes bytes and the whole gradient
+    // buffer of the same size.
+    unsafe { htod_raw(gptr, a.grad as *const u8, gbytes, stream)? };
+    Ok((12 * n + gbytes) as u64)
+}
+
+/// Enqueues the download of `state`'s master, m and v into `unit`'s host record; returns the
+/// bytes copied. Sound under the module invariant.
+pub(crate) fn enqueue_record_download(
+    state: &Tensor,
+    store: &HostStore,
+    unit: Unit,
+    stream: &CudaStream,
+) -> Result<u64> {
+    let (a, sptr, _) = state_copy_plan(store, unit, state, None, stream)?;
+    let n = a.len;
+    for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
+        // SAFETY: `host` addresses the record's n-element f32 region (`record_addrs`), inside the
+        // store's mapping, which the engine keeps alive past every copy, and which nothing reads
+        // or writes until this copy has completed (module invariant); the source is the k-th
+        // third of the 12n-byte state slot checked above.
+        unsafe { dtoh_async(host as *mut u8, 4 * n, sptr + (4 * k * n) as u64, stream)? };
+    }
+    Ok((12 * n) as u64)
 }
 
 /// Device address and size in bytes of a whole, contiguous CUDA tensor.

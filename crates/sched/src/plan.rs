@@ -103,6 +103,11 @@ pub struct PlanInput {
     /// from their forward to their backward (`Some(h)`), or decide (`None`): as many streamed
     /// layers as fit in what residency leaves.
     pub held_layers: Option<usize>,
+    /// Of the streamed layers, this many have their exact-mode update applied on the GPU from
+    /// their streamed state (`Some(k)`; `EngineOptions::gpu_updated_layers`), or decide (`None`):
+    /// in exact mode, the count that balances the host's update pass against the PCIe time of
+    /// the state it moves ([`balanced_gpu_updated`]), if its state slots fit.
+    pub gpu_updated_layers: Option<usize>,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
     /// capability 9.0+), which keep less for the backward than candle's ops.
     pub fused_kernels: bool,
@@ -143,6 +148,10 @@ pub struct GpuBytes {
     /// Forward activations kept by layers `0..kept_layers` for their backward, the whole
     /// batch (`DecoderLayer::kept_state_bytes` each).
     pub kept: u64,
+    /// State slots of the GPU-updated layers: `ring_depth × (12 + g) × layer.len` (fp32
+    /// `[master | m | v]` and the stored gradient of `g` bytes), plus the f32 copy a bf16 stored
+    /// gradient is widened into (`4 × layer.len`).
+    pub state_slots: u64,
     /// Sum of the above.
     pub total: u64,
     /// What the plan may use: [`GPU_USABLE_FRACTION`] of the GPU's memory.
@@ -192,14 +201,20 @@ pub struct Plan {
     /// The last `held_layers` decoder layers (streamed) are uploaded once a step and held on
     /// the GPU from their forward to their backward.
     pub held_layers: usize,
+    /// Of the streamed layers, this many have their update applied on the GPU from their
+    /// streamed state.
+    pub gpu_updated_layers: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
     /// Host bytes.
     pub host: HostBytes,
     /// Bytes uploaded per step: `(outer.len + (2 × streamed layers - held layers) × layer.len)
-    /// × e`, without the `outer.len` term when the outer unit is resident.
+    /// × e`, without the `outer.len` term when the outer unit is resident; each GPU-updated
+    /// layer's forward upload (`layer.len × e`) is replaced by its state (`(12 + g) ×
+    /// layer.len`).
     pub pcie_h2d_per_step: u64,
-    /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise.
+    /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise
+    /// (layer gradients in bf16 where they land so), plus `12 × layer.len` per GPU-updated layer.
     pub pcie_d2h_per_step: u64,
     /// Model parameters (padding excluded).
     pub n_params: u64,
@@ -223,6 +238,29 @@ fn grad_elem_bytes(grad: GradDtype) -> u64 {
 fn round_page(n: u64) -> u64 {
     n.div_ceil(PAGE as u64) * PAGE as u64
 }
+
+/// Host memory traffic of one parameter's fused AdamW update on the host, in bytes: gradient
+/// (`g`), master, m and v read and written (24), the upload copy written (`e`).
+pub fn host_update_bytes(g: u64, e: u64) -> u64 {
+    g + 24 + e
+}
+
+/// How many of `streamed` layers to update on the GPU so that the host's update pass (each
+/// host-updated parameter [`host_update_bytes`] at `host_gbs`) and the uploads of the forward
+/// (`e` bytes per host-updated parameter, `12 + g` per GPU-updated one, at `pcie_gbs`) take
+/// equally long: both then run side by side. Rounded to the nearest layer.
+pub fn balanced_gpu_updated(streamed: usize, g: u64, e: u64, host_gbs: f64, pcie_gbs: f64) -> usize {
+    let host = host_update_bytes(g, e) as f64 / host_gbs;
+    let (cast, state) = (e as f64 / pcie_gbs, (12 + g) as f64 / pcie_gbs);
+    let f = ((host - cast) / (host + state - cast)).clamp(0.0, 1.0);
+    ((streamed as f64 * f).round() as usize).min(streamed)
+}
+
+/// Host memory bandwidth the planner assumes for the host's update pass when it picks the
+/// GPU-updated layers, GB/s (measured on the 16-core H200 machine: 140-175).
+pub const HOST_UPDATE_GBS: f64 = 140.0;
+/// PCIe bandwidth per direction the planner assumes, GB/s (H200 machine: 48.7-50.9).
+pub const PCIE_GBS: f64 = 50.0;
 
 /// Exactly the bytes [`mt_store::HostStore`] maps for `layout` with `grad` gradients.
 pub fn store_bytes(layout: &ModelLayout, grad: GradDtype) -> u64 {
@@ -434,6 +472,36 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     };
     let held = held_layers as u64 * ll * e;
     total += held;
+    // GPU-updated layers: their state slots take what holding leaves (before kept activations:
+    // they take host work off a streamed step, which is what limits it).
+    let g = grad_elem_bytes(input.grad_dtype);
+    let state_cost = ring_depth as u64 * (12 + g) * ll + if g == 2 { 4 * ll } else { 0 };
+    let gpu_updated_layers = match input.gpu_updated_layers {
+        Some(k) if k > streamed_count => {
+            return opt(format!(
+                "{k} GPU-updated layers asked, but only {streamed_count} of {} layers stream ({resident_layers} resident); GPU-updated layers are streamed ones",
+                layout.n_layers
+            ))
+        }
+        Some(k) if k > 0 && input.mode != OptimMode::Exact => {
+            return opt(format!(
+                "{k} GPU-updated layers asked in lean mode: they apply exact mode's pending update on the GPU (lean mode updates each layer as its gradient lands); use 0"
+            ))
+        }
+        Some(k) if k > 0 && total + state_cost > budget => {
+            return opt(format!(
+                "the state slots of GPU-updated layers need {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; use --gpu-updated-layers 0",
+                gib(state_cost), gib(budget.saturating_sub(total))
+            ))
+        }
+        Some(k) => k,
+        None if input.mode == OptimMode::Exact && total + state_cost <= budget => {
+            balanced_gpu_updated(streamed_count, g, e, HOST_UPDATE_GBS, PCIE_GBS)
+        }
+        None => 0,
+    };
+    let state_slots = if gpu_updated_layers > 0 { state_cost } else { 0 };
+    total += state_slots;
     // Kept activations take what is left after that (residency and holding save host work,
     // which is what limits a streamed step; keeping saves the recompute). Kept layers are the
     // leading ones, so auto keeps where that covers only layers whose backward is then
@@ -475,9 +543,11 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         outer_state,
         resident_layers: resident_bytes,
         kept,
+        state_slots,
         total,
         budget,
     };
+    let gu = gpu_updated_layers as u64;
 
     Ok(Plan {
         batch,
@@ -491,10 +561,12 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         resident_outer,
         kept_layers,
         held_layers,
+        gpu_updated_layers,
         gpu,
         host,
-        pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64) * ll) * e,
-        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4,
+        pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
+            + gu * (12 + g) * ll,
+        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4 + gu * 12 * ll,
         n_params: layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(cfg, batch, seq),
     })
@@ -505,12 +577,12 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} layers keep their activations (no recompute)",
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state; {} layers keep their activations (no recompute)",
             self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers, self.n_layers,
-            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.kept_layers
+            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.kept_layers
         )?;
-        writeln!(f, "GPU (GiB)   ring {:.2} | held {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
-            gib(g.weight_ring), gib(g.held), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
+        writeln!(f, "GPU (GiB)   ring {:.2} | held {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | state slots {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
+            gib(g.weight_ring), gib(g.held), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.state_slots), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
         writeln!(
             f,
             "host (GiB)  store {:.2} | pinned {:.2} | total {:.2} | given back by resident units {:.2}",

@@ -42,6 +42,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         resident_layers: Some(0),
         kept_layers: Some(0),
         held_layers: Some(0),
+        gpu_updated_layers: Some(0),
         fused_kernels: true,
     }
 }
@@ -86,6 +87,18 @@ fn program_held(
     resident_layers: usize,
     held_layers: usize,
 ) -> Program {
+    program_gpu(n_layers, mode, pending_update, resident_outer, resident_layers, held_layers, 0)
+}
+
+fn program_gpu(
+    n_layers: usize,
+    mode: OptimMode,
+    pending_update: bool,
+    resident_outer: bool,
+    resident_layers: usize,
+    held_layers: usize,
+    gpu_updated: usize,
+) -> Program {
     Program::build(ProgramSpec {
         n_layers,
         ring_depth: 2,
@@ -97,6 +110,8 @@ fn program_held(
         resident_outer,
         resident_layers,
         held_layers,
+        gpu_updated,
+        n_state_bufs: 2,
     })
 }
 
@@ -113,23 +128,32 @@ fn pcie_bytes_equal_the_step_programs_copies() {
     let cfg = ModelConfig::tiny_llama();
     let layout = ModelLayout::new(&cfg);
     let len = |u: Unit| layout.unit(u).len as u64;
-    for ((mode, pending), held) in [(OptimMode::Exact, true), (OptimMode::Lean, false)]
+    for (((mode, pending), held), gpu) in [(OptimMode::Exact, true), (OptimMode::Lean, false)]
         .into_iter()
         .flat_map(|m| [(m, 0), (m, 1), (m, 2)])
+        .flat_map(|(m, h)| [((m, h), 0), ((m, h), 1), ((m, h), 2)])
+        .filter(|&(((mode, _), _), gpu)| mode == OptimMode::Exact || gpu == 0)
     {
-        let prog = program_held(layout.n_layers, mode, pending, false, 0, held);
+        let prog = program_gpu(layout.n_layers, mode, pending, false, 0, held, gpu);
+        assert_eq!(prog.state_uploads().count(), gpu, "{mode:?} {held} held");
         for grad in [GradDtype::Bf16, GradDtype::F32] {
+            let g = if grad == GradDtype::Bf16 { 2 } else { 4 };
             for (dtype, e) in [(DType::BF16, 2), (DType::F32, 4)] {
                 let i = PlanInput {
                     weight_dtype: dtype,
                     mode,
                     grad_dtype: grad,
                     held_layers: Some(held),
+                    gpu_updated_layers: Some(gpu),
                     ..input(cfg.clone(), 2, 16, GIB)
                 };
                 let p = plan(&i).unwrap();
-                assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * e);
-                assert_eq!(p.pcie_d2h_per_step, downloaded(&prog, &layout, mode, grad));
+                let state_up = prog.state_uploads().map(len).sum::<u64>();
+                assert_eq!(
+                    p.pcie_h2d_per_step,
+                    prog.uploads().map(len).sum::<u64>() * e + state_up * (12 + g)
+                );
+                assert_eq!(p.pcie_d2h_per_step, downloaded(&prog, &layout, mode, grad) + state_up * 12);
             }
         }
     }
@@ -343,13 +367,19 @@ fn the_gradient_pages_the_plan_counts_as_given_back_are_what_the_store_releases(
 fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
     let cfg = ModelConfig::tiny_llama();
     let layout = ModelLayout::new(&cfg);
-    for (mode, grad, held) in [
-        (OptimMode::Exact, GradDtype::Bf16, 0),
-        (OptimMode::Exact, GradDtype::F32, 1),
-        (OptimMode::Lean, GradDtype::Bf16, 2),
+    for (mode, grad, held, gpu) in [
+        (OptimMode::Exact, GradDtype::Bf16, 0, 0),
+        (OptimMode::Exact, GradDtype::F32, 1, 1),
+        (OptimMode::Exact, GradDtype::Bf16, 1, 2),
+        (OptimMode::Lean, GradDtype::Bf16, 2, 0),
     ] {
-        let i =
-            PlanInput { mode, grad_dtype: grad, held_layers: Some(held), ..input(cfg.clone(), 2, 16, GIB) };
+        let i = PlanInput {
+            mode,
+            grad_dtype: grad,
+            held_layers: Some(held),
+            gpu_updated_layers: Some(gpu),
+            ..input(cfg.clone(), 2, 16, GIB)
+        };
         let p = plan(&i).unwrap();
         let spec = mt_pool::PoolSpec {
             ring_depth: p.ring_depth,
@@ -364,6 +394,8 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             resident_layers: 0,
             held_layers: p.held_layers,
             land_bf16: lands_bf16(mode, grad),
+            state_slots: if p.gpu_updated_layers > 0 { p.ring_depth } else { 0 },
+            state_grad_dtype: if grad == GradDtype::F32 { DType::F32 } else { DType::BF16 },
         };
         let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
         let what = format!("{mode:?}, {grad:?} gradients");
@@ -371,6 +403,13 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
         assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
         assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
         assert_eq!((b.held as u64, p.held_layers), (p.gpu.held, held), "{what}: held layers' slots");
+        // The widening copy of a bf16 stored gradient is a transient of the update, not a slot.
+        let widen = if gpu > 0 && grad == GradDtype::Bf16 { 4 * layout.layer.len as u64 } else { 0 };
+        assert_eq!(
+            (b.state_slots as u64 + widen, p.gpu_updated_layers),
+            (p.gpu.state_slots, gpu),
+            "{what}: state slots"
+        );
     }
 }
 

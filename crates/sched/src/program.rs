@@ -13,6 +13,14 @@
 //! Held layers (the last `held_layers` streamed ones) are fetched once, for their forward, into
 //! their own slot, and their backward reads it there.
 //!
+//! GPU-updated layers (`gpu_updated` of the streamed layers, spread evenly among them; exact
+//! mode with a pending update) do not have their update applied by the host: their fp32
+//! `[master | m | v]` and stored gradient go up from the host record into a state slot
+//! ([`Op::UploadState`]), [`Op::UpdateStreamed`] applies AdamW there and writes the new weights
+//! into the layer's slot, and [`Op::DownloadState`] brings master and moments back into the
+//! record. Host memory bandwidth, which bounds the host's update pass, is then shared with the
+//! DMA engines over PCIe, which the forward otherwise leaves mostly idle.
+//!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
 //! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
 //! their gradient accumulates in their own buffer, and [`Op::UpdateResident`] applies their
@@ -116,6 +124,34 @@ pub enum Op {
     /// Compute: embedding backward (accumulates into the outer gradient); with a resident outer
     /// unit, also the outer gradient's sum of squares (for the global norm).
     EmbedBackward,
+    /// H2D (GPU-updated layers): the unit's fp32 master, m and v and its stored gradient, from
+    /// its page-locked host record into state slot `buf`.
+    UploadState {
+        /// Unit.
+        unit: Unit,
+        /// State slot.
+        buf: usize,
+    },
+    /// Compute (GPU-updated layers): the pending AdamW update on state slot `buf` (once: a
+    /// retried step whose update reached the record only casts), the new weights written into
+    /// `slot` for the forward.
+    UpdateStreamed {
+        /// Unit.
+        unit: Unit,
+        /// State slot.
+        buf: usize,
+        /// Weight slot the new weights go to.
+        slot: Slot,
+    },
+    /// D2H (GPU-updated layers): state slot `buf`'s master, m and v back into the unit's host
+    /// record; once they are there, the record is marked updated (so a retried step does not
+    /// apply the update twice).
+    DownloadState {
+        /// Unit.
+        unit: Unit,
+        /// State slot.
+        buf: usize,
+    },
     /// Compute (resident units only): AdamW on the unit's device-resident state from its
     /// device gradient, then its weights cast into its slot. Exact mode: the pending update,
     /// before the unit's first use in the step; lean mode: right after its backward.
@@ -182,6 +218,24 @@ pub struct ProgramSpec {
     /// forward, into their own slot ([`Slot::Held`]), and their backward reads them there: no
     /// re-cast, no second upload. At most `n_layers - resident_layers`.
     pub held_layers: usize,
+    /// Of the streamed layers, this many (spread evenly: [`is_gpu_updated`]) have their pending
+    /// exact-mode update applied on the device from their streamed state. 0 in lean mode.
+    pub gpu_updated: usize,
+    /// State slots for the GPU-updated layers (at least `ring_depth` when `gpu_updated > 0`:
+    /// that many state uploads can be ahead of their forward).
+    pub n_state_bufs: usize,
+}
+
+/// Whether decoder `layer` is one of the `spec.gpu_updated` GPU-updated layers: the streamed
+/// layers `resident_layers..n_layers` picked evenly (Bresenham), so that host updates and state
+/// transfers alternate through the forward.
+pub fn is_gpu_updated(spec: &ProgramSpec, layer: usize) -> bool {
+    if layer < spec.resident_layers || layer >= spec.n_layers {
+        return false;
+    }
+    let (s, n) = (layer - spec.resident_layers, spec.n_layers - spec.resident_layers);
+    let k = spec.gpu_updated.min(n);
+    (s + 1) * k / n > s * k / n
 }
 
 /// The instructions of one step.
@@ -208,6 +262,7 @@ const K_STAGING: u8 = 0;
 const K_SLOT: u8 = 1;
 const K_GRAD: u8 = 2;
 const K_LANDING: u8 = 3;
+const K_STATE: u8 = 4;
 
 fn buf_idx(b: HostBuf) -> usize {
     match b {
@@ -223,6 +278,15 @@ struct Builder {
     update_of: std::collections::HashMap<Unit, usize>,
     /// Layer fetches so far (staging buffers are taken in fetch order).
     n_fetches: usize,
+    /// State uploads so far (state slots are taken in that order).
+    n_states: usize,
+    /// Per state slot, the unit whose state is in it and not yet downloaded.
+    state_in_flight: Vec<Option<Unit>>,
+    /// The state slot each GPU-updated unit's state went to this step.
+    state_of: std::collections::HashMap<Unit, usize>,
+    /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
+    /// yet: their re-cast must read the downloaded master, so they are issued right after it.
+    deferred: Vec<(usize, Slot)>,
 }
 
 impl Builder {
@@ -240,11 +304,12 @@ impl Builder {
 
     /// Stage + upload of a unit; returns the upload's id.
     fn fetch(&mut self, unit: Unit, staging: HostBuf, slot: Slot, update: bool) -> usize {
-        // The previous upload out of this staging buffer must be done before it is rewritten.
+        // The previous upload out of this staging buffer must be done before it is rewritten;
+        // a unit updated on the device this step is re-cast only from its downloaded master.
         let id = self.next();
         let prev_reader = self.last.take(K_STAGING, buf_idx(staging), id + 1);
-        let stage =
-            self.push(Stream::Host, Op::Stage { unit, staging, update }, prev_reader.into_iter().collect());
+        let waits = prev_reader.into_iter().chain(self.update_of.get(&unit).copied()).collect();
+        let stage = self.push(Stream::Host, Op::Stage { unit, staging, update }, waits);
         if update {
             self.update_of.insert(unit, stage);
         }
@@ -256,6 +321,36 @@ impl Builder {
             }
         }
         self.push(Stream::H2D, Op::Upload { unit, staging, slot }, waits)
+    }
+
+    /// Upload of a GPU-updated unit's state into the next state slot; returns the upload's id.
+    fn fetch_state(&mut self, unit: Unit) -> usize {
+        let buf = self.n_states % self.state_in_flight.len();
+        self.n_states += 1;
+        assert!(
+            self.state_in_flight[buf].is_none(),
+            "state slot {buf} reused for {unit:?} before {:?}'s state was downloaded",
+            self.state_in_flight[buf]
+        );
+        self.state_in_flight[buf] = Some(unit);
+        self.state_of.insert(unit, buf);
+        // The previous download out of this slot must be done before it is overwritten.
+        let prev = self.last.0.get(&(K_STATE, buf)).copied();
+        self.push(Stream::H2D, Op::UploadState { unit, buf }, prev.into_iter().collect())
+    }
+
+    /// The device update of a GPU-updated unit (after its state upload `up`) into `slot`, and
+    /// the download of its state; returns the update's id.
+    fn update_streamed(&mut self, unit: Unit, slot: Slot, up: usize) -> usize {
+        let buf = self.state_of[&unit];
+        let upd = self.push(Stream::Compute, Op::UpdateStreamed { unit, buf, slot }, vec![up]);
+        let dl = self.push(Stream::D2H, Op::DownloadState { unit, buf }, vec![upd]);
+        self.last.take(K_STATE, buf, dl);
+        self.state_in_flight[buf] = None;
+        // Landing overwrites the record's gradient and a backward re-cast reads its master:
+        // both after the state is back.
+        self.update_of.insert(unit, dl);
+        upd
     }
 }
 
@@ -275,6 +370,10 @@ impl Program {
             spec.resident_layers + spec.held_layers <= spec.n_layers,
             "held layers must be streamed ones"
         );
+        assert!(
+            spec.gpu_updated == 0 || (spec.mode == OptimMode::Exact && spec.n_state_bufs >= spec.ring_depth),
+            "GPU-updated layers need exact mode and at least ring_depth state slots"
+        );
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
         let n = spec.n_layers;
@@ -285,7 +384,12 @@ impl Program {
             last: LastUse::default(),
             update_of: Default::default(),
             n_fetches: 0,
+            n_states: 0,
+            state_in_flight: vec![None; spec.n_state_bufs.max(1)],
+            state_of: Default::default(),
+            deferred: Vec::new(),
         };
+        let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
         // Use k: (layer, is_backward). Ring uses are the streamed, not held layers' uses: ring
         // use `j` goes through slot `j % ring_depth`. Held layers are fetched once, for their
         // forward, into their own slot. Staging buffers are taken in fetch order.
@@ -296,6 +400,16 @@ impl Program {
         let mut uploads = vec![usize::MAX; uses.len()];
         let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, k: usize, slot: Slot| {
             let (layer, backward) = uses[k];
+            if !backward && gpu_update(layer) {
+                uploads[k] = b.fetch_state(Unit::Layer(layer));
+                return;
+            }
+            if backward && gpu_update(layer) && !b.update_of.contains_key(&Unit::Layer(layer)) {
+                // Its prefetch comes before its forward's device update (the last forward
+                // layers' backward is the next ring use): issued after that update instead.
+                b.deferred.push((k, slot));
+                return;
+            }
             let staging = HostBuf::Ring(b.n_fetches % spec.n_staging);
             b.n_fetches += 1;
             uploads[k] = b.fetch(Unit::Layer(layer), staging, slot, exact_update && !backward);
@@ -352,21 +466,25 @@ impl Program {
                 }
                 continue;
             }
-            let slot = if held(layer) {
-                Slot::Held(layer)
-            } else {
-                let slot = j % spec.ring_depth;
-                let id = b.next();
-                b.last.take(K_SLOT, slot, id);
-                Slot::Ring(slot)
-            };
+            let slot = if held(layer) { Slot::Held(layer) } else { Slot::Ring(j % spec.ring_depth) };
             // The ring use whose fetch this compute (the last reader of its slot) releases.
             let prefetch = (!held(layer)).then(|| j + spec.ring_depth).filter(|&p| p < ring.len());
             if !held(layer) {
                 j += 1;
             }
             if !backward {
-                b.push(Stream::Compute, Op::Forward { layer, slot }, vec![uploads[k]]);
+                let ready =
+                    if gpu_update(layer) { b.update_streamed(unit, slot, uploads[k]) } else { uploads[k] };
+                let fwd = b.push(Stream::Compute, Op::Forward { layer, slot }, vec![ready]);
+                if let Slot::Ring(r) = slot {
+                    b.last.take(K_SLOT, r, fwd);
+                }
+                let (now, later): (Vec<_>, Vec<_>) =
+                    std::mem::take(&mut b.deferred).into_iter().partition(|&(d, _)| uses[d].0 == layer);
+                b.deferred = later;
+                for (d, dslot) in now {
+                    fetch(&mut b, &mut uploads, d, dslot);
+                }
                 fetch_held(&mut b, &mut uploads, layer - spec.resident_layers + spec.ring_depth);
                 if let Some(p) = prefetch {
                     fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
@@ -382,6 +500,9 @@ impl Program {
             waits.extend(b.last.0.get(&(K_GRAD, grad_buf)).copied());
             let op = Op::Backward { layer, slot, grad_buf: Some(grad_buf) };
             let bwd = b.push(Stream::Compute, op, waits);
+            if let Slot::Ring(r) = slot {
+                b.last.take(K_SLOT, r, bwd);
+            }
             if let Some(p) = prefetch {
                 fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
             }
@@ -394,6 +515,7 @@ impl Program {
             let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, waits);
             b.last.take(K_LANDING, buf_idx(landing), land);
         }
+        assert!(b.deferred.is_empty(), "backward fetches never issued: {:?}", b.deferred);
         if n == 0 {
             b.push(Stream::Compute, Op::Loss, vec![]);
         }
@@ -424,7 +546,17 @@ impl Program {
         Ok(())
     }
 
-    /// Units whose upload bytes cross the bus in this step, in order (for accounting).
+    /// Units whose optimizer state goes up and comes back in this step (GPU-updated layers), in
+    /// order.
+    pub fn state_uploads(&self) -> impl Iterator<Item = Unit> + '_ {
+        self.instrs.iter().filter_map(|i| match i.op {
+            Op::UploadState { unit, .. } => Some(unit),
+            _ => None,
+        })
+    }
+
+    /// Units whose weights are uploaded (cast on the host) in this step, in order (for
+    /// accounting; GPU-updated layers' forward weights are written on the device instead).
     pub fn uploads(&self) -> impl Iterator<Item = Unit> + '_ {
         self.instrs.iter().filter_map(|i| match i.op {
             Op::Upload { unit, .. } => Some(unit),

@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use mt_core::Unit;
 
-use crate::program::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
+use crate::program::{is_gpu_updated, HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 use crate::simulate::simulate;
 
 fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> ProgramSpec {
@@ -41,6 +41,8 @@ fn spec_held(
         resident_outer: resident,
         resident_layers,
         held_layers,
+        gpu_updated: 0,
+        n_state_bufs: 0,
     }
 }
 
@@ -60,6 +62,16 @@ fn all_specs() -> Vec<ProgramSpec> {
                             hs.dedup();
                             for h in hs {
                                 v.push(spec_held(l, n, mode, pending, resident, k, h));
+                                // GPU-updated layers (exact mode): one, every streamed one.
+                                let mut gs = vec![1.min(l - k), l - k];
+                                gs.dedup();
+                                for g in gs.into_iter().filter(|&g| g > 0 && mode == OptimMode::Exact) {
+                                    v.push(ProgramSpec {
+                                        gpu_updated: g,
+                                        n_state_bufs: n,
+                                        ..spec_held(l, n, mode, pending, resident, k, h)
+                                    });
+                                }
                             }
                         }
                     }
@@ -89,6 +101,19 @@ fn ancestors(p: &Program) -> Vec<HashSet<usize>> {
     anc
 }
 
+/// The slot an op writes a unit's weights into: an upload, or a GPU-updated layer's update.
+fn slot_written(op: &Op) -> Option<(Slot, Unit)> {
+    match *op {
+        Op::Upload { slot, unit, .. } | Op::UpdateStreamed { slot, unit, .. } => Some((slot, unit)),
+        _ => None,
+    }
+}
+
+/// Whether the step applies `layer`'s update on the device from its streamed state.
+fn gpu_updates(s: &ProgramSpec, layer: usize) -> bool {
+    s.mode == OptimMode::Exact && s.pending_update && is_gpu_updated(s, layer)
+}
+
 fn slot_of(op: &Op) -> Option<(Slot, Unit)> {
     match *op {
         Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } => Some((slot, Unit::Layer(layer))),
@@ -110,7 +135,7 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
                 .iter()
                 .enumerate()
                 .rev()
-                .find(|(_, x)| matches!(x.op, Op::Upload { slot: s2, .. } if s2 == slot))
+                .find(|(_, x)| slot_written(&x.op).is_some_and(|(s2, _)| s2 == slot))
                 .map(|(j, x)| (j, x.op.clone()));
             if s.resident_outer && slot == Slot::Outer {
                 // The slot is written by UpdateResident (or at engine start), never uploaded.
@@ -134,13 +159,24 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
             let (j, op) =
                 up.unwrap_or_else(|| panic!("{s:?}: instr {i} {:?} has no upload before it", ins.op));
             assert!(
-                matches!(op, Op::Upload { unit: u, .. } if u == unit),
+                slot_written(&op).is_some_and(|(_, u)| u == unit),
                 "{s:?}: {i} reads {unit:?} but slot holds {op:?}"
             );
             assert!(anc[i].contains(&j), "{s:?}: compute {i} does not wait for its upload {j}");
-            // Any later upload into the slot must wait for this compute.
+            // A GPU-updated layer's forward reads what its update wrote, which read its uploaded
+            // state.
+            if let Op::UpdateStreamed { unit: u, buf, .. } = op {
+                let su = p.instrs[..j].iter().rposition(|x| x.op == Op::UploadState { unit: u, buf });
+                let su = su.unwrap_or_else(|| panic!("{s:?}: update {j} of {u:?} has no state upload"));
+                assert!(anc[j].contains(&su), "{s:?}: update {j} does not wait for its state upload {su}");
+                // Its forward, or its backward from the slot it is held in.
+                let ok = matches!(ins.op, Op::Forward { .. })
+                    || matches!(ins.op, Op::Backward { slot: Slot::Held(_), .. });
+                assert!(ok, "{s:?}: {:?} reads a device update", ins.op);
+            }
+            // Any later write into the slot must wait for this compute.
             for (k, x) in p.instrs.iter().enumerate().skip(i + 1) {
-                if matches!(x.op, Op::Upload { slot: s2, .. } if s2 == slot) {
+                if slot_written(&x.op).is_some_and(|(s2, _)| s2 == slot) {
                     assert!(anc[k].contains(&i), "{s:?}: upload {k} may overwrite slot in use by {i}");
                 }
             }
@@ -170,17 +206,33 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
         assert_eq!(downs.get(&Unit::Outer).copied(), outer, "{s:?}");
         // A resident layer never crosses the bus; a streamed one twice up (a held one once),
         // once down.
+        // A GPU-updated one's forward weights are written on the device from its state, which
+        // goes up once and comes back once.
+        let state_ups: Vec<Unit> = p.state_uploads().collect();
+        let state_downs: Vec<Unit> = p
+            .instrs
+            .iter()
+            .filter_map(|i| match i.op {
+                Op::DownloadState { unit, .. } => Some(unit),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(state_ups, state_downs, "{s:?}");
         for l in 0..s.n_layers {
-            let (up, down) = if l < s.resident_layers {
-                (None, None)
-            } else if l + s.held_layers >= s.n_layers {
-                (Some(&1), Some(&1))
-            } else {
-                (Some(&2), Some(&1))
-            };
-            assert_eq!(ups.get(&Unit::Layer(l)), up, "{s:?}: layer {l} uploads");
-            assert_eq!(downs.get(&Unit::Layer(l)), down, "{s:?}: layer {l} downloads");
+            let held = l + s.held_layers >= s.n_layers;
+            let gpu = gpu_updates(&s, l);
+            let (up, down) =
+                if l < s.resident_layers { (0, 0) } else { (2 - usize::from(held) - usize::from(gpu), 1) };
+            assert_eq!(ups.get(&Unit::Layer(l)).copied().unwrap_or(0), up, "{s:?}: layer {l} uploads");
+            assert_eq!(downs.get(&Unit::Layer(l)).copied().unwrap_or(0), down, "{s:?}: layer {l} downloads");
+            let states = state_ups.iter().filter(|&&u| u == Unit::Layer(l)).count();
+            assert_eq!(states, usize::from(gpu), "{s:?}: layer {l} state uploads");
         }
+        assert_eq!(
+            state_ups.len(),
+            if s.pending_update { s.gpu_updated } else { 0 },
+            "{s:?}: GPU-updated layers"
+        );
     }
 }
 
@@ -278,9 +330,38 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
                 let expected: Vec<Unit> = (!s.resident_outer)
                     .then_some(Unit::Outer)
                     .into_iter()
-                    .chain((s.resident_layers..s.n_layers).map(Unit::Layer))
+                    .chain((s.resident_layers..s.n_layers).filter(|&l| !gpu_updates(&s, l)).map(Unit::Layer))
                     .collect();
                 assert_eq!(stage_updates, expected, "{s:?}");
+                // The others are updated on the device, in forward order, each before its
+                // forward, and their state comes back after the update.
+                let streamed_updates: Vec<(usize, Unit)> = p
+                    .instrs
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, x)| match x.op {
+                        Op::UpdateStreamed { unit, .. } => Some((i, unit)),
+                        _ => None,
+                    })
+                    .collect();
+                let gpu_layers: Vec<Unit> =
+                    (0..s.n_layers).filter(|&l| gpu_updates(&s, l)).map(Unit::Layer).collect();
+                assert_eq!(streamed_updates.iter().map(|x| x.1).collect::<Vec<_>>(), gpu_layers, "{s:?}");
+                let anc = ancestors(&p);
+                for &(i, unit) in &streamed_updates {
+                    let Unit::Layer(l) = unit else { unreachable!() };
+                    let fwd =
+                        p.instrs.iter().position(|x| matches!(x.op, Op::Forward { layer, .. } if layer == l));
+                    assert!(i < fwd.unwrap(), "{s:?}: layer {l} updated after its forward");
+                    let dl = p
+                        .instrs
+                        .iter()
+                        .position(|x| matches!(x.op, Op::DownloadState { unit: u, .. } if u == unit));
+                    assert!(
+                        anc[dl.unwrap()].contains(&i),
+                        "{s:?}: layer {l}'s state downloaded before its update"
+                    );
+                }
                 assert_eq!(land_updates, 0);
                 // The resident outer unit is updated on the device before anything reads it.
                 if s.resident_outer {
@@ -356,7 +437,9 @@ fn landing_a_gradient_waits_for_the_update_that_reads_the_previous_one() {
         for (i, ins) in p.instrs.iter().enumerate() {
             let Op::Land { unit, .. } = ins.op else { continue };
             for (j, x) in p.instrs.iter().enumerate() {
-                if matches!(x.op, Op::Stage { unit: u, update: true, .. } if u == unit) {
+                let reads_previous = matches!(x.op, Op::Stage { unit: u, update: true, .. } if u == unit)
+                    || matches!(x.op, Op::DownloadState { unit: u, .. } if u == unit);
+                if reads_previous {
                     // Direct wait, not just host-stream order: a multi-threaded host stream must
                     // keep it.
                     assert!(ins.waits.contains(&j), "{s:?}: land {i} does not wait for update {j}");
@@ -365,6 +448,74 @@ fn landing_a_gradient_waits_for_the_update_that_reads_the_previous_one() {
             }
         }
         assert!(p.validate().is_ok());
+    }
+}
+
+/// A state slot is overwritten only after the previous layer's state came back out of it, and a
+/// GPU-updated layer's backward re-cast reads its master only once it is back in the record.
+#[test]
+fn state_slots_are_reused_only_after_their_download() {
+    let mut n_gpu = 0;
+    for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0) {
+        let p = Program::build(s);
+        let anc = ancestors(&p);
+        let mut last_download_of: HashMap<usize, usize> = HashMap::new();
+        let download_of: HashMap<Unit, usize> = p
+            .instrs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, x)| match x.op {
+                Op::DownloadState { unit, .. } => Some((unit, i)),
+                _ => None,
+            })
+            .collect();
+        for (i, ins) in p.instrs.iter().enumerate() {
+            match ins.op {
+                Op::UploadState { buf, .. } => {
+                    assert!(buf < s.n_state_bufs, "{s:?}");
+                    if let Some(&d) = last_download_of.get(&buf) {
+                        assert!(
+                            anc[i].contains(&d),
+                            "{s:?}: state upload {i} overwrites slot {buf} before download {d}"
+                        );
+                    }
+                    n_gpu += 1;
+                }
+                Op::DownloadState { buf, .. } => {
+                    last_download_of.insert(buf, i);
+                }
+                Op::Stage { unit, update: false, .. } => {
+                    if let Some(&d) = download_of.get(&unit) {
+                        assert!(
+                            ins.waits.contains(&d),
+                            "{s:?}: re-cast {i} of {unit:?} before its state is back"
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(n_gpu > 100, "the specs exercise GPU-updated layers ({n_gpu} state uploads)");
+}
+
+/// GPU-updated layers are spread over the streamed ones: exactly `gpu_updated` of them, none
+/// resident, and never two more than one apart from an even spacing.
+#[test]
+fn gpu_updated_layers_are_spread_evenly_over_the_streamed_ones() {
+    for (n, r, k) in [(28, 0, 10), (28, 0, 0), (28, 0, 28), (8, 3, 2), (5, 1, 4), (96, 12, 30)] {
+        let s = ProgramSpec {
+            gpu_updated: k,
+            n_state_bufs: 2,
+            ..spec_held(n, 2, OptimMode::Exact, true, false, r, 0)
+        };
+        let picked: Vec<usize> = (0..n).filter(|&l| is_gpu_updated(&s, l)).collect();
+        assert_eq!(picked.len(), k, "{n} layers, {r} resident, {k}: {picked:?}");
+        assert!(picked.iter().all(|&l| l >= r));
+        for w in picked.windows(2) {
+            let gap = w[1] - w[0];
+            assert!(gap * k >= (n - r) - k && gap * k <= (n - r) + k, "{n}/{r}/{k}: {picked:?}");
+        }
     }
 }
 

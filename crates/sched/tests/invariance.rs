@@ -36,7 +36,18 @@ type Outcome = (Vec<u64>, BTreeMap<String, Tensor>, BTreeMap<String, Tensor>, Ve
 
 /// Runs one step per batch (then flushes the pending update).
 fn run(cfg: &ModelConfig, opts: EngineOptions, batches: &[Batch], delay_us: u64) -> Outcome {
-    let store = store_with(cfg, &random_params(cfg, 11), GradDtype::F32);
+    run_with(cfg, opts, batches, delay_us, GradDtype::F32)
+}
+
+/// [`run`] over a store keeping `grad` gradients.
+fn run_with(
+    cfg: &ModelConfig,
+    opts: EngineOptions,
+    batches: &[Batch],
+    delay_us: u64,
+    grad: GradDtype,
+) -> Outcome {
+    let store = store_with(cfg, &random_params(cfg, 11), grad);
     let mut e = engine(cfg, store.clone(), opts, delay_us);
     let losses = batches.iter().map(|b| e.step(b, 1e-3).unwrap().loss.to_bits()).collect();
     // Resident units' gradients reach the store when they are synced.
@@ -95,6 +106,49 @@ fn kept_activations_and_held_weights_train_bitwise_as_recompute_and_streaming() 
                 let (l, p, g, m) =
                     run(&cfg, EngineOptions { held_layers: held, ..opts(kept, resident) }, &batches, 0);
                 assert_eq!(l, l0, "{what}: losses differ from full recompute");
+                assert_bitwise_eq(&p, &p0, &format!("{what}: params"));
+                assert_bitwise_eq(&g, &g0, &format!("{what}: grads"));
+                assert!(m.iter().zip(&m0).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: moments differ");
+            }
+        }
+    }
+}
+
+/// A GPU-updated layer's update (its state uploaded into a state slot, AdamW there, the weights
+/// written into its slot, master and moments downloaded back into its record) is the host's
+/// update, bit for bit: losses, gradients, weights and moments over three steps equal those of
+/// the same placement with every streamed layer's update on the host, for one, some or all
+/// streamed layers, ring or held slots, resident layers beside them, ring depths 2 and 3 (as many
+/// state slots), f32 and bf16 stored gradients and weights, with random delays on every worker
+/// stream. (A resident layer updates from its f32 device gradient, so with bf16 stored gradients
+/// a placement with resident layers is compared with itself, not with the all-streamed run.)
+#[test]
+fn gpu_updated_layers_train_bitwise_as_host_updates() {
+    let mut qwen3 = golden::load("qwen3_qknorm").unwrap().cfg;
+    qwen3.num_hidden_layers = 3;
+    for cfg in [config(), qwen3] {
+        let n = cfg.num_hidden_layers;
+        let batches: Vec<Batch> = (0..3).map(|s| batch(&cfg, 3, 30 + s)).collect();
+        for (weight_dtype, grad) in [(DType::F32, GradDtype::F32), (DType::BF16, GradDtype::Bf16)] {
+            // (GPU-updated, held, resident, ring depth)
+            for (gpu, held, resident, depth) in
+                [(1, 0, 0, 2), (2, 0, 0, 3), (n, 0, 0, 2), (n, n, 0, 2), (1, 1, 1, 2)]
+            {
+                let what = format!(
+                    "{weight_dtype:?}/{grad:?}: {gpu} GPU-updated, {held} held, {resident} resident, depth {depth}"
+                );
+                let opts = |gpu_updated_layers| EngineOptions {
+                    gpu_updated_layers,
+                    held_layers: held,
+                    resident_layers: resident,
+                    ring_depth: depth,
+                    n_chunks: 2,
+                    weight_dtype,
+                    ..golden_opts()
+                };
+                let (l0, p0, g0, m0) = run_with(&cfg, opts(0), &batches, 0, grad);
+                let (l, p, g, m) = run_with(&cfg, opts(gpu), &batches, 200, grad);
+                assert_eq!(l, l0, "{what}: losses differ from host updates");
                 assert_bitwise_eq(&p, &p0, &format!("{what}: params"));
                 assert_bitwise_eq(&g, &g0, &format!("{what}: grads"));
                 assert!(m.iter().zip(&m0).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: moments differ");

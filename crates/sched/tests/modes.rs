@@ -156,6 +156,64 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
     }
 }
 
+/// The same for GPU-updated layers: a step that dies in the backward after their state came
+/// back updated must not apply their update again when retried (the record is marked once its
+/// state is there), nor when flushed; the retried run is bitwise the uninterrupted one, which is
+/// bitwise the run with every update on the host.
+#[test]
+fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
+    let cfg = cfg();
+    let n = cfg.num_hidden_layers;
+    let data = small_batches(&cfg, 3, 41);
+    let reference = train(&cfg, GradDtype::Bf16, golden_opts(), &data);
+    let opts = EngineOptions { gpu_updated_layers: n, ..golden_opts() };
+    assert_bitwise_eq(
+        &params_of(&train(&cfg, GradDtype::Bf16, opts.clone(), &data)),
+        &params_of(&reference),
+        "GPU-updated vs host-updated",
+    );
+    for flush_instead in [false, true] {
+        let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
+        let mut e = engine(&cfg, store.clone(), opts.clone(), 100);
+        e.step(&data[0], 1e-3).unwrap();
+        let mut device_updates = 0;
+        let err = e
+            .step_with(&data[1], 1e-3, |p| {
+                device_updates =
+                    p.instrs.iter().filter(|i| matches!(i.op, Op::UpdateStreamed { .. })).count();
+                for i in &mut p.instrs {
+                    if matches!(i.op, Op::Backward { layer: 0, .. }) {
+                        i.op = Op::Land {
+                            unit: mt_core::Unit::Outer,
+                            landing: mt_sched::program::HostBuf::Outer,
+                            update: false,
+                        };
+                    }
+                }
+            })
+            .unwrap_err();
+        assert_eq!(device_updates, n, "every layer is updated on the device");
+        assert!(err.to_string().contains("not a compute op"), "{err}");
+        for l in 0..n {
+            assert_eq!(
+                store.applied_step(mt_core::Unit::Layer(l)),
+                1,
+                "layer {l}'s update reached its record"
+            );
+        }
+        if flush_instead {
+            e.flush_pending().unwrap();
+            assert_eq!(store.state().step, 1);
+        }
+        e.step(&data[1], 1e-3).unwrap();
+        e.step(&data[2], 1e-3).unwrap();
+        e.flush_pending().unwrap();
+        if !flush_instead {
+            assert_bitwise_eq(&params_of(&store), &params_of(&reference), "retried run vs uninterrupted");
+        }
+    }
+}
+
 #[test]
 fn bad_optimizer_settings_are_refused_up_front() {
     let cfg = cfg();
@@ -211,6 +269,52 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
             assert_eq!(planned, (2 * n as usize + 1, n as usize + 1), "the program plans what was copied");
         }
     }
+}
+
+/// A GPU-updated layer's forward weights are not uploaded: its state (fp32 master, m, v and the
+/// stored gradient) goes up and master, m and v come back, measured by the copies themselves and
+/// equal to the program's plan; the first step, with no update pending, moves weights as usual.
+/// Lean mode and more GPU-updated layers than stream are refused, naming the problem.
+#[test]
+fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
+    let cfg = cfg();
+    let layout = ModelLayout::new(&cfg);
+    let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
+    for (grad, g) in [(GradDtype::Bf16, 2u64), (GradDtype::F32, 4)] {
+        for gpu in 0..=layout.n_layers {
+            let store = store_with(&cfg, &random_params(&cfg, 8), grad);
+            let opts = EngineOptions { gpu_updated_layers: gpu, n_chunks: 2, ..golden_opts() };
+            let mut e = engine(&cfg, store, opts, 0);
+            let (input_ids, targets) = random_batch(&cfg, 2, 8, 1, 0.0);
+            let b = Batch { batch: 2, seq: 8, input_ids, targets };
+            let first = e.step(&b, 1e-3).unwrap();
+            assert_eq!(first.h2d_bytes, (2 * n * l + o) * 4, "{gpu} GPU-updated, first step");
+            let mut states = 0;
+            let r = e.step_with(&b, 1e-3, |p| states = p.state_uploads().count()).unwrap();
+            let k = gpu as u64;
+            assert_eq!(states, gpu);
+            assert_eq!(
+                r.h2d_bytes,
+                ((2 * n - k) * l + o) * 4 + k * (12 + g) * l,
+                "{gpu} GPU-updated, {grad:?}"
+            );
+            assert_eq!(
+                r.d2h_bytes,
+                n * l * (if g == 2 { 2 } else { 4 }) + o * 4 + k * 12 * l,
+                "{gpu} GPU-updated"
+            );
+        }
+    }
+    let refused = |opts: EngineOptions| {
+        let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
+        mt_sched::Engine::new(&cfg, store, CpuBackend::new(mt_sched::CpuOptions::default()), opts)
+            .unwrap_err()
+            .to_string()
+    };
+    let err = refused(EngineOptions { gpu_updated_layers: 1, mode: OptimMode::Lean, ..golden_opts() });
+    assert!(err.contains("lean mode"), "{err}");
+    let err = refused(EngineOptions { gpu_updated_layers: 2, resident_layers: 1, ..golden_opts() });
+    assert!(err.contains("GPU-updated layers are streamed ones"), "{err}");
 }
 
 /// A held layer (uploaded once, its weights kept on the device from forward to backward) crosses

@@ -24,7 +24,8 @@ pub enum GradDtype {
 }
 
 impl GradDtype {
-    pub(crate) fn size(self) -> usize {
+    /// Bytes per element (0 for `None`).
+    pub fn size(self) -> usize {
         match self {
             GradDtype::F32 => 4,
             GradDtype::Bf16 => 2,
@@ -200,6 +201,24 @@ impl RecordGuard<'_> {
     pub fn set_applied_step(&mut self, t: u64) {
         *self.applied = t;
     }
+}
+
+/// Where one record's regions are in memory ([`HostStore::record_addrs`]): byte addresses of
+/// the fp32 master weights, moments and the gradient buffer, each `len` elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordAddrs {
+    /// fp32 master weights.
+    pub master: usize,
+    /// AdamW first moment (fp32).
+    pub m: usize,
+    /// AdamW second moment (fp32).
+    pub v: usize,
+    /// Gradient buffer (of `grad_dtype`; nothing when that is `None`).
+    pub grad: usize,
+    /// Elements of each region.
+    pub len: usize,
+    /// The store's gradient dtype.
+    pub grad_dtype: GradDtype,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -454,6 +473,59 @@ impl HostStore {
             };
             RecordGuard { master, m, v, grad, applied, _lock: lock }
         }
+    }
+
+    /// The optimizer step applied to `u` so far ([`RecordGuard::applied_step`]), read under the
+    /// record's lock from its meta page alone: no view of its data regions is made, so it may be
+    /// read while a DMA engine copies them.
+    ///
+    /// # Panics
+    /// If `u` is not a unit of the store's layout.
+    pub fn applied_step(&self, u: Unit) -> u64 {
+        let idx = u.index();
+        assert!(idx < self.records.len(), "{u:?} is not a unit of this store ({} units)", self.records.len());
+        let _lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the record's meta page lies inside the mapping (`plan`), is page-aligned (so
+        // the u64 read is aligned) and is written only through a guard of this record, whose
+        // lock is held here.
+        unsafe { self.base.add(self.records[idx].base).cast::<u64>().read() }
+    }
+
+    /// Records optimizer step `t` as applied to `u` ([`RecordGuard::set_applied_step`]), written
+    /// under the record's lock into its meta page alone (a DMA engine may just have written its
+    /// data regions).
+    ///
+    /// # Panics
+    /// If `u` is not a unit of the store's layout.
+    pub fn set_applied_step(&self, u: Unit, t: u64) {
+        let idx = u.index();
+        assert!(idx < self.records.len(), "{u:?} is not a unit of this store ({} units)", self.records.len());
+        let _lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: as in `applied_step`; the lock held makes this the only access to the page.
+        unsafe { self.base.add(self.records[idx].base).cast::<u64>().write(t) }
+    }
+
+    /// Addresses of `u`'s regions, for DMA by a backend that orders every access to them itself
+    /// (the scheduler's step program). Computing them touches nothing; using them is the
+    /// backend's `unsafe`, under its own invariant.
+    pub fn record_addrs(&self, u: Unit) -> RecordAddrs {
+        let loc = self.records[u.index()];
+        let at = self.base as usize + loc.base + PAGE;
+        RecordAddrs {
+            master: at,
+            m: at + loc.f32_region,
+            v: at + 2 * loc.f32_region,
+            grad: at + 3 * loc.f32_region,
+            len: loc.len,
+            grad_dtype: self.grad,
+        }
+    }
+
+    /// `(address, bytes)` of `u`'s whole record (meta page and regions; page-aligned), for
+    /// page-locking it in place ([`crate::PinnedRecords`]).
+    pub(crate) fn record_range(&self, u: Unit) -> (usize, usize) {
+        let loc = self.records[u.index()];
+        (self.base as usize + loc.base, loc.bytes(self.grad))
     }
 
     /// Writes a parameter's master value (by HF name) and zeroes its moments.

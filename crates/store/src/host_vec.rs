@@ -1,8 +1,9 @@
 //! `HostVec<T>`: a fixed-length, page-aligned, zeroed host buffer that can be page-locked
 //! (registered with CUDA) once, for the staging and landing rings that cross PCIe.
 //!
-//! Only these few ring buffers are ever pinned, never the store itself: pinning tens of GiB
-//! would take the memory away from the OS and make start-up slow. Registration is undone in
+//! Only these few ring buffers (and, in place, the records whose whole optimizer state crosses
+//! PCIe: `PinnedRecords`) are ever pinned, never the whole store: pinning tens of GiB would take
+//! the memory away from the OS and make start-up slow. Registration is undone in
 //! `Drop` before the memory is freed, so a registered range can never outlive its allocation.
 //!
 //! Architecture Invariant: the length never changes after construction, so a registered

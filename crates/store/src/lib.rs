@@ -22,13 +22,15 @@
 mod arena;
 mod header;
 mod host_vec;
+mod pinned;
 mod snapshot;
 mod staging;
 
 pub use arena::{
-    GradDtype, GradMut, GradRef, HostStore, RecordGuard, RecordParts, RecordPartsMut, StoreState,
+    GradDtype, GradMut, GradRef, HostStore, RecordAddrs, RecordGuard, RecordParts, RecordPartsMut, StoreState,
 };
 pub use host_vec::{par_copy, HostVec, PinError};
+pub use pinned::PinnedRecords;
 pub use staging::{Staging, UploadDtype};
 
 /// Size of a page; every record region starts on a page boundary (DMA-friendly).

@@ -82,6 +82,9 @@ pub struct EstimateArgs {
     /// As `megatrain train --held-layers`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub held_layers: LayerCount,
+    /// As `megatrain train --gpu-updated-layers`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub gpu_updated_layers: LayerCount,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -326,6 +329,16 @@ pub struct TrainArgs {
     /// as fit in what residency leaves (always 0 on the CPU).
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub held_layers: LayerCount,
+
+    /// How many streamed decoder layers (spread evenly among them) have their exact-mode AdamW
+    /// update run on the GPU instead of the host: their fp32 master weights, moments and stored
+    /// gradient go up from the host store (page-locked in place) and master and moments come
+    /// back, 12 B/param more each way over PCIe, which the forward leaves mostly idle, and
+    /// 28 B/param less host memory traffic, which bounds a streamed step. Bitwise the same
+    /// training. A number, or `auto` = the count that balances the host's update pass against
+    /// those transfers (always 0 on the CPU, in lean mode or with a file-backed --store).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub gpu_updated_layers: LayerCount,
 
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.

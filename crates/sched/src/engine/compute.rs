@@ -115,6 +115,21 @@ impl<B: Backend> Engine<B> {
                     self.device_sumsq.push((Unit::Outer, ss));
                 }
             }
+            Op::UpdateStreamed { unit, buf, slot } => {
+                let _s = tracing::debug_span!("update_streamed", ?unit).entered();
+                let state = self.pool.state.get(buf).ok_or_else(|| no_state(buf))?.clone();
+                let dst = self.slot_tensor(slot)?;
+                if self.store.applied_step(unit) >= args.step {
+                    // A retried step: the record already holds the update (and the state slot
+                    // what was uploaded from it).
+                    mt_layers::device_optim::cast_master_into(&state, &dst)?;
+                } else {
+                    let grad = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
+                    // bf16 -> f32 is exact: the same gradient the host's update widens.
+                    let grad = grad.to_dtype(candle_core::DType::F32)?;
+                    mt_layers::device_optim::adamw_step_into(&state, &grad, &self.opts.adamw, args, &dst)?;
+                }
+            }
             Op::UpdateResident { unit } => {
                 let _s = tracing::debug_span!("update_resident", ?unit).entered();
                 self.update_resident(unit, args)?;
@@ -143,6 +158,10 @@ impl<B: Backend> Engine<B> {
             CoreError::Plan(format!("layer {l} is not held (layers {first}.. are; scheduling bug)")).into()
         })
     }
+}
+
+fn no_state(buf: usize) -> Error {
+    CoreError::Plan(format!("state slot {buf} does not exist (scheduling bug)")).into()
 }
 
 fn missing_grad(layer: usize, chunk: usize) -> Error {

@@ -8,11 +8,13 @@ use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, Outer, Rope};
 use mt_optim::{AdamW, Grad, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
-use mt_store::{GradMut, GradRef, HostStore, RecordGuard, Staging, StoreState, UploadDtype};
+use mt_store::{
+    GradDtype, GradMut, GradRef, HostStore, PinnedRecords, RecordGuard, Staging, StoreState, UploadDtype,
+};
 
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
-use crate::program::{HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
+use crate::program::{is_gpu_updated, HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
@@ -56,7 +58,9 @@ pub struct StepReport {
 pub struct Engine<B: Backend> {
     // Field order is drop order: the (page-locked) staging and landing rings are unregistered
     // while the backend, and with it the CUDA context, is still alive; `Drop` drains every
-    // stream first, so no copy is in flight when they go.
+    // stream first, so no copy is in flight when they go. Likewise the GPU-updated layers' records,
+    // page-locked in place.
+    pinned_records: Option<PinnedRecords>,
     staging: Vec<Arc<Mutex<Staging>>>,
     outer_staging: Arc<Mutex<Staging>>,
     landing: Vec<Arc<Mutex<Staging>>>,
@@ -170,6 +174,8 @@ impl<B: Backend> Engine<B> {
                 resident_layers: opts.resident_layers,
                 held_layers: opts.held_layers,
                 land_bf16,
+                state_slots: if opts.gpu_updated_layers > 0 { opts.ring_depth } else { 0 },
+                state_grad_dtype: if store.grad_dtype() == GradDtype::F32 { DType::F32 } else { DType::BF16 },
             },
             backend.device(),
         )?;
@@ -191,6 +197,7 @@ impl<B: Backend> Engine<B> {
         let outer_host_len = if opts.resident_outer { 0 } else { layout.outer.len };
         let layout_units = layout.n_units();
         let mut engine = Engine {
+            pinned_records: None,
             cfg: cfg.clone(),
             staging: (0..N_STAGING).map(|_| host_buf(up, layout.layer.len)).collect::<Result<_>>()?,
             outer_staging: host_buf(up, outer_host_len)?,
@@ -213,7 +220,43 @@ impl<B: Backend> Engine<B> {
         };
         engine.check_records()?;
         engine.load_resident()?;
+        if pin && engine.opts.gpu_updated_layers > 0 {
+            // Their whole state crosses PCIe: page-lock their records in place (DMA at bus speed
+            // from and into the store, no copy through the staging rings).
+            let units = engine.gpu_updated_units();
+            engine.pinned_records = Some(PinnedRecords::pin(&engine.store, &units)?);
+        }
         Ok(engine)
+    }
+
+    /// The program's shape for a step (`pending`: an exact-mode update is pending).
+    fn program_spec(&self, pending: bool) -> ProgramSpec {
+        ProgramSpec {
+            n_layers: self.layout.n_layers,
+            ring_depth: self.opts.ring_depth,
+            n_staging: N_STAGING,
+            n_grad_bufs: N_GRAD_BUFS,
+            n_landing: N_LANDING,
+            mode: self.opts.mode,
+            pending_update: pending,
+            resident_outer: self.opts.resident_outer,
+            resident_layers: self.opts.resident_layers,
+            held_layers: self.opts.held_layers,
+            gpu_updated: self.opts.gpu_updated_layers,
+            n_state_bufs: self.pool.state.len(),
+        }
+    }
+
+    /// The decoder layers whose exact-mode update runs on the device from their streamed state
+    /// ([`EngineOptions::gpu_updated_layers`], picked by [`is_gpu_updated`]).
+    pub fn gpu_updated_units(&self) -> Vec<Unit> {
+        let spec = self.program_spec(true);
+        (0..self.layout.n_layers).filter(|&l| is_gpu_updated(&spec, l)).map(Unit::Layer).collect()
+    }
+
+    /// Bytes of host memory page-locked in place for the GPU-updated layers' records.
+    pub fn pinned_record_bytes(&self) -> usize {
+        self.pinned_records.as_ref().map_or(0, PinnedRecords::bytes)
     }
 
     /// The host store.
@@ -265,18 +308,7 @@ impl<B: Backend> Engine<B> {
         let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
         self.ensure_rope(batch.seq)?;
         let state = self.store.state();
-        let mut program = Program::build(ProgramSpec {
-            n_layers: self.layout.n_layers,
-            ring_depth: self.opts.ring_depth,
-            n_staging: N_STAGING,
-            n_grad_bufs: N_GRAD_BUFS,
-            n_landing: N_LANDING,
-            mode: self.opts.mode,
-            pending_update: state.pending_update,
-            resident_outer: self.opts.resident_outer,
-            resident_layers: self.opts.resident_layers,
-            held_layers: self.opts.held_layers,
-        });
+        let mut program = Program::build(self.program_spec(state.pending_update));
         edit(&mut program);
         program.validate()?;
         // Arguments of the updates this step applies.
@@ -466,6 +498,23 @@ impl<B: Backend> Engine<B> {
                     }
                 };
                 self.backend.upload(waits, self.staging_of(staging), dst, name)
+            }
+            Op::UploadState { unit, buf } => {
+                let (state, grad) = match (self.pool.state.get(buf), self.pool.state_grad.get(buf)) {
+                    (Some(s), Some(g)) => (s.clone(), g.clone()),
+                    _ => {
+                        return Err(Error::Options(format!(
+                            "state slot {buf} does not exist (scheduling bug)"
+                        )))
+                    }
+                };
+                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, grad, name)
+            }
+            Op::DownloadState { unit, buf } => {
+                let state = self.pool.state.get(buf).cloned().ok_or_else(|| {
+                    Error::Options(format!("state slot {buf} does not exist (scheduling bug)"))
+                })?;
+                self.backend.download_record(waits, state, Arc::clone(&self.store), unit, args.step, name)
             }
             Op::Download { grad_buf, landing, .. } => {
                 // A layer gradient narrowed to bf16 by its backward downloads from the twin.

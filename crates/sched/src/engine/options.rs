@@ -54,6 +54,13 @@ pub struct EngineOptions {
     /// host, no second upload (`layer.len` weight-dtype elements of device memory each). The
     /// rest of their path (host update, gradient download and land) is a streamed layer's.
     pub held_layers: usize,
+    /// Of the streamed layers, this many (spread evenly, `program::is_gpu_updated`) have their
+    /// exact-mode update applied on the device: their fp32 master, moments and stored gradient
+    /// go up from the host record (page-locked in place on a GPU) into a state slot, AdamW runs
+    /// there (`kernels/adamw.cu`, bitwise the host's) and writes the weights into the layer's
+    /// slot, and master and moments go back. Each costs 12 B/param more each way over PCIe and
+    /// takes its 28 B/param off the host's update pass; 0 = every update on the host.
+    pub gpu_updated_layers: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
     /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
@@ -77,6 +84,7 @@ impl Default for EngineOptions {
             resident_layers: 0,
             kept_layers: 0,
             held_layers: 0,
+            gpu_updated_layers: 0,
             device_narrowing: true,
         }
     }
@@ -116,6 +124,18 @@ impl EngineOptions {
                 "{} held layers beside {} resident ones of a {}-layer model: held layers are streamed ones",
                 self.held_layers, self.resident_layers, layout.n_layers
             )));
+        }
+        let streamed = layout.n_layers - self.resident_layers;
+        if self.gpu_updated_layers > streamed {
+            return Err(Error::Options(format!(
+                "{} GPU-updated layers asked, but only {streamed} of {} layers stream ({} resident): GPU-updated layers are streamed ones",
+                self.gpu_updated_layers, layout.n_layers, self.resident_layers
+            )));
+        }
+        if self.gpu_updated_layers > 0 && self.mode != OptimMode::Exact {
+            return Err(Error::Options(
+                "GPU-updated layers apply exact mode's pending update on the device; lean mode updates each layer on the host as its gradient lands: use --gpu-updated-layers 0 with lean mode".into(),
+            ));
         }
         if self.kept_layers > layout.n_layers {
             return Err(Error::Options(format!(
