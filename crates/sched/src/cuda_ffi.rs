@@ -143,15 +143,23 @@ unsafe fn htod_raw(dst: sys::CUdeviceptr, src: *const u8, bytes: usize, stream: 
     check(&format!("cuMemcpyHtoDAsync of {bytes} bytes"), r)
 }
 
+/// The two ends of a state copy: the record's host addresses, the state slot's device address,
+/// and the gradient buffer's device address and size, if it takes part.
+struct StateCopy {
+    record: mt_store::RecordAddrs,
+    state: sys::CUdeviceptr,
+    grad: Option<(sys::CUdeviceptr, usize)>,
+}
+
 /// Checks a state slot (`[master | m | v]`, f32) and, if given, a gradient buffer against `unit`'s
-/// record; returns the record's addresses and the device addresses and sizes.
+/// record.
 fn state_copy_plan(
     store: &HostStore,
     unit: Unit,
     state: &Tensor,
     grad: Option<&Tensor>,
     stream: &CudaStream,
-) -> Result<(mt_store::RecordAddrs, sys::CUdeviceptr, Option<(sys::CUdeviceptr, usize)>)> {
+) -> Result<StateCopy> {
     let a = store.record_addrs(unit);
     let n = a.len;
     let (sptr, sbytes) = device_ptr(state, stream)?;
@@ -176,7 +184,7 @@ fn state_copy_plan(
             Some((gptr, gbytes))
         }
     };
-    Ok((a, sptr, grad))
+    Ok(StateCopy { record: a, state: sptr, grad })
 }
 
 /// Enqueues the upload of `unit`'s fp32 master, m and v (into `state` at elements 0, n, 2n) and
@@ -189,7 +197,8 @@ pub(crate) fn enqueue_record_upload(
     grad: &Tensor,
     stream: &CudaStream,
 ) -> Result<u64> {
-    let (a, sptr, g) = state_copy_plan(store, unit, state, Some(grad), stream)?;
+    let StateCopy { record: a, state: sptr, grad: g } =
+        state_copy_plan(store, unit, state, Some(grad), stream)?;
     let (gptr, gbytes) = g.ok_or_else(|| Error::Cuda("no gradient buffer".into()))?;
     let n = a.len;
     for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
@@ -213,7 +222,7 @@ pub(crate) fn enqueue_record_download(
     unit: Unit,
     stream: &CudaStream,
 ) -> Result<u64> {
-    let (a, sptr, _) = state_copy_plan(store, unit, state, None, stream)?;
+    let StateCopy { record: a, state: sptr, .. } = state_copy_plan(store, unit, state, None, stream)?;
     let n = a.len;
     for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
         // SAFETY: `host` addresses the record's n-element f32 region (`record_addrs`), inside the
