@@ -116,6 +116,20 @@ fn switching_from_exact_to_lean_applies_the_pending_update() {
     assert_bitwise_eq(&params_of(&store), &params_of(&reference), "exact then lean vs exact");
 }
 
+/// Makes `layer`'s backward fail when the step runs it (a host op where a compute op belongs):
+/// every pending update of the step has been applied by then.
+fn fail_in_backward(p: &mut mt_sched::program::Program, layer: usize) {
+    for i in &mut p.instrs {
+        if matches!(i.op, Op::Backward { layer: l, .. } if l == layer) {
+            i.op = Op::Land {
+                unit: mt_core::Unit::Outer,
+                landing: mt_sched::program::HostBuf::Outer,
+                update: false,
+            };
+        }
+    }
+}
+
 /// A step that fails after some units' pending updates were applied must not apply them twice
 /// when retried (or flushed).
 #[test]
@@ -128,19 +142,7 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
         let mut e = engine(&cfg, store.clone(), golden_opts(), 100);
         e.step(&data[0], 1e-3).unwrap();
         // Step 2 dies in layer 1's backward, after every unit's pending update was applied.
-        let err = e
-            .step_with(&data[1], 1e-3, |p| {
-                for i in &mut p.instrs {
-                    if matches!(i.op, Op::Backward { layer: 1, .. }) {
-                        i.op = Op::Land {
-                            unit: mt_core::Unit::Outer,
-                            landing: mt_sched::program::HostBuf::Outer,
-                            update: false,
-                        };
-                    }
-                }
-            })
-            .unwrap_err();
+        let err = e.step_with(&data[1], 1e-3, |p| fail_in_backward(p, 1)).unwrap_err();
         assert!(err.to_string().contains("not a compute op"), "{err}");
         assert_eq!(store.state().step, 0, "the failed step must not be counted");
         if flush_instead {
@@ -181,15 +183,7 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
             .step_with(&data[1], 1e-3, |p| {
                 device_updates =
                     p.instrs.iter().filter(|i| matches!(i.op, Op::UpdateStreamed { .. })).count();
-                for i in &mut p.instrs {
-                    if matches!(i.op, Op::Backward { layer: 0, .. }) {
-                        i.op = Op::Land {
-                            unit: mt_core::Unit::Outer,
-                            landing: mt_sched::program::HostBuf::Outer,
-                            update: false,
-                        };
-                    }
-                }
+                fail_in_backward(p, 0);
             })
             .unwrap_err();
         assert_eq!(device_updates, n, "every layer is updated on the device");
