@@ -315,7 +315,16 @@ mod tests {
         let all = estimate_3_6b(&[]);
         assert_eq!((all.plan.resident_layers, all.plan.resident_outer), (28, true));
         assert_eq!(all.host_s, 0.0);
-        let ring = ["--resident-layers", "0", "--resident-outer", "on", "--held-layers", "0"];
+        let ring = [
+            "--resident-layers",
+            "0",
+            "--resident-outer",
+            "on",
+            "--held-layers",
+            "0",
+            "--gpu-updated-layers",
+            "0",
+        ];
         let streamed = estimate_3_6b(&ring);
         // 28 layers of 100_669_440 parameters at the default 140 GB/s: the update 28 B each
         // (bf16 gradient, master/m/v, bf16 copy), the backward's re-cast 6 B, the land 4 B.
@@ -323,9 +332,22 @@ mod tests {
         assert!((streamed.host_update_s - n * 28.0 / 140e9).abs() < 1e-9);
         assert!((streamed.host_s - n * 38.0 / 140e9).abs() < 1e-9);
         // Held layers are not re-cast for the backward: 6 B a parameter less.
-        let held = estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on"]);
+        let held =
+            estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on", "--gpu-updated-layers", "0"]);
         assert_eq!(held.plan.held_layers, 28);
         assert!((held.host_s - n * 32.0 / 140e9).abs() < 1e-9);
+        // GPU-updated layers (auto: 10 of 28) take their 28 B of AdamW off the host, but their
+        // state's DMA (26 B: master, m, v and the bf16 gradient up, master, m, v down) is priced
+        // at the same host bandwidth, in the same window.
+        let gpu = estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on"]);
+        assert_eq!(gpu.plan.gpu_updated_layers, 10);
+        let k = 10.0 * 100_669_440.0;
+        assert!(
+            (gpu.host_update_s - ((n - k) * 28.0 + k * 26.0) / 140e9).abs() < 1e-9,
+            "{}",
+            gpu.host_update_s
+        );
+        assert!(gpu.step_s < held.step_s, "{} vs {}", gpu.step_s, held.step_s);
         assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
         assert!(streamed.step_s > all.step_s);
         // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read
@@ -339,12 +361,22 @@ mod tests {
             "0",
             "--optim-mode",
             "lean",
+            "--gpu-updated-layers",
+            "0",
         ]);
         let want = n * (4.0 + 2.0 + 24.0 + 6.0 + 6.0) / 140e9;
         assert!((lean.host_s - want).abs() < 1e-9, "{}", lean.host_s);
         // A streamed outer unit lands in f32 (cast + sum of squares: 6 B) and is uploaded once.
-        let outer =
-            estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "off", "--held-layers", "0"]);
+        let outer = estimate_3_6b(&[
+            "--resident-layers",
+            "0",
+            "--resident-outer",
+            "off",
+            "--held-layers",
+            "0",
+            "--gpu-updated-layers",
+            "0",
+        ]);
         let o = 788_007_936.0;
         assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
     }

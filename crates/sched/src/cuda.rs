@@ -242,12 +242,26 @@ impl Backend for CudaBackend {
         // than spinning a core the host optimizer needs), then marks the record updated.
         let arrived = self.timing_event();
         self.issue_copy(Stream::D2H, waits, name, move |stream| {
-            let arrived = arrived?;
-            let bytes = cuda_ffi::enqueue_record_download(&state, &store, unit, stream)?;
-            arrived.record(stream).map_err(cuda_err("recording an event"))?;
-            arrived.synchronize().map_err(cuda_err("waiting for a state download"))?;
-            store.set_applied_step(unit, applied);
-            Ok(bytes)
+            let copied = arrived.and_then(|arrived| {
+                let bytes = cuda_ffi::enqueue_record_download(&state, &store, unit, stream)?;
+                arrived.record(stream).map_err(cuda_err("recording an event"))?;
+                arrived.synchronize().map_err(cuda_err("waiting for a state download"))?;
+                Ok(bytes)
+            });
+            match copied {
+                Ok(bytes) => {
+                    store.set_applied_step(unit, applied);
+                    Ok(bytes)
+                }
+                Err(e) => {
+                    // Part of the state may have reached the record, which is not marked: a
+                    // retry or flush would apply the update to it again. Nothing may.
+                    store.poison(format!(
+                        "the state download of {unit:?} failed part-way ({e}): its host record may mix old and new values"
+                    ));
+                    Err(e)
+                }
+            }
         })
     }
 

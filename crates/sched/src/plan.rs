@@ -440,13 +440,20 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     // Explicit held and kept counts are served before the automatic choices take what is left.
     let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels);
     let asked_held = input.held_layers.unwrap_or(0);
-    let reserved = asked_held as u64 * ll * e + input.kept_layers.unwrap_or(0) as u64 * per_kept_layer;
+    // GPU-updated layers' state slots: `ring_depth` slots of fp32 master, m, v and the stored
+    // gradient (`g` bytes), and the f32 copy a bf16 gradient is widened into.
+    let g = grad_elem_bytes(input.grad_dtype);
+    let state_cost = ring_depth as u64 * (12 + g) * ll + if g == 2 { 4 * ll } else { 0 };
+    let asked_gpu = input.gpu_updated_layers.unwrap_or(0);
+    let reserved = asked_held as u64 * ll * e
+        + input.kept_layers.unwrap_or(0) as u64 * per_kept_layer
+        + if asked_gpu > 0 { state_cost } else { 0 };
     // Auto: as many leading layers as fit in what is left (their state costs no chunk), leaving
-    // the held layers asked for streamed.
+    // the held and GPU-updated layers asked for streamed.
     let resident_layers = match input.resident_layers {
         Some(k) => k,
         None => ((budget.saturating_sub(total + reserved) / per_resident_layer) as usize)
-            .min(layout.n_layers.saturating_sub(asked_held)),
+            .min(layout.n_layers.saturating_sub(asked_held.max(asked_gpu))),
     };
     let resident_bytes = resident_layers as u64 * per_resident_layer;
     total += resident_bytes - asked_resident;
@@ -474,8 +481,6 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     total += held;
     // GPU-updated layers: their state slots take what holding leaves (before kept activations:
     // they take host work off a streamed step, which is what limits it).
-    let g = grad_elem_bytes(input.grad_dtype);
-    let state_cost = ring_depth as u64 * (12 + g) * ll + if g == 2 { 4 * ll } else { 0 };
     let gpu_updated_layers = match input.gpu_updated_layers {
         Some(k) if k > streamed_count => {
             return opt(format!(

@@ -504,3 +504,43 @@ fn held_layers_take_what_residency_leaves_and_cross_once() {
     let e = err(&PlanInput { held_layers: Some(28), gpu_bytes: 18 * GIB, ..base });
     assert!(e.contains("--held-layers"), "{e}");
 }
+
+/// Auto picks the count of GPU-updated layers that balances the host's update pass against the
+/// forward's uploads (10 of the 3.6B's 28 streamed layers with bf16 weights and gradients), none
+/// in lean mode or when their state slots do not fit; an explicit count is served before auto
+/// residency takes the GPU (its slots reserved, its layers left streamed), and one that does
+/// not fit is refused, naming the flag.
+#[test]
+fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
+    assert_eq!(balanced_gpu_updated(28, 2, 2, HOST_UPDATE_GBS, PCIE_GBS), 10);
+    assert_eq!(balanced_gpu_updated(28, 2, 2, 1e6, PCIE_GBS), 0, "an infinitely fast host needs none");
+    assert_eq!(balanced_gpu_updated(28, 2, 2, 1e-6, PCIE_GBS), 28, "an infinitely slow host wants all");
+    let base = input(llama3_3b(), 4, 2048, H200);
+    let auto = plan(&PlanInput { gpu_updated_layers: None, ..base.clone() }).unwrap();
+    assert_eq!(auto.gpu_updated_layers, 10);
+    let ll = ModelLayout::new(&base.cfg).layer.len as u64;
+    assert_eq!(auto.gpu.state_slots, 2 * 14 * ll + 4 * ll);
+    let lean = PlanInput { gpu_updated_layers: None, mode: OptimMode::Lean, ..base.clone() };
+    assert_eq!(plan(&lean).unwrap().gpu_updated_layers, 0);
+    let e = err(&PlanInput { gpu_updated_layers: Some(2), ..lean });
+    assert!(e.contains("lean mode"), "{e}");
+    // The smallest GPU (in GiB) the step fits on leaves less than a GiB: no room for 3.2 GB of slots.
+    let fits = |gib: u64| plan(&PlanInput { gpu_bytes: gib * GIB, ..base.clone() }).is_ok();
+    let least = (1..200).find(|&g| fits(g)).unwrap();
+    let small = PlanInput { gpu_updated_layers: None, gpu_bytes: least * GIB, ..base.clone() };
+    assert_eq!(
+        plan(&small).unwrap().gpu_updated_layers,
+        0,
+        "slots that do not fit are not picked ({least} GiB)"
+    );
+    // Explicit count with auto residency: the slots are reserved first and the layers stay streamed.
+    let asked =
+        plan(&PlanInput { resident_layers: None, gpu_updated_layers: Some(4), ..base.clone() }).unwrap();
+    assert_eq!(asked.gpu_updated_layers, 4);
+    assert!(asked.resident_layers <= 24 && asked.resident_layers > 0, "{asked}");
+    assert!(asked.gpu.total <= asked.gpu.budget, "{asked}");
+    let e = err(&PlanInput { gpu_updated_layers: Some(4), gpu_bytes: least * GIB, ..base.clone() });
+    assert!(e.contains("--gpu-updated-layers"), "{e}");
+    let e = err(&PlanInput { resident_layers: Some(26), gpu_updated_layers: Some(4), ..base });
+    assert!(e.contains("GPU-updated layers are streamed ones"), "{e}");
+}

@@ -227,15 +227,18 @@ pub struct ProgramSpec {
 }
 
 /// Whether decoder `layer` is one of the `spec.gpu_updated` GPU-updated layers: the streamed
-/// layers `resident_layers..n_layers` picked evenly (Bresenham), so that host updates and state
-/// transfers alternate through the forward.
+/// layers `resident_layers..n_layers` picked evenly, one in the middle of each of `gpu_updated`
+/// equal stretches (Bresenham, centred), so that host updates and state transfers alternate
+/// through the forward, and the last streamed layer (whose backward follows its forward at once,
+/// so that a re-cast waiting for its state could not be hidden) is one only when more than half
+/// of them are.
 pub fn is_gpu_updated(spec: &ProgramSpec, layer: usize) -> bool {
     if layer < spec.resident_layers || layer >= spec.n_layers {
         return false;
     }
     let (s, n) = (layer - spec.resident_layers, spec.n_layers - spec.resident_layers);
     let k = spec.gpu_updated.min(n);
-    (s + 1) * k / n > s * k / n
+    ((s + 1) * k + n / 2) / n > (s * k + n / 2) / n
 }
 
 /// The instructions of one step.

@@ -158,10 +158,11 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
     }
 }
 
-/// The same for GPU-updated layers: a step that dies in the backward after their state came
-/// back updated must not apply their update again when retried (the record is marked once its
-/// state is there), nor when flushed; the retried run is bitwise the uninterrupted one, which is
-/// bitwise the run with every update on the host.
+/// The same for GPU-updated layers: a step that dies after some of their states came back
+/// updated (in the backward: all of them; at the last one's device update: all but that one)
+/// must not apply those updates again when retried (a record is marked once its state is there)
+/// nor when flushed, and must apply the others once; the retried run is bitwise the
+/// uninterrupted one, which is bitwise the run with every update on the host.
 #[test]
 fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     let cfg = cfg();
@@ -174,7 +175,10 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
         &params_of(&reference),
         "GPU-updated vs host-updated",
     );
-    for flush_instead in [false, true] {
+    let last = mt_core::Unit::Layer(n - 1);
+    for (fail_at_last_update, flush_instead) in [(false, false), (false, true), (true, false), (true, true)] {
+        let what =
+            if fail_at_last_update { "failed at the last device update" } else { "failed in the backward" };
         let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
         let mut e = engine(&cfg, store.clone(), opts.clone(), 100);
         e.step(&data[0], 1e-3).unwrap();
@@ -183,17 +187,26 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
             .step_with(&data[1], 1e-3, |p| {
                 device_updates =
                     p.instrs.iter().filter(|i| matches!(i.op, Op::UpdateStreamed { .. })).count();
-                fail_in_backward(p, 0);
+                if fail_at_last_update {
+                    for i in &mut p.instrs {
+                        if matches!(i.op, Op::UpdateStreamed { unit, .. } if unit == last) {
+                            i.op = Op::Land {
+                                unit: last,
+                                landing: mt_sched::program::HostBuf::Outer,
+                                update: false,
+                            };
+                        }
+                    }
+                } else {
+                    fail_in_backward(p, 0);
+                }
             })
             .unwrap_err();
         assert_eq!(device_updates, n, "every layer is updated on the device");
-        assert!(err.to_string().contains("not a compute op"), "{err}");
+        assert!(err.to_string().contains("not a compute op"), "{what}: {err}");
         for l in 0..n {
-            assert_eq!(
-                store.applied_step(mt_core::Unit::Layer(l)),
-                1,
-                "layer {l}'s update reached its record"
-            );
+            let marked = if fail_at_last_update && l == n - 1 { 0 } else { 1 };
+            assert_eq!(store.applied_step(mt_core::Unit::Layer(l)), marked, "{what}: layer {l}'s marker");
         }
         if flush_instead {
             e.flush_pending().unwrap();
@@ -202,10 +215,31 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
         e.step(&data[1], 1e-3).unwrap();
         e.step(&data[2], 1e-3).unwrap();
         e.flush_pending().unwrap();
-        if !flush_instead {
-            assert_bitwise_eq(&params_of(&store), &params_of(&reference), "retried run vs uninterrupted");
-        }
+        let how = if flush_instead { "flushed" } else { "retried" };
+        assert_bitwise_eq(
+            &params_of(&store),
+            &params_of(&reference),
+            &format!("{what}, {how}, vs uninterrupted"),
+        );
     }
+}
+
+/// A store that a failed state copy left untrustworthy (`HostStore::poison`) is refused by every
+/// later step and flush, naming why, and nothing in it changes.
+#[test]
+fn a_poisoned_store_is_refused() {
+    let cfg = cfg();
+    let data = small_batches(&cfg, 2, 42);
+    let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
+    let mut e = engine(&cfg, store.clone(), golden_opts(), 0);
+    e.step(&data[0], 1e-3).unwrap();
+    let before = params_of(&store);
+    store.poison("the state download of Layer(1) failed part-way (test)".into());
+    let err = e.step(&data[1], 1e-3).unwrap_err().to_string();
+    assert!(err.contains("can no longer be trusted") && err.contains("Layer(1) failed part-way"), "{err}");
+    let err = e.flush_pending().unwrap_err().to_string();
+    assert!(err.contains("resume from a checkpoint"), "{err}");
+    assert_bitwise_eq(&params_of(&store), &before, "a refused step changes nothing");
 }
 
 #[test]

@@ -257,11 +257,17 @@ pub struct HostStore {
     pub(crate) records: Vec<RecordLoc>,
     locks: Vec<Mutex<()>>,
     header_lock: Mutex<()>,
+    /// Why the store's contents can no longer be trusted, if a writer failed part-way through a
+    /// record (see [`HostStore::poison`]).
+    poisoned: Mutex<Option<String>>,
 }
 
 // SAFETY: `base` points into `map`, which lives as long as the store. Every access to the
-// bytes behind it is serialised by `locks` (one per record; records are disjoint byte ranges)
-// or `header_lock` (the header page), so sharing the store across threads creates no data race.
+// bytes behind it through the store is serialised by `locks` (one per record; records are
+// disjoint byte ranges) or `header_lock` (the header page), so sharing the store across threads
+// creates no data race. Accesses by DMA through `record_addrs` are outside the store's locks:
+// the backend that makes them orders them against every other access itself (mt-sched's step
+// program, `cuda_ffi.rs`).
 unsafe impl Send for HostStore {}
 // SAFETY: as for `Send`: all interior mutation goes through the per-record and header mutexes.
 unsafe impl Sync for HostStore {}
@@ -384,6 +390,7 @@ impl HostStore {
             records,
             locks,
             header_lock: Mutex::new(()),
+            poisoned: Mutex::new(None),
         }
     }
 
@@ -486,8 +493,8 @@ impl HostStore {
         assert!(idx < self.records.len(), "{u:?} is not a unit of this store ({} units)", self.records.len());
         let _lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the record's meta page lies inside the mapping (`plan`), is page-aligned (so
-        // the u64 read is aligned) and is written only through a guard of this record, whose
-        // lock is held here.
+        // the u64 read is aligned) and is written only under this record's lock (by a guard or
+        // `set_applied_step`), which is held here.
         unsafe { self.base.add(self.records[idx].base).cast::<u64>().read() }
     }
 
@@ -503,6 +510,20 @@ impl HostStore {
         let _lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: as in `applied_step`; the lock held makes this the only access to the page.
         unsafe { self.base.add(self.records[idx].base).cast::<u64>().write(t) }
+    }
+
+    /// Marks the store as untrustworthy: a writer (a DMA copy into a record) failed part-way, so
+    /// a record may hold a mix of old and new values while its meta page says otherwise. Every
+    /// later step, flush or checkpoint of an engine on this store refuses with `why`; resume
+    /// from a checkpoint instead. The first reason is kept.
+    pub fn poison(&self, why: String) {
+        let mut p = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
+        p.get_or_insert(why);
+    }
+
+    /// Why the store was poisoned ([`HostStore::poison`]), if it was.
+    pub fn poisoned(&self) -> Option<String> {
+        self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Addresses of `u`'s regions, for DMA by a backend that orders every access to them itself

@@ -158,6 +158,14 @@ impl<B: Backend> Engine<B> {
             return Err(Error::Options("the host store was built for a different model layout".into()));
         }
         opts.check(&layout, store.grad_dtype())?;
+        if backend.pins_host_buffers() && opts.gpu_updated_layers > 0 && store.is_file_backed() {
+            // A file's pages written by DMA are not marked dirty (and recent kernels refuse
+            // long-term writable pins of shared file mappings): the file would silently keep
+            // stale master weights and moments.
+            return Err(Error::Options(
+                "GPU-updated layers write their state back by DMA into the host store's pages, which a file-backed --store does not track: use --gpu-updated-layers 0 with --store".into(),
+            ));
+        }
         let up = upload_dtype(opts.weight_dtype)?;
         let land_bf16 = opts.device_narrowing && crate::plan::lands_bf16(opts.mode, store.grad_dtype());
         let pool = DevicePool::new(
@@ -229,6 +237,16 @@ impl<B: Backend> Engine<B> {
         Ok(engine)
     }
 
+    /// Refuses to go on with a store a failed copy left untrustworthy ([`HostStore::poison`]).
+    fn check_not_poisoned(&self) -> Result<()> {
+        match self.store.poisoned() {
+            Some(why) => Err(Error::Options(format!(
+                "the host store can no longer be trusted: {why}; resume from a checkpoint (--resume)"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The program's shape for a step (`pending`: an exact-mode update is pending).
     fn program_spec(&self, pending: bool) -> ProgramSpec {
         ProgramSpec {
@@ -297,6 +315,7 @@ impl<B: Backend> Engine<B> {
         lr: f64,
         edit: impl FnOnce(&mut Program),
     ) -> Result<StepReport> {
+        self.check_not_poisoned()?;
         batch.validate(&self.cfg)?;
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::Options(format!("learning rate {lr} must be finite and non-negative")));
@@ -387,6 +406,7 @@ impl<B: Backend> Engine<B> {
     /// Resident units are updated on the device and the store's records are then brought up to
     /// date ([`Engine::sync_store`]), pending update or not.
     pub fn flush_pending(&mut self) -> Result<()> {
+        self.check_not_poisoned()?;
         let state = self.store.state();
         if !state.pending_update {
             return self.sync_store();
