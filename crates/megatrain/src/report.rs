@@ -473,7 +473,7 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB; last step: h2d 2000000 B, d2h 4000000 B"),
+            s.contains("pcie per step (mean of 2 steps): h2d 2.00 MB, d2h 4.00 MB; last step: h2d 3000000 B, d2h 6000000 B"),
             "{s}"
         );
         assert!(
