@@ -115,8 +115,9 @@ pub struct TrainSummary {
     /// Device-to-host bytes per step, mean over the run's steps.
     pub d2h_bytes_per_step: f64,
     /// Host-to-device and device-to-host bytes of the run's last step: with GPU-updated layers
-    /// a step that applies a pending update (every step after a run's first) moves their state,
-    /// which is what the plan counts; the first step of a fresh run moves only weights.
+    /// a step that applies a pending update moves their state, which is what the plan counts; a
+    /// step with none pending (a run's first, or the first after a checkpoint's flush) moves
+    /// only weights.
     pub last_step_bytes: (u64, u64),
     /// Per-stream busy fractions and idle gaps, averaged over the run's steps.
     pub streams: Vec<StreamMean>,

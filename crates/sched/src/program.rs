@@ -366,7 +366,9 @@ impl Program {
     /// fetch for use `j + N` is issued right after compute `j` (the last reader of its slot), so
     /// with `N >= 2` it overlaps compute `j + 1..`, and with `N = 1` there is no overlap (the
     /// ablation). The fetch is issued before the gradient download and landing of use `j`, so a
-    /// prefetch never queues behind an offload on the host stream.
+    /// prefetch never queues behind an offload on the host stream. Exception: the backward
+    /// re-cast of a GPU-updated layer whose prefetch would precede its forward's device update
+    /// is issued right after that forward (it must read the master the update sent back).
     pub fn build(spec: ProgramSpec) -> Program {
         assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
         assert!(

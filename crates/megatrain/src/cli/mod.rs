@@ -333,10 +333,12 @@ pub struct TrainArgs {
     /// How many streamed decoder layers (spread evenly among them) have their exact-mode AdamW
     /// update run on the GPU instead of the host: their fp32 master weights, moments and stored
     /// gradient go up from the host store (page-locked in place) and master and moments come
-    /// back, 12 B/param more each way over PCIe, which the forward leaves mostly idle, and
-    /// 28 B/param less host memory traffic, which bounds a streamed step. Bitwise the same
-    /// training. A number, or `auto` = the count that balances the host's update pass against
-    /// those transfers (always 0 on the CPU, in lean mode or with a file-backed --store).
+    /// back, 12 B/param more each way over PCIe, which the forward leaves mostly idle; the host's
+    /// AdamW pass (28 B/param of host memory traffic, which bounds a streamed step) shrinks by
+    /// those layers, though their state's DMA still moves 26 B/param through host memory.
+    /// Bitwise the same training. A number, or `auto` = the count that balances the host's
+    /// update pass against those transfers (always 0 on the CPU, in lean mode or with a
+    /// file-backed --store, which refuses a number too).
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub gpu_updated_layers: LayerCount,
 

@@ -59,7 +59,9 @@ pub struct EngineOptions {
     /// go up from the host record (page-locked in place on a GPU) into a state slot, AdamW runs
     /// there (`kernels/adamw.cu`, bitwise the host's) and writes the weights into the layer's
     /// slot, and master and moments go back. Each costs 12 B/param more each way over PCIe and
-    /// takes its 28 B/param off the host's update pass; 0 = every update on the host.
+    /// takes its AdamW pass (28 B/param of host memory traffic) off the host, though its state's
+    /// DMA still moves 26 B/param through host memory; 0 = every update on the host. Refused
+    /// with a file-backed store on a GPU (DMA writes into a file mapping are not tracked dirty).
     pub gpu_updated_layers: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
