@@ -352,31 +352,12 @@ mod tests {
         assert!(streamed.step_s > all.step_s);
         // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read
         // (and stored in bf16) in the update pass, and each upload copy is a cast of its own.
-        let lean = estimate_3_6b(&[
-            "--resident-layers",
-            "0",
-            "--resident-outer",
-            "on",
-            "--held-layers",
-            "0",
-            "--optim-mode",
-            "lean",
-            "--gpu-updated-layers",
-            "0",
-        ]);
+        let lean = estimate_3_6b(&[&ring[..], &["--optim-mode", "lean"]].concat());
         let want = n * (4.0 + 2.0 + 24.0 + 6.0 + 6.0) / 140e9;
         assert!((lean.host_s - want).abs() < 1e-9, "{}", lean.host_s);
         // A streamed outer unit lands in f32 (cast + sum of squares: 6 B) and is uploaded once.
-        let outer = estimate_3_6b(&[
-            "--resident-layers",
-            "0",
-            "--resident-outer",
-            "off",
-            "--held-layers",
-            "0",
-            "--gpu-updated-layers",
-            "0",
-        ]);
+        // (the ring arguments with the outer unit streamed: the later `--resident-outer` wins)
+        let outer = estimate_3_6b(&[&ring[..], &["--resident-outer", "off"]].concat());
         let o = 788_007_936.0;
         assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
     }
