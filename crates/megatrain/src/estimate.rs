@@ -109,6 +109,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         kept_layers: args.kept_layers.choice(args.device, false),
         held_layers: args.held_layers.choice(args.device, false),
         gpu_updated_layers: args.gpu_updated_layers.choice(args.device, false),
+        late_state_downloads: args.late_state_downloads.choice(args.device, false),
         // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
         fused_kernels: fused_kernels(args),
     })
@@ -139,15 +140,18 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16)
     // goes through the same host memory the host's update pass is bound by, in the same window:
     // priced at the same bandwidth (measured on the 16-core H200: the host's pass per layer
-    // slows from 18.4 to ~24.5 ms beside it, 2026-11-24).
+    // slows from 18.4 to ~24.5 ms beside it, 2026-11-24). Late downloads (12 B/param) come back
+    // in the backward instead.
     let gpu_params = (p.gpu_updated_layers * layout.layer.n_params()) as f64;
-    let state_dma = gpu_params * (24.0 + b.grad);
+    let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
+    let state_dma = gpu_params * (24.0 + b.grad) - late_params * 12.0;
     let host_update_s =
         secs((layer_params - gpu_params + outer_params) * (b.update + b.fwd_cast) + state_dma);
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
     let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
-    let host_backward_s =
-        secs(recast_params * b.bwd_cast + layer_params * b.land + outer_params * b.outer_land);
+    let host_backward_s = secs(
+        recast_params * b.bwd_cast + layer_params * b.land + outer_params * b.outer_land + late_params * 12.0,
+    );
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
     let fill = if streamed_layers > 0 {
@@ -163,8 +167,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => {
             let bwd_h2d =
                 ((streamed_layers - p.held_layers) * layout.layer.len) as f64 * args.precision.bytes();
-            // GPU-updated layers' master and moments come back during the forward.
-            let fwd_d2h = (12 * p.gpu_updated_layers * layout.layer.len) as f64;
+            // GPU-updated layers' master and moments come back during the forward (the late
+            // ones' during the backward).
+            let fwd_d2h = (12 * (p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64;
             let pcie_fwd_s = (p.pcie_h2d_per_step as f64 - bwd_h2d).max(fwd_d2h) / (args.pcie_gbs * 1e9);
             let pcie_bwd_s = bwd_h2d.max(p.pcie_d2h_per_step as f64 - fwd_d2h) / (args.pcie_gbs * 1e9);
             fwd_s.max(host_update_s).max(pcie_fwd_s) + bwd_s.max(host_backward_s).max(pcie_bwd_s)
@@ -338,16 +343,25 @@ mod tests {
         assert!((held.host_s - n * 32.0 / 140e9).abs() < 1e-9);
         // GPU-updated layers (auto: 10 of 28) take their 28 B of AdamW off the host, but their
         // state's DMA (26 B: master, m, v and the bf16 gradient up, master, m, v down) is priced
-        // at the same host bandwidth, in the same window.
-        let gpu = estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on"]);
-        assert_eq!(gpu.plan.gpu_updated_layers, 10);
-        let k = 10.0 * 100_669_440.0;
+        // at the same host bandwidth, in the same window; late downloads (auto: 5) bring their
+        // 12 B back in the backward instead.
+        let on_time = ["--resident-layers", "0", "--resident-outer", "on", "--late-state-downloads", "0"];
+        let gpu = estimate_3_6b(&on_time);
+        assert_eq!(gpu.plan.gpu_updated_layers, 11);
+        let k = 11.0 * 100_669_440.0;
         assert!(
             (gpu.host_update_s - ((n - k) * 28.0 + k * 26.0) / 140e9).abs() < 1e-9,
             "{}",
             gpu.host_update_s
         );
         assert!(gpu.step_s < held.step_s, "{} vs {}", gpu.step_s, held.step_s);
+        let late = estimate_3_6b(&on_time[..4]);
+        assert_eq!((late.plan.gpu_updated_layers, late.plan.late_state_downloads), (10, 5));
+        let (k, d) = (10.0 * 100_669_440.0, 5.0 * 100_669_440.0);
+        let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0) / 140e9;
+        assert!((late.host_update_s - want).abs() < 1e-9, "{}", late.host_update_s);
+        assert!((late.host_s - late.host_update_s - (n * 4.0 + d * 12.0) / 140e9).abs() < 1e-9);
+        assert!(late.step_s < gpu.step_s, "{} vs {}", late.step_s, gpu.step_s);
         assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
         assert!(streamed.step_s > all.step_s);
         // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read

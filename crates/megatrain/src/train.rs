@@ -179,6 +179,7 @@ fn make_plan(
         kept_layers: args.kept_layers.choice(args.device, false),
         held_layers: args.held_layers.choice(args.device, false),
         gpu_updated_layers: args.gpu_updated_layers.choice(args.device, args.store.is_some()),
+        late_state_downloads: args.late_state_downloads.choice(args.device, args.store.is_some()),
         fused_kernels: fused,
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
@@ -262,6 +263,7 @@ fn run<B: Backend>(
     eopts.kept_layers = plan.kept_layers;
     eopts.held_layers = plan.held_layers;
     eopts.gpu_updated_layers = plan.gpu_updated_layers;
+    eopts.late_state_downloads = plan.late_state_downloads;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let t_engine = Instant::now();
@@ -273,9 +275,12 @@ fn run<B: Backend>(
     if engine.pinned_record_bytes() > 0 {
         let layers: Vec<String> =
             engine.gpu_updated_units().iter().map(|u| format!("{}", u.index() - 1)).collect();
+        let late: Vec<String> =
+            engine.late_download_units().iter().map(|u| format!("{}", u.index() - 1)).collect();
         eprintln!(
-            "GPU-updated layers {}: their store records page-locked in place ({:.2} GiB, part of the store)",
+            "GPU-updated layers {} (state downloaded in the backward: {}): their store records page-locked in place ({:.2} GiB, part of the store)",
             layers.join(","),
+            if late.is_empty() { "none".to_string() } else { late.join(",") },
             engine.pinned_record_bytes() as f64 / (1u64 << 30) as f64
         );
     }

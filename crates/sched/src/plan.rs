@@ -39,8 +39,21 @@ pub const GPU_USABLE_FRACTION: f64 = 0.92;
 /// Default number of weight slots (double buffering: compute never waits for an upload after
 /// layer 0).
 pub const DEFAULT_RING_DEPTH: usize = 2;
-/// Layer gradient buffers, upload staging and landing buffers the engine allocates (two each).
+/// Upload staging and landing buffers the engine allocates (two each), and layer gradient
+/// buffers without late state downloads ([`grad_bufs`]).
 const N_BUFS: u64 = 2;
+
+/// Device gradient buffers of the layer ring: two, or four with late state downloads. A late
+/// download (1.2 GB at 3.6B) holds the backward's D2H for ~25 ms, three layers' backward at 4 x
+/// 2048 on an H200; the gradients queued behind it need buffers to wait in, or the backward
+/// stalls.
+pub fn grad_bufs(late_state_downloads: usize) -> usize {
+    if late_state_downloads > 0 {
+        4
+    } else {
+        N_BUFS as usize
+    }
+}
 /// `[t, hidden]` tensors alive at the peak of a layer's backward (a, x1, c, output, dy, dx1,
 /// da, dx).
 const HIDDEN_TENSORS: u64 = 8;
@@ -108,6 +121,11 @@ pub struct PlanInput {
     /// in exact mode, the count that balances the host's update pass against the PCIe time of
     /// the state it moves ([`balanced_gpu_updated`]), if its state slots fit.
     pub gpu_updated_layers: Option<usize>,
+    /// Of the GPU-updated layers that are held, this many download their state in the backward
+    /// (`Some(k)`; `EngineOptions::late_state_downloads`), or decide (`None`): as many as the
+    /// backward's D2H has time for beside the gradients ([`late_download_capacity`]) and the
+    /// GPU has room for.
+    pub late_state_downloads: Option<usize>,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
     /// capability 9.0+), which keep less for the backward than candle's ops.
     pub fused_kernels: bool,
@@ -148,9 +166,10 @@ pub struct GpuBytes {
     /// Forward activations kept by layers `0..kept_layers` for their backward, the whole
     /// batch (`DecoderLayer::kept_state_bytes` each).
     pub kept: u64,
-    /// State slots of the GPU-updated layers: `ring_depth × (12 + g) × layer.len` (fp32
-    /// `[master | m | v]` and the stored gradient of `g` bytes), plus the f32 copy a bf16 stored
-    /// gradient is widened into (`4 × layer.len`).
+    /// State slots of the GPU-updated layers: `(ring_depth + late downloads) × (12 + g) ×
+    /// layer.len` (fp32 `[master | m | v]` and the stored gradient of `g` bytes), plus the f32
+    /// copy a bf16 stored gradient is widened into (`4 × layer.len`), plus, with late downloads,
+    /// the two more layer gradient buffers they need ([`grad_bufs`]).
     pub state_slots: u64,
     /// Sum of the above.
     pub total: u64,
@@ -204,6 +223,9 @@ pub struct Plan {
     /// Of the streamed layers, this many have their update applied on the GPU from their
     /// streamed state.
     pub gpu_updated_layers: usize,
+    /// Of those, held ones whose state is downloaded in the backward (after their gradient)
+    /// instead of right after their update in the forward.
+    pub late_state_downloads: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
     /// Host bytes.
@@ -245,22 +267,51 @@ pub fn host_update_bytes(g: u64, e: u64) -> u64 {
     g + 24 + e
 }
 
-/// How many of `streamed` layers to update on the GPU so that the host's update pass (each
-/// host-updated parameter [`host_update_bytes`] at `host_gbs`) and the uploads of the forward
-/// (`e` bytes per host-updated parameter, `12 + g` per GPU-updated one, at `pcie_gbs`) take
-/// equally long: both then run side by side. Rounded to the nearest layer.
-pub fn balanced_gpu_updated(streamed: usize, g: u64, e: u64, host_gbs: f64, pcie_gbs: f64) -> usize {
-    let host = host_update_bytes(g, e) as f64 / host_gbs;
-    let (cast, state) = (e as f64 / pcie_gbs, (12 + g) as f64 / pcie_gbs);
-    let f = ((host - cast) / (host + state - cast)).clamp(0.0, 1.0);
-    ((streamed as f64 * f).round() as usize).min(streamed)
+/// The exact-mode forward window of `streamed` layers (in seconds per parameter of a layer)
+/// when `gpu` of them are updated on the GPU and `late` of those download their state in the
+/// backward: the longer of its host memory traffic at `host_gbs` and its uploads at
+/// `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the `e` its
+/// upload's DMA reads; a GPU-updated one's state DMA, `12 + g` up and, unless late, 12 down.
+/// Uploads: `e` per host-updated parameter, `12 + g` per GPU-updated one. (The forward's
+/// compute is not counted: at 4 x 2048 it is a fifth of the window.)
+pub fn forward_window(
+    streamed: usize,
+    gpu: usize,
+    late: usize,
+    g: u64,
+    e: u64,
+    host_gbs: f64,
+    upload_gbs: f64,
+) -> f64 {
+    let (h, n, l) = (streamed.saturating_sub(gpu) as f64, gpu as f64, late.min(gpu) as f64);
+    let (g, e) = (g as f64, e as f64);
+    let host = h * (host_update_bytes(g as u64, e as u64) as f64 + e) + n * (12.0 + g) + (n - l) * 12.0;
+    let up = h * e + n * (12.0 + g);
+    (host / host_gbs).max(up / upload_gbs)
 }
 
-/// Host memory bandwidth the planner assumes for the host's update pass when it picks the
-/// GPU-updated layers, GB/s (measured on the 16-core H200 machine: 140-175).
-pub const HOST_UPDATE_GBS: f64 = 140.0;
+/// How many late state downloads (`12 × layer_len` bytes each) the backward's D2H has time for
+/// beside `grad_bytes` of gradients: the backward computes two thirds of `flops` at
+/// [`BACKWARD_TFLOPS`], and its D2H may fill [`BACKWARD_D2H_SHARE`] of that at [`PCIE_GBS`].
+pub fn late_download_capacity(flops: f64, grad_bytes: u64, layer_len: u64) -> usize {
+    let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12);
+    let room = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE - grad_bytes as f64;
+    (room / (12 * layer_len.max(1)) as f64).max(0.0) as usize
+}
+
+/// Host memory traffic the forward window sustains, CPU and DMA together, GB/s (the 16-core
+/// H200 machine: 165-170 with and without state DMA beside the host's pass, 2026-11-24).
+pub const HOST_MEMORY_GBS: f64 = 165.0;
+/// Upload bandwidth of the GPU-updated layers' state beside the host's pass, GB/s (the H200
+/// machine: 1.41 GB in 33-36 ms, 2026-11-24; 48.7-50.9 unloaded).
+pub const STATE_UPLOAD_GBS: f64 = 40.0;
 /// PCIe bandwidth per direction the planner assumes, GB/s (H200 machine: 48.7-50.9).
 pub const PCIE_GBS: f64 = 50.0;
+/// Model TFLOP/s of the backward the planner assumes for a device it does not measure (an H200
+/// on the 3.6B at 4 x 2048, every layer held and kept: 7.5 ms a layer, ~490).
+pub const BACKWARD_TFLOPS: f64 = 450.0;
+/// Share of the backward the late state downloads and the gradients may keep the D2H busy.
+pub const BACKWARD_D2H_SHARE: f64 = 0.85;
 
 /// Exactly the bytes [`mt_store::HostStore`] maps for `layout` with `grad` gradients.
 pub fn store_bytes(layout: &ModelLayout, grad: GradDtype) -> u64 {
@@ -441,13 +492,20 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels);
     let asked_held = input.held_layers.unwrap_or(0);
     // GPU-updated layers' state slots: `ring_depth` slots of fp32 master, m, v and the stored
-    // gradient (`g` bytes), and the f32 copy a bf16 gradient is widened into.
+    // gradient (`g` bytes), one more per late download, and the f32 copy a bf16 gradient is
+    // widened into; late downloads also take two more gradient buffers.
     let g = grad_elem_bytes(input.grad_dtype);
-    let state_cost = ring_depth as u64 * (12 + g) * ll + if g == 2 { 4 * ll } else { 0 };
+    let grad_buf_bytes = ll * 4 + if le == 2 { ll * 2 } else { 0 };
+    let state_cost = |late: usize| {
+        (ring_depth + late) as u64 * (12 + g) * ll
+            + if g == 2 { 4 * ll } else { 0 }
+            + (grad_bufs(late) - N_BUFS as usize) as u64 * grad_buf_bytes
+    };
     let asked_gpu = input.gpu_updated_layers.unwrap_or(0);
+    let asked_late = input.late_state_downloads.unwrap_or(0);
     let reserved = asked_held as u64 * ll * e
         + input.kept_layers.unwrap_or(0) as u64 * per_kept_layer
-        + if asked_gpu > 0 { state_cost } else { 0 };
+        + if asked_gpu > 0 { state_cost(asked_late) } else { 0 };
     // Auto: as many leading layers as fit in what is left (their state costs no chunk), leaving
     // the held and GPU-updated layers asked for streamed.
     let resident_layers = match input.resident_layers {
@@ -480,7 +538,23 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let held = held_layers as u64 * ll * e;
     total += held;
     // GPU-updated layers: their state slots take what holding leaves (before kept activations:
-    // they take host work off a streamed step, which is what limits it).
+    // they take host work off a streamed step, which is what limits it). Late downloads: those
+    // of the held ones the backward's D2H has time for and the GPU room for.
+    let late_capable = |n: usize| {
+        crate::program::held_gpu_updated_of(layout.n_layers, resident_layers, held_layers, n).len()
+    };
+    let late_cap = late_download_capacity(
+        mt_core::model_flops_per_step(cfg, batch, seq),
+        (nl - resident_layers as u64) * ll * le,
+        ll,
+    );
+    let auto_late = |n: usize| {
+        let fits = |l: usize| total + state_cost(l) <= budget;
+        if n == 0 || input.mode != OptimMode::Exact {
+            return 0;
+        }
+        (0..=late_cap.min(late_capable(n))).rev().find(|&l| fits(l)).unwrap_or(0)
+    };
     let gpu_updated_layers = match input.gpu_updated_layers {
         Some(k) if k > streamed_count => {
             return opt(format!(
@@ -493,19 +567,46 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
                 "{k} GPU-updated layers asked in lean mode: they apply exact mode's pending update on the GPU (lean mode updates each layer as its gradient lands); use 0"
             ))
         }
-        Some(k) if k > 0 && total + state_cost > budget => {
+        Some(k) if k > 0 && total + state_cost(asked_late) > budget => {
             return opt(format!(
-                "the state slots of GPU-updated layers need {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; use --gpu-updated-layers 0",
-                gib(state_cost), gib(budget.saturating_sub(total))
+                "the state slots of GPU-updated layers{} need {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; use {}--gpu-updated-layers 0",
+                if asked_late > 0 { format!(" ({asked_late} of them downloading late)") } else { String::new() },
+                gib(state_cost(asked_late)), gib(budget.saturating_sub(total)),
+                if asked_late > 0 { "fewer --late-state-downloads or " } else { "" }
             ))
         }
         Some(k) => k,
-        None if input.mode == OptimMode::Exact && total + state_cost <= budget => {
-            balanced_gpu_updated(streamed_count, g, e, HOST_UPDATE_GBS, PCIE_GBS)
+        None if input.mode == OptimMode::Exact && total + state_cost(asked_late) <= budget => {
+            // The count with the shortest forward, each with the late downloads it would get;
+            // with late downloads asked, among the counts that hold that many.
+            let late_of = |n: usize| input.late_state_downloads.unwrap_or_else(|| auto_late(n));
+            let counts = (0..=streamed_count).filter(|&n| late_of(n) <= late_capable(n));
+            let cost = |n: usize| forward_window(streamed_count, n, late_of(n), g, e, HOST_MEMORY_GBS, STATE_UPLOAD_GBS);
+            counts.fold(None, |best: Option<usize>, n| match best {
+                Some(b) if cost(b) <= cost(n) => Some(b),
+                _ => Some(n),
+            })
+            .unwrap_or(0)
         }
         None => 0,
     };
-    let state_slots = if gpu_updated_layers > 0 { state_cost } else { 0 };
+    let late_capable = late_capable(gpu_updated_layers);
+    let late_state_downloads = match input.late_state_downloads {
+        Some(k) if k > late_capable => {
+            return opt(format!(
+                "{k} late state downloads asked, but only {late_capable} of the {gpu_updated_layers} GPU-updated layers are held ({held_layers} held layers): a late download keeps a held layer's state on the device until its backward"
+            ))
+        }
+        Some(k) if k > 0 && total + state_cost(k) > budget => {
+            return opt(format!(
+                "{k} late state downloads need {:.2} GiB of state slots and gradient buffers, the GPU has {:.2} GiB left of its {budget_line}; use fewer (--late-state-downloads)",
+                gib(state_cost(k)), gib(budget.saturating_sub(total))
+            ))
+        }
+        Some(k) => k,
+        None => auto_late(gpu_updated_layers),
+    };
+    let state_slots = if gpu_updated_layers > 0 { state_cost(late_state_downloads) } else { 0 };
     total += state_slots;
     // Kept activations take what is left after that (residency and holding save host work,
     // which is what limits a streamed step; keeping saves the recompute). Kept layers are the
@@ -567,6 +668,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         kept_layers,
         held_layers,
         gpu_updated_layers,
+        late_state_downloads,
         gpu,
         host,
         pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
@@ -582,9 +684,9 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state; {} layers keep their activations (no recompute)",
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state ({} of them download it in the backward); {} layers keep their activations (no recompute)",
             self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers, self.n_layers,
-            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.kept_layers
+            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.late_state_downloads, self.kept_layers
         )?;
         writeln!(f, "GPU (GiB)   ring {:.2} | held {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | state slots {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
             gib(g.weight_ring), gib(g.held), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.state_slots), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;

@@ -43,6 +43,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         kept_layers: Some(0),
         held_layers: Some(0),
         gpu_updated_layers: Some(0),
+        late_state_downloads: None,
         fused_kernels: true,
     }
 }
@@ -111,6 +112,7 @@ fn program_gpu(
         resident_layers,
         held_layers,
         gpu_updated,
+        late_downloads: 0,
         n_state_bufs: 2,
     })
 }
@@ -505,21 +507,64 @@ fn held_layers_take_what_residency_leaves_and_cross_once() {
     assert!(e.contains("--held-layers"), "{e}");
 }
 
-/// Auto picks the count of GPU-updated layers that balances the host's update pass against the
-/// forward's uploads (10 of the 3.6B's 28 streamed layers with bf16 weights and gradients), none
-/// in lean mode or when their state slots do not fit; an explicit count is served before auto
-/// residency takes the GPU (its slots reserved, its layers left streamed), and one that does
-/// not fit is refused, naming the flag.
+/// The forward window's model: a GPU-updated layer trades host memory traffic (30 B/param of a
+/// host update and upload for 26 B of state DMA, 14 B when its download is late) for uploads (2
+/// B/param for 14 B); the slower side sets the window.
+#[test]
+fn the_forward_window_is_the_slower_of_host_memory_and_uploads() {
+    let w = |n, l| forward_window(28, n, l, 2, 2, 165.0, 40.0);
+    assert_eq!(w(0, 0), 28.0 * 30.0 / 165.0, "host-bound with every update on the host");
+    assert_eq!(w(28, 0), 28.0 * 14.0 / 40.0, "upload-bound with every update on the GPU");
+    assert_eq!(w(10, 0), (18.0 * 30.0 + 10.0 * 26.0) / 165.0);
+    assert_eq!(w(10, 4), (18.0 * 30.0 + 10.0 * 26.0 - 4.0 * 12.0) / 165.0, "late ones leave 14 B");
+    assert_eq!(w(10, 40), w(10, 10), "no more late downloads than GPU-updated layers");
+    // Infinitely fast host memory: no layer is worth moving; infinitely slow: every one is.
+    let best = |host_gbs: f64| {
+        (0..=28).min_by(|&a, &b| {
+            let c = |n| forward_window(28, n, 0, 2, 2, host_gbs, 40.0);
+            c(a).total_cmp(&c(b))
+        })
+    };
+    assert_eq!(best(1e9), Some(0));
+    assert_eq!(best(1e-9), Some(28));
+}
+
+/// Auto picks the count of GPU-updated layers with the shortest forward window (11 of the
+/// 3.6B's 28 streamed layers with bf16 weights and gradients, none held; 10 when every layer is
+/// held and 5 of them download late), none in lean mode or when their state slots do not fit;
+/// an explicit count is served before auto residency takes the GPU (its slots reserved, its
+/// layers left streamed), and one that does not fit is refused, naming the flag.
 #[test]
 fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
-    assert_eq!(balanced_gpu_updated(28, 2, 2, HOST_UPDATE_GBS, PCIE_GBS), 10);
-    assert_eq!(balanced_gpu_updated(28, 2, 2, 1e6, PCIE_GBS), 0, "an infinitely fast host needs none");
-    assert_eq!(balanced_gpu_updated(28, 2, 2, 1e-6, PCIE_GBS), 28, "an infinitely slow host wants all");
     let base = input(llama3_3b(), 4, 2048, H200);
     let auto = plan(&PlanInput { gpu_updated_layers: None, ..base.clone() }).unwrap();
-    assert_eq!(auto.gpu_updated_layers, 10);
+    assert_eq!((auto.gpu_updated_layers, auto.late_state_downloads), (11, 0), "none held, none late");
     let ll = ModelLayout::new(&base.cfg).layer.len as u64;
     assert_eq!(auto.gpu.state_slots, 2 * 14 * ll + 4 * ll);
+    let held = plan(&PlanInput { gpu_updated_layers: None, held_layers: None, ..base.clone() }).unwrap();
+    assert_eq!((held.held_layers, held.gpu_updated_layers, held.late_state_downloads), (28, 10, 5), "{held}");
+    assert_eq!(held.late_state_downloads, late_download_capacity(held.flops_per_step, 28 * ll * 2, ll));
+    // Five more state slots and two more gradient buffers (f32 + bf16 twin).
+    assert_eq!(held.gpu.state_slots, (2 + 5) * 14 * ll + 4 * ll + 2 * 6 * ll);
+    // Late or not, the same bytes cross.
+    let prompt = PlanInput { gpu_updated_layers: Some(10), held_layers: None, ..base.clone() };
+    let on_time = plan(&PlanInput { late_state_downloads: Some(0), ..prompt.clone() }).unwrap();
+    assert_eq!(
+        (on_time.pcie_h2d_per_step, on_time.pcie_d2h_per_step),
+        (held.pcie_h2d_per_step, held.pcie_d2h_per_step)
+    );
+    assert_eq!(on_time.gpu.state_slots, 2 * 14 * ll + 4 * ll);
+    let e = err(&PlanInput { late_state_downloads: Some(11), ..prompt.clone() });
+    assert!(e.contains("only 10 of the 10 GPU-updated layers are held"), "{e}");
+    let e = err(&PlanInput { late_state_downloads: Some(1), held_layers: Some(0), ..prompt.clone() });
+    assert!(e.contains("only 0 of the 10"), "{e}");
+    let e = err(&PlanInput {
+        late_state_downloads: Some(10),
+        held_layers: Some(28),
+        gpu_bytes: 36 * GIB,
+        ..prompt
+    });
+    assert!(e.contains("10 of them downloading late") && e.contains("--late-state-downloads"), "{e}");
     let lean = PlanInput { gpu_updated_layers: None, mode: OptimMode::Lean, ..base.clone() };
     assert_eq!(plan(&lean).unwrap().gpu_updated_layers, 0);
     let e = err(&PlanInput { gpu_updated_layers: Some(2), ..lean });

@@ -19,7 +19,10 @@
 //! ([`Op::UploadState`]), [`Op::UpdateStreamed`] applies AdamW there and writes the new weights
 //! into the layer's slot, and [`Op::DownloadState`] brings master and moments back into the
 //! record. Host memory bandwidth, which bounds the host's update pass, is then shared with the
-//! DMA engines over PCIe, which the forward otherwise leaves mostly idle.
+//! DMA engines over PCIe, which the forward otherwise leaves mostly idle. Of the held ones,
+//! `late_downloads` ([`is_late_download`]) keep their state slot until their backward and
+//! download it there, right after their gradient: out of the forward, whose host memory is the
+//! step's bottleneck, into the backward, whose host memory and D2H are partly idle.
 //!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
 //! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
@@ -221,8 +224,13 @@ pub struct ProgramSpec {
     /// Of the streamed layers, this many (spread evenly: [`is_gpu_updated`]) have their pending
     /// exact-mode update applied on the device from their streamed state. 0 in lean mode.
     pub gpu_updated: usize,
-    /// State slots for the GPU-updated layers (at least `ring_depth` when `gpu_updated > 0`:
-    /// that many state uploads can be ahead of their forward).
+    /// Of the GPU-updated layers that are held, this many (spread evenly among them:
+    /// [`is_late_download`]) download their state in the backward, right after their gradient,
+    /// instead of right after their update; their state slot stays taken until then.
+    pub late_downloads: usize,
+    /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads` when
+    /// `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their forward while the
+    /// late ones wait for their backward).
     pub n_state_bufs: usize,
 }
 
@@ -233,12 +241,46 @@ pub struct ProgramSpec {
 /// so that a re-cast waiting for its state could not be hidden) is one only when more than half
 /// of them are.
 pub fn is_gpu_updated(spec: &ProgramSpec, layer: usize) -> bool {
-    if layer < spec.resident_layers || layer >= spec.n_layers {
+    gpu_updated_among(spec.n_layers, spec.resident_layers, spec.gpu_updated, layer)
+}
+
+fn gpu_updated_among(n_layers: usize, resident_layers: usize, gpu_updated: usize, layer: usize) -> bool {
+    if layer < resident_layers || layer >= n_layers {
         return false;
     }
-    let (s, n) = (layer - spec.resident_layers, spec.n_layers - spec.resident_layers);
-    let k = spec.gpu_updated.min(n);
-    ((s + 1) * k + n / 2) / n > (s * k + n / 2) / n
+    spread(layer - resident_layers, n_layers - resident_layers, gpu_updated)
+}
+
+/// Whether item `i` of `n` is one of `k` picked evenly (Bresenham, centred).
+fn spread(i: usize, n: usize, k: usize) -> bool {
+    let k = k.min(n);
+    ((i + 1) * k + n / 2) / n > (i * k + n / 2) / n
+}
+
+/// The GPU-updated layers that are also held (in layer order): the ones whose state may stay on
+/// the device until their backward.
+pub fn held_gpu_updated(spec: &ProgramSpec) -> Vec<usize> {
+    held_gpu_updated_of(spec.n_layers, spec.resident_layers, spec.held_layers, spec.gpu_updated)
+}
+
+/// [`held_gpu_updated`] of a placement: `n_layers`, of which the first `resident_layers` are
+/// resident, the last `held_layers` held, and `gpu_updated` of the streamed ones GPU-updated.
+pub fn held_gpu_updated_of(
+    n_layers: usize,
+    resident_layers: usize,
+    held_layers: usize,
+    gpu_updated: usize,
+) -> Vec<usize> {
+    let first_held = n_layers.saturating_sub(held_layers).max(resident_layers);
+    (first_held..n_layers).filter(|&l| gpu_updated_among(n_layers, resident_layers, gpu_updated, l)).collect()
+}
+
+/// Whether decoder `layer` is one of the `spec.late_downloads` GPU-updated, held layers whose
+/// state is downloaded in the backward (spread evenly over [`held_gpu_updated`], so that their
+/// downloads spread over the backward's D2H).
+pub fn is_late_download(spec: &ProgramSpec, layer: usize) -> bool {
+    let held = held_gpu_updated(spec);
+    held.iter().position(|&l| l == layer).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
 }
 
 /// The instructions of one step.
@@ -281,12 +323,13 @@ struct Builder {
     update_of: std::collections::HashMap<Unit, usize>,
     /// Layer fetches so far (staging buffers are taken in fetch order).
     n_fetches: usize,
-    /// State uploads so far (state slots are taken in that order).
-    n_states: usize,
-    /// Per state slot, the unit whose state is in it and not yet downloaded.
-    state_in_flight: Vec<Option<Unit>>,
+    /// State slots whose state has been downloaded (or never used), least recently freed first.
+    free_states: std::collections::VecDeque<usize>,
     /// The state slot each GPU-updated unit's state went to this step.
     state_of: std::collections::HashMap<Unit, usize>,
+    /// Late-download units updated on the device whose state is still in its slot: the update's
+    /// id.
+    late_updates: std::collections::HashMap<Unit, usize>,
     /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
     /// yet: their re-cast must read the downloaded master, so they are issued right after it.
     deferred: Vec<(usize, Slot)>,
@@ -328,32 +371,38 @@ impl Builder {
 
     /// Upload of a GPU-updated unit's state into the next state slot; returns the upload's id.
     fn fetch_state(&mut self, unit: Unit) -> usize {
-        let buf = self.n_states % self.state_in_flight.len();
-        self.n_states += 1;
-        assert!(
-            self.state_in_flight[buf].is_none(),
-            "state slot {buf} reused for {unit:?} before {:?}'s state was downloaded",
-            self.state_in_flight[buf]
-        );
-        self.state_in_flight[buf] = Some(unit);
+        let Some(buf) = self.free_states.pop_front() else {
+            panic!("no state slot free for {unit:?}: every one holds a state not yet downloaded")
+        };
         self.state_of.insert(unit, buf);
         // The previous download out of this slot must be done before it is overwritten.
         let prev = self.last.0.get(&(K_STATE, buf)).copied();
         self.push(Stream::H2D, Op::UploadState { unit, buf }, prev.into_iter().collect())
     }
 
-    /// The device update of a GPU-updated unit (after its state upload `up`) into `slot`, and
-    /// the download of its state; returns the update's id.
-    fn update_streamed(&mut self, unit: Unit, slot: Slot, up: usize) -> usize {
+    /// The device update of a GPU-updated unit (after its state upload `up`) into `slot`, and,
+    /// unless `late`, the download of its state; returns the update's id.
+    fn update_streamed(&mut self, unit: Unit, slot: Slot, up: usize, late: bool) -> usize {
         let buf = self.state_of[&unit];
         let upd = self.push(Stream::Compute, Op::UpdateStreamed { unit, buf, slot }, vec![up]);
+        if late {
+            self.late_updates.insert(unit, upd);
+        } else {
+            self.download_state(unit, upd);
+        }
+        upd
+    }
+
+    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot.
+    fn download_state(&mut self, unit: Unit, upd: usize) {
+        let buf = self.state_of[&unit];
         let dl = self.push(Stream::D2H, Op::DownloadState { unit, buf }, vec![upd]);
         self.last.take(K_STATE, buf, dl);
-        self.state_in_flight[buf] = None;
+        self.free_states.push_back(buf);
         // Landing overwrites the record's gradient and a backward re-cast reads its master:
-        // both after the state is back.
+        // both after the state is back (and the record marked updated, so that a retried step
+        // never updates it twice from a new gradient).
         self.update_of.insert(unit, dl);
-        upd
     }
 }
 
@@ -368,7 +417,9 @@ impl Program {
     /// ablation). The fetch is issued before the gradient download and landing of use `j`, so a
     /// prefetch never queues behind an offload on the host stream. Exception: the backward
     /// re-cast of a GPU-updated layer whose prefetch would precede its forward's device update
-    /// is issued right after that forward (it must read the master the update sent back).
+    /// is issued right after that forward (it must read the master the update sent back). A
+    /// late-download layer's state download is issued right after its gradient's download (its
+    /// land waits for both).
     pub fn build(spec: ProgramSpec) -> Program {
         assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
         assert!(
@@ -376,8 +427,14 @@ impl Program {
             "held layers must be streamed ones"
         );
         assert!(
-            spec.gpu_updated == 0 || (spec.mode == OptimMode::Exact && spec.n_state_bufs >= spec.ring_depth),
-            "GPU-updated layers need exact mode and at least ring_depth state slots"
+            spec.gpu_updated == 0
+                || (spec.mode == OptimMode::Exact
+                    && spec.n_state_bufs >= spec.ring_depth + spec.late_downloads),
+            "GPU-updated layers need exact mode and at least ring_depth (+ late downloads) state slots"
+        );
+        assert!(
+            spec.late_downloads <= held_gpu_updated(&spec).len(),
+            "late downloads are of GPU-updated held layers"
         );
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
@@ -389,9 +446,9 @@ impl Program {
             last: LastUse::default(),
             update_of: Default::default(),
             n_fetches: 0,
-            n_states: 0,
-            state_in_flight: vec![None; spec.n_state_bufs.max(1)],
+            free_states: (0..spec.n_state_bufs).collect(),
             state_of: Default::default(),
+            late_updates: Default::default(),
             deferred: Vec::new(),
         };
         let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
@@ -478,8 +535,11 @@ impl Program {
                 j += 1;
             }
             if !backward {
-                let ready =
-                    if gpu_update(layer) { b.update_streamed(unit, slot, uploads[k]) } else { uploads[k] };
+                let ready = if gpu_update(layer) {
+                    b.update_streamed(unit, slot, uploads[k], is_late_download(&spec, layer))
+                } else {
+                    uploads[k]
+                };
                 let fwd = b.push(Stream::Compute, Op::Forward { layer, slot }, vec![ready]);
                 if let Slot::Ring(r) = slot {
                     b.last.take(K_SLOT, r, fwd);
@@ -515,12 +575,16 @@ impl Program {
             waits.extend(b.last.0.get(&(K_LANDING, buf_idx(landing))).copied()); // previous land
             let dl = b.push(Stream::D2H, Op::Download { unit, grad_buf: Some(grad_buf), landing }, waits);
             b.last.take(K_GRAD, grad_buf, dl);
+            if let Some(upd) = b.late_updates.remove(&unit) {
+                b.download_state(unit, upd);
+            }
             // Landing overwrites the gradient the pending update reads: after that update.
             let waits = std::iter::once(dl).chain(b.update_of.get(&unit).copied()).collect();
             let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, waits);
             b.last.take(K_LANDING, buf_idx(landing), land);
         }
         assert!(b.deferred.is_empty(), "backward fetches never issued: {:?}", b.deferred);
+        assert!(b.late_updates.is_empty(), "late state downloads never issued: {:?}", b.late_updates);
         if n == 0 {
             b.push(Stream::Compute, Op::Loss, vec![]);
         }

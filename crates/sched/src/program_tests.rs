@@ -4,7 +4,10 @@ use std::collections::{HashMap, HashSet};
 
 use mt_core::Unit;
 
-use crate::program::{is_gpu_updated, HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
+use crate::program::{
+    held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode, Program, ProgramSpec,
+    Slot, Stream,
+};
 use crate::simulate::simulate;
 
 fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> ProgramSpec {
@@ -42,6 +45,7 @@ fn spec_held(
         resident_layers,
         held_layers,
         gpu_updated: 0,
+        late_downloads: 0,
         n_state_bufs: 0,
     }
 }
@@ -66,11 +70,20 @@ fn all_specs() -> Vec<ProgramSpec> {
                                 let mut gs = vec![1.min(l - k), l - k];
                                 gs.dedup();
                                 for g in gs.into_iter().filter(|&g| g > 0 && mode == OptimMode::Exact) {
-                                    v.push(ProgramSpec {
+                                    let s = ProgramSpec {
                                         gpu_updated: g,
                                         n_state_bufs: n,
                                         ..spec_held(l, n, mode, pending, resident, k, h)
-                                    });
+                                    };
+                                    v.push(s);
+                                    // Late downloads: one, every held GPU-updated layer.
+                                    let mut ds = vec![1, held_gpu_updated(&s).len()];
+                                    ds.dedup();
+                                    for d in
+                                        ds.into_iter().filter(|&d| d > 0 && d <= held_gpu_updated(&s).len())
+                                    {
+                                        v.push(ProgramSpec { late_downloads: d, n_state_bufs: n + d, ..s });
+                                    }
                                 }
                             }
                         }
@@ -217,7 +230,11 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
                 _ => None,
             })
             .collect();
-        assert_eq!(state_ups, state_downs, "{s:?}");
+        let sorted = |mut v: Vec<Unit>| {
+            v.sort_by_key(|u| u.index());
+            v
+        };
+        assert_eq!(sorted(state_ups.clone()), sorted(state_downs), "{s:?}");
         for l in 0..s.n_layers {
             let held = l + s.held_layers >= s.n_layers;
             let gpu = gpu_updates(&s, l);
@@ -497,6 +514,39 @@ fn state_slots_are_reused_only_after_their_download() {
         }
     }
     assert!(n_gpu > 100, "the specs exercise GPU-updated layers ({n_gpu} state uploads)");
+}
+
+/// A late-download layer's state stays in its slot through its forward and comes back in the
+/// backward, on the D2H stream right after its gradient (so its land, which waits for it, marks
+/// nothing before the record is whole); every other GPU-updated layer's comes back right after
+/// its update, before the next layer's forward. Exactly `late_downloads` held layers are late.
+#[test]
+fn late_state_downloads_come_after_their_backward_and_others_before_the_next_forward() {
+    let mut n_late = 0;
+    for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0 && s.pending_update) {
+        let p = Program::build(s);
+        let late: Vec<usize> = (0..s.n_layers).filter(|&l| is_late_download(&s, l)).collect();
+        assert_eq!(late.len(), s.late_downloads, "{s:?}");
+        assert!(late.iter().all(|&l| l + s.held_layers >= s.n_layers && is_gpu_updated(&s, l)), "{s:?}");
+        let pos = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op));
+        for l in (0..s.n_layers).filter(|&l| gpu_updates(&s, l)) {
+            let u = Unit::Layer(l);
+            let dl = pos(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == u)).unwrap();
+            let bwd = pos(&|o| matches!(*o, Op::Backward { layer, .. } if layer == l)).unwrap();
+            let grad = pos(&|o| matches!(*o, Op::Download { unit, .. } if unit == u)).unwrap();
+            let land = pos(&|o| matches!(*o, Op::Land { unit, .. } if unit == u)).unwrap();
+            if late.contains(&l) {
+                n_late += 1;
+                assert!(dl > bwd && dl > grad && dl < land, "{s:?}: layer {l}'s late download at {dl}");
+                assert!(p.instrs[land].waits.contains(&dl), "{s:?}: land of {l} does not wait for it");
+            } else {
+                let next_fwd = pos(&|o| matches!(*o, Op::Forward { layer, .. } if layer == l + 1));
+                assert!(dl < next_fwd.unwrap_or(usize::MAX), "{s:?}: layer {l}'s download is late");
+                assert!(dl < bwd, "{s:?}");
+            }
+        }
+    }
+    assert!(n_late > 50, "the specs exercise late downloads ({n_late})");
 }
 
 /// GPU-updated layers are spread over the streamed ones: exactly `gpu_updated` of them, none

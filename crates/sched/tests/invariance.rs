@@ -122,6 +122,8 @@ fn kept_activations_and_held_weights_train_bitwise_as_recompute_and_streaming() 
 /// state slots), f32 and bf16 stored gradients and weights, with random delays on every worker
 /// stream. (A resident layer updates from its f32 device gradient, so with bf16 stored gradients
 /// a placement with resident layers is compared with itself, not with the all-streamed run.)
+/// Late state downloads (held layers keeping their state on the device until their backward)
+/// change nothing either.
 #[test]
 fn gpu_updated_layers_train_bitwise_as_host_updates() {
     let mut qwen3 = golden::load("qwen3_qknorm").unwrap().cfg;
@@ -130,15 +132,23 @@ fn gpu_updated_layers_train_bitwise_as_host_updates() {
         let n = cfg.num_hidden_layers;
         let batches: Vec<Batch> = (0..3).map(|s| batch(&cfg, 3, 30 + s)).collect();
         for (weight_dtype, grad) in [(DType::F32, GradDtype::F32), (DType::BF16, GradDtype::Bf16)] {
-            // (GPU-updated, held, resident, ring depth)
-            for (gpu, held, resident, depth) in
-                [(1, 0, 0, 2), (2, 0, 0, 3), (n, 0, 0, 2), (n, n, 0, 2), (1, 1, 1, 2)]
-            {
+            // (GPU-updated, held, resident, ring depth, late state downloads)
+            for (gpu, held, resident, depth, late) in [
+                (1, 0, 0, 2, 0),
+                (2, 0, 0, 3, 0),
+                (n, 0, 0, 2, 0),
+                (n, n, 0, 2, 0),
+                (1, 1, 1, 2, 0),
+                (n, n, 0, 2, 1),
+                (n, n, 0, 3, n),
+                (2, n, 0, 2, 2),
+            ] {
                 let what = format!(
-                    "{weight_dtype:?}/{grad:?}: {gpu} GPU-updated, {held} held, {resident} resident, depth {depth}"
+                    "{weight_dtype:?}/{grad:?}: {gpu} GPU-updated ({late} late), {held} held, {resident} resident, depth {depth}"
                 );
                 let opts = |gpu_updated_layers| EngineOptions {
                     gpu_updated_layers,
+                    late_state_downloads: if gpu_updated_layers > 0 { late } else { 0 },
                     held_layers: held,
                     resident_layers: resident,
                     ring_depth: depth,

@@ -162,23 +162,42 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
 /// updated (in the backward: all of them; at the last one's device update: all but that one)
 /// must not apply those updates again when retried (a record is marked once its state is there)
 /// nor when flushed, and must apply the others once; the retried run is bitwise the
-/// uninterrupted one, which is bitwise the run with every update on the host.
+/// uninterrupted one, which is bitwise the run with every update on the host. With late state
+/// downloads (every layer held, each state back only after its gradient in the backward), a
+/// step failing at the last device update has marked none, and one failing in layer 0's backward
+/// all but layer 0.
 #[test]
 fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     let cfg = cfg();
     let n = cfg.num_hidden_layers;
     let data = small_batches(&cfg, 3, 41);
     let reference = train(&cfg, GradDtype::Bf16, golden_opts(), &data);
-    let opts = EngineOptions { gpu_updated_layers: n, ..golden_opts() };
-    assert_bitwise_eq(
-        &params_of(&train(&cfg, GradDtype::Bf16, opts.clone(), &data)),
-        &params_of(&reference),
-        "GPU-updated vs host-updated",
-    );
     let last = mt_core::Unit::Layer(n - 1);
-    for (fail_at_last_update, flush_instead) in [(false, false), (false, true), (true, false), (true, true)] {
-        let what =
-            if fail_at_last_update { "failed at the last device update" } else { "failed in the backward" };
+    for (late, fail_at_last_update, flush_instead) in [
+        (false, false, false),
+        (false, false, true),
+        (false, true, false),
+        (false, true, true),
+        (true, false, false),
+        (true, false, true),
+        (true, true, false),
+        (true, true, true),
+    ] {
+        let opts = if late {
+            EngineOptions { gpu_updated_layers: n, held_layers: n, late_state_downloads: n, ..golden_opts() }
+        } else {
+            EngineOptions { gpu_updated_layers: n, ..golden_opts() }
+        };
+        assert_bitwise_eq(
+            &params_of(&train(&cfg, GradDtype::Bf16, opts.clone(), &data)),
+            &params_of(&reference),
+            &format!("GPU-updated (late {late}) vs host-updated"),
+        );
+        let what = format!(
+            "{}{}",
+            if fail_at_last_update { "failed at the last device update" } else { "failed in the backward" },
+            if late { ", late downloads" } else { "" }
+        );
         let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
         let mut e = engine(&cfg, store.clone(), opts.clone(), 100);
         e.step(&data[0], 1e-3).unwrap();
@@ -205,7 +224,12 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
         assert_eq!(device_updates, n, "every layer is updated on the device");
         assert!(err.to_string().contains("not a compute op"), "{what}: {err}");
         for l in 0..n {
-            let marked = if fail_at_last_update && l == n - 1 { 0 } else { 1 };
+            let marked = match (late, fail_at_last_update) {
+                (false, true) => u64::from(l != n - 1),
+                (false, false) => 1,
+                (true, true) => 0,
+                (true, false) => u64::from(l != 0),
+            };
             assert_eq!(store.applied_step(mt_core::Unit::Layer(l)), marked, "{what}: layer {l}'s marker");
         }
         if flush_instead {
@@ -309,21 +333,28 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
     let layout = ModelLayout::new(&cfg);
     let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
     for (grad, g) in [(GradDtype::Bf16, 2u64), (GradDtype::F32, 4)] {
-        for gpu in 0..=layout.n_layers {
+        for (gpu, late) in (0..=layout.n_layers).map(|k| (k, 0)).chain([(layout.n_layers, layout.n_layers)]) {
             let store = store_with(&cfg, &random_params(&cfg, 8), grad);
-            let opts = EngineOptions { gpu_updated_layers: gpu, n_chunks: 2, ..golden_opts() };
+            let opts = EngineOptions {
+                gpu_updated_layers: gpu,
+                late_state_downloads: late,
+                held_layers: late,
+                n_chunks: 2,
+                ..golden_opts()
+            };
             let mut e = engine(&cfg, store, opts, 0);
             let (input_ids, targets) = random_batch(&cfg, 2, 8, 1, 0.0);
             let b = Batch { batch: 2, seq: 8, input_ids, targets };
             let first = e.step(&b, 1e-3).unwrap();
-            assert_eq!(first.h2d_bytes, (2 * n * l + o) * 4, "{gpu} GPU-updated, first step");
+            let h = late as u64; // held layers
+            assert_eq!(first.h2d_bytes, ((2 * n - h) * l + o) * 4, "{gpu} GPU-updated, first step");
             let mut states = 0;
             let r = e.step_with(&b, 1e-3, |p| states = p.state_uploads().count()).unwrap();
             let k = gpu as u64;
             assert_eq!(states, gpu);
             assert_eq!(
                 r.h2d_bytes,
-                ((2 * n - k) * l + o) * 4 + k * (12 + g) * l,
+                ((2 * n - h - k) * l + o) * 4 + k * (12 + g) * l,
                 "{gpu} GPU-updated, {grad:?}"
             );
             assert_eq!(
@@ -343,6 +374,11 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
     assert!(err.contains("lean mode"), "{err}");
     let err = refused(EngineOptions { gpu_updated_layers: 2, resident_layers: 1, ..golden_opts() });
     assert!(err.contains("GPU-updated layers are streamed ones"), "{err}");
+    let err = refused(EngineOptions { gpu_updated_layers: 2, late_state_downloads: 1, ..golden_opts() });
+    assert!(
+        err.contains("1 late state downloads asked, but only 0 of the 2 GPU-updated layers are held"),
+        "{err}"
+    );
 }
 
 /// A held layer (uploaded once, its weights kept on the device from forward to backward) crosses

@@ -85,6 +85,9 @@ pub struct EstimateArgs {
     /// As `megatrain train --gpu-updated-layers`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub gpu_updated_layers: LayerCount,
+    /// As `megatrain train --late-state-downloads`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub late_state_downloads: LayerCount,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -341,6 +344,16 @@ pub struct TrainArgs {
     /// file-backed --store, which refuses a number too).
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub gpu_updated_layers: LayerCount,
+
+    /// Of the GPU-updated layers that are held (--held-layers), how many keep their state on the
+    /// GPU from their update until their backward and download it there, after their gradient:
+    /// 12 B/param of host memory traffic and D2H move out of the forward, which host memory
+    /// bounds, into the backward, whose D2H carries only gradients. Each costs a state slot of
+    /// GPU memory (14-16 B/param); any costs two more gradient buffers. Bitwise the same
+    /// training. A number, or `auto` = as many as the backward's D2H has time for (always 0
+    /// without GPU-updated layers).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub late_state_downloads: LayerCount,
 
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.

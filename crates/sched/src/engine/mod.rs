@@ -14,7 +14,9 @@ use mt_store::{
 
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
-use crate::program::{is_gpu_updated, HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
+use crate::program::{
+    is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream,
+};
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
@@ -106,7 +108,6 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
 }
 
 const N_STAGING: usize = 2;
-const N_GRAD_BUFS: usize = 2;
 const N_LANDING: usize = 2;
 
 fn upload_dtype(d: DType) -> Result<UploadDtype> {
@@ -175,14 +176,18 @@ impl<B: Backend> Engine<B> {
                 outer_len: layout.outer.len,
                 weight_dtype: opts.weight_dtype,
                 grad_dtype: DType::F32,
-                n_grad_bufs: N_GRAD_BUFS,
+                n_grad_bufs: crate::plan::grad_bufs(opts.late_state_downloads),
                 n_layers: layout.n_layers,
                 n_chunks: opts.n_chunks,
                 resident_outer: opts.resident_outer,
                 resident_layers: opts.resident_layers,
                 held_layers: opts.held_layers,
                 land_bf16,
-                state_slots: if opts.gpu_updated_layers > 0 { opts.ring_depth } else { 0 },
+                state_slots: if opts.gpu_updated_layers > 0 {
+                    opts.ring_depth + opts.late_state_downloads
+                } else {
+                    0
+                },
                 state_grad_dtype: if store.grad_dtype() == GradDtype::F32 { DType::F32 } else { DType::BF16 },
             },
             backend.device(),
@@ -253,7 +258,7 @@ impl<B: Backend> Engine<B> {
             n_layers: self.layout.n_layers,
             ring_depth: self.opts.ring_depth,
             n_staging: N_STAGING,
-            n_grad_bufs: N_GRAD_BUFS,
+            n_grad_bufs: crate::plan::grad_bufs(self.opts.late_state_downloads),
             n_landing: N_LANDING,
             mode: self.opts.mode,
             pending_update: pending,
@@ -261,6 +266,7 @@ impl<B: Backend> Engine<B> {
             resident_layers: self.opts.resident_layers,
             held_layers: self.opts.held_layers,
             gpu_updated: self.opts.gpu_updated_layers,
+            late_downloads: self.opts.late_state_downloads,
             n_state_bufs: self.pool.state.len(),
         }
     }
@@ -270,6 +276,13 @@ impl<B: Backend> Engine<B> {
     pub fn gpu_updated_units(&self) -> Vec<Unit> {
         let spec = self.program_spec(true);
         (0..self.layout.n_layers).filter(|&l| is_gpu_updated(&spec, l)).map(Unit::Layer).collect()
+    }
+
+    /// The GPU-updated layers whose state is downloaded in the backward
+    /// ([`EngineOptions::late_state_downloads`], picked by [`is_late_download`]).
+    pub fn late_download_units(&self) -> Vec<Unit> {
+        let spec = self.program_spec(true);
+        (0..self.layout.n_layers).filter(|&l| is_late_download(&spec, l)).map(Unit::Layer).collect()
     }
 
     /// Bytes of host memory page-locked in place for the GPU-updated layers' records.

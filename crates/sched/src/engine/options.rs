@@ -63,6 +63,14 @@ pub struct EngineOptions {
     /// DMA still moves 26 B/param through host memory; 0 = every update on the host. Refused
     /// with a file-backed store on a GPU (DMA writes into a file mapping are not tracked dirty).
     pub gpu_updated_layers: usize,
+    /// Of the GPU-updated layers that are also held, this many (spread evenly,
+    /// `program::is_late_download`) keep their state on the device from their update until
+    /// their backward and download it there, after their gradient: 12 B/param of host memory
+    /// traffic and D2H move out of the forward (bound by host memory) into the backward (whose
+    /// D2H carries only gradients), for a state slot each (`(12 + g) × layer.len` bytes of
+    /// device memory) and two more gradient buffers. 0 = every state download right after its
+    /// update.
+    pub late_state_downloads: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
     /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
@@ -87,6 +95,7 @@ impl Default for EngineOptions {
             kept_layers: 0,
             held_layers: 0,
             gpu_updated_layers: 0,
+            late_state_downloads: 0,
             device_narrowing: true,
         }
     }
@@ -138,6 +147,19 @@ impl EngineOptions {
             return Err(Error::Options(
                 "GPU-updated layers apply exact mode's pending update on the device; lean mode updates each layer on the host as its gradient lands: use --gpu-updated-layers 0 with lean mode".into(),
             ));
+        }
+        let late_capable = crate::program::held_gpu_updated_of(
+            layout.n_layers,
+            self.resident_layers,
+            self.held_layers,
+            self.gpu_updated_layers,
+        )
+        .len();
+        if self.late_state_downloads > late_capable {
+            return Err(Error::Options(format!(
+                "{} late state downloads asked, but only {late_capable} of the {} GPU-updated layers are held (the last {} layers are): a late download keeps a held layer's state on the device until its backward",
+                self.late_state_downloads, self.gpu_updated_layers, self.held_layers
+            )));
         }
         if self.kept_layers > layout.n_layers {
             return Err(Error::Options(format!(
