@@ -103,7 +103,8 @@ impl<'a> GradSink<'a> {
 
     /// `buf[name][rows[i], :] += src[i, :]` for every `i` (repeated rows add up): the backward of
     /// an embedding lookup. Only the addressed rows are touched. `name` must be a matrix
-    /// `[n_rows, width]`, `rows` a 1-D u32 tensor of length `k`, `src` `[k, width]`.
+    /// `[n_rows, width]`, `rows` a 1-D u32 tensor of length `k` (on any device: the CUDA kernel
+    /// orders them on the host, so host rows save it a read off the GPU), `src` `[k, width]`.
     pub fn index_add_rows(&self, name: &str, rows: &Tensor, src: &Tensor) -> Result<()> {
         let spec = self.layout.get(name)?;
         let width = match spec.shape.as_slice() {
@@ -131,7 +132,7 @@ impl<'a> GradSink<'a> {
             return Ok(());
         }
         let src = src.to_dtype(self.buf.dtype())?.contiguous()?;
-        let idx = rows.unsqueeze(1)?.broadcast_as((k, width))?.contiguous()?;
+        let idx = rows.to_device(view.device())?.unsqueeze(1)?.broadcast_as((k, width))?.contiguous()?;
         view.scatter_add_set(&idx, &src, 0)?;
         Ok(())
     }

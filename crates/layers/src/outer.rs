@@ -35,7 +35,8 @@ impl Outer {
     }
 
     /// Backward of [`Outer::embed`]: adds row `dx[b, t]` into row `ids[b, t]` of the embedding
-    /// gradient (repeated ids add up). Needs no weights.
+    /// gradient (repeated ids add up). Needs no weights. `ids` may live on the host (see
+    /// [`GradSink::index_add_rows`]).
     pub fn embed_backward(&self, ids: &Tensor, dx: &Tensor, grads: &GradSink) -> Result<()> {
         let (b, t) = check_ids(ids)?;
         let h = self.cfg.hidden_size;
@@ -57,7 +58,7 @@ impl Outer {
 
     /// `Σ weight · CE` of one chunk, without gradients (evaluation).
     pub fn loss(&self, w: &OuterWeights, x: &Tensor, targets: &Tensor, weights: &Tensor) -> Result<f64> {
-        Ok(self.run(w, x, targets, weights, None)?.loss)
+        Ok(self.run(w, x, targets, weights, None)?.loss.to_scalar::<f64>()?)
     }
 
     /// Loss of one chunk and its backward in one pass. `targets: [b, t]` u32 (any valid id where
@@ -73,6 +74,22 @@ impl Outer {
         weights: &Tensor,
         grads: &GradSink,
     ) -> Result<(f64, Tensor)> {
+        let (loss, dx) = self.loss_backward_deferred(w, x, targets, weights, grads)?;
+        Ok((loss.to_scalar::<f64>()?, dx))
+    }
+
+    /// [`Outer::loss_backward`] with the loss left where it was computed, as an f64 scalar
+    /// tensor. Reading a scalar off a GPU is a device-to-host copy, which queues on the copy
+    /// engine behind every download already in flight (a streamed layer's state, 1.2 GB at
+    /// 3.6B): a caller overlapping downloads with compute reads it once they are done.
+    pub fn loss_backward_deferred(
+        &self,
+        w: &OuterWeights,
+        x: &Tensor,
+        targets: &Tensor,
+        weights: &Tensor,
+        grads: &GradSink,
+    ) -> Result<(Tensor, Tensor)> {
         crate::profile::start(x.device());
         let pass = self.run(w, x, targets, weights, Some(grads))?;
         crate::profile::mark(x.device(), "loss (LM head GEMMs + cross-entropy)");
@@ -175,13 +192,14 @@ impl Outer {
             }
             r0 += r;
         }
-        Ok(LossPass { loss: loss.to_scalar::<f64>()?, dxn, norm, b, t })
+        Ok(LossPass { loss, dxn, norm, b, t })
     }
 }
 
 /// Result of one pass of [`Outer::run`].
 struct LossPass {
-    loss: f64,
+    /// `Σ weight · CE`, an f64 scalar on the device.
+    loss: Tensor,
     /// Gradient of the normed hidden states, one `[rows, h]` tensor per block (empty without
     /// a sink).
     dxn: Vec<Tensor>,

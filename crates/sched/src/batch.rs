@@ -93,6 +93,9 @@ impl Batch {
 pub struct Chunk {
     /// `[b, t]` u32 token ids.
     pub ids: Tensor,
+    /// The same ids in host memory, for the embedding's backward, which orders them on the host:
+    /// reading them off the GPU there would wait for the downloads in flight.
+    pub host_ids: Tensor,
     /// `[b, t]` u32 targets (ignored positions hold 0 and weight 0).
     pub targets: Tensor,
     /// `[b, t]` f32 loss weights: `1 / N_global` where trained, 0 elsewhere.
@@ -121,6 +124,7 @@ pub fn make_chunks(b: &Batch, n_chunks: usize, device: &Device) -> Result<Vec<Ch
                 tg.iter().map(|&t| if t == IGNORE_INDEX { 0.0 } else { inv_n as f32 }).collect();
             Ok(Chunk {
                 ids: Tensor::from_slice(&b.input_ids[lo..hi], shape, device)?,
+                host_ids: Tensor::from_slice(&b.input_ids[lo..hi], shape, &Device::Cpu)?,
                 targets: Tensor::from_slice(&targets, shape, device)?,
                 weights: Tensor::from_slice(&weights, shape, device)?.to_dtype(DType::F32)?,
             })

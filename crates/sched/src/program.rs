@@ -20,8 +20,8 @@
 //! into the layer's slot, and [`Op::DownloadState`] brings master and moments back into the
 //! record. Host memory bandwidth, which bounds the host's update pass, is then shared with the
 //! DMA engines over PCIe, which the forward otherwise leaves mostly idle. Of the held ones,
-//! `late_downloads` ([`is_late_download`]) keep their state slot until their backward and
-//! download it there, right after their gradient: out of the forward, whose host memory is the
+//! `late_downloads` ([`is_late_download`]) keep their state slot into the backward and download
+//! it there, spread over it from the loss on: out of the forward, whose host memory is the
 //! step's bottleneck, into the backward, whose host memory and D2H are partly idle.
 //!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
@@ -225,8 +225,9 @@ pub struct ProgramSpec {
     /// exact-mode update applied on the device from their streamed state. 0 in lean mode.
     pub gpu_updated: usize,
     /// Of the GPU-updated layers that are held, this many (spread evenly among them:
-    /// [`is_late_download`]) download their state in the backward, right after their gradient,
-    /// instead of right after their update; their state slot stays taken until then.
+    /// [`is_late_download`]) download their state in the backward (spread over it, each before
+    /// its layer's land) instead of right after their update; their state slot stays taken
+    /// until then.
     pub late_downloads: usize,
     /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads` when
     /// `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their forward while the
@@ -330,6 +331,10 @@ struct Builder {
     /// Late-download units updated on the device whose state is still in its slot: the update's
     /// id.
     late_updates: std::collections::HashMap<Unit, usize>,
+    /// Late-download units in backward order (their downloads are issued in that order).
+    late_order: Vec<Unit>,
+    /// Late downloads issued so far.
+    late_issued: usize,
     /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
     /// yet: their re-cast must read the downloaded master, so they are issued right after it.
     deferred: Vec<(usize, Slot)>,
@@ -393,6 +398,28 @@ impl Builder {
         upd
     }
 
+    /// Issues the late state downloads due at streamed backward position `p` of `positions`:
+    /// the `k`-th (in backward order) at position `k × positions / late` — spread over the
+    /// backward from its start (the loss), so the D2H interleaves them with the gradients and
+    /// none is left for the end of the step — or at its own layer's position (its land waits for
+    /// it), whichever comes first.
+    fn late_downloads_due(&mut self, p: usize, positions: usize, n_layers: usize) {
+        let late = self.late_order.len();
+        while let Some(&unit) = self.late_order.get(self.late_issued) {
+            let own = match unit {
+                Unit::Layer(l) => n_layers - 1 - l,
+                Unit::Outer => 0,
+            };
+            if p < self.late_issued * positions / late && p < own {
+                break;
+            }
+            let upd =
+                self.late_updates.remove(&unit).expect("a late download's update was issued in the forward");
+            self.download_state(unit, upd);
+            self.late_issued += 1;
+        }
+    }
+
     /// The download of a GPU-updated unit's state after its update `upd`; frees its slot.
     fn download_state(&mut self, unit: Unit, upd: usize) {
         let buf = self.state_of[&unit];
@@ -417,9 +444,9 @@ impl Program {
     /// ablation). The fetch is issued before the gradient download and landing of use `j`, so a
     /// prefetch never queues behind an offload on the host stream. Exception: the backward
     /// re-cast of a GPU-updated layer whose prefetch would precede its forward's device update
-    /// is issued right after that forward (it must read the master the update sent back). A
-    /// late-download layer's state download is issued right after its gradient's download (its
-    /// land waits for both).
+    /// is issued right after that forward (it must read the master the update sent back). Late
+    /// state downloads are issued in the backward, spread over it from its start
+    /// (`Builder::late_downloads_due`), each before its layer's land (which waits for it).
     pub fn build(spec: ProgramSpec) -> Program {
         assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
         assert!(
@@ -449,6 +476,12 @@ impl Program {
             free_states: (0..spec.n_state_bufs).collect(),
             state_of: Default::default(),
             late_updates: Default::default(),
+            late_order: (0..spec.n_layers)
+                .rev()
+                .filter(|&l| exact_update && is_gpu_updated(&spec, l) && is_late_download(&spec, l))
+                .map(Unit::Layer)
+                .collect(),
+            late_issued: 0,
             deferred: Vec::new(),
         };
         let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
@@ -556,6 +589,7 @@ impl Program {
                 }
                 continue;
             }
+            b.late_downloads_due(n_grads, n - spec.resident_layers, n);
             let grad_buf = n_grads % spec.n_grad_bufs;
             let landing = HostBuf::Ring(n_grads % spec.n_landing);
             n_grads += 1;
@@ -575,9 +609,6 @@ impl Program {
             waits.extend(b.last.0.get(&(K_LANDING, buf_idx(landing))).copied()); // previous land
             let dl = b.push(Stream::D2H, Op::Download { unit, grad_buf: Some(grad_buf), landing }, waits);
             b.last.take(K_GRAD, grad_buf, dl);
-            if let Some(upd) = b.late_updates.remove(&unit) {
-                b.download_state(unit, upd);
-            }
             // Landing overwrites the gradient the pending update reads: after that update.
             let waits = std::iter::once(dl).chain(b.update_of.get(&unit).copied()).collect();
             let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, waits);

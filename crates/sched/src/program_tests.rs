@@ -517,9 +517,11 @@ fn state_slots_are_reused_only_after_their_download() {
 }
 
 /// A late-download layer's state stays in its slot through its forward and comes back in the
-/// backward, on the D2H stream right after its gradient (so its land, which waits for it, marks
-/// nothing before the record is whole); every other GPU-updated layer's comes back right after
-/// its update, before the next layer's forward. Exactly `late_downloads` held layers are late.
+/// backward (issued after the loss), before its land, which waits for it (so nothing is marked
+/// and no gradient overwritten before the record is whole); the `k`-th late download is issued
+/// no later than streamed backward position `k × streamed / late`, so that none is left for the
+/// end of the step. Every other GPU-updated layer's comes back right after its update, before
+/// the next layer's forward. Exactly `late_downloads` held layers are late.
 #[test]
 fn late_state_downloads_come_after_their_backward_and_others_before_the_next_forward() {
     let mut n_late = 0;
@@ -529,6 +531,18 @@ fn late_state_downloads_come_after_their_backward_and_others_before_the_next_for
         assert_eq!(late.len(), s.late_downloads, "{s:?}");
         assert!(late.iter().all(|&l| l + s.held_layers >= s.n_layers && is_gpu_updated(&s, l)), "{s:?}");
         let pos = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op));
+        let loss = pos(&|o| matches!(o, Op::Loss)).unwrap();
+        // Streamed backward computes in program order, and the late downloads.
+        let streamed_bwd: Vec<usize> = (0..p.instrs.len())
+            .filter(|&i| matches!(p.instrs[i].op, Op::Backward { grad_buf: Some(_), .. }))
+            .collect();
+        let late_dls: Vec<usize> = (0..p.instrs.len())
+            .filter(|&i| matches!(p.instrs[i].op, Op::DownloadState { unit: Unit::Layer(l), .. } if late.contains(&l)))
+            .collect();
+        for (k, &d) in late_dls.iter().enumerate() {
+            let due = k * streamed_bwd.len() / late.len();
+            assert!(d < streamed_bwd[due], "{s:?}: late download {k} issued after backward position {due}");
+        }
         for l in (0..s.n_layers).filter(|&l| gpu_updates(&s, l)) {
             let u = Unit::Layer(l);
             let dl = pos(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == u)).unwrap();
@@ -537,7 +551,10 @@ fn late_state_downloads_come_after_their_backward_and_others_before_the_next_for
             let land = pos(&|o| matches!(*o, Op::Land { unit, .. } if unit == u)).unwrap();
             if late.contains(&l) {
                 n_late += 1;
-                assert!(dl > bwd && dl > grad && dl < land, "{s:?}: layer {l}'s late download at {dl}");
+                assert!(
+                    dl > loss && dl < land && grad < land && bwd < land,
+                    "{s:?}: layer {l}'s late download at {dl}"
+                );
                 assert!(p.instrs[land].waits.contains(&dl), "{s:?}: land of {l} does not wait for it");
             } else {
                 let next_fwd = pos(&|o| matches!(*o, Op::Forward { layer, .. } if layer == l + 1));

@@ -18,7 +18,7 @@ impl<B: Backend> Engine<B> {
         &mut self,
         op: &Op,
         chunks: &[Chunk],
-        loss: &mut f64,
+        losses: &mut Vec<candle_core::Tensor>,
         args: &StepArgs,
     ) -> Result<()> {
         let (cfg, layout) = (&self.cfg, &self.layout);
@@ -63,8 +63,11 @@ impl<B: Backend> Engine<B> {
                 let sink = GradSink::new(&layout.outer, &gbuf)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.pool.checkpoint(n_layers, c)?.clone();
-                    let (l, dx) = self.outer_t.loss_backward(&w, &x, &ch.targets, &ch.weights, &sink)?;
-                    *loss += l;
+                    // Read at the step's end: a scalar read here would wait for the downloads
+                    // queued on the copy engine before it.
+                    let (l, dx) =
+                        self.outer_t.loss_backward_deferred(&w, &x, &ch.targets, &ch.weights, &sink)?;
+                    losses.push(l);
                     self.pool.put_act_grad(c, dx);
                 }
                 self.pool.drop_checkpoints(n_layers);
@@ -107,7 +110,7 @@ impl<B: Backend> Engine<B> {
                 let sink = GradSink::new(&layout.outer, &gbuf)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
-                    self.outer_t.embed_backward(&ch.ids, &dx, &sink)?;
+                    self.outer_t.embed_backward(&ch.host_ids, &dx, &sink)?;
                 }
                 if self.opts.resident_outer {
                     // Likewise the resident outer unit's.

@@ -460,7 +460,7 @@ impl<B: Backend> Engine<B> {
 
     fn issue_all(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
         let mut events: Vec<B::Event> = Vec::with_capacity(program.instrs.len());
-        let mut loss = 0.0;
+        let mut losses = Vec::new();
         let mut last_compute: Option<B::Event> = None;
         for ins in &program.instrs {
             let mut waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
@@ -473,7 +473,7 @@ impl<B: Backend> Engine<B> {
                     self.backend.compute_wait(&waits)?;
                     self.backend.compute_begin();
                     let t0 = self.backend.now_s();
-                    self.run_compute(&ins.op, chunks, &mut loss, &args)?;
+                    self.run_compute(&ins.op, chunks, &mut losses, &args)?;
                     self.backend.compute_record(format!("{:?}", ins.op), t0)
                 }
                 _ => self.issue_transfer(&ins.op, &waits, args)?,
@@ -485,6 +485,12 @@ impl<B: Backend> Engine<B> {
                 self.backend.compute_wait(std::slice::from_ref(&ev))?;
             }
             events.push(ev);
+        }
+        // The chunks' losses, read now that every instruction is issued, summed in chunk order
+        // (as when each was read as it was computed).
+        let mut loss = 0.0;
+        for l in &losses {
+            loss += l.to_scalar::<f64>()?;
         }
         Ok(loss)
     }
