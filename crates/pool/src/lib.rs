@@ -10,7 +10,8 @@
 //! - the checkpoint store: the input of every layer for every token chunk (plus the head's
 //!   input), the only memory that grows with the batch;
 //! - the activation-gradient store: dL/dx at the current layer boundary for every chunk;
-//! - a ring of state slots for the GPU-updated streamed layers: a layer's `[master | m | v]`
+//! - state slots for the GPU-updated streamed layers (`ring_depth`, plus one per late state
+//!   download; the step program takes them from a free list): a layer's `[master | m | v]`
 //!   (fp32) and its stored gradient, uploaded from the host store, updated on the device and
 //!   downloaded again.
 //!

@@ -118,8 +118,8 @@ pub struct PlanInput {
     pub held_layers: Option<usize>,
     /// Of the streamed layers, this many have their exact-mode update applied on the GPU from
     /// their streamed state (`Some(k)`; `EngineOptions::gpu_updated_layers`), or decide (`None`):
-    /// in exact mode, the count that balances the host's update pass against the PCIe time of
-    /// the state it moves ([`balanced_gpu_updated`]), if its state slots fit.
+    /// in exact mode, the count with the shortest forward window ([`forward_window`]: the host's
+    /// memory traffic against the uploads of the state it moves), if its state slots fit.
     pub gpu_updated_layers: Option<usize>,
     /// Of the GPU-updated layers that are held, this many download their state in the backward
     /// (`Some(k)`; `EngineOptions::late_state_downloads`), or decide (`None`): as many as the
@@ -223,8 +223,8 @@ pub struct Plan {
     /// Of the streamed layers, this many have their update applied on the GPU from their
     /// streamed state.
     pub gpu_updated_layers: usize,
-    /// Of those, held ones whose state is downloaded in the backward (after their gradient)
-    /// instead of right after their update in the forward.
+    /// Of those, held ones whose state is downloaded in the backward (spread over it, each
+    /// before its layer's gradient lands) instead of right after their update in the forward.
     pub late_state_downloads: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
@@ -267,7 +267,8 @@ pub fn host_update_bytes(g: u64, e: u64) -> u64 {
     g + 24 + e
 }
 
-/// The exact-mode forward window of `streamed` layers (in seconds per parameter of a layer)
+/// The exact-mode forward window of `streamed` layers (bytes per parameter of a layer over GB/s:
+/// nanoseconds per parameter)
 /// when `gpu` of them are updated on the GPU and `late` of those download their state in the
 /// backward: the longer of its host memory traffic at `host_gbs` and its uploads at
 /// `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the `e` its
@@ -291,11 +292,25 @@ pub fn forward_window(
 }
 
 /// How many late state downloads (`12 × layer_len` bytes each) the backward's D2H has time for
-/// beside `grad_bytes` of gradients: the backward computes two thirds of `flops` at
-/// [`BACKWARD_TFLOPS`], and its D2H may fill [`BACKWARD_D2H_SHARE`] of that at [`PCIE_GBS`].
-pub fn late_download_capacity(flops: f64, grad_bytes: u64, layer_len: u64) -> usize {
-    let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12);
-    let room = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE - grad_bytes as f64;
+/// beside the gradients (`grad_elem` bytes a parameter): the backward computes two thirds of
+/// `flops` at [`BACKWARD_TFLOPS`], and its D2H may fill [`BACKWARD_D2H_SHARE`] of that at
+/// [`PCIE_GBS`]. Only the part of the backward up to the last held layer counts (`held` of the
+/// `streamed` layers' backward positions, with their gradients): a late download goes out no
+/// later than its own layer's backward, and held layers are the last ones, the first backward.
+pub fn late_download_capacity(
+    flops: f64,
+    streamed: usize,
+    held: usize,
+    layer_len: u64,
+    grad_elem: u64,
+) -> usize {
+    if streamed == 0 {
+        return 0;
+    }
+    let share = held.min(streamed) as f64 / streamed as f64;
+    let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12) * share;
+    let grads = (held.min(streamed) as u64 * layer_len * grad_elem) as f64;
+    let room = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE - grads;
     (room / (12 * layer_len.max(1)) as f64).max(0.0) as usize
 }
 
@@ -545,8 +560,10 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     };
     let late_cap = late_download_capacity(
         mt_core::model_flops_per_step(cfg, batch, seq),
-        (nl - resident_layers as u64) * ll * le,
+        streamed_count,
+        held_layers,
         ll,
+        le,
     );
     let auto_late = |n: usize| {
         let fits = |l: usize| total + state_cost(l) <= budget;
@@ -592,15 +609,20 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     };
     let late_capable = late_capable(gpu_updated_layers);
     let late_state_downloads = match input.late_state_downloads {
-        Some(k) if k > late_capable => {
+        Some(k) if k > 0 && input.mode != OptimMode::Exact => {
             return opt(format!(
-                "{k} late state downloads asked, but only {late_capable} of the {gpu_updated_layers} GPU-updated layers are held ({held_layers} held layers): a late download keeps a held layer's state on the device until its backward"
+                "{k} late state downloads asked in lean mode: they are GPU-updated layers' downloads, and lean mode has none; use 0"
             ))
         }
         Some(k) if k > 0 && total + state_cost(k) > budget => {
             return opt(format!(
-                "{k} late state downloads need {:.2} GiB of state slots and gradient buffers, the GPU has {:.2} GiB left of its {budget_line}; use fewer (--late-state-downloads)",
+                "{k} late state downloads need {:.2} GiB of state slots and gradient buffers (with the GPU-updated layers' own), the GPU has {:.2} GiB left of its {budget_line}; use fewer (--late-state-downloads)",
                 gib(state_cost(k)), gib(budget.saturating_sub(total))
+            ))
+        }
+        Some(k) if k > late_capable => {
+            return opt(format!(
+                "{k} late state downloads asked, but only {late_capable} of the {gpu_updated_layers} GPU-updated layers are held ({held_layers} held layers): a late download keeps a held layer's state on the device until its backward"
             ))
         }
         Some(k) => k,

@@ -364,22 +364,28 @@ fn the_gradient_pages_the_plan_counts_as_given_back_are_what_the_store_releases(
 }
 
 /// The plan's fixed GPU bytes are what the pool allocates for the same choices: the weight ring,
-/// the outer slot, and the gradient buffers with their bf16 twins where gradients land in bf16.
+/// the outer slot, and the gradient buffers with their bf16 twins where gradients land in bf16;
+/// with late state downloads, a state slot more for each and two more gradient buffers (which
+/// the plan counts with the state slots).
 #[test]
 fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
     let cfg = ModelConfig::tiny_llama();
     let layout = ModelLayout::new(&cfg);
-    for (mode, grad, held, gpu) in [
-        (OptimMode::Exact, GradDtype::Bf16, 0, 0),
-        (OptimMode::Exact, GradDtype::F32, 1, 1),
-        (OptimMode::Exact, GradDtype::Bf16, 1, 2),
-        (OptimMode::Lean, GradDtype::Bf16, 2, 0),
+    let n = layout.n_layers;
+    for (mode, grad, held, gpu, late) in [
+        (OptimMode::Exact, GradDtype::Bf16, 0, 0, 0),
+        (OptimMode::Exact, GradDtype::F32, 1, 1, 0),
+        (OptimMode::Exact, GradDtype::Bf16, 1, 2, 0),
+        (OptimMode::Lean, GradDtype::Bf16, 2, 0, 0),
+        (OptimMode::Exact, GradDtype::Bf16, n, 2, 1),
+        (OptimMode::Exact, GradDtype::F32, n, 2, 2),
     ] {
         let i = PlanInput {
             mode,
             grad_dtype: grad,
             held_layers: Some(held),
             gpu_updated_layers: Some(gpu),
+            late_state_downloads: Some(late),
             ..input(cfg.clone(), 2, 16, GIB)
         };
         let p = plan(&i).unwrap();
@@ -389,26 +395,29 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             outer_len: layout.outer.len,
             weight_dtype: DType::BF16,
             grad_dtype: DType::F32,
-            n_grad_bufs: N_BUFS as usize,
+            n_grad_bufs: grad_bufs(p.late_state_downloads),
             n_layers: layout.n_layers,
             n_chunks: p.n_chunks,
             resident_outer: false,
             resident_layers: 0,
             held_layers: p.held_layers,
             land_bf16: lands_bf16(mode, grad),
-            state_slots: if p.gpu_updated_layers > 0 { p.ring_depth } else { 0 },
+            state_slots: if p.gpu_updated_layers > 0 { p.ring_depth + p.late_state_downloads } else { 0 },
             state_grad_dtype: if grad == GradDtype::F32 { DType::F32 } else { DType::BF16 },
         };
         let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
-        let what = format!("{mode:?}, {grad:?} gradients");
-        assert_eq!(b.grads as u64, p.gpu.grads, "{what}: gradient buffers");
+        let what = format!("{mode:?}, {grad:?} gradients, {late} late");
+        assert_eq!(p.late_state_downloads, late, "{what}");
+        let per_grad_buf = layout.layer.len as u64 * if lands_bf16(mode, grad) { 6 } else { 4 };
+        let extra = if late > 0 { 2 * per_grad_buf } else { 0 };
+        assert_eq!(b.grads as u64, p.gpu.grads + extra, "{what}: gradient buffers");
         assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
         assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
         assert_eq!((b.held as u64, p.held_layers), (p.gpu.held, held), "{what}: held layers' slots");
         // The widening copy of a bf16 stored gradient is a transient of the update, not a slot.
         let widen = if gpu > 0 && grad == GradDtype::Bf16 { 4 * layout.layer.len as u64 } else { 0 };
         assert_eq!(
-            (b.state_slots as u64 + widen, p.gpu_updated_layers),
+            (b.state_slots as u64 + widen + extra, p.gpu_updated_layers),
             (p.gpu.state_slots, gpu),
             "{what}: state slots"
         );
@@ -543,7 +552,12 @@ fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
     assert_eq!(auto.gpu.state_slots, 2 * 14 * ll + 4 * ll);
     let held = plan(&PlanInput { gpu_updated_layers: None, held_layers: None, ..base.clone() }).unwrap();
     assert_eq!((held.held_layers, held.gpu_updated_layers, held.late_state_downloads), (28, 10, 5), "{held}");
-    assert_eq!(held.late_state_downloads, late_download_capacity(held.flops_per_step, 28 * ll * 2, ll));
+    assert_eq!(held.late_state_downloads, late_download_capacity(held.flops_per_step, 28, 28, ll, 2));
+    // Fewer held layers: the late downloads must go out in their (first) part of the backward.
+    assert_eq!(late_download_capacity(held.flops_per_step, 28, 14, ll, 2), 2);
+    assert_eq!(late_download_capacity(held.flops_per_step, 28, 0, ll, 2), 0);
+    let half = plan(&PlanInput { gpu_updated_layers: None, held_layers: Some(14), ..base.clone() }).unwrap();
+    assert_eq!(half.late_state_downloads, 2, "{half}");
     // Five more state slots and two more gradient buffers (f32 + bf16 twin).
     assert_eq!(held.gpu.state_slots, (2 + 5) * 14 * ll + 4 * ll + 2 * 6 * ll);
     // Late or not, the same bytes cross.
@@ -562,9 +576,18 @@ fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
         late_state_downloads: Some(10),
         held_layers: Some(28),
         gpu_bytes: 36 * GIB,
-        ..prompt
+        ..prompt.clone()
     });
     assert!(e.contains("10 of them downloading late") && e.contains("--late-state-downloads"), "{e}");
+    // Asked for with the GPU-updated count left to the planner: the reason it cannot be is named.
+    let auto_gpu = PlanInput { gpu_updated_layers: None, held_layers: Some(28), ..prompt };
+    let e = err(&PlanInput { late_state_downloads: Some(10), gpu_bytes: 36 * GIB, ..auto_gpu.clone() });
+    assert!(e.contains("10 late state downloads need") && e.contains("--late-state-downloads"), "{e}");
+    let e = err(&PlanInput { late_state_downloads: Some(1), mode: OptimMode::Lean, ..auto_gpu.clone() });
+    assert!(e.contains("lean mode"), "{e}");
+    let asked = plan(&PlanInput { late_state_downloads: Some(3), ..auto_gpu }).unwrap();
+    assert_eq!(asked.late_state_downloads, 3);
+    assert!(crate::program::held_gpu_updated_of(28, 0, 28, asked.gpu_updated_layers).len() >= 3, "{asked}");
     let lean = PlanInput { gpu_updated_layers: None, mode: OptimMode::Lean, ..base.clone() };
     assert_eq!(plan(&lean).unwrap().gpu_updated_layers, 0);
     let e = err(&PlanInput { gpu_updated_layers: Some(2), ..lean });

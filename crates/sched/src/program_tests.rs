@@ -476,7 +476,7 @@ fn state_slots_are_reused_only_after_their_download() {
     for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0) {
         let p = Program::build(s);
         let anc = ancestors(&p);
-        let mut last_download_of: HashMap<usize, usize> = HashMap::new();
+        let mut occupant: HashMap<usize, Unit> = HashMap::new();
         let download_of: HashMap<Unit, usize> = p
             .instrs
             .iter()
@@ -488,18 +488,26 @@ fn state_slots_are_reused_only_after_their_download() {
             .collect();
         for (i, ins) in p.instrs.iter().enumerate() {
             match ins.op {
-                Op::UploadState { buf, .. } => {
+                Op::UploadState { buf, unit } => {
                     assert!(buf < s.n_state_bufs, "{s:?}");
-                    if let Some(&d) = last_download_of.get(&buf) {
+                    // The state the slot held must be back in its record first.
+                    if let Some(prev) = occupant.insert(buf, unit) {
+                        let d = *download_of
+                            .get(&prev)
+                            .unwrap_or_else(|| panic!("{s:?}: {prev:?} never downloaded"));
                         assert!(
                             anc[i].contains(&d),
-                            "{s:?}: state upload {i} overwrites slot {buf} before download {d}"
+                            "{s:?}: state upload {i} of {unit:?} overwrites slot {buf} before {prev:?}'s download {d}"
                         );
                     }
                     n_gpu += 1;
                 }
-                Op::DownloadState { buf, .. } => {
-                    last_download_of.insert(buf, i);
+                Op::DownloadState { buf, unit } => {
+                    assert_eq!(
+                        occupant.get(&buf),
+                        Some(&unit),
+                        "{s:?}: download {i} of a slot {unit:?} is not in"
+                    );
                 }
                 Op::Stage { unit, update: false, .. } => {
                     if let Some(&d) = download_of.get(&unit) {
@@ -523,7 +531,7 @@ fn state_slots_are_reused_only_after_their_download() {
 /// end of the step. Every other GPU-updated layer's comes back right after its update, before
 /// the next layer's forward. Exactly `late_downloads` held layers are late.
 #[test]
-fn late_state_downloads_come_after_their_backward_and_others_before_the_next_forward() {
+fn late_state_downloads_go_out_in_the_backward_before_their_land_and_others_before_the_next_forward() {
     let mut n_late = 0;
     for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0 && s.pending_update) {
         let p = Program::build(s);

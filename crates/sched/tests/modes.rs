@@ -164,8 +164,8 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
 /// nor when flushed, and must apply the others once; the retried run is bitwise the
 /// uninterrupted one, which is bitwise the run with every update on the host. With late state
 /// downloads (every layer held, each state back only in the backward, one per backward
-/// position), a step failing at the last device update has marked none, and one failing in
-/// layer 0's backward all of them (the last went down just before it).
+/// position), a step failing at the last device update has marked none, one failing in layer
+/// `m`'s backward the layers `m..` (whose downloads went out before it) and not the others.
 #[test]
 fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     let cfg = cfg();
@@ -173,16 +173,17 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     let data = small_batches(&cfg, 3, 41);
     let reference = train(&cfg, GradDtype::Bf16, golden_opts(), &data);
     let last = mt_core::Unit::Layer(n - 1);
-    for (late, fail_at_last_update, flush_instead) in [
-        (false, false, false),
-        (false, false, true),
-        (false, true, false),
-        (false, true, true),
-        (true, false, false),
-        (true, false, true),
-        (true, true, false),
-        (true, true, true),
-    ] {
+    // (late downloads, where the step fails: `None` at the last device update, `Some(m)` in
+    // layer m's backward, flush instead of retrying)
+    let mid = n / 2;
+    assert!(mid > 0, "the model needs two layers for a middle one");
+    let mut cases = Vec::new();
+    for flush in [false, true] {
+        cases.extend([(false, Some(0), flush), (false, None, flush)]);
+        cases.extend([(true, Some(0), flush), (true, Some(mid), flush), (true, None, flush)]);
+    }
+    for (late, fail_in, flush_instead) in cases {
+        let fail_at_last_update = fail_in.is_none();
         let opts = if late {
             EngineOptions { gpu_updated_layers: n, held_layers: n, late_state_downloads: n, ..golden_opts() }
         } else {
@@ -195,7 +196,10 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
         );
         let what = format!(
             "{}{}",
-            if fail_at_last_update { "failed at the last device update" } else { "failed in the backward" },
+            match fail_in {
+                None => "failed at the last device update".to_string(),
+                Some(m) => format!("failed in layer {m}'s backward"),
+            },
             if late { ", late downloads" } else { "" }
         );
         let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
@@ -217,18 +221,18 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
                         }
                     }
                 } else {
-                    fail_in_backward(p, 0);
+                    fail_in_backward(p, fail_in.unwrap_or(0));
                 }
             })
             .unwrap_err();
         assert_eq!(device_updates, n, "every layer is updated on the device");
         assert!(err.to_string().contains("not a compute op"), "{what}: {err}");
         for l in 0..n {
-            let marked = match (late, fail_at_last_update) {
-                (false, true) => u64::from(l != n - 1),
-                (false, false) => 1,
-                (true, true) => 0,
-                (true, false) => 1,
+            let marked = match (late, fail_in) {
+                (false, None) => u64::from(l != n - 1),
+                (false, Some(_)) => 1,
+                (true, None) => 0,
+                (true, Some(m)) => u64::from(l >= m),
             };
             assert_eq!(store.applied_step(mt_core::Unit::Layer(l)), marked, "{what}: layer {l}'s marker");
         }

@@ -339,15 +339,16 @@ pub struct TrainArgs {
     /// back, 12 B/param more each way over PCIe, which the forward leaves mostly idle; the host's
     /// AdamW pass (28 B/param of host memory traffic, which bounds a streamed step) shrinks by
     /// those layers, though their state's DMA still moves 26 B/param through host memory.
-    /// Bitwise the same training. A number, or `auto` = the count that balances the host's
-    /// update pass against those transfers (always 0 on the CPU, in lean mode or with a
-    /// file-backed --store, which refuses a number too).
+    /// Bitwise the same training. A number, or `auto` = the count with the shortest forward
+    /// (host memory traffic against those uploads, in the planner's model; always 0 on the CPU,
+    /// in lean mode or with a file-backed --store, which refuses a number too).
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub gpu_updated_layers: LayerCount,
 
     /// Of the GPU-updated layers that are held (--held-layers), how many keep their state on the
-    /// GPU from their update until their backward and download it there, after their gradient:
-    /// 12 B/param of host memory traffic and D2H move out of the forward, which host memory
+    /// GPU from their update into the backward and download it there (spread over it, each
+    /// before its layer's gradient lands): 12 B/param of host memory traffic and D2H move out
+    /// of the forward, which host memory
     /// bounds, into the backward, whose D2H carries only gradients. Each costs a state slot of
     /// GPU memory (14-16 B/param); any costs two more gradient buffers. Bitwise the same
     /// training. A number, or `auto` = as many as the backward's D2H has time for (always 0

@@ -64,8 +64,9 @@ pub struct EngineOptions {
     /// with a file-backed store on a GPU (DMA writes into a file mapping are not tracked dirty).
     pub gpu_updated_layers: usize,
     /// Of the GPU-updated layers that are also held, this many (spread evenly,
-    /// `program::is_late_download`) keep their state on the device from their update until
-    /// their backward and download it there, after their gradient: 12 B/param of host memory
+    /// `program::is_late_download`) keep their state on the device from their update into the
+    /// backward and download it there (spread over it, each before its layer's gradient lands):
+    /// 12 B/param of host memory
     /// traffic and D2H move out of the forward (bound by host memory) into the backward (whose
     /// D2H carries only gradients), for a state slot each (`(12 + g) × layer.len` bytes of
     /// device memory) and two more gradient buffers. 0 = every state download right after its
