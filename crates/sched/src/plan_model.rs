@@ -1,0 +1,71 @@
+//! The planner's model of a streamed step's speed: the bandwidths it assumes (measured on the
+//! H200 machines) and what it derives from them — the forward window that picks the GPU-updated
+//! layers, and the backward's room for late state downloads: byte counts over assumed
+//! bandwidths. A run prints what it measured beside the plan.
+
+/// Host memory traffic of one parameter's fused AdamW update on the host, in bytes: gradient
+/// (`g`), master, m and v read and written (24), the upload copy written (`e`).
+pub fn host_update_bytes(g: u64, e: u64) -> u64 {
+    g + 24 + e
+}
+
+/// The exact-mode forward window of `streamed` layers (bytes per parameter of a layer over GB/s:
+/// nanoseconds per parameter)
+/// when `gpu` of them are updated on the GPU and `late` of those download their state in the
+/// backward: the longer of its host memory traffic at `host_gbs` and its uploads at
+/// `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the `e` its
+/// upload's DMA reads; a GPU-updated one's state DMA, `12 + g` up and, unless late, 12 down.
+/// Uploads: `e` per host-updated parameter, `12 + g` per GPU-updated one. (The forward's
+/// compute is not counted: at 4 x 2048 it is a fifth of the window.)
+pub fn forward_window(
+    streamed: usize,
+    gpu: usize,
+    late: usize,
+    g: u64,
+    e: u64,
+    host_gbs: f64,
+    upload_gbs: f64,
+) -> f64 {
+    let (h, n, l) = (streamed.saturating_sub(gpu) as f64, gpu as f64, late.min(gpu) as f64);
+    let (g, e) = (g as f64, e as f64);
+    let host = h * (host_update_bytes(g as u64, e as u64) as f64 + e) + n * (12.0 + g) + (n - l) * 12.0;
+    let up = h * e + n * (12.0 + g);
+    (host / host_gbs).max(up / upload_gbs)
+}
+
+/// How many late state downloads (`12 × layer_len` bytes each) the backward's D2H has time for
+/// beside the gradients (`grad_elem` bytes a parameter): the backward computes two thirds of
+/// `flops` at [`BACKWARD_TFLOPS`], and its D2H may fill [`BACKWARD_D2H_SHARE`] of that at
+/// [`PCIE_GBS`]. Only the part of the backward up to the last held layer counts (`held` of the
+/// `streamed` layers' backward positions, with their gradients): a late download goes out no
+/// later than its own layer's backward, and held layers are the last ones, the first backward.
+pub fn late_download_capacity(
+    flops: f64,
+    streamed: usize,
+    held: usize,
+    layer_len: u64,
+    grad_elem: u64,
+) -> usize {
+    if streamed == 0 {
+        return 0;
+    }
+    let share = held.min(streamed) as f64 / streamed as f64;
+    let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12) * share;
+    let grads = (held.min(streamed) as u64 * layer_len * grad_elem) as f64;
+    let room = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE - grads;
+    (room / (12 * layer_len.max(1)) as f64).max(0.0) as usize
+}
+
+/// Host memory traffic the forward window sustains, CPU and DMA together, GB/s (the 16-core
+/// H200 machine: 165-170 with and without state DMA beside the host's pass, 2026-11-24).
+pub const HOST_MEMORY_GBS: f64 = 165.0;
+/// Upload bandwidth of the GPU-updated layers' state beside the host's pass, GB/s (the H200
+/// machine: 1.41 GB in 33-36 ms, 2026-11-24; 48.7-50.9 unloaded).
+pub const STATE_UPLOAD_GBS: f64 = 40.0;
+/// PCIe bandwidth per direction the planner assumes, GB/s (H200 machine: 48.7-50.9).
+pub const PCIE_GBS: f64 = 50.0;
+/// Model TFLOP/s of the backward the planner assumes for a device it does not measure (an H200
+/// on the 3.6B at 4 x 2048, every layer held and kept: 7.5 ms a layer, ~490).
+pub const BACKWARD_TFLOPS: f64 = 450.0;
+/// Share of the backward the late state downloads and the gradients may keep the D2H busy.
+pub const BACKWARD_D2H_SHARE: f64 = 0.85;
