@@ -331,8 +331,8 @@ struct Builder {
     /// Late-download units updated on the device whose state is still in its slot: the update's
     /// id.
     late_updates: std::collections::HashMap<Unit, usize>,
-    /// Late-download units in backward order (their downloads are issued in that order).
-    late_order: Vec<Unit>,
+    /// Late-download layers in backward order (their downloads are issued in that order).
+    late_order: Vec<usize>,
     /// Late downloads issued so far.
     late_issued: usize,
     /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
@@ -405,14 +405,12 @@ impl Builder {
     /// it), whichever comes first.
     fn late_downloads_due(&mut self, p: usize, positions: usize, n_layers: usize) {
         let late = self.late_order.len();
-        while let Some(&unit) = self.late_order.get(self.late_issued) {
-            let own = match unit {
-                Unit::Layer(l) => n_layers - 1 - l,
-                Unit::Outer => 0,
-            };
+        while let Some(&layer) = self.late_order.get(self.late_issued) {
+            let own = n_layers - 1 - layer; // its backward position
             if p < self.late_issued * positions / late && p < own {
                 break;
             }
+            let unit = Unit::Layer(layer);
             let upd =
                 self.late_updates.remove(&unit).expect("a late download's update was issued in the forward");
             self.download_state(unit, upd);
@@ -478,8 +476,7 @@ impl Program {
             late_updates: Default::default(),
             late_order: (0..spec.n_layers)
                 .rev()
-                .filter(|&l| exact_update && is_gpu_updated(&spec, l) && is_late_download(&spec, l))
-                .map(Unit::Layer)
+                .filter(|&l| exact_update && is_late_download(&spec, l))
                 .collect(),
             late_issued: 0,
             deferred: Vec::new(),
