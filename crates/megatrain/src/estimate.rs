@@ -110,6 +110,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         held_layers: args.held_layers.choice(args.device, false),
         gpu_updated_layers: args.gpu_updated_layers.choice(args.device, false),
         late_state_downloads: args.late_state_downloads.choice(args.device, false),
+        early_state_uploads: args.early_state_uploads.choice(args.device, false),
         // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
         fused_kernels: fused_kernels(args),
     })
@@ -141,16 +142,21 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // goes through the same host memory the host's update pass is bound by, in the same window:
     // priced at the same bandwidth (measured on the 16-core H200: the host's pass per layer
     // slows from 18.4 to ~24.5 ms beside it, 2026-11-24). Late downloads (12 B/param) come back
-    // in the backward instead.
+    // in the backward instead, and early uploads (12 B/param + the gradient) go up there.
     let gpu_params = (p.gpu_updated_layers * layout.layer.n_params()) as f64;
     let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
-    let state_dma = gpu_params * (24.0 + b.grad) - late_params * 12.0;
+    let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
+    let state_dma = gpu_params * (24.0 + b.grad) - late_params * 12.0 - early_params * (12.0 + b.grad);
     let host_update_s =
         secs((layer_params - gpu_params + outer_params) * (b.update + b.fwd_cast) + state_dma);
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
     let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
     let host_backward_s = secs(
-        recast_params * b.bwd_cast + layer_params * b.land + outer_params * b.outer_land + late_params * 12.0,
+        recast_params * b.bwd_cast
+            + layer_params * b.land
+            + outer_params * b.outer_land
+            + late_params * 12.0
+            + early_params * (12.0 + b.grad),
     );
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
@@ -165,8 +171,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         // waits for it layer by layer) and cannot overlap the backward. The forward's uploads
         // overlap the forward; the backward's re-uploads and every download the backward.
         mt_sched::OptimMode::Exact => {
-            let bwd_h2d =
-                ((streamed_layers - p.held_layers) * layout.layer.len) as f64 * args.precision.bytes();
+            let bwd_h2d = ((streamed_layers - p.held_layers) * layout.layer.len) as f64
+                * args.precision.bytes()
+                + early_params * (12.0 + b.grad);
             // GPU-updated layers' master and moments come back during the forward (the late
             // ones' during the backward).
             let fwd_d2h = (12 * (p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64;
@@ -345,7 +352,16 @@ mod tests {
         // state's DMA (26 B: master, m, v and the bf16 gradient up, master, m, v down) is priced
         // at the same host bandwidth, in the same window; late downloads (auto: 5) bring their
         // 12 B back in the backward instead.
-        let on_time = ["--resident-layers", "0", "--resident-outer", "on", "--late-state-downloads", "0"];
+        let on_time = [
+            "--resident-layers",
+            "0",
+            "--resident-outer",
+            "on",
+            "--late-state-downloads",
+            "0",
+            "--early-state-uploads",
+            "0",
+        ];
         let gpu = estimate_3_6b(&on_time);
         assert_eq!(gpu.plan.gpu_updated_layers, 11);
         let k = 11.0 * 100_669_440.0;
@@ -355,13 +371,24 @@ mod tests {
             gpu.host_update_s
         );
         assert!(gpu.step_s < held.step_s, "{} vs {}", gpu.step_s, held.step_s);
-        let late = estimate_3_6b(&on_time[..4]);
+        let late = estimate_3_6b(&[&on_time[..4], &on_time[6..]].concat());
         assert_eq!((late.plan.gpu_updated_layers, late.plan.late_state_downloads), (10, 5));
         let (k, d) = (10.0 * 100_669_440.0, 5.0 * 100_669_440.0);
         let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0) / 140e9;
         assert!((late.host_update_s - want).abs() < 1e-9, "{}", late.host_update_s);
         assert!((late.host_s - late.host_update_s - (n * 4.0 + d * 12.0) / 140e9).abs() < 1e-9);
         assert!(late.step_s < gpu.step_s, "{} vs {}", late.step_s, gpu.step_s);
+        // Early uploads (auto: 8, with 16 GPU-updated and 5 late) take their 14 B (master, m, v
+        // and the bf16 gradient) out of the forward into the backward.
+        let early = estimate_3_6b(&on_time[..4]);
+        let p = &early.plan;
+        assert_eq!((p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads), (16, 5, 8));
+        let (k, d, x) = (16.0 * 100_669_440.0, 5.0 * 100_669_440.0, 8.0 * 100_669_440.0);
+        let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0 - x * 14.0) / 140e9;
+        assert!((early.host_update_s - want).abs() < 1e-9, "{}", early.host_update_s);
+        let backward = (n * 4.0 + d * 12.0 + x * 14.0) / 140e9;
+        assert!((early.host_s - early.host_update_s - backward).abs() < 1e-9);
+        assert!(early.step_s < late.step_s, "{} vs {}", early.step_s, late.step_s);
         assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
         assert!(streamed.step_s > all.step_s);
         // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read

@@ -180,6 +180,7 @@ fn make_plan(
         held_layers: args.held_layers.choice(args.device, false),
         gpu_updated_layers: args.gpu_updated_layers.choice(args.device, args.store.is_some()),
         late_state_downloads: args.late_state_downloads.choice(args.device, args.store.is_some()),
+        early_state_uploads: args.early_state_uploads.choice(args.device, args.store.is_some()),
         fused_kernels: fused,
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
@@ -264,6 +265,7 @@ fn run<B: Backend>(
     eopts.held_layers = plan.held_layers;
     eopts.gpu_updated_layers = plan.gpu_updated_layers;
     eopts.late_state_downloads = plan.late_state_downloads;
+    eopts.early_state_uploads = plan.early_state_uploads;
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let t_engine = Instant::now();
@@ -275,12 +277,19 @@ fn run<B: Backend>(
     if engine.pinned_record_bytes() > 0 {
         let layers: Vec<String> =
             engine.gpu_updated_units().iter().map(|u| format!("{}", u.index() - 1)).collect();
-        let late: Vec<String> =
-            engine.late_download_units().iter().map(|u| format!("{}", u.index() - 1)).collect();
+        let list = |units: Vec<mt_core::Unit>| {
+            let l: Vec<String> = units.iter().map(|u| format!("{}", u.index() - 1)).collect();
+            if l.is_empty() {
+                "none".to_string()
+            } else {
+                l.join(",")
+            }
+        };
         eprintln!(
-            "GPU-updated layers {} (state downloaded in the backward: {}): their store records page-locked in place ({:.2} GiB, part of the store)",
+            "GPU-updated layers {} (state downloaded in the backward: {}; uploaded for the next step in the backward: {}): their store records page-locked in place ({:.2} GiB, part of the store)",
             layers.join(","),
-            if late.is_empty() { "none".to_string() } else { late.join(",") },
+            list(engine.late_download_units()),
+            list(engine.early_upload_units()),
             engine.pinned_record_bytes() as f64 / (1u64 << 30) as f64
         );
     }

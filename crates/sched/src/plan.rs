@@ -36,8 +36,8 @@ use crate::{Error, OptimMode, Result};
 #[path = "plan_model.rs"]
 mod model;
 pub use model::{
-    forward_window, host_update_bytes, late_download_capacity, BACKWARD_D2H_SHARE, BACKWARD_TFLOPS,
-    HOST_MEMORY_GBS, PCIE_GBS, STATE_UPLOAD_GBS,
+    early_upload_capacity, forward_window, host_update_bytes, late_download_capacity, UpdatePlacement,
+    BACKWARD_D2H_SHARE, BACKWARD_TFLOPS, HOST_MEMORY_GBS, PCIE_GBS, STATE_UPLOAD_GBS,
 };
 
 /// Fraction of the GPU's memory the plan may use; the rest is left for the CUDA context, the
@@ -133,6 +133,12 @@ pub struct PlanInput {
     /// backward's D2H has time for beside the gradients ([`late_download_capacity`]) and the
     /// GPU has room for.
     pub late_state_downloads: Option<usize>,
+    /// Of the GPU-updated layers that do not download late, this many upload their state for the
+    /// next step in the backward (`Some(k)`; `EngineOptions::early_state_uploads`), or decide
+    /// (`None`): as many as the backward's H2D and host memory have room for
+    /// ([`early_upload_capacity`]: none unless every streamed layer is held) and the GPU has room
+    /// for.
+    pub early_state_uploads: Option<usize>,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
     /// capability 9.0+), which keep less for the backward than candle's ops.
     pub fused_kernels: bool,
@@ -173,8 +179,8 @@ pub struct GpuBytes {
     /// Forward activations kept by layers `0..kept_layers` for their backward, the whole
     /// batch (`DecoderLayer::kept_state_bytes` each).
     pub kept: u64,
-    /// State slots of the GPU-updated layers: `(ring_depth + late downloads) × (12 + g) ×
-    /// layer.len` (fp32 `[master | m | v]` and the stored gradient of `g` bytes), plus the f32
+    /// State slots of the GPU-updated layers: `(ring_depth + late downloads + early uploads) ×
+    /// (12 + g) × layer.len` (fp32 `[master | m | v]` and the stored gradient of `g` bytes), plus the f32
     /// copy a bf16 stored gradient is widened into (`4 × layer.len`), plus, with late downloads,
     /// the two more layer gradient buffers they need ([`grad_bufs`]).
     pub state_slots: u64,
@@ -233,6 +239,9 @@ pub struct Plan {
     /// Of those, held ones whose state is downloaded in the backward (spread over it, each
     /// before its layer's gradient lands) instead of right after their update in the forward.
     pub late_state_downloads: usize,
+    /// Of the others, ones whose state for the next step is uploaded in the backward (right after
+    /// their gradient lands) instead of in the next forward.
+    pub early_state_uploads: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
     /// Host bytes.
@@ -447,20 +456,21 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels);
     let asked_held = input.held_layers.unwrap_or(0);
     // GPU-updated layers' state slots: `ring_depth` slots of fp32 master, m, v and the stored
-    // gradient (`g` bytes), one more per late download, and the f32 copy a bf16 gradient is
-    // widened into; late downloads also take two more gradient buffers.
+    // gradient (`g` bytes), one more per late download and per early upload, and the f32 copy a
+    // bf16 gradient is widened into; late downloads also take two more gradient buffers.
     let g = grad_elem_bytes(input.grad_dtype);
     let grad_buf_bytes = ll * 4 + if le == 2 { ll * 2 } else { 0 };
-    let state_cost = |late: usize| {
-        (ring_depth + late) as u64 * (12 + g) * ll
+    let state_cost = |late: usize, early: usize| {
+        (ring_depth + late + early) as u64 * (12 + g) * ll
             + if g == 2 { 4 * ll } else { 0 }
             + (grad_bufs(late) - N_BUFS as usize) as u64 * grad_buf_bytes
     };
     let asked_gpu = input.gpu_updated_layers.unwrap_or(0);
     let asked_late = input.late_state_downloads.unwrap_or(0);
+    let asked_early = input.early_state_uploads.unwrap_or(0);
     let reserved = asked_held as u64 * ll * e
         + input.kept_layers.unwrap_or(0) as u64 * per_kept_layer
-        + if asked_gpu > 0 { state_cost(asked_late) } else { 0 };
+        + if asked_gpu > 0 { state_cost(asked_late, asked_early) } else { 0 };
     // Auto: as many leading layers as fit in what is left (their state costs no chunk), leaving
     // the held and GPU-updated layers asked for streamed.
     let resident_layers = match input.resident_layers {
@@ -506,11 +516,20 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         le,
     );
     let auto_late = |n: usize| {
-        let fits = |l: usize| total + state_cost(l) <= budget;
+        let fits = |l: usize| total + state_cost(l, asked_early) <= budget;
         if n == 0 || input.mode != OptimMode::Exact {
             return 0;
         }
         (0..=late_cap.min(late_capable(n))).rev().find(|&l| fits(l)).unwrap_or(0)
+    };
+    let flops = mt_core::model_flops_per_step(cfg, batch, seq);
+    let auto_early = |n: usize, late: usize| {
+        let cap = early_upload_capacity(flops, streamed_count, held_layers, late, ll, g, le);
+        let fits = |k: usize| total + state_cost(late, k) <= budget;
+        if n == 0 || input.mode != OptimMode::Exact {
+            return 0;
+        }
+        (0..=cap.min(n.saturating_sub(late))).rev().find(|&k| fits(k)).unwrap_or(0)
     };
     let gpu_updated_layers = match input.gpu_updated_layers {
         Some(k) if k > streamed_count => {
@@ -524,21 +543,31 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
                 "{k} GPU-updated layers asked in lean mode: they apply exact mode's pending update on the GPU (lean mode updates each layer as its gradient lands); use 0"
             ))
         }
-        Some(k) if k > 0 && total + state_cost(asked_late) > budget => {
+        Some(k) if k > 0 && total + state_cost(asked_late, asked_early) > budget => {
+            let also = match (asked_late, asked_early) {
+                (0, 0) => String::new(),
+                (l, 0) => format!(" ({l} of them downloading late)"),
+                (0, x) => format!(" ({x} of them uploading early)"),
+                (l, x) => format!(" ({l} of them downloading late, {x} uploading early)"),
+            };
             return opt(format!(
-                "the state slots of GPU-updated layers{} need {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; use {}--gpu-updated-layers 0",
-                if asked_late > 0 { format!(" ({asked_late} of them downloading late)") } else { String::new() },
-                gib(state_cost(asked_late)), gib(budget.saturating_sub(total)),
-                if asked_late > 0 { "fewer --late-state-downloads or " } else { "" }
+                "the state slots of GPU-updated layers{also} need {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; use {}--gpu-updated-layers 0",
+                gib(state_cost(asked_late, asked_early)), gib(budget.saturating_sub(total)),
+                if asked_late + asked_early > 0 { "fewer --late-state-downloads / --early-state-uploads or " } else { "" }
             ))
         }
         Some(k) => k,
-        None if input.mode == OptimMode::Exact && total + state_cost(asked_late) <= budget => {
-            // The count with the shortest forward, each with the late downloads it would get;
-            // with late downloads asked, among the counts that hold that many.
+        None if input.mode == OptimMode::Exact && total + state_cost(asked_late, asked_early) <= budget => {
+            // The count with the shortest forward, each with the late downloads and early uploads
+            // it would get; with either asked, among the counts that have room for that many.
             let late_of = |n: usize| input.late_state_downloads.unwrap_or_else(|| auto_late(n));
-            let counts = (0..=streamed_count).filter(|&n| late_of(n) <= late_capable(n));
-            let cost = |n: usize| forward_window(streamed_count, n, late_of(n), g, e, HOST_MEMORY_GBS, STATE_UPLOAD_GBS);
+            let early_of = |n: usize| input.early_state_uploads.unwrap_or_else(|| auto_early(n, late_of(n)));
+            let counts = (0..=streamed_count)
+                .filter(|&n| late_of(n) <= late_capable(n) && early_of(n) + late_of(n) <= n);
+            let cost = |n: usize| {
+                let p = UpdatePlacement { streamed: streamed_count, gpu: n, late: late_of(n), early: early_of(n) };
+                forward_window(p, g, e, HOST_MEMORY_GBS, STATE_UPLOAD_GBS)
+            };
             counts.fold(None, |best: Option<usize>, n| match best {
                 Some(b) if cost(b) <= cost(n) => Some(b),
                 _ => Some(n),
@@ -554,10 +583,10 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
                 "{k} late state downloads asked in lean mode: they are GPU-updated layers' downloads, and lean mode has none; use 0"
             ))
         }
-        Some(k) if k > 0 && total + state_cost(k) > budget => {
+        Some(k) if k > 0 && total + state_cost(k, asked_early) > budget => {
             return opt(format!(
                 "{k} late state downloads need {:.2} GiB of state slots and gradient buffers (with the GPU-updated layers' own), the GPU has {:.2} GiB left of its {budget_line}; use fewer (--late-state-downloads)",
-                gib(state_cost(k)), gib(budget.saturating_sub(total))
+                gib(state_cost(k, asked_early)), gib(budget.saturating_sub(total))
             ))
         }
         Some(k) if k > late_capable => {
@@ -568,7 +597,29 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         Some(k) => k,
         None => auto_late(gpu_updated_layers),
     };
-    let state_slots = if gpu_updated_layers > 0 { state_cost(late_state_downloads) } else { 0 };
+    let early_capable = gpu_updated_layers - late_state_downloads;
+    let early_state_uploads = match input.early_state_uploads {
+        Some(k) if k > 0 && input.mode != OptimMode::Exact => {
+            return opt(format!(
+                "{k} early state uploads asked in lean mode: they are GPU-updated layers' uploads, and lean mode has none; use 0"
+            ))
+        }
+        Some(k) if k > early_capable => {
+            return opt(format!(
+                "{k} early state uploads asked, but only {early_capable} of the {gpu_updated_layers} GPU-updated layers do not download late ({late_state_downloads} do): an early upload is of a GPU-updated layer's state for the next step, and a late-download layer's state would go down and straight back up"
+            ))
+        }
+        Some(k) if k > 0 && total + state_cost(late_state_downloads, k) > budget => {
+            return opt(format!(
+                "{k} early state uploads need {:.2} GiB of state slots (with the GPU-updated layers' own), the GPU has {:.2} GiB left of its {budget_line}; use fewer (--early-state-uploads)",
+                gib(state_cost(late_state_downloads, k)), gib(budget.saturating_sub(total))
+            ))
+        }
+        Some(k) => k,
+        None => auto_early(gpu_updated_layers, late_state_downloads),
+    };
+    let state_slots =
+        if gpu_updated_layers > 0 { state_cost(late_state_downloads, early_state_uploads) } else { 0 };
     total += state_slots;
     // Kept activations take what is left after that (residency and holding save host work,
     // which is what limits a streamed step; keeping saves the recompute). Kept layers are the
@@ -631,6 +682,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         held_layers,
         gpu_updated_layers,
         late_state_downloads,
+        early_state_uploads,
         gpu,
         host,
         pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
@@ -646,9 +698,9 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state ({} of them download it in the backward); {} layers keep their activations (no recompute)",
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state ({} of them download it in the backward, {} upload it for the next step there); {} layers keep their activations (no recompute)",
             self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers, self.n_layers,
-            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.late_state_downloads, self.kept_layers
+            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.late_state_downloads, self.early_state_uploads, self.kept_layers
         )?;
         writeln!(f, "GPU (GiB)   ring {:.2} | held {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | state slots {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
             gib(g.weight_ring), gib(g.held), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.state_slots), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;

@@ -9,27 +9,36 @@ pub fn host_update_bytes(g: u64, e: u64) -> u64 {
     g + 24 + e
 }
 
-/// The exact-mode forward window of `streamed` layers (bytes per parameter of a layer over GB/s:
-/// nanoseconds per parameter)
-/// when `gpu` of them are updated on the GPU and `late` of those download their state in the
-/// backward: the longer of its host memory traffic at `host_gbs` and its uploads at
-/// `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the `e` its
-/// upload's DMA reads; a GPU-updated one's state DMA, `12 + g` up and, unless late, 12 down.
-/// Uploads: `e` per host-updated parameter, `12 + g` per GPU-updated one. (The forward's
-/// compute is not counted: at 4 x 2048 it is a fifth of the window.)
-pub fn forward_window(
-    streamed: usize,
-    gpu: usize,
-    late: usize,
-    g: u64,
-    e: u64,
-    host_gbs: f64,
-    upload_gbs: f64,
-) -> f64 {
-    let (h, n, l) = (streamed.saturating_sub(gpu) as f64, gpu as f64, late.min(gpu) as f64);
+/// How a streamed step's optimizer work is placed: of `streamed` layers, `gpu` are updated on the
+/// GPU, `late` of those download their state in the backward and `early` others upload it in the
+/// step before's backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UpdatePlacement {
+    /// Streamed layers.
+    pub streamed: usize,
+    /// GPU-updated ones.
+    pub gpu: usize,
+    /// Late state downloads.
+    pub late: usize,
+    /// Early state uploads.
+    pub early: usize,
+}
+
+/// The exact-mode forward window of a placement (bytes per parameter of a layer over GB/s:
+/// nanoseconds per parameter): the longer of its host memory traffic at `host_gbs` and its
+/// uploads at `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the
+/// `e` its upload's DMA reads; a GPU-updated one's state DMA, `12 + g` up unless early and 12
+/// down unless late. Uploads: `e` per host-updated parameter, `12 + g` per GPU-updated one not
+/// early. (The forward's compute is not counted: at 4 x 2048 it is a fifth of the window.)
+pub fn forward_window(p: UpdatePlacement, g: u64, e: u64, host_gbs: f64, upload_gbs: f64) -> f64 {
+    let h = p.streamed.saturating_sub(p.gpu) as f64;
+    let n = p.gpu.min(p.streamed) as f64;
+    let l = p.late.min(p.gpu) as f64;
+    let early = (p.early.min(p.gpu.saturating_sub(p.late))) as f64;
     let (g, e) = (g as f64, e as f64);
-    let host = h * (host_update_bytes(g as u64, e as u64) as f64 + e) + n * (12.0 + g) + (n - l) * 12.0;
-    let up = h * e + n * (12.0 + g);
+    let host =
+        h * (host_update_bytes(g as u64, e as u64) as f64 + e) + (n - early) * (12.0 + g) + (n - l) * 12.0;
+    let up = h * e + (n - early) * (12.0 + g);
     (host / host_gbs).max(up / upload_gbs)
 }
 
@@ -56,6 +65,33 @@ pub fn late_download_capacity(
     (room / (12 * layer_len.max(1)) as f64).max(0.0) as usize
 }
 
+/// How many early state uploads (`(12 + g) × layer_len` bytes each) the backward has room for
+/// after `late` late downloads: as many as its H2D fills in [`BACKWARD_D2H_SHARE`] of it at
+/// [`PCIE_GBS`], and its host memory at [`HOST_MEMORY_GBS`] beside the gradients' DMA and land
+/// (`4 × grad_elem` a parameter: the DMA's write, the land's read, write and the write's read
+/// for ownership) and the late downloads. The backward computes two thirds of `flops` at
+/// [`BACKWARD_TFLOPS`]. None unless every streamed layer is held: the others' backward re-casts
+/// take the backward's H2D.
+pub fn early_upload_capacity(
+    flops: f64,
+    streamed: usize,
+    held: usize,
+    late: usize,
+    layer_len: u64,
+    g: u64,
+    grad_elem: u64,
+) -> usize {
+    if streamed == 0 || held < streamed {
+        return 0;
+    }
+    let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12);
+    let each = ((12 + g) * layer_len.max(1)) as f64;
+    let h2d = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE / each;
+    let busy = (streamed as u64 * layer_len * 4 * grad_elem + late as u64 * 12 * layer_len) as f64;
+    let host = (backward_s * HOST_MEMORY_GBS * 1e9 - busy) / each;
+    h2d.min(host).max(0.0) as usize
+}
+
 /// Host memory traffic the forward window sustains, CPU and DMA together, GB/s (the 16-core
 /// H200 machine: 165-170 with and without state DMA beside the host's pass, 2026-11-24).
 pub const HOST_MEMORY_GBS: f64 = 165.0;
@@ -67,5 +103,6 @@ pub const PCIE_GBS: f64 = 50.0;
 /// Model TFLOP/s of the backward the planner assumes for a device it does not measure (an H200
 /// on the 3.6B at 4 x 2048, every layer held and kept: 7.5 ms a layer, ~490).
 pub const BACKWARD_TFLOPS: f64 = 450.0;
-/// Share of the backward the late state downloads and the gradients may keep the D2H busy.
+/// Share of the backward the late state downloads and the gradients may keep the D2H busy (and
+/// the early state uploads the H2D).
 pub const BACKWARD_D2H_SHARE: f64 = 0.85;

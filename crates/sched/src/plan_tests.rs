@@ -44,6 +44,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         held_layers: Some(0),
         gpu_updated_layers: Some(0),
         late_state_downloads: None,
+        early_state_uploads: Some(0),
         fused_kernels: true,
     }
 }
@@ -113,6 +114,8 @@ fn program_gpu(
         held_layers,
         gpu_updated,
         late_downloads: 0,
+        early_uploads: 0,
+        early_ready: false,
         n_state_bufs: 2,
     })
 }
@@ -516,21 +519,36 @@ fn held_layers_take_what_residency_leaves_and_cross_once() {
     assert!(e.contains("--held-layers"), "{e}");
 }
 
+/// The forward window of 28 streamed layers, `n` GPU-updated, `l` late, `x` early.
+fn window(n: usize, l: usize, x: usize, host_gbs: f64) -> f64 {
+    forward_window(UpdatePlacement { streamed: 28, gpu: n, late: l, early: x }, 2, 2, host_gbs, 40.0)
+}
+
 /// The forward window's model: a GPU-updated layer trades host memory traffic (30 B/param of a
-/// host update and upload for 26 B of state DMA, 14 B when its download is late) for uploads (2
-/// B/param for 14 B); the slower side sets the window.
+/// host update and upload for 26 B of state DMA, 14 B when its download is late, 12 B when its
+/// upload is early) for uploads (2 B/param for 14 B, none when early); the slower side sets the
+/// window.
 #[test]
 fn the_forward_window_is_the_slower_of_host_memory_and_uploads() {
-    let w = |n, l| forward_window(28, n, l, 2, 2, 165.0, 40.0);
+    let w = |n, l| window(n, l, 0, 165.0);
     assert_eq!(w(0, 0), 28.0 * 30.0 / 165.0, "host-bound with every update on the host");
     assert_eq!(w(28, 0), 28.0 * 14.0 / 40.0, "upload-bound with every update on the GPU");
     assert_eq!(w(10, 0), (18.0 * 30.0 + 10.0 * 26.0) / 165.0);
     assert_eq!(w(10, 4), (18.0 * 30.0 + 10.0 * 26.0 - 4.0 * 12.0) / 165.0, "late ones leave 14 B");
     assert_eq!(w(10, 40), w(10, 10), "no more late downloads than GPU-updated layers");
+    let x = |n, l, x| window(n, l, x, 165.0);
+    assert_eq!(
+        x(10, 4, 3),
+        (18.0 * 30.0 + 10.0 * 26.0 - 4.0 * 12.0 - 3.0 * 14.0) / 165.0,
+        "early ones leave 12 B"
+    );
+    assert_eq!(x(10, 4, 9), x(10, 4, 6), "early uploads only of layers not late");
+    assert_eq!(x(28, 0, 28), 28.0 * 12.0 / 165.0, "every upload early: host-bound by the downloads");
+    assert_eq!(x(28, 0, 14), 14.0 * 14.0 / 40.0, "half of them early: bound by the others' uploads");
     // Infinitely fast host memory: no layer is worth moving; infinitely slow: every one is.
     let best = |host_gbs: f64| {
         (0..=28).min_by(|&a, &b| {
-            let c = |n| forward_window(28, n, 0, 2, 2, host_gbs, 40.0);
+            let c = |n| window(n, 0, 0, host_gbs);
             c(a).total_cmp(&c(b))
         })
     };
@@ -611,4 +629,65 @@ fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
     assert!(e.contains("--gpu-updated-layers"), "{e}");
     let e = err(&PlanInput { resident_layers: Some(26), gpu_updated_layers: Some(4), ..base });
     assert!(e.contains("GPU-updated layers are streamed ones"), "{e}");
+}
+
+/// Auto early uploads: as many as the backward's H2D and host memory have room for, only when
+/// every streamed layer is held (the others' re-casts take the backward's H2D); with them a
+/// GPU-updated layer costs the forward only its download, so auto moves more layers to the GPU
+/// (the 3.6B at 4 x 2048, every layer held: 16 GPU-updated, 5 late, 8 early). Each takes a state
+/// slot; the same bytes cross a step; a count beyond the GPU-updated layers not late, in lean
+/// mode, or beyond the GPU's room is refused, naming the flag.
+#[test]
+fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held() {
+    let base = input(llama3_3b(), 4, 2048, H200);
+    let ll = ModelLayout::new(&base.cfg).layer.len as u64;
+    let all_auto =
+        PlanInput { gpu_updated_layers: None, held_layers: None, early_state_uploads: None, ..base.clone() };
+    let p = plan(&all_auto).unwrap();
+    let placed = (p.held_layers, p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads);
+    assert_eq!(placed, (28, 16, 5, 8), "{p}");
+    assert_eq!(p.early_state_uploads, early_upload_capacity(p.flops_per_step, 28, 28, 5, ll, 2, 2));
+    assert_eq!(p.gpu.state_slots, (2 + 5 + 8) * 14 * ll + 4 * ll + 2 * 6 * ll);
+    // The model: fewer early uploads, a longer forward window.
+    let w = |x: usize| {
+        forward_window(
+            UpdatePlacement { streamed: 28, gpu: 16, late: 5, early: x },
+            2,
+            2,
+            HOST_MEMORY_GBS,
+            STATE_UPLOAD_GBS,
+        )
+    };
+    assert!(w(8) < w(4) && w(4) < w(0), "{} {} {}", w(8), w(4), w(0));
+    // Not every layer held: none.
+    let half = plan(&PlanInput { held_layers: Some(14), ..all_auto.clone() }).unwrap();
+    assert_eq!(half.early_state_uploads, 0, "{half}");
+    assert_eq!(early_upload_capacity(p.flops_per_step, 28, 27, 0, ll, 2, 2), 0);
+    // Early or not, the same bytes cross a step.
+    let fixed = PlanInput { gpu_updated_layers: Some(16), late_state_downloads: Some(5), ..all_auto.clone() };
+    let none = plan(&PlanInput { early_state_uploads: Some(0), ..fixed.clone() }).unwrap();
+    assert_eq!((none.pcie_h2d_per_step, none.pcie_d2h_per_step), (p.pcie_h2d_per_step, p.pcie_d2h_per_step));
+    assert_eq!(none.gpu.state_slots, (2 + 5) * 14 * ll + 4 * ll + 2 * 6 * ll);
+    let e = err(&PlanInput { early_state_uploads: Some(12), ..fixed.clone() });
+    assert!(
+        e.contains(
+            "12 early state uploads asked, but only 11 of the 16 GPU-updated layers do not download late"
+        ),
+        "{e}"
+    );
+    let lean = PlanInput {
+        mode: OptimMode::Lean,
+        gpu_updated_layers: Some(0),
+        late_state_downloads: Some(0),
+        ..base.clone()
+    };
+    let e = err(&PlanInput { early_state_uploads: Some(1), ..lean });
+    assert!(e.contains("lean mode"), "{e}");
+    let small = PlanInput { gpu_bytes: 24 * GIB, held_layers: Some(28), kept_layers: Some(0), ..fixed };
+    let e = err(&PlanInput { early_state_uploads: Some(11), ..small });
+    assert!(
+        e.contains("11 uploading early")
+            && e.contains("fewer --late-state-downloads / --early-state-uploads"),
+        "{e}"
+    );
 }

@@ -229,9 +229,22 @@ pub struct ProgramSpec {
     /// its layer's land) instead of right after their update; their state slot stays taken
     /// until then.
     pub late_downloads: usize,
-    /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads` when
-    /// `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their forward while the
-    /// late ones wait for their backward).
+    /// Of the GPU-updated layers that do not download late, this many ([`early_upload_layers`]:
+    /// the last ones, whose gradients land first) upload their state for the next step in this
+    /// step's backward, right after their land, into a state slot of their own (the last
+    /// `early_uploads` slots), which stays taken until their next forward's update has gone
+    /// back: out of the forward, whose host memory and uploads bound a streamed step, into the
+    /// backward, whose H2D is idle when every streamed layer is held. Their state still goes up
+    /// and comes back once a step.
+    pub early_uploads: usize,
+    /// The early-upload layers' states are already in their slots (uploaded in the previous
+    /// step's backward, their records unchanged since): their forward uploads nothing. The
+    /// engine sets it only after a step that issued them succeeded.
+    pub early_ready: bool,
+    /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads +
+    /// early_uploads` when `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their
+    /// forward while the late ones wait for their backward and the early ones for their next
+    /// forward).
     pub n_state_bufs: usize,
 }
 
@@ -282,6 +295,22 @@ pub fn held_gpu_updated_of(
 pub fn is_late_download(spec: &ProgramSpec, layer: usize) -> bool {
     let held = held_gpu_updated(spec);
     held.iter().position(|&l| l == layer).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
+}
+
+/// The layers whose state for the next step is uploaded in this step's backward
+/// ([`ProgramSpec::early_uploads`]), in backward order: the last GPU-updated layers that do not
+/// download late (their gradients land first, so their uploads start early in the backward). The
+/// `i`-th takes state slot `n_state_bufs - early_uploads + i`.
+pub fn early_upload_layers(spec: &ProgramSpec) -> Vec<usize> {
+    let held = held_gpu_updated(spec);
+    let late = |l: usize| {
+        held.iter().position(|&h| h == l).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
+    };
+    (0..spec.n_layers)
+        .rev()
+        .filter(|&l| is_gpu_updated(spec, l) && !late(l))
+        .take(spec.early_uploads)
+        .collect()
 }
 
 /// The instructions of one step.
@@ -338,6 +367,8 @@ struct Builder {
     /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
     /// yet: their re-cast must read the downloaded master, so they are issued right after it.
     deferred: Vec<(usize, Slot)>,
+    /// The early-upload units' own state slots (never in `free_states`).
+    early_slot: std::collections::HashMap<Unit, usize>,
 }
 
 impl Builder {
@@ -376,8 +407,11 @@ impl Builder {
 
     /// Upload of a GPU-updated unit's state into the next state slot; returns the upload's id.
     fn fetch_state(&mut self, unit: Unit) -> usize {
-        let Some(buf) = self.free_states.pop_front() else {
-            panic!("no state slot free for {unit:?}: every one holds a state not yet downloaded")
+        let buf = match self.early_slot.get(&unit) {
+            Some(&buf) => buf,
+            None => self.free_states.pop_front().unwrap_or_else(|| {
+                panic!("no state slot free for {unit:?}: every one holds a state not yet downloaded")
+            }),
         };
         self.state_of.insert(unit, buf);
         // The previous download out of this slot must be done before it is overwritten.
@@ -385,11 +419,12 @@ impl Builder {
         self.push(Stream::H2D, Op::UploadState { unit, buf }, prev.into_iter().collect())
     }
 
-    /// The device update of a GPU-updated unit (after its state upload `up`) into `slot`, and,
-    /// unless `late`, the download of its state; returns the update's id.
-    fn update_streamed(&mut self, unit: Unit, slot: Slot, up: usize, late: bool) -> usize {
+    /// The device update of a GPU-updated unit (after its state upload `up`, if it is this step's)
+    /// into `slot`, and, unless `late`, the download of its state; returns the update's id.
+    fn update_streamed(&mut self, unit: Unit, slot: Slot, up: Option<usize>, late: bool) -> usize {
         let buf = self.state_of[&unit];
-        let upd = self.push(Stream::Compute, Op::UpdateStreamed { unit, buf, slot }, vec![up]);
+        let upd =
+            self.push(Stream::Compute, Op::UpdateStreamed { unit, buf, slot }, up.into_iter().collect());
         if late {
             self.late_updates.insert(unit, upd);
         } else {
@@ -418,16 +453,33 @@ impl Builder {
         }
     }
 
-    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot.
+    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot (unless
+    /// it is an early-upload unit's own).
     fn download_state(&mut self, unit: Unit, upd: usize) {
         let buf = self.state_of[&unit];
         let dl = self.push(Stream::D2H, Op::DownloadState { unit, buf }, vec![upd]);
         self.last.take(K_STATE, buf, dl);
-        self.free_states.push_back(buf);
+        if !self.early_slot.contains_key(&unit) {
+            self.free_states.push_back(buf);
+        }
         // Landing overwrites the record's gradient and a backward re-cast reads its master:
         // both after the state is back (and the record marked updated, so that a retried step
         // never updates it twice from a new gradient).
         self.update_of.insert(unit, dl);
+    }
+
+    /// The upload, for the next step, of an early-upload unit's state into its own slot, after
+    /// its land `land` (which wrote the gradient the update will read, after this step's
+    /// download of its state: the record is whole) and after the slot's last download.
+    fn early_upload(&mut self, unit: Unit, land: usize) {
+        let buf = self.early_slot[&unit];
+        let prev = self.last.0.get(&(K_STATE, buf)).copied();
+        let up = self.push(
+            Stream::H2D,
+            Op::UploadState { unit, buf },
+            std::iter::once(land).chain(prev).collect(),
+        );
+        self.last.take(K_STATE, buf, up);
     }
 }
 
@@ -454,12 +506,17 @@ impl Program {
         assert!(
             spec.gpu_updated == 0
                 || (spec.mode == OptimMode::Exact
-                    && spec.n_state_bufs >= spec.ring_depth + spec.late_downloads),
-            "GPU-updated layers need exact mode and at least ring_depth (+ late downloads) state slots"
+                    && spec.n_state_bufs >= spec.ring_depth + spec.late_downloads + spec.early_uploads),
+            "GPU-updated layers need exact mode and at least ring_depth (+ late downloads + early uploads) state slots"
         );
         assert!(
             spec.late_downloads <= held_gpu_updated(&spec).len(),
             "late downloads are of GPU-updated held layers"
+        );
+        let early = early_upload_layers(&spec);
+        assert!(
+            early.len() == spec.early_uploads && (spec.early_uploads == 0 || spec.gpu_updated > 0),
+            "early uploads are of GPU-updated layers that do not download late"
         );
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
@@ -480,7 +537,14 @@ impl Program {
                 .collect(),
             late_issued: 0,
             deferred: Vec::new(),
+            early_slot: early
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (Unit::Layer(l), spec.n_state_bufs - spec.early_uploads + i))
+                .collect(),
         };
+        // The free list holds the other slots.
+        b.free_states.truncate(spec.n_state_bufs - spec.early_uploads);
         let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
         // Use k: (layer, is_backward). Ring uses are the streamed, not held layers' uses: ring
         // use `j` goes through slot `j % ring_depth`. Held layers are fetched once, for their
@@ -489,11 +553,18 @@ impl Program {
             (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
         let ring: Vec<usize> =
             (0..uses.len()).filter(|&k| !resident(uses[k].0) && !held(uses[k].0)).collect();
-        let mut uploads = vec![usize::MAX; uses.len()];
-        let fetch = |b: &mut Builder, uploads: &mut Vec<usize>, k: usize, slot: Slot| {
+        // Each use's upload (none for an early-upload layer's forward whose state is already up).
+        let mut uploads: Vec<Option<usize>> = vec![None; uses.len()];
+        let fetch = |b: &mut Builder, uploads: &mut Vec<Option<usize>>, k: usize, slot: Slot| {
             let (layer, backward) = uses[k];
             if !backward && gpu_update(layer) {
-                uploads[k] = b.fetch_state(Unit::Layer(layer));
+                let unit = Unit::Layer(layer);
+                match b.early_slot.get(&unit) {
+                    Some(&buf) if spec.early_ready => {
+                        b.state_of.insert(unit, buf);
+                    }
+                    _ => uploads[k] = Some(b.fetch_state(unit)),
+                }
                 return;
             }
             if backward && gpu_update(layer) && !b.update_of.contains_key(&Unit::Layer(layer)) {
@@ -504,12 +575,12 @@ impl Program {
             }
             let staging = HostBuf::Ring(b.n_fetches % spec.n_staging);
             b.n_fetches += 1;
-            uploads[k] = b.fetch(Unit::Layer(layer), staging, slot, exact_update && !backward);
+            uploads[k] = Some(b.fetch(Unit::Layer(layer), staging, slot, exact_update && !backward));
         };
         // A held layer's forward is fetched as a ring use would be: `ring_depth` streamed forward
         // uses ahead of its compute (forward use `k` of a streamed layer is position
         // `k - resident_layers`).
-        let fetch_held = |b: &mut Builder, uploads: &mut Vec<usize>, pos: usize| {
+        let fetch_held = |b: &mut Builder, uploads: &mut Vec<Option<usize>>, pos: usize| {
             let k = spec.resident_layers + pos;
             if k < n && held(k) {
                 fetch(b, uploads, k, Slot::Held(k));
@@ -568,7 +639,7 @@ impl Program {
                 let ready = if gpu_update(layer) {
                     b.update_streamed(unit, slot, uploads[k], is_late_download(&spec, layer))
                 } else {
-                    uploads[k]
+                    uploads[k].expect("a streamed layer is fetched before its forward")
                 };
                 let fwd = b.push(Stream::Compute, Op::Forward { layer, slot }, vec![ready]);
                 if let Slot::Ring(r) = slot {
@@ -592,7 +663,11 @@ impl Program {
             n_grads += 1;
             // Wait for the previous download out of this gradient buffer before zeroing it (a held
             // layer's weights are in its slot since its forward, earlier on this stream).
-            let mut waits: Vec<usize> = (!held(layer)).then_some(uploads[k]).into_iter().collect();
+            let mut waits: Vec<usize> = if held(layer) {
+                vec![]
+            } else {
+                vec![uploads[k].expect("a streamed layer is fetched before its backward")]
+            };
             waits.extend(b.last.0.get(&(K_GRAD, grad_buf)).copied());
             let op = Op::Backward { layer, slot, grad_buf: Some(grad_buf) };
             let bwd = b.push(Stream::Compute, op, waits);
@@ -610,6 +685,9 @@ impl Program {
             let waits = std::iter::once(dl).chain(b.update_of.get(&unit).copied()).collect();
             let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, waits);
             b.last.take(K_LANDING, buf_idx(landing), land);
+            if b.early_slot.contains_key(&unit) {
+                b.early_upload(unit, land);
+            }
         }
         assert!(b.deferred.is_empty(), "backward fetches never issued: {:?}", b.deferred);
         assert!(b.late_updates.is_empty(), "late state downloads never issued: {:?}", b.late_updates);

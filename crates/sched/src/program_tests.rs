@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 use mt_core::Unit;
 
 use crate::program::{
-    held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode, Program, ProgramSpec,
-    Slot, Stream,
+    early_upload_layers, held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode,
+    Program, ProgramSpec, Slot, Stream,
 };
 use crate::simulate::simulate;
 
@@ -46,6 +46,8 @@ fn spec_held(
         held_layers,
         gpu_updated: 0,
         late_downloads: 0,
+        early_uploads: 0,
+        early_ready: false,
         n_state_bufs: 0,
     }
 }
@@ -75,14 +77,29 @@ fn all_specs() -> Vec<ProgramSpec> {
                                         n_state_bufs: n,
                                         ..spec_held(l, n, mode, pending, resident, k, h)
                                     };
-                                    v.push(s);
-                                    // Late downloads: one, every held GPU-updated layer.
-                                    let mut ds = vec![1, held_gpu_updated(&s).len()];
+                                    // Late downloads: none, one, every held GPU-updated layer.
+                                    let mut ds = vec![0, 1, held_gpu_updated(&s).len()];
                                     ds.dedup();
-                                    for d in
-                                        ds.into_iter().filter(|&d| d > 0 && d <= held_gpu_updated(&s).len())
-                                    {
-                                        v.push(ProgramSpec { late_downloads: d, n_state_bufs: n + d, ..s });
+                                    for d in ds.into_iter().filter(|&d| d <= held_gpu_updated(&s).len()) {
+                                        let s = ProgramSpec { late_downloads: d, n_state_bufs: n + d, ..s };
+                                        v.push(s);
+                                        // Early uploads: one, every GPU-updated layer not late; their
+                                        // states up from the last step or not.
+                                        let mut es = vec![1, g - d];
+                                        es.dedup();
+                                        for e in es.into_iter().filter(|&e| e > 0 && e <= g - d) {
+                                            // (Ready states are left by an exact step, which
+                                            // always leaves an update pending.)
+                                            for ready in [false, true].into_iter().filter(|&r| !r || pending)
+                                            {
+                                                v.push(ProgramSpec {
+                                                    early_uploads: e,
+                                                    early_ready: ready,
+                                                    n_state_bufs: n + d + e,
+                                                    ..s
+                                                });
+                                            }
+                                        }
                                     }
                                 }
                             }
@@ -180,8 +197,18 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
             // state.
             if let Op::UpdateStreamed { unit: u, buf, .. } = op {
                 let su = p.instrs[..j].iter().rposition(|x| x.op == Op::UploadState { unit: u, buf });
-                let su = su.unwrap_or_else(|| panic!("{s:?}: update {j} of {u:?} has no state upload"));
-                assert!(anc[j].contains(&su), "{s:?}: update {j} does not wait for its state upload {su}");
+                let early = early_upload_layers(&s);
+                if let Some(e) = early.iter().position(|&l| s.early_ready && Unit::Layer(l) == u) {
+                    // Its state went up in the last step's backward, into its own slot.
+                    assert_eq!(su, None, "{s:?}: early-upload {u:?} uploaded again");
+                    assert_eq!(buf, s.n_state_bufs - s.early_uploads + e, "{s:?}: {u:?}'s slot");
+                } else {
+                    let su = su.unwrap_or_else(|| panic!("{s:?}: update {j} of {u:?} has no state upload"));
+                    assert!(
+                        anc[j].contains(&su),
+                        "{s:?}: update {j} does not wait for its state upload {su}"
+                    );
+                }
                 // Its forward, or its backward from the slot it is held in.
                 let ok = matches!(ins.op, Op::Forward { .. })
                     || matches!(ins.op, Op::Backward { slot: Slot::Held(_), .. });
@@ -234,22 +261,37 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
             v.sort_by_key(|u| u.index());
             v
         };
-        assert_eq!(sorted(state_ups.clone()), sorted(state_downs), "{s:?}");
+        // Every state that comes back went up this step, but an early-upload layer's whose state
+        // the last step uploaded; early-upload layers' states go up in the backward for the next.
+        let early = if s.mode == OptimMode::Exact { early_upload_layers(&s) } else { vec![] };
+        let loss = p.instrs.iter().position(|i| i.op == Op::Loss).unwrap();
+        let fwd_state_ups: Vec<Unit> = p.instrs[..loss]
+            .iter()
+            .filter_map(|i| match i.op {
+                Op::UploadState { unit, .. } => Some(unit),
+                _ => None,
+            })
+            .collect();
+        let ready = |u: &Unit| s.early_ready && early.iter().any(|&l| Unit::Layer(l) == *u);
+        let came_back_without: Vec<Unit> = state_downs.iter().copied().filter(|u| !ready(u)).collect();
+        assert_eq!(sorted(fwd_state_ups), sorted(came_back_without), "{s:?}");
         for l in 0..s.n_layers {
             let held = l + s.held_layers >= s.n_layers;
             let gpu = gpu_updates(&s, l);
+            let (is_early, is_ready) = (early.contains(&l), ready(&Unit::Layer(l)));
             let (up, down) =
                 if l < s.resident_layers { (0, 0) } else { (2 - usize::from(held) - usize::from(gpu), 1) };
             assert_eq!(ups.get(&Unit::Layer(l)).copied().unwrap_or(0), up, "{s:?}: layer {l} uploads");
             assert_eq!(downs.get(&Unit::Layer(l)).copied().unwrap_or(0), down, "{s:?}: layer {l} downloads");
             let states = state_ups.iter().filter(|&&u| u == Unit::Layer(l)).count();
-            assert_eq!(states, usize::from(gpu), "{s:?}: layer {l} state uploads");
+            let expected = usize::from(gpu && !(is_early && is_ready)) + usize::from(is_early);
+            assert_eq!(states, expected, "{s:?}: layer {l} state uploads");
+            let downs = state_downs.iter().filter(|&&u| u == Unit::Layer(l)).count();
+            assert_eq!(downs, usize::from(gpu), "{s:?}: layer {l} state downloads");
         }
-        assert_eq!(
-            state_ups.len(),
-            if s.pending_update { s.gpu_updated } else { 0 },
-            "{s:?}: GPU-updated layers"
-        );
+        let forward_ups =
+            if s.pending_update { s.gpu_updated - if s.early_ready { early.len() } else { 0 } } else { 0 };
+        assert_eq!(state_ups.len(), forward_ups + early.len(), "{s:?}: GPU-updated layers");
     }
 }
 
@@ -476,7 +518,15 @@ fn state_slots_are_reused_only_after_their_download() {
     for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0) {
         let p = Program::build(s);
         let anc = ancestors(&p);
-        let mut occupant: HashMap<usize, Unit> = HashMap::new();
+        // An early-upload layer's state is in its own slot from the last step when ready.
+        let early = early_upload_layers(&s);
+        let own_slot = |e: usize| s.n_state_bufs - s.early_uploads + e;
+        let mut occupant: HashMap<usize, Unit> = early
+            .iter()
+            .enumerate()
+            .filter(|_| s.early_ready)
+            .map(|(e, &l)| (own_slot(e), Unit::Layer(l)))
+            .collect();
         let download_of: HashMap<Unit, usize> = p
             .instrs
             .iter()
@@ -572,6 +622,50 @@ fn late_state_downloads_go_out_in_the_backward_before_their_land_and_others_befo
         }
     }
     assert!(n_late > 50, "the specs exercise late downloads ({n_late})");
+}
+
+/// An early-upload layer (one of the last GPU-updated layers that do not download late) sends
+/// its state for the next step up in the backward, right after its land, which it waits for
+/// directly (the record then holds this step's gradient and, its update being back, its master
+/// and moments), into its own slot, which nothing writes after it; a step whose early states are
+/// ready uploads none of them in its forward, one whose are not uploads each there (into the
+/// same slot).
+#[test]
+fn early_state_uploads_go_up_after_their_land_into_their_own_slot() {
+    let mut n_early = 0;
+    for s in all_specs().into_iter().filter(|s| s.early_uploads > 0) {
+        let p = Program::build(s);
+        let early = early_upload_layers(&s);
+        let candidates: Vec<usize> =
+            (0..s.n_layers).rev().filter(|&l| is_gpu_updated(&s, l) && !is_late_download(&s, l)).collect();
+        assert_eq!(early, candidates[..s.early_uploads], "{s:?}");
+        let loss = p.instrs.iter().position(|i| i.op == Op::Loss).unwrap();
+        for (e, &l) in early.iter().enumerate() {
+            let (u, own) = (Unit::Layer(l), s.n_state_bufs - s.early_uploads + e);
+            let ups: Vec<usize> = (0..p.instrs.len())
+                .filter(|&i| matches!(p.instrs[i].op, Op::UploadState { unit, .. } if unit == u))
+                .collect();
+            let land =
+                p.instrs.iter().position(|i| matches!(i.op, Op::Land { unit, .. } if unit == u)).unwrap();
+            let &last = ups.last().unwrap_or_else(|| panic!("{s:?}: no early upload of {l}"));
+            assert_eq!(p.instrs[last].op, Op::UploadState { unit: u, buf: own }, "{s:?}");
+            assert!(last > land && p.instrs[last].waits.contains(&land), "{s:?}: layer {l}'s early upload");
+            let later_writes = p.instrs[last + 1..]
+                .iter()
+                .filter(|i| matches!(i.op, Op::UploadState { buf, .. } | Op::UpdateStreamed { buf, .. } if buf == own))
+                .count();
+            assert_eq!(later_writes, 0, "{s:?}: slot {own} overwritten after layer {l}'s early upload");
+            let in_forward: Vec<&usize> = ups.iter().filter(|&&i| i < loss).collect();
+            let expected = usize::from(s.pending_update && !s.early_ready);
+            assert_eq!(in_forward.len(), expected, "{s:?}: layer {l}'s forward state uploads");
+            assert!(
+                in_forward.iter().all(|&&i| p.instrs[i].op == Op::UploadState { unit: u, buf: own }),
+                "{s:?}"
+            );
+            n_early += 1;
+        }
+    }
+    assert!(n_early > 50, "the specs exercise early uploads ({n_early})");
 }
 
 /// GPU-updated layers are spread over the streamed ones: exactly `gpu_updated` of them, none

@@ -71,6 +71,7 @@ fn run_with_grad<B: Backend>(
         held_layers: placement.held_layers,
         gpu_updated_layers: placement.gpu_updated_layers,
         late_state_downloads: placement.late_state_downloads,
+        early_state_uploads: placement.early_state_uploads,
         ..golden_opts()
     };
     let mut e = Engine::new(&g.cfg, store.clone(), backend, opts).unwrap();
@@ -207,8 +208,9 @@ fn bitwise_eq(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> boo
 /// in `kernels/adamw.cu`, the bf16 weights written into the slot in the same pass, master and
 /// moments downloaded back and the record marked): the same bits as every update on the host, in
 /// bf16 with bf16 stored gradients (the default) and in fp32 with f32 ones, for one layer, every
-/// layer, every layer held too, and every layer held with its state downloaded late (in the
-/// backward); losses of all three steps and the weights after the last update, with random
+/// layer, every layer held too, every layer held with its state downloaded late (in the
+/// backward), every layer's state uploaded early (in the last step's backward), and one late
+/// with the others early; losses of all three steps and the weights after the last update, with random
 /// delays on the issuing and optimizer threads.
 #[test]
 fn cuda_gpu_updated_layers_train_bitwise_as_host_updates() {
@@ -219,20 +221,25 @@ fn cuda_gpu_updated_layers_train_bitwise_as_host_updates() {
         for (dtype, grad) in [(DType::BF16, GradDtype::Bf16), (DType::F32, GradDtype::F32)] {
             let backend = |seed| CudaBackend::new(0, CpuOptions::uniform(300, seed)).unwrap();
             let host = run_with_grad(name, backend(3), dtype, EngineOptions::default(), grad);
-            for (gpu, held, late) in [(1, 0, 0), (n, 0, 0), (n, n, 0), (n, n, n)] {
+            for (gpu, held, late, early) in
+                [(1, 0, 0, 0), (n, 0, 0, 0), (n, n, 0, 0), (n, n, n, 0), (n, n, 0, n), (n, n, 1, n - 1)]
+            {
                 let o = EngineOptions {
                     gpu_updated_layers: gpu,
                     held_layers: held,
                     late_state_downloads: late,
+                    early_state_uploads: early,
                     ..EngineOptions::default()
                 };
                 let r = run_with_grad(name, backend(4 + gpu as u64), dtype, o, grad);
                 let same = r.losses == host.losses && bitwise_eq(&r.params, &host.params);
                 eprintln!(
-                    "SUMMARY gpu {name} {dtype:?} {gpu} GPU-updated, {held} held, {late} late vs host updates: bitwise identical = {same}"
+                    "SUMMARY gpu {name} {dtype:?} {gpu} GPU-updated, {held} held, {late} late, {early} early vs host updates: bitwise identical = {same}"
                 );
                 if !same {
-                    failures.push(format!("{name} {dtype:?} {gpu} GPU-updated {held} held {late} late"));
+                    failures.push(format!(
+                        "{name} {dtype:?} {gpu} GPU-updated {held} held {late} late {early} early"
+                    ));
                 }
             }
         }

@@ -132,23 +132,27 @@ fn gpu_updated_layers_train_bitwise_as_host_updates() {
         let n = cfg.num_hidden_layers;
         let batches: Vec<Batch> = (0..3).map(|s| batch(&cfg, 3, 30 + s)).collect();
         for (weight_dtype, grad) in [(DType::F32, GradDtype::F32), (DType::BF16, GradDtype::Bf16)] {
-            // (GPU-updated, held, resident, ring depth, late state downloads)
-            for (gpu, held, resident, depth, late) in [
-                (1, 0, 0, 2, 0),
-                (2, 0, 0, 3, 0),
-                (n, 0, 0, 2, 0),
-                (n, n, 0, 2, 0),
-                (1, 1, 1, 2, 0),
-                (n, n, 0, 2, 1),
-                (n, n, 0, 3, n),
-                (2, n, 0, 2, 2),
+            // (GPU-updated, held, resident, ring depth, late state downloads, early uploads)
+            for (gpu, held, resident, depth, late, early) in [
+                (1, 0, 0, 2, 0, 0),
+                (2, 0, 0, 3, 0, 0),
+                (n, 0, 0, 2, 0, 0),
+                (n, n, 0, 2, 0, 0),
+                (1, 1, 1, 2, 0, 0),
+                (n, n, 0, 2, 1, 0),
+                (n, n, 0, 3, n, 0),
+                (2, n, 0, 2, 2, 0),
+                (n, n, 0, 2, 0, n),
+                (n, 0, 0, 3, 0, 1),
+                (n, n, 0, 2, 1, n - 1),
             ] {
                 let what = format!(
-                    "{weight_dtype:?}/{grad:?}: {gpu} GPU-updated ({late} late), {held} held, {resident} resident, depth {depth}"
+                    "{weight_dtype:?}/{grad:?}: {gpu} GPU-updated ({late} late, {early} early), {held} held, {resident} resident, depth {depth}"
                 );
                 let opts = |gpu_updated_layers| EngineOptions {
                     gpu_updated_layers,
                     late_state_downloads: if gpu_updated_layers > 0 { late } else { 0 },
+                    early_state_uploads: if gpu_updated_layers > 0 { early } else { 0 },
                     held_layers: held,
                     resident_layers: resident,
                     ring_depth: depth,

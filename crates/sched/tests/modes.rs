@@ -165,7 +165,10 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
 /// uninterrupted one, which is bitwise the run with every update on the host. With late state
 /// downloads (every layer held, each state back only in the backward, one per backward
 /// position), a step failing at the last device update has marked none, one failing in layer
-/// `m`'s backward the layers `m..` (whose downloads went out before it) and not the others.
+/// `m`'s backward the layers `m..` (whose downloads went out before it) and not the others. With
+/// early state uploads (each layer's state for the next step sent up in the backward after its
+/// land), the failed step's successor uploads them again; with one late download and the rest
+/// early, a layer is marked where its download was issued before the failing instruction.
 #[test]
 fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     let cfg = cfg();
@@ -173,22 +176,40 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     let data = small_batches(&cfg, 3, 41);
     let reference = train(&cfg, GradDtype::Bf16, golden_opts(), &data);
     let last = mt_core::Unit::Layer(n - 1);
-    // (late downloads, where the step fails: `None` at the last device update, `Some(m)` in
-    // layer m's backward, flush instead of retrying)
+    // (late downloads: none, all or one; early uploads; where the step fails: `None` at the last
+    // device update, `Some(m)` in layer m's backward; flush instead of retrying)
     let mid = n / 2;
     assert!(mid > 0, "the model needs two layers for a middle one");
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    enum Late {
+        None,
+        All,
+        One,
+    }
     let mut cases = Vec::new();
     for flush in [false, true] {
-        cases.extend([(false, Some(0), flush), (false, None, flush)]);
-        cases.extend([(true, Some(0), flush), (true, Some(mid), flush), (true, None, flush)]);
+        for early in [0, n] {
+            cases.extend([(Late::None, early, Some(0), flush), (Late::None, early, None, flush)]);
+        }
+        for fail_in in [Some(0), Some(mid), None] {
+            cases.extend([(Late::All, 0, fail_in, flush), (Late::One, n - 1, fail_in, flush)]);
+        }
     }
-    for (late, fail_in, flush_instead) in cases {
+    for (late, early, fail_in, flush_instead) in cases {
         let fail_at_last_update = fail_in.is_none();
-        let opts = if late {
-            EngineOptions { gpu_updated_layers: n, held_layers: n, late_state_downloads: n, ..golden_opts() }
-        } else {
-            EngineOptions { gpu_updated_layers: n, ..golden_opts() }
+        let opts = match late {
+            Late::None => {
+                EngineOptions { gpu_updated_layers: n, early_state_uploads: early, ..golden_opts() }
+            }
+            Late::All | Late::One => EngineOptions {
+                gpu_updated_layers: n,
+                held_layers: n,
+                late_state_downloads: if late == Late::All { n } else { 1 },
+                early_state_uploads: early,
+                ..golden_opts()
+            },
         };
+        let late = late != Late::None;
         assert_bitwise_eq(
             &params_of(&train(&cfg, GradDtype::Bf16, opts.clone(), &data)),
             &params_of(&reference),
@@ -201,15 +222,24 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
                 Some(m) => format!("failed in layer {m}'s backward"),
             },
             if late { ", late downloads" } else { "" }
-        );
+        ) + &format!(", {early} early uploads");
         let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
         let mut e = engine(&cfg, store.clone(), opts.clone(), 100);
         e.step(&data[0], 1e-3).unwrap();
         let mut device_updates = 0;
+        // Per layer, whether its state download is issued before the instruction that fails.
+        let mut downloaded_before_failure = vec![false; n];
         let err = e
             .step_with(&data[1], 1e-3, |p| {
                 device_updates =
                     p.instrs.iter().filter(|i| matches!(i.op, Op::UpdateStreamed { .. })).count();
+                let state_uploads_in_forward = p
+                    .instrs
+                    .iter()
+                    .take_while(|i| i.op != Op::Loss)
+                    .filter(|i| matches!(i.op, Op::UploadState { .. }))
+                    .count();
+                assert_eq!(state_uploads_in_forward, n - early, "early states up since the last step");
                 if fail_at_last_update {
                     for i in &mut p.instrs {
                         if matches!(i.op, Op::UpdateStreamed { unit, .. } if unit == last) {
@@ -223,16 +253,29 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
                 } else {
                     fail_in_backward(p, fail_in.unwrap_or(0));
                 }
+                let failing = p
+                    .instrs
+                    .iter()
+                    .position(|i| {
+                        i.stream == mt_sched::program::Stream::Compute && matches!(i.op, Op::Land { .. })
+                    })
+                    .expect("a failing instruction");
+                for (i, ins) in p.instrs.iter().enumerate() {
+                    if let Op::DownloadState { unit: mt_core::Unit::Layer(l), .. } = ins.op {
+                        downloaded_before_failure[l] = i < failing;
+                    }
+                }
             })
             .unwrap_err();
         assert_eq!(device_updates, n, "every layer is updated on the device");
         assert!(err.to_string().contains("not a compute op"), "{what}: {err}");
-        for l in 0..n {
-            let marked = match (late, fail_in) {
-                (false, None) => u64::from(l != n - 1),
-                (false, Some(_)) => 1,
-                (true, None) => 0,
-                (true, Some(m)) => u64::from(l >= m),
+        for (l, &went) in downloaded_before_failure.iter().enumerate() {
+            let marked = match (late, early, fail_in) {
+                (false, _, None) => u64::from(l != n - 1),
+                (false, _, Some(_)) => 1,
+                (true, 0, None) => 0,
+                (true, 0, Some(m)) => u64::from(l >= m),
+                (true, _, _) => u64::from(went),
             };
             assert_eq!(store.applied_step(mt_core::Unit::Layer(l)), marked, "{what}: layer {l}'s marker");
         }
@@ -240,7 +283,19 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
             e.flush_pending().unwrap();
             assert_eq!(store.state().step, 1);
         }
-        e.step(&data[1], 1e-3).unwrap();
+        // The failed step may have left early slots half updated: the next step uploads every
+        // state in its forward (none after a flush: no update pending).
+        let mut forward_uploads = usize::MAX;
+        e.step_with(&data[1], 1e-3, |p| {
+            forward_uploads = p
+                .instrs
+                .iter()
+                .take_while(|i| i.op != Op::Loss)
+                .filter(|i| matches!(i.op, Op::UploadState { .. }))
+                .count()
+        })
+        .unwrap();
+        assert_eq!(forward_uploads, if flush_instead { 0 } else { n }, "{what}: the step after");
         e.step(&data[2], 1e-3).unwrap();
         e.flush_pending().unwrap();
         let how = if flush_instead { "flushed" } else { "retried" };
@@ -330,19 +385,24 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
 /// A GPU-updated layer's forward weights are not uploaded: its state (fp32 master, m, v and the
 /// stored gradient) goes up and master, m and v come back, measured by the copies themselves and
 /// equal to the program's plan; the first step, with no update pending, moves weights as usual.
-/// Lean mode and more GPU-updated layers than stream are refused, naming the problem.
+/// Early state uploads move the same bytes a step (in the backward, for the next), and the first
+/// step moves theirs besides. Lean mode, more GPU-updated layers than stream and early uploads
+/// of late-download layers are refused, naming the problem.
 #[test]
 fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
     let cfg = cfg();
     let layout = ModelLayout::new(&cfg);
     let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
     for (grad, g) in [(GradDtype::Bf16, 2u64), (GradDtype::F32, 4)] {
-        for (gpu, late) in (0..=layout.n_layers).map(|k| (k, 0)).chain([(layout.n_layers, layout.n_layers)]) {
+        let nl = layout.n_layers;
+        let placements = (0..=nl).map(|k| (k, 0, 0)).chain([(nl, nl, 0), (nl, 0, nl), (nl, 1, nl - 1)]);
+        for (gpu, late, early) in placements {
             let store = store_with(&cfg, &random_params(&cfg, 8), grad);
             let opts = EngineOptions {
                 gpu_updated_layers: gpu,
                 late_state_downloads: late,
-                held_layers: late,
+                early_state_uploads: early,
+                held_layers: if late > 0 { nl } else { 0 },
                 n_chunks: 2,
                 ..golden_opts()
             };
@@ -350,12 +410,17 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
             let (input_ids, targets) = random_batch(&cfg, 2, 8, 1, 0.0);
             let b = Batch { batch: 2, seq: 8, input_ids, targets };
             let first = e.step(&b, 1e-3).unwrap();
-            let h = late as u64; // held layers
-            assert_eq!(first.h2d_bytes, ((2 * n - h) * l + o) * 4, "{gpu} GPU-updated, first step");
+            let h = if late > 0 { n } else { 0 }; // held layers
+            let ke = early as u64;
+            assert_eq!(
+                first.h2d_bytes,
+                ((2 * n - h) * l + o) * 4 + ke * (12 + g) * l,
+                "{gpu} GPU-updated, {early} early, first step"
+            );
             let mut states = 0;
             let r = e.step_with(&b, 1e-3, |p| states = p.state_uploads().count()).unwrap();
             let k = gpu as u64;
-            assert_eq!(states, gpu);
+            assert_eq!(states, gpu, "the early ones' for the next step");
             assert_eq!(
                 r.h2d_bytes,
                 ((2 * n - h - k) * l + o) * 4 + k * (12 + g) * l,
@@ -381,6 +446,19 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
     let err = refused(EngineOptions { gpu_updated_layers: 2, late_state_downloads: 1, ..golden_opts() });
     assert!(
         err.contains("1 late state downloads asked, but only 0 of the 2 GPU-updated layers are held"),
+        "{err}"
+    );
+    let err = refused(EngineOptions {
+        gpu_updated_layers: 2,
+        held_layers: 2,
+        late_state_downloads: 1,
+        early_state_uploads: 2,
+        ..golden_opts()
+    });
+    assert!(
+        err.contains(
+            "2 early state uploads asked, but only 1 of the 2 GPU-updated layers do not download late"
+        ),
         "{err}"
     );
 }

@@ -88,6 +88,9 @@ pub struct EstimateArgs {
     /// As `megatrain train --late-state-downloads`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub late_state_downloads: LayerCount,
+    /// As `megatrain train --early-state-uploads`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub early_state_uploads: LayerCount,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -355,6 +358,17 @@ pub struct TrainArgs {
     /// without GPU-updated layers).
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub late_state_downloads: LayerCount,
+
+    /// Of the GPU-updated layers that do not download late, how many (the last ones, whose
+    /// gradients land first) upload their state for the next step in this step's backward,
+    /// right after their gradient lands, into a state slot of their own kept until their next
+    /// forward: 12 B/param + the gradient of host memory traffic and H2D move out of the forward
+    /// into the backward, whose H2D is idle when every streamed layer is held. Each costs a
+    /// state slot of GPU memory (14-16 B/param). Bitwise the same training. A number, or `auto`
+    /// = as many as the backward's H2D and host memory have room for (0 unless every streamed
+    /// layer is held).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub early_state_uploads: LayerCount,
 
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.

@@ -15,7 +15,8 @@ use mt_store::{
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
 use crate::program::{
-    is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec, Slot, Stream,
+    early_upload_layers, is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec,
+    Slot, Stream,
 };
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
@@ -88,6 +89,10 @@ pub struct Engine<B: Backend> {
     /// and whether any device state is newer than the host store's records.
     applied: Vec<u64>,
     dirty: bool,
+    /// The early-upload layers' states are in their slots, uploaded by the last step's backward
+    /// with their records unchanged since ([`ProgramSpec::early_ready`]): set only after a step
+    /// that issued them succeeded, cleared by anything that may change a record.
+    early_ready: bool,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -184,7 +189,7 @@ impl<B: Backend> Engine<B> {
                 held_layers: opts.held_layers,
                 land_bf16,
                 state_slots: if opts.gpu_updated_layers > 0 {
-                    opts.ring_depth + opts.late_state_downloads
+                    opts.ring_depth + opts.late_state_downloads + opts.early_state_uploads
                 } else {
                     0
                 },
@@ -230,6 +235,7 @@ impl<B: Backend> Engine<B> {
             opts,
             applied: vec![0; layout_units],
             dirty: false,
+            early_ready: false,
         };
         engine.check_records()?;
         engine.load_resident()?;
@@ -252,8 +258,9 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// The program's shape for a step (`pending`: an exact-mode update is pending).
-    fn program_spec(&self, pending: bool) -> ProgramSpec {
+    /// The program's shape for a step (`pending`: an exact-mode update is pending; `early_ready`:
+    /// the early-upload layers' states are already up).
+    fn program_spec(&self, pending: bool, early_ready: bool) -> ProgramSpec {
         ProgramSpec {
             n_layers: self.layout.n_layers,
             ring_depth: self.opts.ring_depth,
@@ -267,6 +274,8 @@ impl<B: Backend> Engine<B> {
             held_layers: self.opts.held_layers,
             gpu_updated: self.opts.gpu_updated_layers,
             late_downloads: self.opts.late_state_downloads,
+            early_uploads: if self.opts.mode == OptimMode::Exact { self.opts.early_state_uploads } else { 0 },
+            early_ready,
             n_state_bufs: self.pool.state.len(),
         }
     }
@@ -274,15 +283,22 @@ impl<B: Backend> Engine<B> {
     /// The decoder layers whose exact-mode update runs on the device from their streamed state
     /// ([`EngineOptions::gpu_updated_layers`], picked by [`is_gpu_updated`]).
     pub fn gpu_updated_units(&self) -> Vec<Unit> {
-        let spec = self.program_spec(true);
+        let spec = self.program_spec(true, false);
         (0..self.layout.n_layers).filter(|&l| is_gpu_updated(&spec, l)).map(Unit::Layer).collect()
     }
 
     /// The GPU-updated layers whose state is downloaded in the backward
     /// ([`EngineOptions::late_state_downloads`], picked by [`is_late_download`]).
     pub fn late_download_units(&self) -> Vec<Unit> {
-        let spec = self.program_spec(true);
+        let spec = self.program_spec(true, false);
         (0..self.layout.n_layers).filter(|&l| is_late_download(&spec, l)).map(Unit::Layer).collect()
+    }
+
+    /// The GPU-updated layers whose state for the next step is uploaded in the backward
+    /// ([`EngineOptions::early_state_uploads`], picked by [`early_upload_layers`]), in backward
+    /// order.
+    pub fn early_upload_units(&self) -> Vec<Unit> {
+        early_upload_layers(&self.program_spec(true, false)).into_iter().map(Unit::Layer).collect()
     }
 
     /// Bytes of host memory page-locked in place for the GPU-updated layers' records.
@@ -340,9 +356,11 @@ impl<B: Backend> Engine<B> {
         let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
         self.ensure_rope(batch.seq)?;
         let state = self.store.state();
-        let mut program = Program::build(self.program_spec(state.pending_update));
+        let mut program = Program::build(self.program_spec(state.pending_update, self.early_ready));
         edit(&mut program);
         program.validate()?;
+        // Consumed: a step that fails from here on may leave a slot updated, or half uploaded.
+        self.early_ready = false;
         // Arguments of the updates this step applies.
         let update_args = match self.opts.mode {
             OptimMode::Exact => {
@@ -396,6 +414,8 @@ impl<B: Backend> Engine<B> {
             },
         };
         self.store.set_state(new_state);
+        // Every stream is drained: the early uploads this step issued are in their slots.
+        self.early_ready = program.spec.early_uploads > 0;
         let spans = self.backend.spans();
         let (h2d_bytes, d2h_bytes) = self.backend.transferred();
         Ok(StepReport {
@@ -420,6 +440,8 @@ impl<B: Backend> Engine<B> {
     /// date ([`Engine::sync_store`]), pending update or not.
     pub fn flush_pending(&mut self) -> Result<()> {
         self.check_not_poisoned()?;
+        // It may change the records the early-uploaded states were copied from.
+        self.early_ready = false;
         let state = self.store.state();
         if !state.pending_update {
             return self.sync_store();

@@ -72,6 +72,16 @@ pub struct EngineOptions {
     /// device memory) and two more gradient buffers. 0 = every state download right after its
     /// update.
     pub late_state_downloads: usize,
+    /// Of the GPU-updated layers that do not download late, this many (the last ones,
+    /// `program::early_upload_layers`) upload their state for the next step in this step's
+    /// backward, right after their gradient lands, into a state slot of their own
+    /// (`(12 + g) × layer.len` bytes of device memory each) that stays taken until their next
+    /// forward's update is back in the record: 12 + g B/param of host memory traffic and H2D move
+    /// out of the forward (bound by host memory and uploads) into the backward (whose H2D is idle
+    /// when every streamed layer is held). The step after a failed one, or after
+    /// [`Engine::flush_pending`](super::Engine::flush_pending), uploads them in its forward.
+    /// 0 = every state upload in the forward.
+    pub early_state_uploads: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
     /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
@@ -97,6 +107,7 @@ impl Default for EngineOptions {
             held_layers: 0,
             gpu_updated_layers: 0,
             late_state_downloads: 0,
+            early_state_uploads: 0,
             device_narrowing: true,
         }
     }
@@ -160,6 +171,13 @@ impl EngineOptions {
             return Err(Error::Options(format!(
                 "{} late state downloads asked, but only {late_capable} of the {} GPU-updated layers are held (the last {} layers are): a late download keeps a held layer's state on the device until its backward",
                 self.late_state_downloads, self.gpu_updated_layers, self.held_layers
+            )));
+        }
+        let early_capable = self.gpu_updated_layers - self.late_state_downloads;
+        if self.early_state_uploads > early_capable {
+            return Err(Error::Options(format!(
+                "{} early state uploads asked, but only {early_capable} of the {} GPU-updated layers do not download late ({} do): an early upload is of a GPU-updated layer's state for the next step, and a late-download layer's state would go down and straight back up",
+                self.early_state_uploads, self.gpu_updated_layers, self.late_state_downloads
             )));
         }
         if self.kept_layers > layout.n_layers {
