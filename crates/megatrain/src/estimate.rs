@@ -142,7 +142,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // goes through the same host memory the host's update pass is bound by, in the same window:
     // priced at the same bandwidth (measured on the 16-core H200: the host's pass per layer
     // slows from 18.4 to ~24.5 ms beside it, 2026-11-24). Late downloads (12 B/param) come back
-    // in the backward instead, and early uploads (12 B/param + the gradient) go up there.
+    // in the backward instead, and early uploads' master and moments (12 B/param) go up there
+    // (their gradient is copied on the device).
     let gpu_params = (p.gpu_updated_layers * layout.layer.n_params()) as f64;
     let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
     let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
@@ -156,7 +157,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
             + layer_params * b.land
             + outer_params * b.outer_land
             + late_params * 12.0
-            + early_params * (12.0 + b.grad),
+            + early_params * 12.0,
     );
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
@@ -173,7 +174,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => {
             let bwd_h2d = ((streamed_layers - p.held_layers) * layout.layer.len) as f64
                 * args.precision.bytes()
-                + early_params * (12.0 + b.grad);
+                + early_params * 12.0;
             // GPU-updated layers' master and moments come back during the forward (the late
             // ones' during the backward).
             let fwd_d2h = (12 * (p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64;
@@ -378,15 +379,16 @@ mod tests {
         assert!((late.host_update_s - want).abs() < 1e-9, "{}", late.host_update_s);
         assert!((late.host_s - late.host_update_s - (n * 4.0 + d * 12.0) / 140e9).abs() < 1e-9);
         assert!(late.step_s < gpu.step_s, "{} vs {}", late.step_s, gpu.step_s);
-        // Early uploads (auto: 8, with 16 GPU-updated and 5 late) take their 14 B (master, m, v
-        // and the bf16 gradient) out of the forward into the backward.
+        // Early uploads (auto: 9, with 17 GPU-updated and 5 late) take their 14 B (master, m, v
+        // and the bf16 gradient) out of the forward, and bring 12 B (master, m, v) into the
+        // backward: the gradient is copied on the device.
         let early = estimate_3_6b(&on_time[..4]);
         let p = &early.plan;
-        assert_eq!((p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads), (16, 5, 8));
-        let (k, d, x) = (16.0 * 100_669_440.0, 5.0 * 100_669_440.0, 8.0 * 100_669_440.0);
+        assert_eq!((p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads), (17, 5, 9));
+        let (k, d, x) = (17.0 * 100_669_440.0, 5.0 * 100_669_440.0, 9.0 * 100_669_440.0);
         let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0 - x * 14.0) / 140e9;
         assert!((early.host_update_s - want).abs() < 1e-9, "{}", early.host_update_s);
-        let backward = (n * 4.0 + d * 12.0 + x * 14.0) / 140e9;
+        let backward = (n * 4.0 + d * 12.0 + x * 12.0) / 140e9;
         assert!((early.host_s - early.host_update_s - backward).abs() < 1e-9);
         assert!(early.step_s < late.step_s, "{} vs {}", early.step_s, late.step_s);
         assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);

@@ -70,7 +70,7 @@ pub trait Backend {
         store: Arc<HostStore>,
         unit: Unit,
         state: Tensor,
-        grad: Tensor,
+        grad: Option<Tensor>,
         name: String,
     ) -> Self::Event;
 

@@ -103,7 +103,7 @@ impl Backend for CpuBackend {
         store: Arc<HostStore>,
         unit: Unit,
         state: Tensor,
-        grad: Tensor,
+        grad: Option<Tensor>,
         name: String,
     ) -> CpuEvent {
         let clock = Arc::clone(&self.workers.clock);
@@ -111,19 +111,24 @@ impl Backend for CpuBackend {
             let r = store.record(unit);
             let n = r.master().len();
             let device = state.device().clone();
-            if state.elem_count() != 3 * n || grad.elem_count() != n {
+            let grad_len = grad.as_ref().map_or(n, Tensor::elem_count);
+            if state.elem_count() != 3 * n || grad_len != n {
                 return Err(Error::Stream {
                     stream: "h2d",
                     msg: format!(
-                        "state slot of {} and gradient of {} elements for a {n}-element record",
+                        "state slot of {} and gradient of {grad_len} elements for a {n}-element record",
                         state.elem_count(),
-                        grad.elem_count()
                     ),
                 });
             }
             for (k, part) in [r.master(), r.m(), r.v()].into_iter().enumerate() {
                 state.slice_set(&Tensor::from_slice(part, n, &device)?, 0, k * n)?;
             }
+            let Some(grad) = grad else {
+                // Master and moments only (an early upload: the gradient is copied on the device).
+                clock.h2d_bytes.fetch_add(12 * n as u64, Ordering::Relaxed);
+                return Ok(());
+            };
             let g = match r.grad() {
                 Some(GradRef::F32(g)) => Tensor::from_slice(g, n, &device)?,
                 Some(GradRef::Bf16(g)) => Tensor::from_slice(g, n, &device)?,

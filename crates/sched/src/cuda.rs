@@ -221,11 +221,11 @@ impl Backend for CudaBackend {
         store: Arc<HostStore>,
         unit: Unit,
         state: Tensor,
-        grad: Tensor,
+        grad: Option<Tensor>,
         name: String,
     ) -> CudaOpEvent {
         self.issue_copy(Stream::H2D, waits, name, move |stream| {
-            cuda_ffi::enqueue_record_upload(&store, unit, &state, &grad, stream)
+            cuda_ffi::enqueue_record_upload(&store, unit, &state, grad.as_ref(), stream)
         })
     }
 

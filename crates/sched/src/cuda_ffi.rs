@@ -194,12 +194,10 @@ pub(crate) fn enqueue_record_upload(
     store: &HostStore,
     unit: Unit,
     state: &Tensor,
-    grad: &Tensor,
+    grad: Option<&Tensor>,
     stream: &CudaStream,
 ) -> Result<u64> {
-    let StateCopy { record: a, state: sptr, grad: g } =
-        state_copy_plan(store, unit, state, Some(grad), stream)?;
-    let (gptr, gbytes) = g.ok_or_else(|| Error::Cuda("no gradient buffer".into()))?;
+    let StateCopy { record: a, state: sptr, grad: g } = state_copy_plan(store, unit, state, grad, stream)?;
     let n = a.len;
     for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
         // SAFETY: `host` is the start of the record's n-element f32 region (`record_addrs`), inside
@@ -208,6 +206,10 @@ pub(crate) fn enqueue_record_upload(
         // k-th third of the 12n-byte state slot checked above.
         unsafe { htod_raw(sptr + (4 * k * n) as u64, host as *const u8, 4 * n, stream)? };
     }
+    let Some((gptr, gbytes)) = g else {
+        // Master and moments only (an early upload: the gradient is copied on the device).
+        return Ok((12 * n) as u64);
+    };
     // SAFETY: as above, for the record's gradient region of gbytes bytes and the whole gradient
     // buffer of the same size.
     unsafe { htod_raw(gptr, a.grad as *const u8, gbytes, stream)? };

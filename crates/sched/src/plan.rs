@@ -524,7 +524,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     };
     let flops = mt_core::model_flops_per_step(cfg, batch, seq);
     let auto_early = |n: usize, late: usize| {
-        let cap = early_upload_capacity(flops, streamed_count, held_layers, late, ll, g, le);
+        let cap = early_upload_capacity(flops, streamed_count, held_layers, late, ll, le);
         let fits = |k: usize| total + state_cost(late, k) <= budget;
         if n == 0 || input.mode != OptimMode::Exact {
             return 0;
@@ -686,7 +686,8 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         gpu,
         host,
         pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
-            + gu * (12 + g) * ll,
+            + gu * (12 + g) * ll
+            - early_state_uploads as u64 * g * ll,
         pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4 + gu * 12 * ll,
         n_params: layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(cfg, batch, seq),

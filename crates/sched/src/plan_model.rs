@@ -27,8 +27,9 @@ pub struct UpdatePlacement {
 /// The exact-mode forward window of a placement (bytes per parameter of a layer over GB/s:
 /// nanoseconds per parameter): the longer of its host memory traffic at `host_gbs` and its
 /// uploads at `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the
-/// `e` its upload's DMA reads; a GPU-updated one's state DMA, `12 + g` up unless early and 12
-/// down unless late. Uploads: `e` per host-updated parameter, `12 + g` per GPU-updated one not
+/// `e` its upload's DMA reads; a GPU-updated one's state DMA, `12 + g` up unless early (master
+/// and moments up in the step before's backward, the gradient copied on the device) and 12 down
+/// unless late. Uploads: `e` per host-updated parameter, `12 + g` per GPU-updated one not
 /// early. (The forward's compute is not counted: at 4 x 2048 it is a fifth of the window.)
 pub fn forward_window(p: UpdatePlacement, g: u64, e: u64, host_gbs: f64, upload_gbs: f64) -> f64 {
     let h = p.streamed.saturating_sub(p.gpu) as f64;
@@ -65,8 +66,8 @@ pub fn late_download_capacity(
     (room / (12 * layer_len.max(1)) as f64).max(0.0) as usize
 }
 
-/// How many early state uploads (`(12 + g) × layer_len` bytes each) the backward has room for
-/// after `late` late downloads: as many as its H2D fills in [`BACKWARD_D2H_SHARE`] of it at
+/// How many early uploads (master and moments, `12 × layer_len` bytes each) the backward has room
+/// for after `late` late downloads: as many as its H2D fills in [`BACKWARD_D2H_SHARE`] of it at
 /// [`PCIE_GBS`], and its host memory at [`HOST_MEMORY_GBS`] beside the gradients' DMA and land
 /// (`4 × grad_elem` a parameter: the DMA's write, the land's read, write and the write's read
 /// for ownership) and the late downloads. The backward computes two thirds of `flops` at
@@ -78,14 +79,13 @@ pub fn early_upload_capacity(
     held: usize,
     late: usize,
     layer_len: u64,
-    g: u64,
     grad_elem: u64,
 ) -> usize {
     if streamed == 0 || held < streamed {
         return 0;
     }
     let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12);
-    let each = ((12 + g) * layer_len.max(1)) as f64;
+    let each = (12 * layer_len.max(1)) as f64;
     let h2d = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE / each;
     let busy = (streamed as u64 * layer_len * 4 * grad_elem + late as u64 * 12 * layer_len) as f64;
     let host = (backward_s * HOST_MEMORY_GBS * 1e9 - busy) / each;

@@ -634,7 +634,7 @@ fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
 /// Auto early uploads: as many as the backward's H2D and host memory have room for, only when
 /// every streamed layer is held (the others' re-casts take the backward's H2D); with them a
 /// GPU-updated layer costs the forward only its download, so auto moves more layers to the GPU
-/// (the 3.6B at 4 x 2048, every layer held: 16 GPU-updated, 5 late, 8 early). Each takes a state
+/// (the 3.6B at 4 x 2048, every layer held: 17 GPU-updated, 5 late, 9 early). Each takes a state
 /// slot; the same bytes cross a step; a count beyond the GPU-updated layers not late, in lean
 /// mode, or beyond the GPU's room is refused, naming the flag.
 #[test]
@@ -645,33 +645,34 @@ fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held(
         PlanInput { gpu_updated_layers: None, held_layers: None, early_state_uploads: None, ..base.clone() };
     let p = plan(&all_auto).unwrap();
     let placed = (p.held_layers, p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads);
-    assert_eq!(placed, (28, 16, 5, 8), "{p}");
-    assert_eq!(p.early_state_uploads, early_upload_capacity(p.flops_per_step, 28, 28, 5, ll, 2, 2));
-    assert_eq!(p.gpu.state_slots, (2 + 5 + 8) * 14 * ll + 4 * ll + 2 * 6 * ll);
+    assert_eq!(placed, (28, 17, 5, 9), "{p}");
+    assert_eq!(p.early_state_uploads, early_upload_capacity(p.flops_per_step, 28, 28, 5, ll, 2));
+    assert_eq!(p.gpu.state_slots, (2 + 5 + 9) * 14 * ll + 4 * ll + 2 * 6 * ll);
     // The model: fewer early uploads, a longer forward window.
     let w = |x: usize| {
         forward_window(
-            UpdatePlacement { streamed: 28, gpu: 16, late: 5, early: x },
+            UpdatePlacement { streamed: 28, gpu: 17, late: 5, early: x },
             2,
             2,
             HOST_MEMORY_GBS,
             STATE_UPLOAD_GBS,
         )
     };
-    assert!(w(8) < w(4) && w(4) < w(0), "{} {} {}", w(8), w(4), w(0));
+    assert!(w(9) < w(4) && w(4) < w(0), "{} {} {}", w(9), w(4), w(0));
     // Not every layer held: none.
     let half = plan(&PlanInput { held_layers: Some(14), ..all_auto.clone() }).unwrap();
     assert_eq!(half.early_state_uploads, 0, "{half}");
-    assert_eq!(early_upload_capacity(p.flops_per_step, 28, 27, 0, ll, 2, 2), 0);
-    // Early or not, the same bytes cross a step.
-    let fixed = PlanInput { gpu_updated_layers: Some(16), late_state_downloads: Some(5), ..all_auto.clone() };
+    assert_eq!(early_upload_capacity(p.flops_per_step, 28, 27, 0, ll, 2), 0);
+    // Early, the same bytes cross a step but the gradient's (copied on the device).
+    let fixed = PlanInput { gpu_updated_layers: Some(17), late_state_downloads: Some(5), ..all_auto.clone() };
     let none = plan(&PlanInput { early_state_uploads: Some(0), ..fixed.clone() }).unwrap();
-    assert_eq!((none.pcie_h2d_per_step, none.pcie_d2h_per_step), (p.pcie_h2d_per_step, p.pcie_d2h_per_step));
+    assert_eq!(none.pcie_h2d_per_step - p.pcie_h2d_per_step, p.early_state_uploads as u64 * 2 * ll);
+    assert_eq!(none.pcie_d2h_per_step, p.pcie_d2h_per_step);
     assert_eq!(none.gpu.state_slots, (2 + 5) * 14 * ll + 4 * ll + 2 * 6 * ll);
-    let e = err(&PlanInput { early_state_uploads: Some(12), ..fixed.clone() });
+    let e = err(&PlanInput { early_state_uploads: Some(13), ..fixed.clone() });
     assert!(
         e.contains(
-            "12 early state uploads asked, but only 11 of the 16 GPU-updated layers do not download late"
+            "13 early state uploads asked, but only 12 of the 17 GPU-updated layers do not download late"
         ),
         "{e}"
     );
@@ -684,9 +685,9 @@ fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held(
     let e = err(&PlanInput { early_state_uploads: Some(1), ..lean });
     assert!(e.contains("lean mode"), "{e}");
     let small = PlanInput { gpu_bytes: 24 * GIB, held_layers: Some(28), kept_layers: Some(0), ..fixed };
-    let e = err(&PlanInput { early_state_uploads: Some(11), ..small });
+    let e = err(&PlanInput { early_state_uploads: Some(12), ..small });
     assert!(
-        e.contains("11 uploading early")
+        e.contains("12 uploading early")
             && e.contains("fewer --late-state-downloads / --early-state-uploads"),
         "{e}"
     );

@@ -146,6 +146,25 @@ pub enum Op {
         /// Weight slot the new weights go to.
         slot: Slot,
     },
+    /// H2D (early-upload layers, in the backward, for the next step): the unit's fp32 master, m
+    /// and v (not its gradient) from its page-locked host record into state slot `buf`.
+    UploadMoments {
+        /// Unit.
+        unit: Unit,
+        /// State slot.
+        buf: usize,
+    },
+    /// Compute (early-upload layers, right after their backward): the layer's gradient as the
+    /// store keeps it (the bf16 twin it downloads from, or the f32 buffer) into state slot
+    /// `buf`'s gradient: the bytes its land stores, for the next step's update.
+    CopyGrad {
+        /// Unit.
+        unit: Unit,
+        /// Device gradient buffer of the ring.
+        grad_buf: usize,
+        /// State slot.
+        buf: usize,
+    },
     /// D2H (GPU-updated layers): state slot `buf`'s master, m and v back into the unit's host
     /// record; once they are there, the record is marked updated (so a retried step does not
     /// apply the update twice).
@@ -230,12 +249,14 @@ pub struct ProgramSpec {
     /// until then.
     pub late_downloads: usize,
     /// Of the GPU-updated layers that do not download late, this many ([`early_upload_layers`]:
-    /// the last ones, whose gradients land first) upload their state for the next step in this
-    /// step's backward, right after their land, into a state slot of their own (the last
-    /// `early_uploads` slots), which stays taken until their next forward's update has gone
-    /// back: out of the forward, whose host memory and uploads bound a streamed step, into the
-    /// backward, whose H2D is idle when every streamed layer is held. Their state still goes up
-    /// and comes back once a step.
+    /// the first ones, which the next forward needs first) get their state for the next step
+    /// into a state slot of their own (the last `early_uploads` slots) during this step's
+    /// backward: master and moments go up from the loss on ([`Op::UploadMoments`]), the gradient
+    /// is copied on the device right after the layer's backward ([`Op::CopyGrad`]: the bytes its
+    /// land stores), and the slot stays taken until their next forward's update has gone back.
+    /// Out of the forward, whose host memory and uploads bound a streamed step, into the
+    /// backward, whose H2D is idle when every streamed layer is held; the gradient no longer
+    /// crosses up at all. Master and moments still go up and come back once a step.
     pub early_uploads: usize,
     /// The early-upload layers' states are already in their slots (uploaded in the previous
     /// step's backward, their records unchanged since): their forward uploads nothing. The
@@ -297,20 +318,16 @@ pub fn is_late_download(spec: &ProgramSpec, layer: usize) -> bool {
     held.iter().position(|&l| l == layer).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
 }
 
-/// The layers whose state for the next step is uploaded in this step's backward
-/// ([`ProgramSpec::early_uploads`]), in backward order: the last GPU-updated layers that do not
-/// download late (their gradients land first, so their uploads start early in the backward). The
-/// `i`-th takes state slot `n_state_bufs - early_uploads + i`.
+/// The layers whose state for the next step goes up in this step's backward
+/// ([`ProgramSpec::early_uploads`]), in forward order: the first GPU-updated layers that do not
+/// download late (the next forward needs them first). The `i`-th takes state slot
+/// `n_state_bufs - early_uploads + i`.
 pub fn early_upload_layers(spec: &ProgramSpec) -> Vec<usize> {
     let held = held_gpu_updated(spec);
     let late = |l: usize| {
         held.iter().position(|&h| h == l).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
     };
-    (0..spec.n_layers)
-        .rev()
-        .filter(|&l| is_gpu_updated(spec, l) && !late(l))
-        .take(spec.early_uploads)
-        .collect()
+    (0..spec.n_layers).filter(|&l| is_gpu_updated(spec, l) && !late(l)).take(spec.early_uploads).collect()
 }
 
 /// The instructions of one step.
@@ -468,17 +485,13 @@ impl Builder {
         self.update_of.insert(unit, dl);
     }
 
-    /// The upload, for the next step, of an early-upload unit's state into its own slot, after
-    /// its land `land` (which wrote the gradient the update will read, after this step's
-    /// download of its state: the record is whole) and after the slot's last download.
-    fn early_upload(&mut self, unit: Unit, land: usize) {
+    /// The upload, for the next step, of an early-upload unit's master and moments into its own
+    /// slot, after the slot's last download (this step's of the unit's updated state, if it was
+    /// updated: the record is whole then).
+    fn early_upload(&mut self, unit: Unit) {
         let buf = self.early_slot[&unit];
         let prev = self.last.0.get(&(K_STATE, buf)).copied();
-        let up = self.push(
-            Stream::H2D,
-            Op::UploadState { unit, buf },
-            std::iter::once(land).chain(prev).collect(),
-        );
+        let up = self.push(Stream::H2D, Op::UploadMoments { unit, buf }, prev.into_iter().collect());
         self.last.take(K_STATE, buf, up);
     }
 }
@@ -612,6 +625,13 @@ impl Program {
         for (k, &(layer, backward)) in uses.iter().enumerate() {
             if k == n {
                 b.push(Stream::Compute, Op::Loss, vec![]);
+                // The backward's H2D is free from here (every streamed layer held): the early
+                // uploads go first, in the next forward's order.
+                if spec.mode == OptimMode::Exact {
+                    for &l in &early {
+                        b.early_upload(Unit::Layer(l));
+                    }
+                }
             }
             let unit = Unit::Layer(layer);
             if resident(layer) {
@@ -674,6 +694,11 @@ impl Program {
             if let Slot::Ring(r) = slot {
                 b.last.take(K_SLOT, r, bwd);
             }
+            if let (Some(&buf), OptimMode::Exact) = (b.early_slot.get(&unit), spec.mode) {
+                // The gradient the land stores, for the next step's update (compute order: after
+                // this step's update read the slot's previous one).
+                b.push(Stream::Compute, Op::CopyGrad { unit, grad_buf, buf }, vec![]);
+            }
             if let Some(p) = prefetch {
                 fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
             }
@@ -685,9 +710,6 @@ impl Program {
             let waits = std::iter::once(dl).chain(b.update_of.get(&unit).copied()).collect();
             let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, waits);
             b.last.take(K_LANDING, buf_idx(landing), land);
-            if b.early_slot.contains_key(&unit) {
-                b.early_upload(unit, land);
-            }
         }
         assert!(b.deferred.is_empty(), "backward fetches never issued: {:?}", b.deferred);
         assert!(b.late_updates.is_empty(), "late state downloads never issued: {:?}", b.late_updates);
@@ -726,6 +748,15 @@ impl Program {
     pub fn state_uploads(&self) -> impl Iterator<Item = Unit> + '_ {
         self.instrs.iter().filter_map(|i| match i.op {
             Op::UploadState { unit, .. } => Some(unit),
+            _ => None,
+        })
+    }
+
+    /// Units whose master and moments go up in this step's backward for the next step's update
+    /// (early-upload layers), in order.
+    pub fn moment_uploads(&self) -> impl Iterator<Item = Unit> + '_ {
+        self.instrs.iter().filter_map(|i| match i.op {
+            Op::UploadMoments { unit, .. } => Some(unit),
             _ => None,
         })
     }

@@ -284,14 +284,15 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
             assert_eq!(ups.get(&Unit::Layer(l)).copied().unwrap_or(0), up, "{s:?}: layer {l} uploads");
             assert_eq!(downs.get(&Unit::Layer(l)).copied().unwrap_or(0), down, "{s:?}: layer {l} downloads");
             let states = state_ups.iter().filter(|&&u| u == Unit::Layer(l)).count();
-            let expected = usize::from(gpu && !(is_early && is_ready)) + usize::from(is_early);
-            assert_eq!(states, expected, "{s:?}: layer {l} state uploads");
+            assert_eq!(states, usize::from(gpu && !(is_early && is_ready)), "{s:?}: layer {l} state uploads");
+            let moments = p.moment_uploads().filter(|&u| u == Unit::Layer(l)).count();
+            assert_eq!(moments, usize::from(is_early), "{s:?}: layer {l} early uploads");
             let downs = state_downs.iter().filter(|&&u| u == Unit::Layer(l)).count();
             assert_eq!(downs, usize::from(gpu), "{s:?}: layer {l} state downloads");
         }
         let forward_ups =
             if s.pending_update { s.gpu_updated - if s.early_ready { early.len() } else { 0 } } else { 0 };
-        assert_eq!(state_ups.len(), forward_ups + early.len(), "{s:?}: GPU-updated layers");
+        assert_eq!(state_ups.len(), forward_ups, "{s:?}: GPU-updated layers");
     }
 }
 
@@ -538,7 +539,7 @@ fn state_slots_are_reused_only_after_their_download() {
             .collect();
         for (i, ins) in p.instrs.iter().enumerate() {
             match ins.op {
-                Op::UploadState { buf, unit } => {
+                Op::UploadState { buf, unit } | Op::UploadMoments { buf, unit } => {
                     assert!(buf < s.n_state_bufs, "{s:?}");
                     // The state the slot held must be back in its record first.
                     if let Some(prev) = occupant.insert(buf, unit) {
@@ -551,6 +552,13 @@ fn state_slots_are_reused_only_after_their_download() {
                         );
                     }
                     n_gpu += 1;
+                }
+                Op::CopyGrad { buf, unit, .. } => {
+                    assert_eq!(
+                        occupant.get(&buf),
+                        Some(&unit),
+                        "{s:?}: gradient copy {i} into a slot {unit:?} is not in"
+                    );
                 }
                 Op::DownloadState { buf, unit } => {
                     assert_eq!(
@@ -624,46 +632,66 @@ fn late_state_downloads_go_out_in_the_backward_before_their_land_and_others_befo
     assert!(n_late > 50, "the specs exercise late downloads ({n_late})");
 }
 
-/// An early-upload layer (one of the last GPU-updated layers that do not download late) sends
-/// its state for the next step up in the backward, right after its land, which it waits for
-/// directly (the record then holds this step's gradient and, its update being back, its master
-/// and moments), into its own slot, which nothing writes after it; a step whose early states are
-/// ready uploads none of them in its forward, one whose are not uploads each there (into the
-/// same slot).
+/// An early-upload layer (one of the first GPU-updated layers that do not download late) sends
+/// its master and moments for the next step up in the backward, issued from the loss on, after
+/// this step's download of its updated state (which it waits for directly: the record is whole
+/// then), into its own slot, and its gradient is copied there on the device right after its
+/// backward, from the buffer that backward accumulated into; nothing writes the slot after those.
+/// A step whose early states are ready uploads none of them in its forward, one whose are not
+/// uploads each there (into the same slot).
 #[test]
-fn early_state_uploads_go_up_after_their_land_into_their_own_slot() {
+fn early_state_uploads_go_up_in_the_backward_into_their_own_slot() {
     let mut n_early = 0;
     for s in all_specs().into_iter().filter(|s| s.early_uploads > 0) {
         let p = Program::build(s);
         let early = early_upload_layers(&s);
         let candidates: Vec<usize> =
-            (0..s.n_layers).rev().filter(|&l| is_gpu_updated(&s, l) && !is_late_download(&s, l)).collect();
+            (0..s.n_layers).filter(|&l| is_gpu_updated(&s, l) && !is_late_download(&s, l)).collect();
         assert_eq!(early, candidates[..s.early_uploads], "{s:?}");
-        let loss = p.instrs.iter().position(|i| i.op == Op::Loss).unwrap();
+        let at = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op));
+        let loss = at(&|o| *o == Op::Loss).unwrap();
         for (e, &l) in early.iter().enumerate() {
             let (u, own) = (Unit::Layer(l), s.n_state_bufs - s.early_uploads + e);
-            let ups: Vec<usize> = (0..p.instrs.len())
-                .filter(|&i| matches!(p.instrs[i].op, Op::UploadState { unit, .. } if unit == u))
-                .collect();
-            let land =
-                p.instrs.iter().position(|i| matches!(i.op, Op::Land { unit, .. } if unit == u)).unwrap();
-            let &last = ups.last().unwrap_or_else(|| panic!("{s:?}: no early upload of {l}"));
-            assert_eq!(p.instrs[last].op, Op::UploadState { unit: u, buf: own }, "{s:?}");
-            assert!(last > land && p.instrs[last].waits.contains(&land), "{s:?}: layer {l}'s early upload");
+            let moments = at(&|o| matches!(*o, Op::UploadMoments { unit, .. } if unit == u))
+                .unwrap_or_else(|| panic!("{s:?}: no early upload of {l}"));
+            assert_eq!(p.instrs[moments].op, Op::UploadMoments { unit: u, buf: own }, "{s:?}");
+            assert!(moments > loss, "{s:?}: layer {l}'s early upload in the forward");
+            if let Some(dl) = at(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == u)) {
+                assert!(
+                    p.instrs[moments].waits.contains(&dl),
+                    "{s:?}: layer {l}'s early upload before its state is back"
+                );
+            }
+            let bwd = at(&|o| matches!(*o, Op::Backward { layer, .. } if layer == l)).unwrap();
+            let Op::Backward { grad_buf: Some(k), .. } = p.instrs[bwd].op else {
+                panic!("{s:?}: layer {l} resident")
+            };
+            assert_eq!(p.instrs[bwd + 1].op, Op::CopyGrad { unit: u, grad_buf: k, buf: own }, "{s:?}");
+            assert_eq!(p.instrs[bwd + 1].stream, Stream::Compute);
+            let last = moments.max(bwd + 1);
             let later_writes = p.instrs[last + 1..]
                 .iter()
-                .filter(|i| matches!(i.op, Op::UploadState { buf, .. } | Op::UpdateStreamed { buf, .. } if buf == own))
+                .filter(|i| match i.op {
+                    Op::UploadState { buf, .. }
+                    | Op::UploadMoments { buf, .. }
+                    | Op::UpdateStreamed { buf, .. }
+                    | Op::CopyGrad { buf, .. } => buf == own,
+                    _ => false,
+                })
                 .count();
-            assert_eq!(later_writes, 0, "{s:?}: slot {own} overwritten after layer {l}'s early upload");
-            let in_forward: Vec<&usize> = ups.iter().filter(|&&i| i < loss).collect();
+            assert_eq!(later_writes, 0, "{s:?}: slot {own} overwritten after layer {l}'s early state");
+            let in_forward: Vec<usize> = (0..loss)
+                .filter(|&i| matches!(p.instrs[i].op, Op::UploadState { unit, .. } if unit == u))
+                .collect();
             let expected = usize::from(s.pending_update && !s.early_ready);
             assert_eq!(in_forward.len(), expected, "{s:?}: layer {l}'s forward state uploads");
             assert!(
-                in_forward.iter().all(|&&i| p.instrs[i].op == Op::UploadState { unit: u, buf: own }),
+                in_forward.iter().all(|&i| p.instrs[i].op == Op::UploadState { unit: u, buf: own }),
                 "{s:?}"
             );
             n_early += 1;
         }
+        assert_eq!(p.moment_uploads().count(), s.early_uploads, "{s:?}");
     }
     assert!(n_early > 50, "the specs exercise early uploads ({n_early})");
 }

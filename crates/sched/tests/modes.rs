@@ -385,8 +385,8 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
 /// A GPU-updated layer's forward weights are not uploaded: its state (fp32 master, m, v and the
 /// stored gradient) goes up and master, m and v come back, measured by the copies themselves and
 /// equal to the program's plan; the first step, with no update pending, moves weights as usual.
-/// Early state uploads move the same bytes a step (in the backward, for the next), and the first
-/// step moves theirs besides. Lean mode, more GPU-updated layers than stream and early uploads
+/// Early state uploads move master and moments in the backward, for the next step, and not the
+/// gradient (copied on the device); the first step moves theirs besides. Lean mode, more GPU-updated layers than stream and early uploads
 /// of late-download layers are refused, naming the problem.
 #[test]
 fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
@@ -414,17 +414,17 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
             let ke = early as u64;
             assert_eq!(
                 first.h2d_bytes,
-                ((2 * n - h) * l + o) * 4 + ke * (12 + g) * l,
-                "{gpu} GPU-updated, {early} early, first step"
+                ((2 * n - h) * l + o) * 4 + ke * 12 * l,
+                "{gpu} GPU-updated, {early} early, first step (their master and moments for the next)"
             );
             let mut states = 0;
             let r = e.step_with(&b, 1e-3, |p| states = p.state_uploads().count()).unwrap();
             let k = gpu as u64;
-            assert_eq!(states, gpu, "the early ones' for the next step");
+            assert_eq!(states, gpu - early, "the early ones' went up in the last step");
             assert_eq!(
                 r.h2d_bytes,
-                ((2 * n - h - k) * l + o) * 4 + k * (12 + g) * l,
-                "{gpu} GPU-updated, {grad:?}"
+                ((2 * n - h - k) * l + o) * 4 + k * (12 + g) * l - ke * g * l,
+                "{gpu} GPU-updated, {grad:?}: an early one's gradient is copied on the device"
             );
             assert_eq!(
                 r.d2h_bytes,

@@ -133,6 +133,27 @@ impl<B: Backend> Engine<B> {
                     mt_layers::device_optim::adamw_step_into(&state, &grad, &self.opts.adamw, args, &dst)?;
                 }
             }
+            Op::CopyGrad { unit, grad_buf, buf } => {
+                let _s = tracing::debug_span!("copy_grad", ?unit).entered();
+                // What the layer's download moves and its land stores: the bf16 twin, else the
+                // f32 buffer (options refuse early uploads where the store keeps neither).
+                let src = match self.pool.grad_narrow.get(grad_buf) {
+                    Some(narrow) => narrow,
+                    None => self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_state(grad_buf))?,
+                };
+                let dst = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
+                if src.dtype() != dst.dtype() || src.elem_count() != dst.elem_count() {
+                    return Err(CoreError::Plan(format!(
+                        "{unit:?}'s device gradient ({:?}, {}) is not what its state slot keeps ({:?}, {})",
+                        src.dtype(),
+                        src.elem_count(),
+                        dst.dtype(),
+                        dst.elem_count()
+                    ))
+                    .into());
+                }
+                dst.slice_set(src, 0, 0)?;
+            }
             Op::UpdateResident { unit } => {
                 let _s = tracing::debug_span!("update_resident", ?unit).entered();
                 self.update_resident(unit, args)?;

@@ -569,7 +569,13 @@ impl<B: Backend> Engine<B> {
                         )))
                     }
                 };
-                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, grad, name)
+                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, Some(grad), name)
+            }
+            Op::UploadMoments { unit, buf } => {
+                let state = self.pool.state.get(buf).cloned().ok_or_else(|| {
+                    Error::Options(format!("state slot {buf} does not exist (scheduling bug)"))
+                })?;
+                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, None, name)
             }
             Op::DownloadState { unit, buf } => {
                 let state = self.pool.state.get(buf).cloned().ok_or_else(|| {

@@ -180,6 +180,11 @@ impl EngineOptions {
                 self.early_state_uploads, self.gpu_updated_layers, self.late_state_downloads
             )));
         }
+        if self.early_state_uploads > 0 && store_grad == GradDtype::Bf16 && !self.device_narrowing {
+            return Err(Error::Options(
+                "early state uploads copy the device's bf16 gradient into the state slot; without device narrowing there is none".into(),
+            ));
+        }
         if self.kept_layers > layout.n_layers {
             return Err(Error::Options(format!(
                 "{} layers with kept activations asked of a {}-layer model",
