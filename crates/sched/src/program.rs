@@ -319,15 +319,24 @@ pub fn is_late_download(spec: &ProgramSpec, layer: usize) -> bool {
 }
 
 /// The layers whose state for the next step goes up in this step's backward
-/// ([`ProgramSpec::early_uploads`]), in forward order: the first GPU-updated layers that do not
-/// download late (the next forward needs them first). The `i`-th takes state slot
+/// ([`ProgramSpec::early_uploads`]), in forward order: of the GPU-updated layers that do not
+/// download late, `early_uploads` spread evenly, so that the state uploads left to the forward
+/// (the others') spread over it too. The `i`-th takes state slot
 /// `n_state_bufs - early_uploads + i`.
 pub fn early_upload_layers(spec: &ProgramSpec) -> Vec<usize> {
     let held = held_gpu_updated(spec);
     let late = |l: usize| {
         held.iter().position(|&h| h == l).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
     };
-    (0..spec.n_layers).filter(|&l| is_gpu_updated(spec, l) && !late(l)).take(spec.early_uploads).collect()
+    let candidates: Vec<usize> =
+        (0..spec.n_layers).filter(|&l| is_gpu_updated(spec, l) && !late(l)).collect();
+    let n = candidates.len();
+    candidates
+        .into_iter()
+        .enumerate()
+        .filter(|&(i, _)| spread(i, n, spec.early_uploads))
+        .map(|(_, l)| l)
+        .collect()
 }
 
 /// The instructions of one step.

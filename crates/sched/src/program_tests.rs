@@ -632,7 +632,7 @@ fn late_state_downloads_go_out_in_the_backward_before_their_land_and_others_befo
     assert!(n_late > 50, "the specs exercise late downloads ({n_late})");
 }
 
-/// An early-upload layer (one of the first GPU-updated layers that do not download late) sends
+/// An early-upload layer (GPU-updated, not downloading late; in forward order) sends
 /// its master and moments for the next step up in the backward, issued from the loss on, after
 /// this step's download of its updated state (which it waits for directly: the record is whole
 /// then), into its own slot, and its gradient is copied there on the device right after its
@@ -647,7 +647,11 @@ fn early_state_uploads_go_up_in_the_backward_into_their_own_slot() {
         let early = early_upload_layers(&s);
         let candidates: Vec<usize> =
             (0..s.n_layers).filter(|&l| is_gpu_updated(&s, l) && !is_late_download(&s, l)).collect();
-        assert_eq!(early, candidates[..s.early_uploads], "{s:?}");
+        assert_eq!(early.len(), s.early_uploads, "{s:?}");
+        assert!(
+            early.iter().all(|l| candidates.contains(l)) && early.windows(2).all(|w| w[0] < w[1]),
+            "{s:?}"
+        );
         let at = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op));
         let loss = at(&|o| *o == Op::Loss).unwrap();
         for (e, &l) in early.iter().enumerate() {
