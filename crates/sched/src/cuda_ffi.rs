@@ -7,10 +7,14 @@
 //! Module invariant the copy functions rely on (the caller, `cuda.rs`, keeps it by executing a
 //! validated step `Program`): a staging buffer is not written until the upload reading it has
 //! completed (Stage waits for that upload's CUDA event); a landing buffer is not read until the
-//! download writing it has completed (Land waits for it); a host record whose state a
-//! GPU-updated layer's copies read or write is not written by the host until they have completed
-//! (its Land and any re-cast wait for its state download, which follows its state upload and
-//! completes before the record is marked updated); every buffer outlives its copies (the backend
+//! download writing it has completed (Land waits for it); the master, m and v of a host record
+//! whose state a GPU-updated layer's copies read or write are not written by the host until they
+//! have completed (the host writes them only in its own update, which a GPU-updated layer never
+//! runs during a step; its Land and any re-cast wait for its state download, which follows its
+//! state upload and completes before the record is marked updated); its gradient region is not
+//! written while a copy reads it (an early upload, `upload` without a gradient, reads master and
+//! moments only, while the layer's Land may write its gradient: disjoint page-aligned regions);
+//! every buffer outlives its copies (the backend
 //! drains all streams at the end of each step and before it is dropped, and the engine holds the
 //! store).
 
@@ -202,8 +206,8 @@ pub(crate) fn enqueue_record_upload(
     for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
         // SAFETY: `host` is the start of the record's n-element f32 region (`record_addrs`), inside
         // the store's mapping, which the engine keeps alive past every copy; the host writes none
-        // of the record until this copy has completed (module invariant); the device range is the
-        // k-th third of the 12n-byte state slot checked above.
+        // of the record's master, m and v until this copy has completed (module invariant); the
+        // device range is the k-th third of the 12n-byte state slot checked above.
         unsafe { htod_raw(sptr + (4 * k * n) as u64, host as *const u8, 4 * n, stream)? };
     }
     let Some((gptr, gbytes)) = g else {

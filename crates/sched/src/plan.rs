@@ -239,8 +239,8 @@ pub struct Plan {
     /// Of those, held ones whose state is downloaded in the backward (spread over it, each
     /// before its layer's gradient lands) instead of right after their update in the forward.
     pub late_state_downloads: usize,
-    /// Of the others, ones whose state for the next step is uploaded in the backward (right after
-    /// their gradient lands) instead of in the next forward.
+    /// Of the others, ones whose master and moments for the next step go up in the backward (from
+    /// the loss on; their gradient is copied on the device) instead of in the next forward.
     pub early_state_uploads: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
@@ -249,7 +249,8 @@ pub struct Plan {
     /// Bytes uploaded per step: `(outer.len + (2 × streamed layers - held layers) × layer.len)
     /// × e`, without the `outer.len` term when the outer unit is resident; each GPU-updated
     /// layer's forward upload (`layer.len × e`) is replaced by its state (`(12 + g) ×
-    /// layer.len`).
+    /// layer.len`), an early-upload one's by `12 × layer.len` (its gradient is copied on the
+    /// device).
     pub pcie_h2d_per_step: u64,
     /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise
     /// (layer gradients in bf16 where they land so), plus `12 × layer.len` per GPU-updated layer.

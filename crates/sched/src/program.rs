@@ -24,6 +24,12 @@
 //! it there, spread over it from the loss on: out of the forward, whose host memory is the
 //! step's bottleneck, into the backward, whose host memory and D2H are partly idle.
 //!
+//! Of the others, `early_uploads` ([`early_upload_layers`]) get their state for the next step
+//! during this step's backward, into a slot of their own: master and moments go up from the loss
+//! on ([`Op::UploadMoments`]), the gradient is copied on the device after the layer's backward
+//! ([`Op::CopyGrad`]); a step whose early states are ready ([`ProgramSpec::early_ready`]) uploads
+//! nothing for them in its forward.
+//!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
 //! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
 //! their gradient accumulates in their own buffer, and [`Op::UpdateResident`] applies their
@@ -249,7 +255,7 @@ pub struct ProgramSpec {
     /// until then.
     pub late_downloads: usize,
     /// Of the GPU-updated layers that do not download late, this many ([`early_upload_layers`]:
-    /// the first ones, which the next forward needs first) get their state for the next step
+    /// spread evenly over them) get their state for the next step
     /// into a state slot of their own (the last `early_uploads` slots) during this step's
     /// backward: master and moments go up from the loss on ([`Op::UploadMoments`]), the gradient
     /// is copied on the device right after the layer's backward ([`Op::CopyGrad`]: the bytes its
@@ -431,7 +437,8 @@ impl Builder {
         self.push(Stream::H2D, Op::Upload { unit, staging, slot }, waits)
     }
 
-    /// Upload of a GPU-updated unit's state into the next state slot; returns the upload's id.
+    /// Upload of a GPU-updated unit's state into its own slot (an early-upload unit) or the next
+    /// free one; returns the upload's id.
     fn fetch_state(&mut self, unit: Unit) -> usize {
         let buf = match self.early_slot.get(&unit) {
             Some(&buf) => buf,

@@ -166,9 +166,10 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
 /// downloads (every layer held, each state back only in the backward, one per backward
 /// position), a step failing at the last device update has marked none, one failing in layer
 /// `m`'s backward the layers `m..` (whose downloads went out before it) and not the others. With
-/// early state uploads (each layer's state for the next step sent up in the backward after its
-/// land), the failed step's successor uploads them again; with one late download and the rest
-/// early, a layer is marked where its download was issued before the failing instruction.
+/// early state uploads (master and moments for the next step sent up in the backward, the
+/// gradient copied on the device), the failed step's successor uploads them again; with one late
+/// download and the rest early, a layer is marked where its download was issued before the
+/// failing instruction.
 #[test]
 fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     let cfg = cfg();
@@ -461,6 +462,14 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
         ),
         "{err}"
     );
+    // The gradient an early upload copies on the device is the bf16 twin device narrowing makes.
+    let err = refused(EngineOptions {
+        gpu_updated_layers: 2,
+        early_state_uploads: 1,
+        device_narrowing: false,
+        ..golden_opts()
+    });
+    assert!(err.contains("without device narrowing there is none"), "{err}");
 }
 
 /// A held layer (uploaded once, its weights kept on the device from forward to backward) crosses

@@ -294,8 +294,8 @@ impl<B: Backend> Engine<B> {
         (0..self.layout.n_layers).filter(|&l| is_late_download(&spec, l)).map(Unit::Layer).collect()
     }
 
-    /// The GPU-updated layers whose state for the next step is uploaded in the backward
-    /// ([`EngineOptions::early_state_uploads`], picked by [`early_upload_layers`]), in backward
+    /// The GPU-updated layers whose state for the next step goes up in the backward
+    /// ([`EngineOptions::early_state_uploads`], picked by [`early_upload_layers`]), in forward
     /// order.
     pub fn early_upload_units(&self) -> Vec<Unit> {
         early_upload_layers(&self.program_spec(true, false)).into_iter().map(Unit::Layer).collect()

@@ -72,15 +72,19 @@ pub struct EngineOptions {
     /// device memory) and two more gradient buffers. 0 = every state download right after its
     /// update.
     pub late_state_downloads: usize,
-    /// Of the GPU-updated layers that do not download late, this many (the last ones,
-    /// `program::early_upload_layers`) upload their state for the next step in this step's
-    /// backward, right after their gradient lands, into a state slot of their own
-    /// (`(12 + g) × layer.len` bytes of device memory each) that stays taken until their next
-    /// forward's update is back in the record: 12 + g B/param of host memory traffic and H2D move
-    /// out of the forward (bound by host memory and uploads) into the backward (whose H2D is idle
-    /// when every streamed layer is held). The step after a failed one, or after
+    /// Of the GPU-updated layers that do not download late, this many (spread evenly,
+    /// `program::early_upload_layers`) get their state for the next step into a state slot of
+    /// their own (`(12 + g) × layer.len` bytes of device memory each, taken across the step
+    /// boundary) during this step's backward: master and moments go up from the record from the
+    /// loss on, the gradient is copied on the device right after the layer's backward. 12 + g
+    /// B/param of host memory traffic and H2D leave the forward (bound by host memory and
+    /// uploads), 12 B/param go into the backward (whose H2D is idle when every streamed layer is
+    /// held). The slot then already holds what the upload sends (its own state, as downloaded in
+    /// the forward): the upload keeps the host record the state's source, at 12 B/param of
+    /// traffic that residency would not need. The step after a failed one, or after
     /// [`Engine::flush_pending`](super::Engine::flush_pending), uploads them in its forward.
-    /// 0 = every state upload in the forward.
+    /// Needs the device gradient in the store's dtype (device narrowing with bf16 store
+    /// gradients). 0 = every state upload in the forward.
     pub early_state_uploads: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
@@ -182,7 +186,7 @@ impl EngineOptions {
         }
         if self.early_state_uploads > 0 && store_grad == GradDtype::Bf16 && !self.device_narrowing {
             return Err(Error::Options(
-                "early state uploads copy the device's bf16 gradient into the state slot; without device narrowing there is none".into(),
+                "early state uploads copy the device's bf16 gradient into the state slot, and without device narrowing there is none: use early_state_uploads 0 or device_narrowing".into(),
             ));
         }
         if self.kept_layers > layout.n_layers {
