@@ -1,0 +1,403 @@
+//! [`Program::build`]: the step program's builder — the issue order, and the waits between
+//! streams that each reusable resource (staging and landing buffers, weight slots, gradient
+//! buffers, state slots) needs.
+
+use mt_core::Unit;
+
+use super::{
+    early_upload_layers, held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode,
+    Program, ProgramSpec, Slot, Stream,
+};
+
+/// Remembers, per reusable resource, the last instruction that used it, so the next writer
+/// waits for it.
+#[derive(Default)]
+struct LastUse(std::collections::HashMap<(u8, usize), usize>);
+
+impl LastUse {
+    fn take(&mut self, kind: u8, idx: usize, now: usize) -> Option<usize> {
+        self.0.insert((kind, idx), now)
+    }
+}
+
+const K_STAGING: u8 = 0;
+const K_SLOT: u8 = 1;
+const K_GRAD: u8 = 2;
+const K_LANDING: u8 = 3;
+const K_STATE: u8 = 4;
+
+fn buf_idx(b: HostBuf) -> usize {
+    match b {
+        HostBuf::Ring(k) => k,
+        HostBuf::Outer => usize::MAX,
+    }
+}
+
+struct Builder {
+    instrs: Vec<Instr>,
+    last: LastUse,
+    /// The Stage that applies a unit's pending update in this step, if any.
+    update_of: std::collections::HashMap<Unit, usize>,
+    /// Layer fetches so far (staging buffers are taken in fetch order).
+    n_fetches: usize,
+    /// State slots whose state has been downloaded (or never used), least recently freed first.
+    free_states: std::collections::VecDeque<usize>,
+    /// The state slot each GPU-updated unit's state went to this step.
+    state_of: std::collections::HashMap<Unit, usize>,
+    /// Late-download units updated on the device whose state is still in its slot: the update's
+    /// id.
+    late_updates: std::collections::HashMap<Unit, usize>,
+    /// Late-download layers in backward order (their downloads are issued in that order).
+    late_order: Vec<usize>,
+    /// Late downloads issued so far.
+    late_issued: usize,
+    /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
+    /// yet: their re-cast must read the downloaded master, so they are issued right after it.
+    deferred: Vec<(usize, Slot)>,
+    /// The early-upload units' own state slots (never in `free_states`).
+    early_slot: std::collections::HashMap<Unit, usize>,
+}
+
+impl Builder {
+    fn push(&mut self, stream: Stream, op: Op, mut waits: Vec<usize>) -> usize {
+        waits.sort_unstable();
+        waits.dedup();
+        self.instrs.push(Instr { stream, op, waits });
+        self.instrs.len() - 1
+    }
+
+    /// The next id, for resource bookkeeping before pushing.
+    fn next(&self) -> usize {
+        self.instrs.len()
+    }
+
+    /// Stage + upload of a unit; returns the upload's id.
+    fn fetch(&mut self, unit: Unit, staging: HostBuf, slot: Slot, update: bool) -> usize {
+        // The previous upload out of this staging buffer must be done before it is rewritten;
+        // a unit updated on the device this step is re-cast only from its downloaded master.
+        let id = self.next();
+        let prev_reader = self.last.take(K_STAGING, buf_idx(staging), id + 1);
+        let waits = prev_reader.into_iter().chain(self.update_of.get(&unit).copied()).collect();
+        let stage = self.push(Stream::Host, Op::Stage { unit, staging, update }, waits);
+        if update {
+            self.update_of.insert(unit, stage);
+        }
+        let mut waits = vec![stage];
+        if let Slot::Ring(k) = slot {
+            // The previous compute that read this slot must be done before it is overwritten.
+            if let Some(&reader) = self.last.0.get(&(K_SLOT, k)) {
+                waits.push(reader);
+            }
+        }
+        self.push(Stream::H2D, Op::Upload { unit, staging, slot }, waits)
+    }
+
+    /// Upload of a GPU-updated unit's state into its own slot (an early-upload unit) or the next
+    /// free one; returns the upload's id.
+    fn fetch_state(&mut self, unit: Unit) -> usize {
+        let buf = match self.early_slot.get(&unit) {
+            Some(&buf) => buf,
+            None => self.free_states.pop_front().unwrap_or_else(|| {
+                panic!("no state slot free for {unit:?}: every one holds a state not yet downloaded")
+            }),
+        };
+        self.state_of.insert(unit, buf);
+        // The previous download out of this slot must be done before it is overwritten.
+        let prev = self.last.0.get(&(K_STATE, buf)).copied();
+        self.push(Stream::H2D, Op::UploadState { unit, buf }, prev.into_iter().collect())
+    }
+
+    /// The device update of a GPU-updated unit (after its state upload `up`, if it is this step's)
+    /// into `slot`, and, unless `late`, the download of its state; returns the update's id.
+    fn update_streamed(&mut self, unit: Unit, slot: Slot, up: Option<usize>, late: bool) -> usize {
+        let buf = self.state_of[&unit];
+        let upd =
+            self.push(Stream::Compute, Op::UpdateStreamed { unit, buf, slot }, up.into_iter().collect());
+        if late {
+            self.late_updates.insert(unit, upd);
+        } else {
+            self.download_state(unit, upd);
+        }
+        upd
+    }
+
+    /// Issues the late state downloads due at streamed backward position `p` of `positions`:
+    /// the `k`-th (in backward order) at position `k × positions / late` — spread over the
+    /// backward from its start (the loss), so the D2H interleaves them with the gradients and
+    /// none is left for the end of the step — or at its own layer's position (its land waits for
+    /// it), whichever comes first.
+    fn late_downloads_due(&mut self, p: usize, positions: usize, n_layers: usize) {
+        let late = self.late_order.len();
+        while let Some(&layer) = self.late_order.get(self.late_issued) {
+            let own = n_layers - 1 - layer; // its backward position
+            if p < self.late_issued * positions / late && p < own {
+                break;
+            }
+            let unit = Unit::Layer(layer);
+            let upd =
+                self.late_updates.remove(&unit).expect("a late download's update was issued in the forward");
+            self.download_state(unit, upd);
+            self.late_issued += 1;
+        }
+    }
+
+    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot (unless
+    /// it is an early-upload unit's own).
+    fn download_state(&mut self, unit: Unit, upd: usize) {
+        let buf = self.state_of[&unit];
+        let dl = self.push(Stream::D2H, Op::DownloadState { unit, buf }, vec![upd]);
+        self.last.take(K_STATE, buf, dl);
+        if !self.early_slot.contains_key(&unit) {
+            self.free_states.push_back(buf);
+        }
+        // Landing overwrites the record's gradient and a backward re-cast reads its master:
+        // both after the state is back (and the record marked updated, so that a retried step
+        // never updates it twice from a new gradient).
+        self.update_of.insert(unit, dl);
+    }
+
+    /// The upload, for the next step, of an early-upload unit's master and moments into its own
+    /// slot, after the slot's last download (this step's of the unit's updated state, if it was
+    /// updated: the record is whole then).
+    fn early_upload(&mut self, unit: Unit) {
+        let buf = self.early_slot[&unit];
+        let prev = self.last.0.get(&(K_STATE, buf)).copied();
+        let up = self.push(Stream::H2D, Op::UploadMoments { unit, buf }, prev.into_iter().collect());
+        self.last.take(K_STATE, buf, up);
+    }
+}
+
+impl Program {
+    /// Builds the program of one step.
+    ///
+    /// Issue order matters as much as the waits: the executor issues instructions in this order
+    /// and the CPU backend runs compute inline. The streamed layers' slot uses are numbered
+    /// `j = 0..` (forward layers, then backward layers; resident layers take no slot); the
+    /// fetch for use `j + N` is issued right after compute `j` (the last reader of its slot), so
+    /// with `N >= 2` it overlaps compute `j + 1..`, and with `N = 1` there is no overlap (the
+    /// ablation). The fetch is issued before the gradient download and landing of use `j`, so a
+    /// prefetch never queues behind an offload on the host stream. Exception: the backward
+    /// re-cast of a GPU-updated layer whose prefetch would precede its forward's device update
+    /// is issued right after that forward (it must read the master the update sent back). Late
+    /// state downloads are issued in the backward, spread over it from its start
+    /// (`Builder::late_downloads_due`), each before its layer's land (which waits for it).
+    pub fn build(spec: ProgramSpec) -> Program {
+        assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
+        assert!(
+            spec.resident_layers + spec.held_layers <= spec.n_layers,
+            "held layers must be streamed ones"
+        );
+        assert!(
+            spec.gpu_updated == 0
+                || (spec.mode == OptimMode::Exact
+                    && spec.n_state_bufs >= spec.ring_depth + spec.late_downloads + spec.early_uploads),
+            "GPU-updated layers need exact mode and at least ring_depth (+ late downloads + early uploads) state slots"
+        );
+        assert!(
+            spec.late_downloads <= held_gpu_updated(&spec).len(),
+            "late downloads are of GPU-updated held layers"
+        );
+        let early = early_upload_layers(&spec);
+        assert!(
+            early.len() == spec.early_uploads && (spec.early_uploads == 0 || spec.gpu_updated > 0),
+            "early uploads are of GPU-updated layers that do not download late"
+        );
+        let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
+        let lean = spec.mode == OptimMode::Lean;
+        let n = spec.n_layers;
+        let resident = |layer: usize| layer < spec.resident_layers;
+        let held = |layer: usize| !resident(layer) && layer + spec.held_layers >= n;
+        let mut b = Builder {
+            instrs: Vec::new(),
+            last: LastUse::default(),
+            update_of: Default::default(),
+            n_fetches: 0,
+            free_states: (0..spec.n_state_bufs).collect(),
+            state_of: Default::default(),
+            late_updates: Default::default(),
+            late_order: (0..spec.n_layers)
+                .rev()
+                .filter(|&l| exact_update && is_late_download(&spec, l))
+                .collect(),
+            late_issued: 0,
+            deferred: Vec::new(),
+            early_slot: early
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (Unit::Layer(l), spec.n_state_bufs - spec.early_uploads + i))
+                .collect(),
+        };
+        // The free list holds the other slots.
+        b.free_states.truncate(spec.n_state_bufs - spec.early_uploads);
+        let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
+        // Use k: (layer, is_backward). Ring uses are the streamed, not held layers' uses: ring
+        // use `j` goes through slot `j % ring_depth`. Held layers are fetched once, for their
+        // forward, into their own slot. Staging buffers are taken in fetch order.
+        let uses: Vec<(usize, bool)> =
+            (0..n).map(|l| (l, false)).chain((0..n).rev().map(|l| (l, true))).collect();
+        let ring: Vec<usize> =
+            (0..uses.len()).filter(|&k| !resident(uses[k].0) && !held(uses[k].0)).collect();
+        // Each use's upload (none for an early-upload layer's forward whose state is already up).
+        let mut uploads: Vec<Option<usize>> = vec![None; uses.len()];
+        let fetch = |b: &mut Builder, uploads: &mut Vec<Option<usize>>, k: usize, slot: Slot| {
+            let (layer, backward) = uses[k];
+            if !backward && gpu_update(layer) {
+                let unit = Unit::Layer(layer);
+                match b.early_slot.get(&unit) {
+                    Some(&buf) if spec.early_ready => {
+                        b.state_of.insert(unit, buf);
+                    }
+                    _ => uploads[k] = Some(b.fetch_state(unit)),
+                }
+                return;
+            }
+            if backward && gpu_update(layer) && !b.update_of.contains_key(&Unit::Layer(layer)) {
+                // Its prefetch comes before its forward's device update (the last forward
+                // layers' backward is the next ring use): issued after that update instead.
+                b.deferred.push((k, slot));
+                return;
+            }
+            let staging = HostBuf::Ring(b.n_fetches % spec.n_staging);
+            b.n_fetches += 1;
+            uploads[k] = Some(b.fetch(Unit::Layer(layer), staging, slot, exact_update && !backward));
+        };
+        // A held layer's forward is fetched as a ring use would be: `ring_depth` streamed forward
+        // uses ahead of its compute (forward use `k` of a streamed layer is position
+        // `k - resident_layers`).
+        let fetch_held = |b: &mut Builder, uploads: &mut Vec<Option<usize>>, pos: usize| {
+            let k = spec.resident_layers + pos;
+            if k < n && held(k) {
+                fetch(b, uploads, k, Slot::Held(k));
+            }
+        };
+
+        // Forward order = update order: the outer unit first, then layers 0..L-1.
+        let up_outer =
+            (!spec.resident_outer).then(|| b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update));
+        // The first `ring_depth` forward positions (ring or held) in forward order, then any
+        // backward use among the first `ring_depth` ring uses (few layers through the ring), so
+        // that no re-cast is staged ahead of a forward's update.
+        let is_backward = |j: usize| uses[ring[j]].1;
+        for j in 0..spec.ring_depth {
+            if j < ring.len() && !is_backward(j) {
+                fetch(&mut b, &mut uploads, ring[j], Slot::Ring(j % spec.ring_depth));
+            }
+            fetch_held(&mut b, &mut uploads, j);
+        }
+        for j in (0..spec.ring_depth.min(ring.len())).filter(|&j| is_backward(j)) {
+            fetch(&mut b, &mut uploads, ring[j], Slot::Ring(j % spec.ring_depth));
+        }
+        if spec.resident_outer && exact_update {
+            b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
+        }
+        b.push(Stream::Compute, Op::Embed, up_outer.into_iter().collect());
+        let mut n_grads = 0usize;
+        let mut j = 0usize; // ring uses so far
+        for (k, &(layer, backward)) in uses.iter().enumerate() {
+            if k == n {
+                b.push(Stream::Compute, Op::Loss, vec![]);
+                // The backward's H2D is free from here (every streamed layer held): the early
+                // uploads go first, in the next forward's order.
+                if spec.mode == OptimMode::Exact {
+                    for &l in &early {
+                        b.early_upload(Unit::Layer(l));
+                    }
+                }
+            }
+            let unit = Unit::Layer(layer);
+            if resident(layer) {
+                if !backward {
+                    if exact_update {
+                        b.push(Stream::Compute, Op::UpdateResident { unit }, vec![]);
+                    }
+                    b.push(Stream::Compute, Op::Forward { layer, slot: Slot::Resident(layer) }, vec![]);
+                } else {
+                    let op = Op::Backward { layer, slot: Slot::Resident(layer), grad_buf: None };
+                    b.push(Stream::Compute, op, vec![]);
+                    if lean {
+                        b.push(Stream::Compute, Op::UpdateResident { unit }, vec![]);
+                    }
+                }
+                continue;
+            }
+            let slot = if held(layer) { Slot::Held(layer) } else { Slot::Ring(j % spec.ring_depth) };
+            // The ring use whose fetch this compute (the last reader of its slot) releases.
+            let prefetch = (!held(layer)).then(|| j + spec.ring_depth).filter(|&p| p < ring.len());
+            if !held(layer) {
+                j += 1;
+            }
+            if !backward {
+                let ready = if gpu_update(layer) {
+                    b.update_streamed(unit, slot, uploads[k], is_late_download(&spec, layer))
+                } else {
+                    uploads[k].expect("a streamed layer is fetched before its forward")
+                };
+                let fwd = b.push(Stream::Compute, Op::Forward { layer, slot }, vec![ready]);
+                if let Slot::Ring(r) = slot {
+                    b.last.take(K_SLOT, r, fwd);
+                }
+                let (now, later): (Vec<_>, Vec<_>) =
+                    std::mem::take(&mut b.deferred).into_iter().partition(|&(d, _)| uses[d].0 == layer);
+                b.deferred = later;
+                for (d, dslot) in now {
+                    fetch(&mut b, &mut uploads, d, dslot);
+                }
+                fetch_held(&mut b, &mut uploads, layer - spec.resident_layers + spec.ring_depth);
+                if let Some(p) = prefetch {
+                    fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
+                }
+                continue;
+            }
+            b.late_downloads_due(n_grads, n - spec.resident_layers, n);
+            let grad_buf = n_grads % spec.n_grad_bufs;
+            let landing = HostBuf::Ring(n_grads % spec.n_landing);
+            n_grads += 1;
+            // Wait for the previous download out of this gradient buffer before zeroing it (a held
+            // layer's weights are in its slot since its forward, earlier on this stream).
+            let mut waits: Vec<usize> = if held(layer) {
+                vec![]
+            } else {
+                vec![uploads[k].expect("a streamed layer is fetched before its backward")]
+            };
+            waits.extend(b.last.0.get(&(K_GRAD, grad_buf)).copied());
+            let op = Op::Backward { layer, slot, grad_buf: Some(grad_buf) };
+            let bwd = b.push(Stream::Compute, op, waits);
+            if let Slot::Ring(r) = slot {
+                b.last.take(K_SLOT, r, bwd);
+            }
+            if let (Some(&buf), OptimMode::Exact) = (b.early_slot.get(&unit), spec.mode) {
+                // The gradient the land stores, for the next step's update (compute order: after
+                // this step's update read the slot's previous one).
+                b.push(Stream::Compute, Op::CopyGrad { unit, grad_buf, buf }, vec![]);
+            }
+            if let Some(p) = prefetch {
+                fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
+            }
+            let mut waits = vec![bwd];
+            waits.extend(b.last.0.get(&(K_LANDING, buf_idx(landing))).copied()); // previous land
+            let dl = b.push(Stream::D2H, Op::Download { unit, grad_buf: Some(grad_buf), landing }, waits);
+            b.last.take(K_GRAD, grad_buf, dl);
+            // Landing overwrites the gradient the pending update reads: after that update.
+            let waits = std::iter::once(dl).chain(b.update_of.get(&unit).copied()).collect();
+            let land = b.push(Stream::Host, Op::Land { unit, landing, update: lean }, waits);
+            b.last.take(K_LANDING, buf_idx(landing), land);
+        }
+        assert!(b.deferred.is_empty(), "backward fetches never issued: {:?}", b.deferred);
+        assert!(b.late_updates.is_empty(), "late state downloads never issued: {:?}", b.late_updates);
+        if n == 0 {
+            b.push(Stream::Compute, Op::Loss, vec![]);
+        }
+        let eb = b.push(Stream::Compute, Op::EmbedBackward, vec![]);
+        if spec.resident_outer {
+            if lean {
+                b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
+            }
+            return Program { instrs: b.instrs, spec };
+        }
+        let landing = HostBuf::Outer;
+        let dl = b.push(Stream::D2H, Op::Download { unit: Unit::Outer, grad_buf: None, landing }, vec![eb]);
+        let waits = std::iter::once(dl).chain(b.update_of.get(&Unit::Outer).copied()).collect();
+        b.push(Stream::Host, Op::Land { unit: Unit::Outer, landing, update: lean }, waits);
+        Program { instrs: b.instrs, spec }
+    }
+}
