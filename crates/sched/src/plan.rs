@@ -605,15 +605,15 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
                 "{k} early state uploads asked in lean mode: they are GPU-updated layers' uploads, and lean mode has none; use 0"
             ))
         }
-        Some(k) if k > early_capable => {
-            return opt(format!(
-                "{k} early state uploads asked, but only {early_capable} of the {gpu_updated_layers} GPU-updated layers do not download late ({late_state_downloads} do): an early upload is of a GPU-updated layer's state for the next step, and a late-download layer's state would go down and straight back up"
-            ))
-        }
         Some(k) if k > 0 && total + state_cost(late_state_downloads, k) > budget => {
             return opt(format!(
                 "{k} early state uploads need {:.2} GiB of state slots (with the GPU-updated layers' own), the GPU has {:.2} GiB left of its {budget_line}; use fewer (--early-state-uploads)",
                 gib(state_cost(late_state_downloads, k)), gib(budget.saturating_sub(total))
+            ))
+        }
+        Some(k) if k > early_capable => {
+            return opt(format!(
+                "{k} early state uploads asked, but only {early_capable} of the {gpu_updated_layers} GPU-updated layers do not download late ({late_state_downloads} do): an early upload is of a GPU-updated layer's state for the next step, and a late-download layer's state would go down and straight back up"
             ))
         }
         Some(k) => k,

@@ -684,6 +684,18 @@ fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held(
     };
     let e = err(&PlanInput { early_state_uploads: Some(1), ..lean });
     assert!(e.contains("lean mode"), "{e}");
+    // Asked with an automatic GPU-updated count whose state slots do not fit: the memory is
+    // named, not "only 0 of the 0 GPU-updated layers".
+    let tight = PlanInput {
+        gpu_bytes: 24 * GIB,
+        held_layers: Some(28),
+        kept_layers: Some(0),
+        gpu_updated_layers: None,
+        early_state_uploads: Some(9),
+        ..base.clone()
+    };
+    let e = err(&tight);
+    assert!(e.contains("9 early state uploads need") && e.contains("--early-state-uploads"), "{e}");
     let small = PlanInput { gpu_bytes: 24 * GIB, held_layers: Some(28), kept_layers: Some(0), ..fixed };
     let e = err(&PlanInput { early_state_uploads: Some(12), ..small });
     assert!(
