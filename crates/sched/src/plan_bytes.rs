@@ -1,0 +1,92 @@
+//! What each thing the planner places costs in bytes: the host store's arena, and the transient
+//! workspace of a layer's backward and of the loss (counted tensor by tensor, measured against
+//! the device pool's high-water mark).
+
+use mt_core::{ModelConfig, ModelLayout};
+use mt_store::{GradDtype, PAGE};
+
+/// `[t, hidden]` tensors alive at the peak of a layer's backward (a, x1, c, output, dy, dx1,
+/// da, dx).
+const HIDDEN_TENSORS: u64 = 8;
+/// `[t, q_dim + 2 kv_dim]` tensors alive (projections, their RoPE'd and heads-first copies,
+/// the three gradients and their RoPE backward).
+const QKV_TENSORS: u64 = 6;
+/// `[t, ffn]` tensors alive (saved gate, up, silu, product; down dx, d_act, d_up, silu', d_gate).
+const FFN_TENSORS: u64 = 9;
+/// f32 `[b, heads, s, s]` tensors alive in the attention backward (P, dP, dP - rowsum, the
+/// product, and the weight-dtype copies of P and dS).
+const SCORE_TENSORS: u64 = 5;
+/// f32 `[rows, vocab]` tensors alive in one loss block (logits, exp, softmax, dlogits, and
+/// the weight-dtype copies).
+const LOGIT_TENSORS: u64 = 5;
+/// With the fused kernels (`PlanInput::fused_kernels`), bytes per `[b, heads, s, s]` element
+/// alive in a layer's backward: S and P (bf16; recomputed, or kept and then also counted in the
+/// kept state), dP and dS (bf16). No f32 copy of any of them exists on that path.
+const FUSED_SCORE_BYTES: u64 = 8;
+/// With the fused kernels, bytes per `[rows, vocab]` element alive in one loss block: the bf16
+/// logits and the bf16 dlogits of `mt_ce_grad`; the head's weight gradient is accumulated into
+/// its f32 buffer by the GEMM itself (no transient copy).
+const FUSED_LOGIT_BYTES: u64 = 4;
+
+pub(super) fn grad_elem_bytes(grad: GradDtype) -> u64 {
+    match grad {
+        GradDtype::F32 => 4,
+        GradDtype::Bf16 => 2,
+        GradDtype::None => 0,
+    }
+}
+
+pub(super) fn round_page(n: u64) -> u64 {
+    n.div_ceil(PAGE as u64) * PAGE as u64
+}
+
+/// Exactly the bytes [`mt_store::HostStore`] maps for `layout` with `grad` gradients.
+pub fn store_bytes(layout: &ModelLayout, grad: GradDtype) -> u64 {
+    let g = grad_elem_bytes(grad);
+    let record = |len: u64| PAGE as u64 + 3 * round_page(len * 4) + round_page(len * g);
+    PAGE as u64 + record(layout.outer.len as u64) + layout.n_layers as u64 * record(layout.layer.len as u64)
+}
+
+/// Peak transient bytes of one layer's backward with recompute over a chunk of `b` sequences of
+/// `s` tokens: `t·e·(8·hidden + 6·(q_dim + 2·kv_dim) + 9·ffn)` plus the attention scores, and
+/// the largest weight gradient before accumulation. Candle's ops (`fused == false`): scores
+/// `5·b·heads·s²·4` and the gradient `numel × (e + 4 + 4)` (the gradient, its f32 copy and the
+/// sum written back). The fused kernels: scores `8·b·heads·s²` ([`FUSED_SCORE_BYTES`]) and no
+/// gradient copy (the GEMM accumulates into the f32 buffer). Measured against the device memory
+/// pool's high-water mark (3.6B on an H200, 2026-11-23): the candle-path count left 9 GiB (4 x
+/// 2048) and 21 GiB (16 x 2048) of the planned workspace unused on the fused path.
+pub fn layer_workspace(
+    cfg: &ModelConfig,
+    layout: &ModelLayout,
+    b: usize,
+    s: usize,
+    e: u64,
+    fused: bool,
+) -> u64 {
+    let t = (b * s) as u64;
+    let (h, f) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let qkv = (cfg.q_dim() + 2 * cfg.kv_dim()) as u64;
+    let acts = t * e * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv + FFN_TENSORS * f);
+    let score_elems = (b * cfg.num_attention_heads) as u64 * (s * s) as u64;
+    if fused {
+        return acts + FUSED_SCORE_BYTES * score_elems;
+    }
+    let scores = SCORE_TENSORS * score_elems * 4;
+    let dw = layout.layer.tensors.iter().map(|t| t.numel() as u64).max().unwrap_or(0) * (e + 8);
+    acts + scores + dw
+}
+
+/// Peak transient bytes of the loss over a chunk of `t` tokens: one block of logits
+/// (`rows = min(rows_per_block, t)`), and the normed input and its gradient
+/// (`2 × t × hidden × e`). Candle's ops: `5 × rows × vocab × 4` for the block plus the LM-head
+/// gradient before accumulation (`vocab × hidden × (e + 8)`); the fused kernels:
+/// `rows × vocab × 4` ([`FUSED_LOGIT_BYTES`]) and none.
+pub fn loss_workspace(cfg: &ModelConfig, t: usize, rows_per_block: usize, e: u64, fused: bool) -> u64 {
+    let (v, h) = (cfg.vocab_size as u64, cfg.hidden_size as u64);
+    let rows = rows_per_block.min(t) as u64;
+    let io = 2 * t as u64 * h * e;
+    if fused {
+        return FUSED_LOGIT_BYTES * rows * v + io;
+    }
+    LOGIT_TENSORS * rows * v * 4 + v * h * (e + 8) + io
+}
