@@ -379,13 +379,13 @@ mod tests {
         assert!((late.host_update_s - want).abs() < 1e-9, "{}", late.host_update_s);
         assert!((late.host_s - late.host_update_s - (n * 4.0 + d * 12.0) / 140e9).abs() < 1e-9);
         assert!(late.step_s < gpu.step_s, "{} vs {}", late.step_s, gpu.step_s);
-        // Early uploads (auto: 9, with 17 GPU-updated and 5 late) take their 14 B (master, m, v
-        // and the bf16 gradient) out of the forward, and bring 12 B (master, m, v) into the
-        // backward: the gradient is copied on the device.
+        // Early uploads (auto: 5, one per late download, with 14 GPU-updated) take their 14 B
+        // (master, m, v and the bf16 gradient) out of the forward, and bring 12 B (master, m, v)
+        // into the backward: the gradient is copied on the device.
         let early = estimate_3_6b(&on_time[..4]);
         let p = &early.plan;
-        assert_eq!((p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads), (17, 5, 9));
-        let (k, d, x) = (17.0 * 100_669_440.0, 5.0 * 100_669_440.0, 9.0 * 100_669_440.0);
+        assert_eq!((p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads), (14, 5, 5));
+        let (k, d, x) = (14.0 * 100_669_440.0, 5.0 * 100_669_440.0, 5.0 * 100_669_440.0);
         let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0 - x * 14.0) / 140e9;
         assert!((early.host_update_s - want).abs() < 1e-9, "{}", early.host_update_s);
         let backward = (n * 4.0 + d * 12.0 + x * 12.0) / 140e9;

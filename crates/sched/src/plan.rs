@@ -115,10 +115,10 @@ pub struct PlanInput {
     /// GPU has room for.
     pub late_state_downloads: Option<usize>,
     /// Of the GPU-updated layers that do not download late, this many upload their state for the
-    /// next step in the backward (`Some(k)`; `EngineOptions::early_state_uploads`), or decide
+    /// next step in the backward, each into the state slot of a late-download partner
+    /// (`program::slot_pairs_of`) (`Some(k)`; `EngineOptions::early_state_uploads`), or decide
     /// (`None`): as many as the backward's H2D and host memory have room for
-    /// ([`early_upload_capacity`]: none unless every streamed layer is held) and the GPU has room
-    /// for.
+    /// ([`early_upload_capacity`]: none unless every streamed layer is held) and have a partner.
     pub early_state_uploads: Option<usize>,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
     /// capability 9.0+), which keep less for the backward than candle's ops.
@@ -160,7 +160,7 @@ pub struct GpuBytes {
     /// Forward activations kept by layers `0..kept_layers` for their backward, the whole
     /// batch (`DecoderLayer::kept_state_bytes` each).
     pub kept: u64,
-    /// State slots of the GPU-updated layers: `(ring_depth + late downloads + early uploads) ×
+    /// State slots of the GPU-updated layers: `(ring_depth + late downloads) ×
     /// (12 + g) × layer.len` (fp32 `[master | m | v]` and the stored gradient of `g` bytes), plus the f32
     /// copy a bf16 stored gradient is widened into (`4 × layer.len`), plus, with late downloads,
     /// the two more layer gradient buffers they need ([`grad_bufs`]).
@@ -220,8 +220,9 @@ pub struct Plan {
     /// Of those, held ones whose state is downloaded in the backward (spread over it, each
     /// before its layer's gradient lands) instead of right after their update in the forward.
     pub late_state_downloads: usize,
-    /// Of the others, ones whose master and moments for the next step go up in the backward (from
-    /// the loss on; their gradient is copied on the device) instead of in the next forward.
+    /// Of the others, ones whose master and moments for the next step go up in the backward (into
+    /// a late partner's state slot, right after its download; their gradient is copied on the
+    /// device) instead of in the next forward.
     pub early_state_uploads: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
@@ -375,21 +376,21 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels);
     let asked_held = input.held_layers.unwrap_or(0);
     // GPU-updated layers' state slots: `ring_depth` slots of fp32 master, m, v and the stored
-    // gradient (`g` bytes), one more per late download and per early upload, and the f32 copy a
-    // bf16 gradient is widened into; late downloads also take two more gradient buffers.
+    // gradient (`g` bytes), one more per late download (an early upload shares its late
+    // partner's), and the f32 copy a bf16 gradient is widened into; late downloads also take two
+    // more gradient buffers.
     let g = grad_elem_bytes(input.grad_dtype);
     let grad_buf_bytes = ll * 4 + if le == 2 { ll * 2 } else { 0 };
-    let state_cost = |late: usize, early: usize| {
-        (ring_depth + late + early) as u64 * (12 + g) * ll
+    let state_cost = |late: usize| {
+        (ring_depth + late) as u64 * (12 + g) * ll
             + if g == 2 { 4 * ll } else { 0 }
             + (grad_bufs(late) - N_BUFS as usize) as u64 * grad_buf_bytes
     };
     let asked_gpu = input.gpu_updated_layers.unwrap_or(0);
     let asked_late = input.late_state_downloads.unwrap_or(0);
-    let asked_early = input.early_state_uploads.unwrap_or(0);
     let reserved = asked_held as u64 * ll * e
         + input.kept_layers.unwrap_or(0) as u64 * per_kept_layer
-        + if asked_gpu > 0 { state_cost(asked_late, asked_early) } else { 0 };
+        + if asked_gpu > 0 { state_cost(asked_late) } else { 0 };
     // Auto: as many leading layers as fit in what is left (their state costs no chunk), leaving
     // the held and GPU-updated layers asked for streamed.
     let resident_layers = match input.resident_layers {
@@ -435,20 +436,23 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         le,
     );
     let auto_late = |n: usize| {
-        let fits = |l: usize| total + state_cost(l, asked_early) <= budget;
+        let fits = |l: usize| total + state_cost(l) <= budget;
         if n == 0 || input.mode != OptimMode::Exact {
             return 0;
         }
         (0..=late_cap.min(late_capable(n))).rev().find(|&l| fits(l)).unwrap_or(0)
     };
     let flops = mt_core::model_flops_per_step(cfg, batch, seq);
+    // Early uploads: as many as the backward has room for, each paired with a late download.
+    let early_capable = |n: usize, late: usize| {
+        crate::program::slot_pairs_of(layout.n_layers, resident_layers, held_layers, n, late, ring_depth)
+            .len()
+    };
     let auto_early = |n: usize, late: usize| {
-        let cap = early_upload_capacity(flops, streamed_count, held_layers, late, ll, le);
-        let fits = |k: usize| total + state_cost(late, k) <= budget;
         if n == 0 || input.mode != OptimMode::Exact {
             return 0;
         }
-        (0..=cap.min(n.saturating_sub(late))).rev().find(|&k| fits(k)).unwrap_or(0)
+        early_upload_capacity(flops, streamed_count, held_layers, late, ll, le).min(early_capable(n, late))
     };
     let gpu_updated_layers = match input.gpu_updated_layers {
         Some(k) if k > streamed_count => {
@@ -462,27 +466,22 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
                 "{k} GPU-updated layers asked in lean mode: they apply exact mode's pending update on the GPU (lean mode updates each layer as its gradient lands); use 0"
             ))
         }
-        Some(k) if k > 0 && total + state_cost(asked_late, asked_early) > budget => {
-            let also = match (asked_late, asked_early) {
-                (0, 0) => String::new(),
-                (l, 0) => format!(" ({l} of them downloading late)"),
-                (0, x) => format!(" ({x} of them uploading early)"),
-                (l, x) => format!(" ({l} of them downloading late, {x} uploading early)"),
-            };
+        Some(k) if k > 0 && total + state_cost(asked_late) > budget => {
+            let also = if asked_late > 0 { format!(" ({asked_late} of them downloading late)") } else { String::new() };
             return opt(format!(
                 "the state slots of GPU-updated layers{also} need {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; use {}--gpu-updated-layers 0",
-                gib(state_cost(asked_late, asked_early)), gib(budget.saturating_sub(total)),
-                if asked_late + asked_early > 0 { "fewer --late-state-downloads / --early-state-uploads or " } else { "" }
+                gib(state_cost(asked_late)), gib(budget.saturating_sub(total)),
+                if asked_late > 0 { "fewer --late-state-downloads or " } else { "" }
             ))
         }
         Some(k) => k,
-        None if input.mode == OptimMode::Exact && total + state_cost(asked_late, asked_early) <= budget => {
+        None if input.mode == OptimMode::Exact && total + state_cost(asked_late) <= budget => {
             // The count with the shortest forward, each with the late downloads and early uploads
             // it would get; with either asked, among the counts that have room for that many.
             let late_of = |n: usize| input.late_state_downloads.unwrap_or_else(|| auto_late(n));
             let early_of = |n: usize| input.early_state_uploads.unwrap_or_else(|| auto_early(n, late_of(n)));
             let counts = (0..=streamed_count)
-                .filter(|&n| late_of(n) <= late_capable(n) && early_of(n) + late_of(n) <= n);
+                .filter(|&n| late_of(n) <= late_capable(n) && early_of(n) <= early_capable(n, late_of(n)));
             let cost = |n: usize| {
                 let p = UpdatePlacement { streamed: streamed_count, gpu: n, late: late_of(n), early: early_of(n) };
                 forward_window(p, g, e, HOST_MEMORY_GBS, STATE_UPLOAD_GBS)
@@ -502,10 +501,10 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
                 "{k} late state downloads asked in lean mode: they are GPU-updated layers' downloads, and lean mode has none; use 0"
             ))
         }
-        Some(k) if k > 0 && total + state_cost(k, asked_early) > budget => {
+        Some(k) if k > 0 && total + state_cost(k) > budget => {
             return opt(format!(
                 "{k} late state downloads need {:.2} GiB of state slots and gradient buffers (with the GPU-updated layers' own), the GPU has {:.2} GiB left of its {budget_line}; use fewer (--late-state-downloads)",
-                gib(state_cost(k, asked_early)), gib(budget.saturating_sub(total))
+                gib(state_cost(k)), gib(budget.saturating_sub(total))
             ))
         }
         Some(k) if k > late_capable => {
@@ -516,29 +515,33 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         Some(k) => k,
         None => auto_late(gpu_updated_layers),
     };
-    let early_capable = gpu_updated_layers - late_state_downloads;
     let early_state_uploads = match input.early_state_uploads {
         Some(k) if k > 0 && input.mode != OptimMode::Exact => {
             return opt(format!(
                 "{k} early state uploads asked in lean mode: they are GPU-updated layers' uploads, and lean mode has none; use 0"
             ))
         }
-        Some(k) if k > 0 && total + state_cost(late_state_downloads, k) > budget => {
+        Some(k) if k > 0 && gpu_updated_layers == 0 && total + state_cost(late_state_downloads) > budget => {
             return opt(format!(
-                "{k} early state uploads need {:.2} GiB of state slots (with the GPU-updated layers' own), the GPU has {:.2} GiB left of its {budget_line}; use fewer (--early-state-uploads)",
-                gib(state_cost(late_state_downloads, k)), gib(budget.saturating_sub(total))
+                "{k} early state uploads need GPU-updated layers, whose state slots need {:.2} GiB; the GPU has {:.2} GiB left of its {budget_line}; use --early-state-uploads 0",
+                gib(state_cost(late_state_downloads)), gib(budget.saturating_sub(total))
             ))
         }
-        Some(k) if k > early_capable => {
-            return opt(format!(
-                "{k} early state uploads asked, but only {early_capable} of the {gpu_updated_layers} GPU-updated layers do not download late ({late_state_downloads} do): an early upload is of a GPU-updated layer's state for the next step, and a late-download layer's state would go down and straight back up"
-            ))
+        Some(k) if k > early_capable(gpu_updated_layers, late_state_downloads) => {
+            let capable = early_capable(gpu_updated_layers, late_state_downloads);
+            let mut why = crate::engine::early_refusal(k, capable, late_state_downloads, ring_depth);
+            if input.late_state_downloads.is_none() && total + state_cost(late_state_downloads + 1) > budget {
+                why += &format!(
+                    " (the planner's {late_state_downloads} late downloads are all the state slots the GPU has room for: {:.2} GiB left of its {budget_line})",
+                    gib(budget.saturating_sub(total + state_cost(late_state_downloads)))
+                );
+            }
+            return opt(why);
         }
         Some(k) => k,
         None => auto_early(gpu_updated_layers, late_state_downloads),
     };
-    let state_slots =
-        if gpu_updated_layers > 0 { state_cost(late_state_downloads, early_state_uploads) } else { 0 };
+    let state_slots = if gpu_updated_layers > 0 { state_cost(late_state_downloads) } else { 0 };
     total += state_slots;
     // Kept activations take what is left after that (residency and holding save host work,
     // which is what limits a streamed step; keeping saves the recompute). Kept layers are the

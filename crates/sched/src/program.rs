@@ -24,11 +24,13 @@
 //! it there, spread over it from the loss on: out of the forward, whose host memory is the
 //! step's bottleneck, into the backward, whose host memory and D2H are partly idle.
 //!
-//! Of the others, `early_uploads` ([`early_upload_layers`]) get their state for the next step
-//! during this step's backward, into a slot of their own: master and moments go up from the loss
-//! on ([`Op::UploadMoments`]), the gradient is copied on the device after the layer's backward
-//! ([`Op::CopyGrad`]); a step whose early states are ready ([`ProgramSpec::early_ready`]) uploads
-//! nothing for them in its forward.
+//! Of the others, `early_uploads` ([`early_upload_pairs`]) get their state for the next step
+//! during this step's backward, each into the state slot a late-download partner's download has
+//! just emptied: master and moments go up right after that download ([`Op::UploadMoments`]),
+//! the gradient is copied on the device after the layer's backward ([`Op::CopyGrad`]); a step
+//! whose early states are ready ([`ProgramSpec::early_ready`]) uploads nothing for them in its
+//! forward, and the late partner's upload goes into the shared slot after the early layer's
+//! download. Every byte uploaded is needed: the slot held another layer's state.
 //!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
 //! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
@@ -254,24 +256,25 @@ pub struct ProgramSpec {
     /// its layer's land) instead of right after their update; their state slot stays taken
     /// until then.
     pub late_downloads: usize,
-    /// Of the GPU-updated layers that do not download late, this many ([`early_upload_layers`]:
-    /// spread evenly over them) get their state for the next step
-    /// into a state slot of their own (the last `early_uploads` slots) during this step's
-    /// backward: master and moments go up from the loss on ([`Op::UploadMoments`]), the gradient
-    /// is copied on the device right after the layer's backward ([`Op::CopyGrad`]: the bytes its
-    /// land stores), and the slot stays taken until their next forward's update has gone back.
-    /// Out of the forward, whose host memory and uploads bound a streamed step, into the
-    /// backward, whose H2D is idle when every streamed layer is held; the gradient no longer
-    /// crosses up at all. Master and moments still go up and come back once a step.
+    /// Of the late-download layers, this many lend their state slot ([`early_upload_pairs`]: each
+    /// to a GPU-updated layer that does not download late, at least `ring_depth` layers before
+    /// it) to an early upload: in this step's backward, right after the late layer's state has
+    /// gone down, the partner's master and moments for the next step go up into the slot
+    /// ([`Op::UploadMoments`]), and its gradient is copied there on the device right after its
+    /// backward ([`Op::CopyGrad`]: the bytes its land stores). The next step's forward uploads
+    /// nothing for it, and the late layer's upload goes into the slot after the early layer's
+    /// update has gone back. Out of the forward, whose host memory and uploads bound a streamed
+    /// step, into the backward, whose H2D is idle when every streamed layer is held; the
+    /// gradient no longer crosses up at all. No slot of its own: the slot held the late layer's
+    /// state until the upload, so every byte uploaded is needed.
     pub early_uploads: usize,
     /// The early-upload layers' states are already in their slots (uploaded in the previous
     /// step's backward, their records unchanged since): their forward uploads nothing. The
     /// engine sets it only after a step that issued them succeeded.
     pub early_ready: bool,
-    /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads +
-    /// early_uploads` when `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their
-    /// forward while the late ones wait for their backward and the early ones for their next
-    /// forward).
+    /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads` when
+    /// `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their forward while the late
+    /// ones wait for their backward; the last `early_uploads` slots are the pairs' shared ones).
     pub n_state_bufs: usize,
 }
 
@@ -325,24 +328,69 @@ pub fn is_late_download(spec: &ProgramSpec, layer: usize) -> bool {
 }
 
 /// The layers whose state for the next step goes up in this step's backward
-/// ([`ProgramSpec::early_uploads`]), in forward order: of the GPU-updated layers that do not
-/// download late, `early_uploads` spread evenly, so that the state uploads left to the forward
-/// (the others') spread over it too. The `i`-th takes state slot
-/// `n_state_bufs - early_uploads + i`.
+/// ([`ProgramSpec::early_uploads`]), in forward order: the early halves of
+/// [`early_upload_pairs`].
 pub fn early_upload_layers(spec: &ProgramSpec) -> Vec<usize> {
-    let held = held_gpu_updated(spec);
-    let late = |l: usize| {
-        held.iter().position(|&h| h == l).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
-    };
-    let candidates: Vec<usize> =
-        (0..spec.n_layers).filter(|&l| is_gpu_updated(spec, l) && !late(l)).collect();
-    let n = candidates.len();
-    candidates
-        .into_iter()
+    early_upload_pairs(spec).into_iter().map(|(early, _)| early).collect()
+}
+
+/// The `spec.early_uploads` (early-upload layer, late-download layer) pairs, in the early
+/// layers' order: picked evenly among [`slot_pairs_of`] the spec's placement. Each pair shares
+/// one state slot: the late layer's state leaves it in the backward, the early layer's state for
+/// the next step goes up into it right after, and the late layer's next upload goes into it
+/// after the early layer's next update has gone back.
+pub fn early_upload_pairs(spec: &ProgramSpec) -> Vec<(usize, usize)> {
+    let all = slot_pairs_of(
+        spec.n_layers,
+        spec.resident_layers,
+        spec.held_layers,
+        spec.gpu_updated,
+        spec.late_downloads,
+        spec.ring_depth,
+    );
+    let n = all.len();
+    all.into_iter().enumerate().filter(|&(i, _)| spread(i, n, spec.early_uploads)).map(|(_, p)| p).collect()
+}
+
+/// Every pair (early, late) of a placement whose state could share a slot, in the early layers'
+/// order: each late-download layer (ascending) takes, of the GPU-updated layers that do not
+/// download late and are not taken yet, the one nearest the middle between the previous late
+/// layer and itself, at least `ring_depth` layers before it (its forward fetches state that many
+/// layers ahead, and that fetch must follow the early layer's download); a late layer with none
+/// such has no partner. At most one early upload per late download.
+pub fn slot_pairs_of(
+    n_layers: usize,
+    resident_layers: usize,
+    held_layers: usize,
+    gpu_updated: usize,
+    late_downloads: usize,
+    ring_depth: usize,
+) -> Vec<(usize, usize)> {
+    let held = held_gpu_updated_of(n_layers, resident_layers, held_layers, gpu_updated);
+    let late: Vec<usize> = held
+        .iter()
         .enumerate()
-        .filter(|&(i, _)| spread(i, n, spec.early_uploads))
-        .map(|(_, l)| l)
-        .collect()
+        .filter(|&(i, _)| spread(i, held.len(), late_downloads))
+        .map(|(_, &l)| l)
+        .collect();
+    let mut free: Vec<usize> = (0..n_layers)
+        .filter(|&l| gpu_updated_among(n_layers, resident_layers, gpu_updated, l) && !late.contains(&l))
+        .collect();
+    let mut pairs = Vec::new();
+    let mut prev = None;
+    for &l in &late {
+        // Twice the middle, so that it stays an integer.
+        let mid2 = prev.map_or(l as i64 - 1, |p: usize| (p + l) as i64);
+        let best = (0..free.len())
+            .filter(|&i| free[i] + ring_depth <= l)
+            .min_by_key(|&i| ((2 * free[i] as i64 - mid2).abs(), free[i]));
+        if let Some(i) = best {
+            pairs.push((free.remove(i), l));
+        }
+        prev = Some(l);
+    }
+    pairs.sort_unstable();
+    pairs
 }
 
 /// The instructions of one step.

@@ -5,7 +5,7 @@
 use mt_core::Unit;
 
 use super::{
-    early_upload_layers, held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode,
+    early_upload_pairs, held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode,
     Program, ProgramSpec, Slot, Stream,
 };
 
@@ -54,8 +54,18 @@ struct Builder {
     /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
     /// yet: their re-cast must read the downloaded master, so they are issued right after it.
     deferred: Vec<(usize, Slot)>,
-    /// The early-upload units' own state slots (never in `free_states`).
+    /// The shared state slot of each member of an early-upload pair (never in `free_states`).
+    pair_slot: std::collections::HashMap<Unit, usize>,
+    /// The unit whose state is in each shared slot and not yet downloaded (for the build's own
+    /// check that a pair's uses of its slot never overlap).
+    occupant: std::collections::HashMap<usize, Unit>,
+    /// The early-upload unit of each late-download partner: its upload follows the partner's
+    /// download.
+    early_of_late: std::collections::HashMap<Unit, Unit>,
+    /// The early-upload units' shared slots.
     early_slot: std::collections::HashMap<Unit, usize>,
+    /// Whether the early uploads go up in this step (exact mode).
+    early_uploads: bool,
 }
 
 impl Builder {
@@ -92,11 +102,14 @@ impl Builder {
         self.push(Stream::H2D, Op::Upload { unit, staging, slot }, waits)
     }
 
-    /// Upload of a GPU-updated unit's state into its own slot (an early-upload unit) or the next
-    /// free one; returns the upload's id.
+    /// Upload of a GPU-updated unit's state into its pair's shared slot or the next free one;
+    /// returns the upload's id.
     fn fetch_state(&mut self, unit: Unit) -> usize {
-        let buf = match self.early_slot.get(&unit) {
-            Some(&buf) => buf,
+        let buf = match self.pair_slot.get(&unit) {
+            Some(&buf) => {
+                self.occupy(buf, unit);
+                buf
+            }
             None => self.free_states.pop_front().unwrap_or_else(|| {
                 panic!("no state slot free for {unit:?}: every one holds a state not yet downloaded")
             }),
@@ -138,16 +151,21 @@ impl Builder {
                 self.late_updates.remove(&unit).expect("a late download's update was issued in the forward");
             self.download_state(unit, upd);
             self.late_issued += 1;
+            if let Some(&early) = self.early_of_late.get(&unit).filter(|_| self.early_uploads) {
+                self.early_upload(early);
+            }
         }
     }
 
-    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot (unless
-    /// it is an early-upload unit's own).
+    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot (a
+    /// shared one for the other member of its pair).
     fn download_state(&mut self, unit: Unit, upd: usize) {
         let buf = self.state_of[&unit];
         let dl = self.push(Stream::D2H, Op::DownloadState { unit, buf }, vec![upd]);
         self.last.take(K_STATE, buf, dl);
-        if !self.early_slot.contains_key(&unit) {
+        if self.pair_slot.contains_key(&unit) {
+            self.occupant.remove(&buf);
+        } else {
             self.free_states.push_back(buf);
         }
         // Landing overwrites the record's gradient and a backward re-cast reads its master:
@@ -156,14 +174,24 @@ impl Builder {
         self.update_of.insert(unit, dl);
     }
 
-    /// The upload, for the next step, of an early-upload unit's master and moments into its own
-    /// slot, after the slot's last download (this step's of the unit's updated state, if it was
-    /// updated: the record is whole then).
+    /// The upload, for the next step, of an early-upload unit's master and moments into its
+    /// pair's slot, after the slot's last download (the late partner's, this step).
     fn early_upload(&mut self, unit: Unit) {
         let buf = self.early_slot[&unit];
+        self.occupy(buf, unit);
         let prev = self.last.0.get(&(K_STATE, buf)).copied();
         let up = self.push(Stream::H2D, Op::UploadMoments { unit, buf }, prev.into_iter().collect());
         self.last.take(K_STATE, buf, up);
+    }
+
+    /// Marks shared slot `buf` as holding `unit`'s state; panics if another's is still there
+    /// (a pairing whose early layer is not far enough ahead of its late one).
+    fn occupy(&mut self, buf: usize, unit: Unit) {
+        if let Some(other) = self.occupant.insert(buf, unit) {
+            panic!(
+                "{unit:?}'s state would overwrite {other:?}'s in shared state slot {buf} before its download"
+            );
+        }
     }
 }
 
@@ -190,17 +218,17 @@ impl Program {
         assert!(
             spec.gpu_updated == 0
                 || (spec.mode == OptimMode::Exact
-                    && spec.n_state_bufs >= spec.ring_depth + spec.late_downloads + spec.early_uploads),
-            "GPU-updated layers need exact mode and at least ring_depth (+ late downloads + early uploads) state slots"
+                    && spec.n_state_bufs >= spec.ring_depth + spec.late_downloads),
+            "GPU-updated layers need exact mode and at least ring_depth (+ late downloads) state slots"
         );
         assert!(
             spec.late_downloads <= held_gpu_updated(&spec).len(),
             "late downloads are of GPU-updated held layers"
         );
-        let early = early_upload_layers(&spec);
+        let pairs = early_upload_pairs(&spec);
         assert!(
-            early.len() == spec.early_uploads && (spec.early_uploads == 0 || spec.gpu_updated > 0),
-            "early uploads are of GPU-updated layers that do not download late"
+            pairs.len() == spec.early_uploads && (spec.early_uploads == 0 || spec.gpu_updated > 0),
+            "early uploads each pair with a late download at least ring_depth layers after them"
         );
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
@@ -221,12 +249,25 @@ impl Program {
                 .collect(),
             late_issued: 0,
             deferred: Vec::new(),
-            early_slot: early
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (Unit::Layer(l), spec.n_state_bufs - spec.early_uploads + i))
+            pair_slot: (pairs.iter().enumerate())
+                .flat_map(|(i, &(e, l))| {
+                    let buf = spec.n_state_bufs - spec.early_uploads + i;
+                    [(Unit::Layer(e), buf), (Unit::Layer(l), buf)]
+                })
                 .collect(),
+            occupant: Default::default(),
+            early_of_late: pairs.iter().map(|&(e, l)| (Unit::Layer(l), Unit::Layer(e))).collect(),
+            early_slot: (pairs.iter().enumerate())
+                .map(|(i, &(e, _))| (Unit::Layer(e), spec.n_state_bufs - spec.early_uploads + i))
+                .collect(),
+            early_uploads: spec.mode == OptimMode::Exact,
         };
+        if spec.early_ready && exact_update {
+            // The last step's early uploads.
+            for (i, &(e, _)) in pairs.iter().enumerate() {
+                b.occupant.insert(spec.n_state_bufs - spec.early_uploads + i, Unit::Layer(e));
+            }
+        }
         // The free list holds the other slots.
         b.free_states.truncate(spec.n_state_bufs - spec.early_uploads);
         let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
@@ -297,10 +338,13 @@ impl Program {
             if k == n {
                 b.push(Stream::Compute, Op::Loss, vec![]);
                 // The backward's H2D is free from here (every streamed layer held): the early
-                // uploads go first, in the next forward's order.
-                if spec.mode == OptimMode::Exact {
-                    for &l in &early {
-                        b.early_upload(Unit::Layer(l));
+                // uploads whose shared slot is empty go now, in the next forward's order (the
+                // others right after their late partner's download).
+                if b.early_uploads {
+                    for &(e, l) in &pairs {
+                        if !b.late_updates.contains_key(&Unit::Layer(l)) {
+                            b.early_upload(Unit::Layer(e));
+                        }
                     }
                 }
             }
@@ -365,7 +409,7 @@ impl Program {
             if let Slot::Ring(r) = slot {
                 b.last.take(K_SLOT, r, bwd);
             }
-            if let (Some(&buf), OptimMode::Exact) = (b.early_slot.get(&unit), spec.mode) {
+            if let (Some(&buf), true) = (b.early_slot.get(&unit), b.early_uploads) {
                 // The gradient the land stores, for the next step's update (compute order: after
                 // this step's update read the slot's previous one).
                 b.push(Stream::Compute, Op::CopyGrad { unit, grad_buf, buf }, vec![]);

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 use mt_core::Unit;
 
 use crate::program::{
-    early_upload_layers, held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode,
-    Program, ProgramSpec, Slot, Stream,
+    early_upload_layers, early_upload_pairs, held_gpu_updated, is_gpu_updated, is_late_download,
+    slot_pairs_of, HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream,
 };
 use crate::simulate::simulate;
 
@@ -54,7 +54,7 @@ fn spec_held(
 
 fn all_specs() -> Vec<ProgramSpec> {
     let mut v = Vec::new();
-    for l in [1usize, 2, 5] {
+    for l in [1usize, 2, 5, 8] {
         for n in [1, 2, 3, 4] {
             for mode in [OptimMode::Exact, OptimMode::Lean] {
                 for pending in [false, true] {
@@ -83,11 +83,12 @@ fn all_specs() -> Vec<ProgramSpec> {
                                     for d in ds.into_iter().filter(|&d| d <= held_gpu_updated(&s).len()) {
                                         let s = ProgramSpec { late_downloads: d, n_state_bufs: n + d, ..s };
                                         v.push(s);
-                                        // Early uploads: one, every GPU-updated layer not late; their
+                                        // Early uploads: one, one per late layer with a partner; their
                                         // states up from the last step or not.
-                                        let mut es = vec![1, g - d];
+                                        let pairs = slot_pairs_of(l, k, h, g, d, n).len();
+                                        let mut es = vec![1, pairs];
                                         es.dedup();
-                                        for e in es.into_iter().filter(|&e| e > 0 && e <= g - d) {
+                                        for e in es.into_iter().filter(|&e| e > 0 && e <= pairs) {
                                             // (Ready states are left by an exact step, which
                                             // always leaves an update pending.)
                                             for ready in [false, true].into_iter().filter(|&r| !r || pending)
@@ -95,7 +96,7 @@ fn all_specs() -> Vec<ProgramSpec> {
                                                 v.push(ProgramSpec {
                                                     early_uploads: e,
                                                     early_ready: ready,
-                                                    n_state_bufs: n + d + e,
+                                                    n_state_bufs: n + d,
                                                     ..s
                                                 });
                                             }
@@ -632,38 +633,47 @@ fn late_state_downloads_go_out_in_the_backward_before_their_land_and_others_befo
     assert!(n_late > 50, "the specs exercise late downloads ({n_late})");
 }
 
-/// An early-upload layer (GPU-updated, not downloading late; in forward order) sends
-/// its master and moments for the next step up in the backward, issued from the loss on, after
-/// this step's download of its updated state (which it waits for directly: the record is whole
-/// then), into its own slot, and its gradient is copied there on the device right after its
-/// backward, from the buffer that backward accumulated into; nothing writes the slot after those.
-/// A step whose early states are ready uploads none of them in its forward, one whose are not
-/// uploads each there (into the same slot).
+/// Early uploads pair each early layer (GPU-updated, not late) with a late layer at least
+/// `ring_depth` after it, and share the late one's slot: the early layer's master and moments go
+/// up after the loss, right behind the late layer's state download out of that slot (waiting for
+/// it), and its gradient is copied there on the compute stream right after its backward, from
+/// the buffer that backward accumulated into; nothing writes the slot after those. The late
+/// layer's forward upload goes into the same slot. A step whose early states are ready uploads
+/// none of them in its forward, one whose are not uploads each there (into the same slot).
 #[test]
-fn early_state_uploads_go_up_in_the_backward_into_their_own_slot() {
+fn early_state_uploads_go_up_in_the_backward_into_their_late_partners_slot() {
     let mut n_early = 0;
     for s in all_specs().into_iter().filter(|s| s.early_uploads > 0) {
         let p = Program::build(s);
-        let early = early_upload_layers(&s);
-        let candidates: Vec<usize> =
-            (0..s.n_layers).filter(|&l| is_gpu_updated(&s, l) && !is_late_download(&s, l)).collect();
-        assert_eq!(early.len(), s.early_uploads, "{s:?}");
-        assert!(
-            early.iter().all(|l| candidates.contains(l)) && early.windows(2).all(|w| w[0] < w[1]),
-            "{s:?}"
-        );
+        let pairs = early_upload_pairs(&s);
+        assert_eq!(pairs.len(), s.early_uploads, "{s:?}");
+        assert_eq!(early_upload_layers(&s), pairs.iter().map(|&(e, _)| e).collect::<Vec<_>>());
+        assert!(pairs.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 != w[1].1), "{s:?}: {pairs:?}");
         let at = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op));
         let loss = at(&|o| *o == Op::Loss).unwrap();
-        for (e, &l) in early.iter().enumerate() {
-            let (u, own) = (Unit::Layer(l), s.n_state_bufs - s.early_uploads + e);
+        for (i, &(l, late)) in pairs.iter().enumerate() {
+            assert!(is_gpu_updated(&s, l) && !is_late_download(&s, l), "{s:?}: {l} is not a candidate");
+            assert!(is_late_download(&s, late) && l + s.ring_depth <= late, "{s:?}: {l} paired with {late}");
+            let (u, lu, own) = (Unit::Layer(l), Unit::Layer(late), s.n_state_bufs - s.early_uploads + i);
             let moments = at(&|o| matches!(*o, Op::UploadMoments { unit, .. } if unit == u))
                 .unwrap_or_else(|| panic!("{s:?}: no early upload of {l}"));
             assert_eq!(p.instrs[moments].op, Op::UploadMoments { unit: u, buf: own }, "{s:?}");
             assert!(moments > loss, "{s:?}: layer {l}'s early upload in the forward");
             if let Some(dl) = at(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == u)) {
+                assert!(dl < loss, "{s:?}: layer {l} downloads late");
+            }
+            // The late partner: uploaded into the same slot, downloaded out of it in the backward
+            // just before the early upload, which waits for it.
+            let late_up = at(&|o| matches!(*o, Op::UploadState { unit, .. } if unit == lu));
+            let late_dl = at(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == lu));
+            assert_eq!(late_up.is_some(), s.pending_update, "{s:?}");
+            assert_eq!(late_dl.is_some(), s.pending_update, "{s:?}");
+            if let (Some(up), Some(dl)) = (late_up, late_dl) {
+                assert_eq!(p.instrs[up].op, Op::UploadState { unit: lu, buf: own }, "{s:?}");
+                assert_eq!(p.instrs[dl].op, Op::DownloadState { unit: lu, buf: own }, "{s:?}");
                 assert!(
-                    p.instrs[moments].waits.contains(&dl),
-                    "{s:?}: layer {l}'s early upload before its state is back"
+                    dl > loss && p.instrs[moments].waits.contains(&dl),
+                    "{s:?}: {l} before {late}'s download"
                 );
             }
             let bwd = at(&|o| matches!(*o, Op::Backward { layer, .. } if layer == l)).unwrap();
@@ -698,6 +708,21 @@ fn early_state_uploads_go_up_in_the_backward_into_their_own_slot() {
         assert_eq!(p.moment_uploads().count(), s.early_uploads, "{s:?}");
     }
     assert!(n_early > 50, "the specs exercise early uploads ({n_early})");
+}
+
+/// The pairings of 3.6B placements (28 layers, all held, 14 or 17 GPU-updated, 5 late, ring depth
+/// 2; the planner picks 14): one early layer for each late one, each near the middle of the
+/// stretch before its partner; and a late layer too close to the front has no partner.
+#[test]
+fn slot_pairs_spread_the_early_layers_between_the_late_ones() {
+    assert_eq!(slot_pairs_of(28, 0, 28, 14, 5, 2), vec![(0, 2), (4, 8), (10, 12), (14, 18), (20, 24)]);
+    assert_eq!(slot_pairs_of(28, 0, 28, 17, 5, 2), vec![(0, 2), (5, 9), (10, 13), (15, 18), (22, 25)]);
+    // Late [0, 4, 8, ...]: 0 has nothing before it.
+    let pairs = slot_pairs_of(28, 0, 28, 14, 7, 2);
+    assert_eq!(pairs.len(), 6, "{pairs:?}");
+    assert!(pairs.iter().all(|&(_, l)| l != 0), "{pairs:?}");
+    // Not held: no late layer, no pair.
+    assert!(slot_pairs_of(28, 0, 0, 17, 0, 2).is_empty());
 }
 
 /// GPU-updated layers are spread over the streamed ones: exactly `gpu_updated` of them, none

@@ -60,7 +60,20 @@ fn run_with_grad<B: Backend>(
     grad: GradDtype,
 ) -> Run {
     let g = golden::load(name).unwrap();
-    let store = store_with(&g.cfg, &g.params, grad);
+    run_model(&g.cfg, &g.params, &golden_batch(&g), backend, dtype, placement, grad)
+}
+
+/// [`run_with_grad`] of any model, parameters and batch.
+fn run_model<B: Backend>(
+    cfg: &mt_core::ModelConfig,
+    params: &BTreeMap<String, Tensor>,
+    batch: &mt_sched::Batch,
+    backend: B,
+    dtype: DType,
+    placement: EngineOptions,
+    grad: GradDtype,
+) -> Run {
+    let store = store_with(cfg, params, grad);
     let opts = EngineOptions {
         weight_dtype: dtype,
         n_chunks: 2,
@@ -74,15 +87,14 @@ fn run_with_grad<B: Backend>(
         early_state_uploads: placement.early_state_uploads,
         ..golden_opts()
     };
-    let mut e = Engine::new(&g.cfg, store.clone(), backend, opts).unwrap();
-    let batch = golden_batch(&g);
-    let first = e.step(&batch, 1e-3).unwrap();
+    let mut e = Engine::new(cfg, store.clone(), backend, opts).unwrap();
+    let first = e.step(batch, 1e-3).unwrap();
     let mut losses = vec![first.loss];
     // Resident units' gradients reach the store when they are synced.
     e.sync_store().unwrap();
     let grads = grads_of(&store);
     for _ in 0..2 {
-        losses.push(e.step(&batch, 1e-3).unwrap().loss);
+        losses.push(e.step(batch, 1e-3).unwrap().loss);
     }
     e.flush_pending().unwrap();
     Run { losses, grads, params: params_of(&store), first }
@@ -209,21 +221,35 @@ fn bitwise_eq(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> boo
 /// moments downloaded back and the record marked): the same bits as every update on the host, in
 /// bf16 with bf16 stored gradients (the default) and in fp32 with f32 ones, for one layer, every
 /// layer, every layer held too, every layer held with its state downloaded late (in the
-/// backward), every layer's state uploaded early (in the last step's backward), and one late
-/// with the others early; losses of all three steps and the weights after the last update, with random
-/// delays on the issuing and optimizer threads.
+/// backward), and (on a six-layer variant with random weights: an early layer needs a late
+/// partner `ring_depth` layers after it) states uploaded early into a late partner's slot in the
+/// last step's backward, early layers held or not; losses of all three steps and the weights
+/// after the last update, with random delays on the issuing and optimizer threads.
 #[test]
 fn cuda_gpu_updated_layers_train_bitwise_as_host_updates() {
     candle_core::cuda::set_gemm_reduced_precision_f32(false);
     let mut failures = Vec::new();
     for name in GOLDEN_NAMES {
-        let n = golden::load(name).unwrap().cfg.num_hidden_layers;
+        let g = golden::load(name).unwrap();
+        let n = g.cfg.num_hidden_layers;
+        let deep = mt_core::ModelConfig { num_hidden_layers: 6, ..g.cfg.clone() };
+        let deep_params = mt_testkit::init::random_params(&deep, 17);
         for (dtype, grad) in [(DType::BF16, GradDtype::Bf16), (DType::F32, GradDtype::F32)] {
             let backend = |seed| CudaBackend::new(0, CpuOptions::uniform(300, seed)).unwrap();
             let host = run_with_grad(name, backend(3), dtype, EngineOptions::default(), grad);
-            for (gpu, held, late, early) in
-                [(1, 0, 0, 0), (n, 0, 0, 0), (n, n, 0, 0), (n, n, n, 0), (n, n, 0, n), (n, n, 1, n - 1)]
-            {
+            let deep_run = |o: EngineOptions, seed| {
+                run_model(&deep, &deep_params, &golden_batch(&g), backend(seed), dtype, o, grad)
+            };
+            let deep_host = deep_run(EngineOptions::default(), 3);
+            for (gpu, held, late, early) in [
+                (1, 0, 0, 0),
+                (n, 0, 0, 0),
+                (n, n, 0, 0),
+                (n, n, n, 0),
+                // The six-layer variant: early layers held, and not held.
+                (6, 6, 2, 1),
+                (6, 4, 2, 2),
+            ] {
                 let o = EngineOptions {
                     gpu_updated_layers: gpu,
                     held_layers: held,
@@ -231,7 +257,11 @@ fn cuda_gpu_updated_layers_train_bitwise_as_host_updates() {
                     early_state_uploads: early,
                     ..EngineOptions::default()
                 };
-                let r = run_with_grad(name, backend(4 + gpu as u64), dtype, o, grad);
+                let (r, host) = if early > 0 {
+                    (deep_run(o, 4 + gpu as u64), &deep_host)
+                } else {
+                    (run_with_grad(name, backend(4 + gpu as u64), dtype, o, grad), &host)
+                };
                 let same = r.losses == host.losses && bitwise_eq(&r.params, &host.params);
                 eprintln!(
                     "SUMMARY gpu {name} {dtype:?} {gpu} GPU-updated, {held} held, {late} late, {early} early vs host updates: bitwise identical = {same}"

@@ -123,12 +123,20 @@ fn kept_activations_and_held_weights_train_bitwise_as_recompute_and_streaming() 
 /// stream. (A resident layer updates from its f32 device gradient, so with bf16 stored gradients
 /// a placement with resident layers is compared with itself, not with the all-streamed run.)
 /// Late state downloads (held layers keeping their state on the device until their backward)
+/// and early state uploads (into a late partner's slot, in the backward; a six-layer model)
 /// change nothing either.
 #[test]
 fn gpu_updated_layers_train_bitwise_as_host_updates() {
     let mut qwen3 = golden::load("qwen3_qknorm").unwrap().cfg;
     qwen3.num_hidden_layers = 3;
-    for cfg in [config(), qwen3] {
+    // Early uploads need a late partner `ring_depth` layers after the early layer.
+    let qwen3_deep = ModelConfig { num_hidden_layers: 6, ..qwen3.clone() };
+    // (GPU-updated, held, resident, ring depth, late state downloads, early uploads): early
+    // layers held and not, ring depths 2 and 3, one resident.
+    let early_placements = |n: usize| {
+        vec![(n, n, 0, 2, 2, 1), (n, n - 2, 0, 2, 2, 2), (n, n, 0, 3, 2, 1), (n - 1, n - 1, 1, 2, 2, 1)]
+    };
+    for cfg in [config(), qwen3, qwen3_deep] {
         let n = cfg.num_hidden_layers;
         let batches: Vec<Batch> = (0..3).map(|s| batch(&cfg, 3, 30 + s)).collect();
         for (weight_dtype, grad) in [(DType::F32, GradDtype::F32), (DType::BF16, GradDtype::Bf16)] {
@@ -142,10 +150,10 @@ fn gpu_updated_layers_train_bitwise_as_host_updates() {
                 (n, n, 0, 2, 1, 0),
                 (n, n, 0, 3, n, 0),
                 (2, n, 0, 2, 2, 0),
-                (n, n, 0, 2, 0, n),
-                (n, 0, 0, 3, 0, 1),
-                (n, n, 0, 2, 1, n - 1),
-            ] {
+            ]
+            .into_iter()
+            .chain(if n >= 6 { early_placements(n) } else { vec![] })
+            {
                 let what = format!(
                     "{weight_dtype:?}/{grad:?}: {gpu} GPU-updated ({late} late, {early} early), {held} held, {resident} resident, depth {depth}"
                 );

@@ -19,6 +19,12 @@ fn cfg() -> ModelConfig {
     golden::load("llama_gqa").unwrap().cfg
 }
 
+/// The golden model with five layers: room for an early upload (an early layer at least
+/// `ring_depth` layers before its late partner).
+fn cfg5() -> ModelConfig {
+    ModelConfig { num_hidden_layers: 5, ..cfg() }
+}
+
 fn train(
     cfg: &ModelConfig,
     grad: GradDtype,
@@ -166,13 +172,14 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
 /// downloads (every layer held, each state back only in the backward, one per backward
 /// position), a step failing at the last device update has marked none, one failing in layer
 /// `m`'s backward the layers `m..` (whose downloads went out before it) and not the others. With
-/// early state uploads (master and moments for the next step sent up in the backward, the
-/// gradient copied on the device), the failed step's successor uploads them again; with one late
-/// download and the rest early, a layer is marked where its download was issued before the
-/// failing instruction.
+/// an early state upload (master and moments for the next step sent up in the backward into a
+/// late partner's slot, the gradient copied on the device), the failed step's successor uploads
+/// it again; with two late downloads and one early upload, a layer is marked where its download
+/// was issued before the failing instruction. (Five layers: an early layer needs a late partner
+/// `ring_depth` layers after it.)
 #[test]
 fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
-    let cfg = cfg();
+    let cfg = cfg5();
     let n = cfg.num_hidden_layers;
     let data = small_batches(&cfg, 3, 41);
     let reference = train(&cfg, GradDtype::Bf16, golden_opts(), &data);
@@ -185,27 +192,24 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     enum Late {
         None,
         All,
-        One,
+        Two,
     }
     let mut cases = Vec::new();
     for flush in [false, true] {
-        for early in [0, n] {
-            cases.extend([(Late::None, early, Some(0), flush), (Late::None, early, None, flush)]);
-        }
+        cases.extend([(Late::None, 0, Some(0), flush), (Late::None, 0, None, flush)]);
         for fail_in in [Some(0), Some(mid), None] {
-            cases.extend([(Late::All, 0, fail_in, flush), (Late::One, n - 1, fail_in, flush)]);
+            // Two late layers of five (1 and 3): one early partner (0, in 3's slot).
+            cases.extend([(Late::All, 0, fail_in, flush), (Late::Two, 1, fail_in, flush)]);
         }
     }
     for (late, early, fail_in, flush_instead) in cases {
         let fail_at_last_update = fail_in.is_none();
         let opts = match late {
-            Late::None => {
-                EngineOptions { gpu_updated_layers: n, early_state_uploads: early, ..golden_opts() }
-            }
-            Late::All | Late::One => EngineOptions {
+            Late::None => EngineOptions { gpu_updated_layers: n, ..golden_opts() },
+            Late::All | Late::Two => EngineOptions {
                 gpu_updated_layers: n,
                 held_layers: n,
-                late_state_downloads: if late == Late::All { n } else { 1 },
+                late_state_downloads: if late == Late::All { n } else { 2 },
                 early_state_uploads: early,
                 ..golden_opts()
             },
@@ -387,16 +391,18 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
 /// stored gradient) goes up and master, m and v come back, measured by the copies themselves and
 /// equal to the program's plan; the first step, with no update pending, moves weights as usual.
 /// Early state uploads move master and moments in the backward, for the next step, and not the
-/// gradient (copied on the device); the first step moves theirs besides. Lean mode, more GPU-updated layers than stream and early uploads
-/// of late-download layers are refused, naming the problem.
+/// gradient (copied on the device); the first step moves theirs besides. Lean mode, more
+/// GPU-updated layers than stream, and more early uploads than late layers with a partner are
+/// refused, naming the problem.
 #[test]
 fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
-    let cfg = cfg();
+    let cfg = cfg5();
     let layout = ModelLayout::new(&cfg);
     let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
     for (grad, g) in [(GradDtype::Bf16, 2u64), (GradDtype::F32, 4)] {
         let nl = layout.n_layers;
-        let placements = (0..=nl).map(|k| (k, 0, 0)).chain([(nl, nl, 0), (nl, 0, nl), (nl, 1, nl - 1)]);
+        // Early: 2 late (1 and 3), 0 paired with 3; 3 late (0, 2, 4), 1 paired with 4.
+        let placements = (0..=nl).map(|k| (k, 0, 0)).chain([(nl, nl, 0), (nl, 2, 1), (nl, 3, 1)]);
         for (gpu, late, early) in placements {
             let store = store_with(&cfg, &random_params(&cfg, 8), grad);
             let opts = EngineOptions {
@@ -442,32 +448,30 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
     };
     let err = refused(EngineOptions { gpu_updated_layers: 1, mode: OptimMode::Lean, ..golden_opts() });
     assert!(err.contains("lean mode"), "{err}");
-    let err = refused(EngineOptions { gpu_updated_layers: 2, resident_layers: 1, ..golden_opts() });
+    let err = refused(EngineOptions { gpu_updated_layers: 5, resident_layers: 1, ..golden_opts() });
     assert!(err.contains("GPU-updated layers are streamed ones"), "{err}");
     let err = refused(EngineOptions { gpu_updated_layers: 2, late_state_downloads: 1, ..golden_opts() });
     assert!(
         err.contains("1 late state downloads asked, but only 0 of the 2 GPU-updated layers are held"),
         "{err}"
     );
-    let err = refused(EngineOptions {
-        gpu_updated_layers: 2,
-        held_layers: 2,
-        late_state_downloads: 1,
-        early_state_uploads: 2,
-        ..golden_opts()
-    });
+    let all_held = EngineOptions { gpu_updated_layers: 5, held_layers: 5, ..golden_opts() };
+    let err = refused(EngineOptions { late_state_downloads: 2, early_state_uploads: 2, ..all_held.clone() });
     assert!(
-        err.contains(
-            "2 early state uploads asked, but only 1 of the 2 GPU-updated layers do not download late"
-        ),
+        err.contains("2 early state uploads asked, but only 1 of the 2 late-download layers have a partner"),
+        "{err}"
+    );
+    let err = refused(EngineOptions { early_state_uploads: 1, ..all_held.clone() });
+    assert!(
+        err.contains("only 0 of the 0 late-download layers") && err.contains("--late-state-downloads"),
         "{err}"
     );
     // The gradient an early upload copies on the device is the bf16 twin device narrowing makes.
     let err = refused(EngineOptions {
-        gpu_updated_layers: 2,
+        late_state_downloads: 2,
         early_state_uploads: 1,
         device_narrowing: false,
-        ..golden_opts()
+        ..all_held
     });
     assert!(err.contains("without device narrowing there is none"), "{err}");
 }

@@ -15,8 +15,8 @@ use mt_store::{
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
 use crate::program::{
-    early_upload_layers, is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec,
-    Slot, Stream,
+    early_upload_pairs, is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec, Slot,
+    Stream,
 };
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
@@ -26,6 +26,7 @@ mod eval;
 mod options;
 mod resident;
 
+pub(crate) use options::early_refusal;
 pub use options::EngineOptions;
 
 /// What one step did.
@@ -189,7 +190,7 @@ impl<B: Backend> Engine<B> {
                 held_layers: opts.held_layers,
                 land_bf16,
                 state_slots: if opts.gpu_updated_layers > 0 {
-                    opts.ring_depth + opts.late_state_downloads + opts.early_state_uploads
+                    opts.ring_depth + opts.late_state_downloads
                 } else {
                     0
                 },
@@ -295,10 +296,13 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The GPU-updated layers whose state for the next step goes up in the backward
-    /// ([`EngineOptions::early_state_uploads`], picked by [`early_upload_layers`]), in forward
-    /// order.
-    pub fn early_upload_units(&self) -> Vec<Unit> {
-        early_upload_layers(&self.program_spec(true, false)).into_iter().map(Unit::Layer).collect()
+    /// ([`EngineOptions::early_state_uploads`]), each with the late-download layer whose state
+    /// slot it shares ([`early_upload_pairs`]), in forward order.
+    pub fn early_upload_units(&self) -> Vec<(Unit, Unit)> {
+        early_upload_pairs(&self.program_spec(true, false))
+            .into_iter()
+            .map(|(e, l)| (Unit::Layer(e), Unit::Layer(l)))
+            .collect()
     }
 
     /// Bytes of host memory page-locked in place for the GPU-updated layers' records.

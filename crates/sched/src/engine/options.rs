@@ -72,18 +72,17 @@ pub struct EngineOptions {
     /// device memory) and two more gradient buffers. 0 = every state download right after its
     /// update.
     pub late_state_downloads: usize,
-    /// Of the GPU-updated layers that do not download late, this many (spread evenly,
-    /// `program::early_upload_layers`) get their state for the next step into a state slot of
-    /// their own (`(12 + g) × layer.len` bytes of device memory each, taken across the step
-    /// boundary) during this step's backward: master and moments go up from the record from the
-    /// loss on, the gradient is copied on the device right after the layer's backward. 12 + g
-    /// B/param of host memory traffic and H2D leave the forward (bound by host memory and
-    /// uploads), 12 B/param go into the backward (whose H2D is idle when every streamed layer is
-    /// held). The slot then already holds what the upload sends (its own state, as downloaded in
-    /// the forward): the upload keeps the host record the state's source, at 12 B/param of
-    /// traffic that residency would not need. The step after a failed one, or after
-    /// [`Engine::flush_pending`](super::Engine::flush_pending), uploads them in its forward.
-    /// Needs the device gradient in the store's dtype (device narrowing with bf16 store
+    /// Of the late-download layers, this many lend their state slot to an early upload
+    /// (`program::early_upload_pairs`: each to a GPU-updated layer that does not download late,
+    /// at least `ring_depth` layers before it): in this step's backward, right after the late
+    /// layer's state has gone down, the partner's master and moments for the next step go up
+    /// from the record into the slot, and its gradient is copied there on the device right after
+    /// its backward. 12 + g B/param of host memory traffic and H2D leave the forward (bound by
+    /// host memory and uploads), 12 B/param go into the backward (whose H2D is idle when every
+    /// streamed layer is held). No device memory of its own: the slot held the late layer's
+    /// state until then, so every byte uploaded is needed. The step after a failed one, or
+    /// after [`Engine::flush_pending`](super::Engine::flush_pending), uploads them in its
+    /// forward. Needs the device gradient in the store's dtype (device narrowing with bf16 store
     /// gradients). 0 = every state upload in the forward.
     pub early_state_uploads: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
@@ -177,11 +176,21 @@ impl EngineOptions {
                 self.late_state_downloads, self.gpu_updated_layers, self.held_layers
             )));
         }
-        let early_capable = self.gpu_updated_layers - self.late_state_downloads;
+        let early_capable = crate::program::slot_pairs_of(
+            layout.n_layers,
+            self.resident_layers,
+            self.held_layers,
+            self.gpu_updated_layers,
+            self.late_state_downloads,
+            self.ring_depth,
+        )
+        .len();
         if self.early_state_uploads > early_capable {
-            return Err(Error::Options(format!(
-                "{} early state uploads asked, but only {early_capable} of the {} GPU-updated layers do not download late ({} do): an early upload is of a GPU-updated layer's state for the next step, and a late-download layer's state would go down and straight back up",
-                self.early_state_uploads, self.gpu_updated_layers, self.late_state_downloads
+            return Err(Error::Options(early_refusal(
+                self.early_state_uploads,
+                early_capable,
+                self.late_state_downloads,
+                self.ring_depth,
             )));
         }
         if self.early_state_uploads > 0 && store_grad == GradDtype::Bf16 && !self.device_narrowing {
@@ -197,4 +206,12 @@ impl EngineOptions {
         }
         Ok(())
     }
+}
+
+/// Why `asked` early state uploads are refused when only `capable` of the `late` late-download
+/// layers have a partner (the planner says the same).
+pub(crate) fn early_refusal(asked: usize, capable: usize, late: usize, ring_depth: usize) -> String {
+    format!(
+        "{asked} early state uploads asked, but only {capable} of the {late} late-download layers have a partner (a GPU-updated layer that does not download late, at least ring_depth = {ring_depth} layers before it): an early upload goes into the state slot its late partner's download empties in the backward; use more --late-state-downloads or fewer early ones"
+    )
 }
