@@ -285,17 +285,11 @@ fn run<B: Backend>(
                 l.join(",")
             }
         };
-        let pairs: Vec<String> = engine
-            .early_upload_units()
-            .iter()
-            .map(|(e, l)| format!("{}->{}", e.index() - 1, l.index() - 1))
-            .collect();
-        let pairs = if pairs.is_empty() { "none".to_string() } else { pairs.join(",") };
         eprintln!(
-            "GPU-updated layers {} (state downloaded in the backward: {}; uploaded for the next step in the backward, into that late layer's slot: {}): their store records page-locked in place ({:.2} GiB, part of the store)",
+            "GPU-updated layers {} (state downloaded in the backward: {}; uploaded for the next step in the backward: {}): their store records page-locked in place ({:.2} GiB, part of the store)",
             layers.join(","),
             list(engine.late_download_units()),
-            pairs,
+            list(engine.early_upload_units()),
             engine.pinned_record_bytes() as f64 / (1u64 << 30) as f64
         );
     }

@@ -115,10 +115,10 @@ pub struct PlanInput {
     /// GPU has room for.
     pub late_state_downloads: Option<usize>,
     /// Of the GPU-updated layers that do not download late, this many upload their state for the
-    /// next step in the backward, each into the state slot of a late-download partner
-    /// (`program::slot_pairs_of`) (`Some(k)`; `EngineOptions::early_state_uploads`), or decide
-    /// (`None`): as many as the backward's H2D and host memory have room for
-    /// ([`early_upload_capacity`]: none unless every streamed layer is held) and have a partner.
+    /// next step in the backward, into state slots free there (`Some(k)`;
+    /// `EngineOptions::early_state_uploads`), or decide (`None`): as many as the backward's H2D
+    /// and host memory have room for ([`early_upload_capacity`]: none unless every streamed
+    /// layer is held) and have a late partner (`program::slot_pairs_of`).
     pub early_state_uploads: Option<usize>,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
     /// capability 9.0+), which keep less for the backward than candle's ops.
@@ -221,8 +221,8 @@ pub struct Plan {
     /// before its layer's gradient lands) instead of right after their update in the forward.
     pub late_state_downloads: usize,
     /// Of the others, ones whose master and moments for the next step go up in the backward (into
-    /// a late partner's state slot, right after its download; their gradient is copied on the
-    /// device) instead of in the next forward.
+    /// a state slot once it is free; their gradient is copied on the device) instead of in the
+    /// next forward.
     pub early_state_uploads: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
@@ -376,8 +376,8 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels);
     let asked_held = input.held_layers.unwrap_or(0);
     // GPU-updated layers' state slots: `ring_depth` slots of fp32 master, m, v and the stored
-    // gradient (`g` bytes), one more per late download (an early upload shares its late
-    // partner's), and the f32 copy a bf16 gradient is widened into; late downloads also take two
+    // gradient (`g` bytes), one more per late download (early uploads take slots free in the
+    // backward), and the f32 copy a bf16 gradient is widened into; late downloads also take two
     // more gradient buffers.
     let g = grad_elem_bytes(input.grad_dtype);
     let grad_buf_bytes = ll * 4 + if le == 2 { ll * 2 } else { 0 };

@@ -634,7 +634,7 @@ fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
 /// Auto early uploads: as many as the backward's H2D and host memory have room for, only when
 /// every streamed layer is held (the others' re-casts take the backward's H2D); with them a
 /// GPU-updated layer costs the forward only its download (the 3.6B at 4 x 2048, every layer held:
-/// 14 GPU-updated, 5 late, 5 early). Each shares its late partner's state slot, so early uploads
+/// 14 GPU-updated, 5 late, 5 early). They take state slots free in the backward, so early uploads
 /// cost no device memory; the same bytes cross a step but the gradient's; a count beyond the late
 /// layers with a partner, in lean mode, or without room for GPU-updated layers is refused,
 /// naming the flag.

@@ -25,12 +25,13 @@
 //! step's bottleneck, into the backward, whose host memory and D2H are partly idle.
 //!
 //! Of the others, `early_uploads` ([`early_upload_pairs`]) get their state for the next step
-//! during this step's backward, each into the state slot a late-download partner's download has
-//! just emptied: master and moments go up right after that download ([`Op::UploadMoments`]),
-//! the gradient is copied on the device after the layer's backward ([`Op::CopyGrad`]); a step
-//! whose early states are ready ([`ProgramSpec::early_ready`]) uploads nothing for them in its
-//! forward, and the late partner's upload goes into the shared slot after the early layer's
-//! download. Every byte uploaded is needed: the slot held another layer's state.
+//! during this step's backward, each into a slot of the `ring_depth + late_downloads` there
+//! are, once it is free (at the loss, or right after the download of the late layer whose
+//! state is there): master and moments go up ([`Op::UploadMoments`]), the gradient is copied on
+//! the device after the layer's backward ([`Op::CopyGrad`]); a step whose early states are
+//! ready ([`ProgramSpec::early_ready`]) uploads nothing for them in its forward, and their
+//! slots return to the others' use once their state has gone back. No slot of their own: every
+//! byte uploaded is needed, the slot held another layer's state in between.
 //!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
 //! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
@@ -256,17 +257,18 @@ pub struct ProgramSpec {
     /// its layer's land) instead of right after their update; their state slot stays taken
     /// until then.
     pub late_downloads: usize,
-    /// Of the late-download layers, this many lend their state slot ([`early_upload_pairs`]: each
-    /// to a GPU-updated layer that does not download late, at least `ring_depth` layers before
-    /// it) to an early upload: in this step's backward, right after the late layer's state has
-    /// gone down, the partner's master and moments for the next step go up into the slot
-    /// ([`Op::UploadMoments`]), and its gradient is copied there on the device right after its
-    /// backward ([`Op::CopyGrad`]: the bytes its land stores). The next step's forward uploads
-    /// nothing for it, and the late layer's upload goes into the slot after the early layer's
-    /// update has gone back. Out of the forward, whose host memory and uploads bound a streamed
+    /// Of the GPU-updated layers that do not download late, this many ([`early_upload_pairs`]:
+    /// at most one per late-download layer at least `ring_depth` layers after it, which proves
+    /// the forward never runs out of state slots) get their state for the next step in this
+    /// step's backward, into slot `n_state_bufs - early_uploads + i` once it is free (at the
+    /// loss, or right after the download of the late layer whose state is there): master and
+    /// moments go up ([`Op::UploadMoments`]), and the gradient is copied there on the device
+    /// right after the layer's backward ([`Op::CopyGrad`]: the bytes its land stores). The next
+    /// step's forward uploads nothing for it, and the slot returns to the free list once its
+    /// state has gone back. Out of the forward, whose host memory and uploads bound a streamed
     /// step, into the backward, whose H2D is idle when every streamed layer is held; the
-    /// gradient no longer crosses up at all. No slot of its own: the slot held the late layer's
-    /// state until the upload, so every byte uploaded is needed.
+    /// gradient no longer crosses up at all. No slot of its own: the slot held another layer's
+    /// state in between, so every byte uploaded is needed.
     pub early_uploads: usize,
     /// The early-upload layers' states are already in their slots (uploaded in the previous
     /// step's backward, their records unchanged since): their forward uploads nothing. The
@@ -335,10 +337,9 @@ pub fn early_upload_layers(spec: &ProgramSpec) -> Vec<usize> {
 }
 
 /// The `spec.early_uploads` (early-upload layer, late-download layer) pairs, in the early
-/// layers' order: picked evenly among [`slot_pairs_of`] the spec's placement. Each pair shares
-/// one state slot: the late layer's state leaves it in the backward, the early layer's state for
-/// the next step goes up into it right after, and the late layer's next upload goes into it
-/// after the early layer's next update has gone back.
+/// layers' order: picked evenly among [`slot_pairs_of`] the spec's placement. A late layer's
+/// forward upload comes after its early partner's download, so that the early layers' slots,
+/// taken from the start of the forward, never leave it short of a free one.
 pub fn early_upload_pairs(spec: &ProgramSpec) -> Vec<(usize, usize)> {
     let all = slot_pairs_of(
         spec.n_layers,
@@ -352,12 +353,14 @@ pub fn early_upload_pairs(spec: &ProgramSpec) -> Vec<(usize, usize)> {
     all.into_iter().enumerate().filter(|&(i, _)| spread(i, n, spec.early_uploads)).map(|(_, p)| p).collect()
 }
 
-/// Every pair (early, late) of a placement whose state could share a slot, in the early layers'
-/// order: each late-download layer (ascending) takes, of the GPU-updated layers that do not
-/// download late and are not taken yet, the one nearest the middle between the previous late
-/// layer and itself, at least `ring_depth` layers before it (its forward fetches state that many
-/// layers ahead, and that fetch must follow the early layer's download); a late layer with none
-/// such has no partner. At most one early upload per late download.
+/// Every pair (early, late) of a placement, in the early layers' order: each late-download
+/// layer (ascending) takes, of the GPU-updated layers that do not download late and are not
+/// taken yet, the one nearest the middle between the previous late layer and itself, at least
+/// `ring_depth` layers before it (its forward fetches state that many layers ahead, and that
+/// fetch must follow the early layer's download); a late layer with none such has no partner.
+/// At most one early upload per late download: at a forward fetch, the early layers not yet
+/// downloaded, the late ones held and the ones in flight then take at most `ring_depth +
+/// late_downloads - 1` state slots.
 pub fn slot_pairs_of(
     n_layers: usize,
     resident_layers: usize,

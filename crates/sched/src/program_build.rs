@@ -54,15 +54,14 @@ struct Builder {
     /// Backward fetches (use index, slot) of GPU-updated layers whose device update is not issued
     /// yet: their re-cast must read the downloaded master, so they are issued right after it.
     deferred: Vec<(usize, Slot)>,
-    /// The shared state slot of each member of an early-upload pair (never in `free_states`).
-    pair_slot: std::collections::HashMap<Unit, usize>,
-    /// The unit whose state is in each shared slot and not yet downloaded (for the build's own
-    /// check that a pair's uses of its slot never overlap).
+    /// The unit whose state is in each state slot and not yet downloaded (or, for an early
+    /// upload, not yet used).
     occupant: std::collections::HashMap<usize, Unit>,
-    /// The early-upload unit of each late-download partner: its upload follows the partner's
+    /// The early-upload unit waiting for each late-download unit's slot: its upload follows that
     /// download.
-    early_of_late: std::collections::HashMap<Unit, Unit>,
-    /// The early-upload units' shared slots.
+    early_after: std::collections::HashMap<Unit, Unit>,
+    /// The early-upload units' slots (the last `early_uploads`): where their state for the next
+    /// step goes up in the backward, and where the next forward finds it.
     early_slot: std::collections::HashMap<Unit, usize>,
     /// Whether the early uploads go up in this step (exact mode).
     early_uploads: bool,
@@ -102,18 +101,13 @@ impl Builder {
         self.push(Stream::H2D, Op::Upload { unit, staging, slot }, waits)
     }
 
-    /// Upload of a GPU-updated unit's state into its pair's shared slot or the next free one;
-    /// returns the upload's id.
+    /// Upload of a GPU-updated unit's state into the least recently freed state slot; returns
+    /// the upload's id.
     fn fetch_state(&mut self, unit: Unit) -> usize {
-        let buf = match self.pair_slot.get(&unit) {
-            Some(&buf) => {
-                self.occupy(buf, unit);
-                buf
-            }
-            None => self.free_states.pop_front().unwrap_or_else(|| {
-                panic!("no state slot free for {unit:?}: every one holds a state not yet downloaded")
-            }),
-        };
+        let buf = self.free_states.pop_front().unwrap_or_else(|| {
+            panic!("no state slot free for {unit:?}: every one holds a state not yet downloaded")
+        });
+        self.occupy(buf, unit);
         self.state_of.insert(unit, buf);
         // The previous download out of this slot must be done before it is overwritten.
         let prev = self.last.0.get(&(K_STATE, buf)).copied();
@@ -151,23 +145,19 @@ impl Builder {
                 self.late_updates.remove(&unit).expect("a late download's update was issued in the forward");
             self.download_state(unit, upd);
             self.late_issued += 1;
-            if let Some(&early) = self.early_of_late.get(&unit).filter(|_| self.early_uploads) {
+            if let Some(early) = self.early_after.remove(&unit) {
                 self.early_upload(early);
             }
         }
     }
 
-    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot (a
-    /// shared one for the other member of its pair).
+    /// The download of a GPU-updated unit's state after its update `upd`; frees its slot.
     fn download_state(&mut self, unit: Unit, upd: usize) {
         let buf = self.state_of[&unit];
         let dl = self.push(Stream::D2H, Op::DownloadState { unit, buf }, vec![upd]);
         self.last.take(K_STATE, buf, dl);
-        if self.pair_slot.contains_key(&unit) {
-            self.occupant.remove(&buf);
-        } else {
-            self.free_states.push_back(buf);
-        }
+        self.occupant.remove(&buf);
+        self.free_states.push_back(buf);
         // Landing overwrites the record's gradient and a backward re-cast reads its master:
         // both after the state is back (and the record marked updated, so that a retried step
         // never updates it twice from a new gradient).
@@ -175,7 +165,7 @@ impl Builder {
     }
 
     /// The upload, for the next step, of an early-upload unit's master and moments into its
-    /// pair's slot, after the slot's last download (the late partner's, this step).
+    /// slot, after the slot's last download this step (issued after a late one's).
     fn early_upload(&mut self, unit: Unit) {
         let buf = self.early_slot[&unit];
         self.occupy(buf, unit);
@@ -184,8 +174,7 @@ impl Builder {
         self.last.take(K_STATE, buf, up);
     }
 
-    /// Marks shared slot `buf` as holding `unit`'s state; panics if another's is still there
-    /// (a pairing whose early layer is not far enough ahead of its late one).
+    /// Marks slot `buf` as holding `unit`'s state; panics if another's is still there.
     fn occupy(&mut self, buf: usize, unit: Unit) {
         if let Some(other) = self.occupant.insert(buf, unit) {
             panic!(
@@ -240,6 +229,8 @@ impl Program {
             last: LastUse::default(),
             update_of: Default::default(),
             n_fetches: 0,
+            // The early slots last (and, when they hold the last step's early uploads, not at
+            // all until their state has gone back).
             free_states: (0..spec.n_state_bufs).collect(),
             state_of: Default::default(),
             late_updates: Default::default(),
@@ -249,27 +240,20 @@ impl Program {
                 .collect(),
             late_issued: 0,
             deferred: Vec::new(),
-            pair_slot: (pairs.iter().enumerate())
-                .flat_map(|(i, &(e, l))| {
-                    let buf = spec.n_state_bufs - spec.early_uploads + i;
-                    [(Unit::Layer(e), buf), (Unit::Layer(l), buf)]
-                })
-                .collect(),
             occupant: Default::default(),
-            early_of_late: pairs.iter().map(|&(e, l)| (Unit::Layer(l), Unit::Layer(e))).collect(),
+            early_after: Default::default(),
             early_slot: (pairs.iter().enumerate())
                 .map(|(i, &(e, _))| (Unit::Layer(e), spec.n_state_bufs - spec.early_uploads + i))
                 .collect(),
             early_uploads: spec.mode == OptimMode::Exact,
         };
         if spec.early_ready && exact_update {
-            // The last step's early uploads.
+            // The last step's early uploads: their slots are free once their state has gone back.
             for (i, &(e, _)) in pairs.iter().enumerate() {
                 b.occupant.insert(spec.n_state_bufs - spec.early_uploads + i, Unit::Layer(e));
             }
+            b.free_states.truncate(spec.n_state_bufs - spec.early_uploads);
         }
-        // The free list holds the other slots.
-        b.free_states.truncate(spec.n_state_bufs - spec.early_uploads);
         let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
         // Use k: (layer, is_backward). Ring uses are the streamed, not held layers' uses: ring
         // use `j` goes through slot `j % ring_depth`. Held layers are fetched once, for their
@@ -338,12 +322,20 @@ impl Program {
             if k == n {
                 b.push(Stream::Compute, Op::Loss, vec![]);
                 // The backward's H2D is free from here (every streamed layer held): the early
-                // uploads whose shared slot is empty go now, in the next forward's order (the
-                // others right after their late partner's download).
+                // uploads whose slot is empty go now, in the next forward's order; the others
+                // right after the download of the late layer whose state is there.
                 if b.early_uploads {
-                    for &(e, l) in &pairs {
-                        if !b.late_updates.contains_key(&Unit::Layer(l)) {
-                            b.early_upload(Unit::Layer(e));
+                    for &(e, _) in &pairs {
+                        let unit = Unit::Layer(e);
+                        match b.occupant.get(&b.early_slot[&unit]).copied() {
+                            None => b.early_upload(unit),
+                            Some(late) => {
+                                assert!(
+                                    b.late_updates.contains_key(&late),
+                                    "{late:?}'s state was not downloaded"
+                                );
+                                b.early_after.insert(late, unit);
+                            }
                         }
                     }
                 }
@@ -428,6 +420,7 @@ impl Program {
         }
         assert!(b.deferred.is_empty(), "backward fetches never issued: {:?}", b.deferred);
         assert!(b.late_updates.is_empty(), "late state downloads never issued: {:?}", b.late_updates);
+        assert!(b.early_after.is_empty(), "early uploads never issued: {:?}", b.early_after);
         if n == 0 {
             b.push(Stream::Compute, Op::Loss, vec![]);
         }

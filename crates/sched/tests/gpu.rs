@@ -222,7 +222,7 @@ fn bitwise_eq(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> boo
 /// bf16 with bf16 stored gradients (the default) and in fp32 with f32 ones, for one layer, every
 /// layer, every layer held too, every layer held with its state downloaded late (in the
 /// backward), and (on a six-layer variant with random weights: an early layer needs a late
-/// partner `ring_depth` layers after it) states uploaded early into a late partner's slot in the
+/// partner `ring_depth` layers after it) states uploaded early into a free state slot in the
 /// last step's backward, early layers held or not; losses of all three steps and the weights
 /// after the last update, with random delays on the issuing and optimizer threads.
 #[test]

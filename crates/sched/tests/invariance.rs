@@ -123,7 +123,7 @@ fn kept_activations_and_held_weights_train_bitwise_as_recompute_and_streaming() 
 /// stream. (A resident layer updates from its f32 device gradient, so with bf16 stored gradients
 /// a placement with resident layers is compared with itself, not with the all-streamed run.)
 /// Late state downloads (held layers keeping their state on the device until their backward)
-/// and early state uploads (into a late partner's slot, in the backward; a six-layer model)
+/// and early state uploads (into a state slot free in the backward; a six-layer model)
 /// change nothing either.
 #[test]
 fn gpu_updated_layers_train_bitwise_as_host_updates() {

@@ -173,7 +173,7 @@ fn a_step_that_fails_half_way_can_be_retried_without_applying_an_update_twice() 
 /// position), a step failing at the last device update has marked none, one failing in layer
 /// `m`'s backward the layers `m..` (whose downloads went out before it) and not the others. With
 /// an early state upload (master and moments for the next step sent up in the backward into a
-/// late partner's slot, the gradient copied on the device), the failed step's successor uploads
+/// free state slot, the gradient copied on the device), the failed step's successor uploads
 /// it again; with two late downloads and one early upload, a layer is marked where its download
 /// was issued before the failing instruction. (Five layers: an early layer needs a late partner
 /// `ring_depth` layers after it.)

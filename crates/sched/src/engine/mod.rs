@@ -15,8 +15,8 @@ use mt_store::{
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
 use crate::program::{
-    early_upload_pairs, is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec, Slot,
-    Stream,
+    early_upload_layers, is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec,
+    Slot, Stream,
 };
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
@@ -296,13 +296,10 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The GPU-updated layers whose state for the next step goes up in the backward
-    /// ([`EngineOptions::early_state_uploads`]), each with the late-download layer whose state
-    /// slot it shares ([`early_upload_pairs`]), in forward order.
-    pub fn early_upload_units(&self) -> Vec<(Unit, Unit)> {
-        early_upload_pairs(&self.program_spec(true, false))
-            .into_iter()
-            .map(|(e, l)| (Unit::Layer(e), Unit::Layer(l)))
-            .collect()
+    /// ([`EngineOptions::early_state_uploads`], picked by [`early_upload_layers`]), in forward
+    /// order.
+    pub fn early_upload_units(&self) -> Vec<Unit> {
+        early_upload_layers(&self.program_spec(true, false)).into_iter().map(Unit::Layer).collect()
     }
 
     /// Bytes of host memory page-locked in place for the GPU-updated layers' records.

@@ -72,15 +72,15 @@ pub struct EngineOptions {
     /// device memory) and two more gradient buffers. 0 = every state download right after its
     /// update.
     pub late_state_downloads: usize,
-    /// Of the late-download layers, this many lend their state slot to an early upload
-    /// (`program::early_upload_pairs`: each to a GPU-updated layer that does not download late,
-    /// at least `ring_depth` layers before it): in this step's backward, right after the late
-    /// layer's state has gone down, the partner's master and moments for the next step go up
-    /// from the record into the slot, and its gradient is copied there on the device right after
-    /// its backward. 12 + g B/param of host memory traffic and H2D leave the forward (bound by
-    /// host memory and uploads), 12 B/param go into the backward (whose H2D is idle when every
-    /// streamed layer is held). No device memory of its own: the slot held the late layer's
-    /// state until then, so every byte uploaded is needed. The step after a failed one, or
+    /// Of the GPU-updated layers that do not download late, this many
+    /// (`program::early_upload_pairs`: at most one per late-download layer at least
+    /// `ring_depth` layers after it) get their state for the next step in this step's backward:
+    /// master and moments go up from the record into a state slot once it is free (at the loss,
+    /// or right after a late download), and the gradient is copied there on the device right
+    /// after the layer's backward. 12 + g B/param of host memory traffic and H2D leave the
+    /// forward (bound by host memory and uploads), 12 B/param go into the backward (whose H2D is
+    /// idle when every streamed layer is held). No device memory of its own: the slot held
+    /// another layer's state in between, so every byte uploaded is needed. The step after a failed one, or
     /// after [`Engine::flush_pending`](super::Engine::flush_pending), uploads them in its
     /// forward. Needs the device gradient in the store's dtype (device narrowing with bf16 store
     /// gradients). 0 = every state upload in the forward.
@@ -212,6 +212,6 @@ impl EngineOptions {
 /// layers have a partner (the planner says the same).
 pub(crate) fn early_refusal(asked: usize, capable: usize, late: usize, ring_depth: usize) -> String {
     format!(
-        "{asked} early state uploads asked, but only {capable} of the {late} late-download layers have a partner (a GPU-updated layer that does not download late, at least ring_depth = {ring_depth} layers before it): an early upload goes into the state slot its late partner's download empties in the backward; use more --late-state-downloads or fewer early ones"
+        "{asked} early state uploads asked, but only {capable} of the {late} late-download layers have a partner (a GPU-updated layer that does not download late, at least ring_depth = {ring_depth} layers before it): there are no more state slots than ring_depth + late downloads, and each early layer's slot stays taken in the forward until its state has gone back; use more --late-state-downloads or fewer early ones"
     )
 }
