@@ -359,15 +359,15 @@ pub struct TrainArgs {
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub late_state_downloads: LayerCount,
 
-    /// Of the GPU-updated layers that do not download late, how many (spread evenly) get their
-    /// state for the next step during this step's backward: master and moments go up from the
-    /// loss on into a state slot of their own kept across the step boundary, the gradient is
-    /// copied there on the GPU: 14 B/param of host memory traffic and H2D leave the forward,
-    /// 12 go into the backward, whose H2D is idle when every streamed layer is held (with
-    /// layers that are not, their re-cast uploads queue behind these). Each costs a state slot
-    /// of GPU memory (14-16 B/param). Bitwise the same training. A number, or `auto` = as many
-    /// as the backward's H2D and host memory have room for (0 unless every streamed layer is
-    /// held).
+    /// Of the GPU-updated layers that do not download late, how many get their state for the
+    /// next step during this step's backward: master and moments go up into a state slot once
+    /// it is free (at the loss, or right after a late download), the gradient is copied there on
+    /// the GPU: 14 B/param of host memory traffic and H2D leave the forward, 12 go into the
+    /// backward, whose H2D is idle when every streamed layer is held (with layers that are not,
+    /// their re-cast uploads queue behind these). No GPU memory of their own; at most one per
+    /// late download (each early layer needs a late one at least ring-depth layers after it).
+    /// Bitwise the same training. A number, or `auto` = as many as the backward's H2D and host
+    /// memory have room for (0 unless every streamed layer is held) and that pair.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub early_state_uploads: LayerCount,
 
