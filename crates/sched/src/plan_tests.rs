@@ -675,6 +675,7 @@ fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held(
     let none = plan(&PlanInput { early_state_uploads: Some(0), ..fixed.clone() }).unwrap();
     assert_eq!(none.pcie_h2d_per_step - five.pcie_h2d_per_step, 5 * 2 * ll);
     assert_eq!(none.pcie_d2h_per_step, five.pcie_d2h_per_step);
+    assert_eq!(five.gpu.state_slots, (2 + 5) * 14 * ll + 4 * ll + 2 * 6 * ll);
     assert_eq!(none.gpu.state_slots, five.gpu.state_slots);
     let e = err(&PlanInput { early_state_uploads: Some(6), ..fixed.clone() });
     assert!(

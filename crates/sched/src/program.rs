@@ -276,7 +276,8 @@ pub struct ProgramSpec {
     pub early_ready: bool,
     /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads` when
     /// `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their forward while the late
-    /// ones wait for their backward; the last `early_uploads` slots are the pairs' shared ones).
+    /// ones wait for their backward; the last `early_uploads` slots are the early layers', taken
+    /// by other layers' states in between).
     pub n_state_bufs: usize,
 }
 
@@ -337,9 +338,9 @@ pub fn early_upload_layers(spec: &ProgramSpec) -> Vec<usize> {
 }
 
 /// The `spec.early_uploads` (early-upload layer, late-download layer) pairs, in the early
-/// layers' order: picked evenly among [`slot_pairs_of`] the spec's placement. A late layer's
-/// forward upload comes after its early partner's download, so that the early layers' slots,
-/// taken from the start of the forward, never leave it short of a free one.
+/// layers' order: picked evenly among [`slot_pairs_of`] the spec's placement. The pairing is what
+/// keeps the forward within its state slots (see there); which slot a late layer takes is the
+/// free list's business.
 pub fn early_upload_pairs(spec: &ProgramSpec) -> Vec<(usize, usize)> {
     let all = slot_pairs_of(
         spec.n_layers,
@@ -356,11 +357,14 @@ pub fn early_upload_pairs(spec: &ProgramSpec) -> Vec<(usize, usize)> {
 /// Every pair (early, late) of a placement, in the early layers' order: each late-download
 /// layer (ascending) takes, of the GPU-updated layers that do not download late and are not
 /// taken yet, the one nearest the middle between the previous late layer and itself, at least
-/// `ring_depth` layers before it (its forward fetches state that many layers ahead, and that
-/// fetch must follow the early layer's download); a late layer with none such has no partner.
-/// At most one early upload per late download: at a forward fetch, the early layers not yet
-/// downloaded, the late ones held and the ones in flight then take at most `ring_depth +
-/// late_downloads - 1` state slots.
+/// `ring_depth` layers before it; a late layer with none such has no partner. Why that is
+/// enough: the forward fetches a state `ring_depth` positions ahead of its layer, and an early
+/// layer's slot is free once its download (issued before its forward) is. At the fetch for
+/// position q, a late layer held since (before q) has its early partner at or before
+/// `q - ring_depth`, already downloaded; so the early layers not yet downloaded, the late ones
+/// held and the fetches in flight take at most `early + (late - paired) + ring_depth - 1 <=
+/// ring_depth + late - 1` of the `ring_depth + late` slots, and one is free. (A sufficient
+/// condition, not a necessary one: some placements it refuses would fit.)
 pub fn slot_pairs_of(
     n_layers: usize,
     resident_layers: usize,

@@ -165,12 +165,16 @@ impl Builder {
     }
 
     /// The upload, for the next step, of an early-upload unit's master and moments into its
-    /// slot, after the slot's last download this step (issued after a late one's).
+    /// slot, after the slot's last download this step (issued after a late one's) and after the
+    /// unit's own updated state is back in the record (its download this step, which may have
+    /// gone out of another slot: a step whose early states were not ready fetched it from the
+    /// free list).
     fn early_upload(&mut self, unit: Unit) {
         let buf = self.early_slot[&unit];
         self.occupy(buf, unit);
         let prev = self.last.0.get(&(K_STATE, buf)).copied();
-        let up = self.push(Stream::H2D, Op::UploadMoments { unit, buf }, prev.into_iter().collect());
+        let waits = prev.into_iter().chain(self.update_of.get(&unit).copied()).collect();
+        let up = self.push(Stream::H2D, Op::UploadMoments { unit, buf }, waits);
         self.last.take(K_STATE, buf, up);
     }
 

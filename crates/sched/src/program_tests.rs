@@ -54,7 +54,7 @@ fn spec_held(
 
 fn all_specs() -> Vec<ProgramSpec> {
     let mut v = Vec::new();
-    for l in [1usize, 2, 5, 8] {
+    for l in [1usize, 2, 4, 5, 8] {
         for n in [1, 2, 3, 4] {
             for mode in [OptimMode::Exact, OptimMode::Lean] {
                 for pending in [false, true] {
@@ -68,8 +68,10 @@ fn all_specs() -> Vec<ProgramSpec> {
                             hs.dedup();
                             for h in hs {
                                 v.push(spec_held(l, n, mode, pending, resident, k, h));
-                                // GPU-updated layers (exact mode): one, every streamed one.
-                                let mut gs = vec![1.min(l - k), l - k];
+                                // GPU-updated layers (exact mode): one, three quarters, every
+                                // streamed one.
+                                let mut gs = vec![1.min(l - k), (l - k) * 3 / 4, l - k];
+                                gs.sort_unstable();
                                 gs.dedup();
                                 for g in gs.into_iter().filter(|&g| g > 0 && mode == OptimMode::Exact) {
                                     let s = ProgramSpec {
@@ -200,7 +202,7 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
                 let su = p.instrs[..j].iter().rposition(|x| x.op == Op::UploadState { unit: u, buf });
                 let early = early_upload_layers(&s);
                 if let Some(e) = early.iter().position(|&l| s.early_ready && Unit::Layer(l) == u) {
-                    // Its state went up in the last step's backward, into its own slot.
+                    // Its state went up in the last step's backward, into its early slot.
                     assert_eq!(su, None, "{s:?}: early-upload {u:?} uploaded again");
                     assert_eq!(buf, s.n_state_bufs - s.early_uploads + e, "{s:?}: {u:?}'s slot");
                 } else {
@@ -520,7 +522,7 @@ fn state_slots_are_reused_only_after_their_download() {
     for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0) {
         let p = Program::build(s);
         let anc = ancestors(&p);
-        // An early-upload layer's state is in its own slot from the last step when ready.
+        // An early-upload layer's state is in its early slot from the last step when ready.
         let early = early_upload_layers(&s);
         let own_slot = |e: usize| s.n_state_bufs - s.early_uploads + e;
         let mut occupant: HashMap<usize, Unit> = early
@@ -542,6 +544,14 @@ fn state_slots_are_reused_only_after_their_download() {
             match ins.op {
                 Op::UploadState { buf, unit } | Op::UploadMoments { buf, unit } => {
                     assert!(buf < s.n_state_bufs, "{s:?}");
+                    // An early upload reads the record: after this step's download of the
+                    // unit's own updated state (from whichever slot it went to).
+                    if let (Op::UploadMoments { .. }, Some(&d)) = (&ins.op, download_of.get(&unit)) {
+                        assert!(
+                            anc[i].contains(&d),
+                            "{s:?}: early upload {i} of {unit:?} before its download {d}"
+                        );
+                    }
                     // The state the slot held must be back in its record first.
                     if let Some(prev) = occupant.insert(buf, unit) {
                         let d = *download_of
@@ -555,10 +565,18 @@ fn state_slots_are_reused_only_after_their_download() {
                     n_gpu += 1;
                 }
                 Op::CopyGrad { buf, unit, .. } => {
-                    assert_eq!(
-                        occupant.get(&buf),
-                        Some(&unit),
-                        "{s:?}: gradient copy {i} into a slot {unit:?} is not in"
+                    // It writes the slot's gradient only: the unit's own slot, or one whose late
+                    // state (updated in the forward: its gradient read) waits for its download
+                    // and the unit's upload behind it.
+                    let occupant_now = occupant.get(&buf).copied();
+                    let ok = occupant_now == Some(unit)
+                        || occupant_now.is_some_and(|o| {
+                            let mt_core::Unit::Layer(l) = o else { return false };
+                            is_late_download(&s, l) && download_of.get(&o).is_some_and(|&d| d > i)
+                        });
+                    assert!(
+                        ok,
+                        "{s:?}: gradient copy {i} of {unit:?} into slot {buf} holding {occupant_now:?}"
                     );
                 }
                 Op::DownloadState { buf, unit } => {
@@ -664,6 +682,12 @@ fn early_state_uploads_go_up_in_the_backward_into_their_slot_once_it_is_free() {
             assert!(moments > loss, "{s:?}: layer {l}'s early upload in the forward");
             if let Some(dl) = at(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == u)) {
                 assert!(dl < loss, "{s:?}: layer {l} downloads late");
+                // The record it reads is whole: its own download is waited for (it may have gone
+                // out of another slot).
+                assert!(
+                    p.instrs[moments].waits.contains(&dl),
+                    "{s:?}: {l}'s early upload before its download"
+                );
             }
             // The slot's last download before it: waited for; a late one's just before it.
             let last_dl = (0..moments)
@@ -755,4 +779,35 @@ fn a_program_waiting_on_a_later_instruction_is_refused() {
     p.instrs[0].waits.push(n - 1);
     let err = p.validate().unwrap_err().to_string();
     assert!(err.contains("instruction 0") && err.contains("not earlier"), "{err}");
+}
+
+/// A step whose early states are not ready (the first with an update pending after a failure, or
+/// on a store left with one) fetches an early layer's state from the free list, into a slot
+/// other than its early one: its early upload must still come after that download, or it would
+/// send the record's master and moments from before the update (found in review: 4 layers, all
+/// held, 3 GPU-updated, 2 late, 1 early).
+#[test]
+fn an_early_upload_reads_the_record_after_its_own_download_from_another_slot() {
+    let s = ProgramSpec {
+        gpu_updated: 3,
+        late_downloads: 2,
+        early_uploads: 1,
+        early_ready: false,
+        n_state_bufs: 4,
+        ..spec_held(4, 2, OptimMode::Exact, true, false, 0, 4)
+    };
+    let p = Program::build(s);
+    let anc = ancestors(&p);
+    let [early] = early_upload_layers(&s)[..] else { panic!("{s:?}: one early layer") };
+    let u = Unit::Layer(early);
+    let find = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op)).unwrap();
+    let dl = find(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == u));
+    let up = find(&|o| matches!(*o, Op::UploadMoments { unit, .. } if unit == u));
+    let (Op::DownloadState { buf: from, .. }, Op::UploadMoments { buf: to, .. }) =
+        (&p.instrs[dl].op, &p.instrs[up].op)
+    else {
+        unreachable!()
+    };
+    assert_ne!(from, to, "the case needs the state to have gone out of another slot");
+    assert!(anc[up].contains(&dl), "early upload {up} of {u:?} may run before its download {dl}");
 }

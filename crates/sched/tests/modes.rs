@@ -463,9 +463,11 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
     );
     let err = refused(EngineOptions { early_state_uploads: 1, ..all_held.clone() });
     assert!(
-        err.contains("only 0 of the 0 late-download layers") && err.contains("--late-state-downloads"),
+        err.contains("no layer downloads its state late") && err.contains("--late-state-downloads"),
         "{err}"
     );
+    let err = refused(EngineOptions { early_state_uploads: 1, mode: OptimMode::Lean, ..golden_opts() });
+    assert!(err.contains("lean mode has none"), "{err}");
     // The gradient an early upload copies on the device is the bf16 twin device narrowing makes.
     let err = refused(EngineOptions {
         late_state_downloads: 2,

@@ -176,6 +176,11 @@ impl EngineOptions {
                 self.late_state_downloads, self.gpu_updated_layers, self.held_layers
             )));
         }
+        if self.early_state_uploads > 0 && self.mode != OptimMode::Exact {
+            return Err(Error::Options(
+                "early state uploads are GPU-updated layers' uploads of exact mode's pending update; lean mode has none: use --early-state-uploads 0 with lean mode".into(),
+            ));
+        }
         let early_capable = crate::program::slot_pairs_of(
             layout.n_layers,
             self.resident_layers,
@@ -211,6 +216,11 @@ impl EngineOptions {
 /// Why `asked` early state uploads are refused when only `capable` of the `late` late-download
 /// layers have a partner (the planner says the same).
 pub(crate) fn early_refusal(asked: usize, capable: usize, late: usize, ring_depth: usize) -> String {
+    if late == 0 {
+        return format!(
+            "{asked} early state uploads asked, but no layer downloads its state late: each early upload needs a late-download layer (a held GPU-updated one) at least ring_depth = {ring_depth} layers after it, as there are no more state slots than ring_depth + late downloads; use --late-state-downloads (with --held-layers and --gpu-updated-layers) or --early-state-uploads 0"
+        );
+    }
     format!(
         "{asked} early state uploads asked, but only {capable} of the {late} late-download layers have a partner (a GPU-updated layer that does not download late, at least ring_depth = {ring_depth} layers before it): there are no more state slots than ring_depth + late downloads, and each early layer's slot stays taken in the forward until its state has gone back; use more --late-state-downloads or fewer early ones"
     )
