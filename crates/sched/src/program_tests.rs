@@ -79,8 +79,11 @@ fn all_specs() -> Vec<ProgramSpec> {
                                         n_state_bufs: n,
                                         ..spec_held(l, n, mode, pending, resident, k, h)
                                     };
-                                    // Late downloads: none, one, every held GPU-updated layer.
-                                    let mut ds = vec![0, 1, held_gpu_updated(&s).len()];
+                                    // Late downloads: none, one, all but one, every held GPU-updated
+                                    // layer.
+                                    let held_gpu = held_gpu_updated(&s).len();
+                                    let mut ds = vec![0, 1, held_gpu.saturating_sub(1), held_gpu];
+                                    ds.sort_unstable();
                                     ds.dedup();
                                     for d in ds.into_iter().filter(|&d| d <= held_gpu_updated(&s).len()) {
                                         let s = ProgramSpec { late_downloads: d, n_state_bufs: n + d, ..s };
@@ -572,7 +575,10 @@ fn state_slots_are_reused_only_after_their_download() {
                     let ok = occupant_now == Some(unit)
                         || occupant_now.is_some_and(|o| {
                             let mt_core::Unit::Layer(l) = o else { return false };
-                            is_late_download(&s, l) && download_of.get(&o).is_some_and(|&d| d > i)
+                            let updated = p.instrs[..i]
+                                .iter()
+                                .any(|x| matches!(x.op, Op::UpdateStreamed { unit, .. } if unit == o));
+                            is_late_download(&s, l) && updated && download_of.get(&o).is_some_and(|&d| d > i)
                         });
                     assert!(
                         ok,
