@@ -178,7 +178,15 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
             // GPU-updated layers' master and moments come back during the forward (the late
             // ones' during the backward).
             let fwd_d2h = (12 * (p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64;
-            let pcie_fwd_s = (p.pcie_h2d_per_step as f64 - bwd_h2d).max(fwd_d2h) / (args.pcie_gbs * 1e9);
+            // Their state goes up beside the host's pass, slower than weights alone (the
+            // planner's `STATE_UPLOAD_GBS` of its `PCIE_GBS`): master, m, v and the stored
+            // gradient of each not uploaded early.
+            let state_up =
+                ((p.gpu_updated_layers - p.early_state_uploads) * layout.layer.len) as f64 * (12.0 + b.grad);
+            let state_gbs = args.pcie_gbs * mt_sched::plan::STATE_UPLOAD_GBS / mt_sched::plan::PCIE_GBS;
+            let fwd_h2d_s = (p.pcie_h2d_per_step as f64 - bwd_h2d - state_up) / (args.pcie_gbs * 1e9)
+                + state_up / (state_gbs * 1e9);
+            let pcie_fwd_s = fwd_h2d_s.max(fwd_d2h / (args.pcie_gbs * 1e9));
             let pcie_bwd_s = bwd_h2d.max(p.pcie_d2h_per_step as f64 - fwd_d2h) / (args.pcie_gbs * 1e9);
             fwd_s.max(host_update_s).max(pcie_fwd_s) + bwd_s.max(host_backward_s).max(pcie_bwd_s)
         }
@@ -391,6 +399,11 @@ mod tests {
         let backward = (n * 4.0 + d * 12.0 + x * 12.0) / 140e9;
         assert!((early.host_s - early.host_update_s - backward).abs() < 1e-9);
         assert!(early.step_s < late.step_s, "{} vs {}", early.step_s, late.step_s);
+        // More GPU-updated layers move more state up in the forward, beside the host's pass, at
+        // the planner's slower state-upload rate: 17 ranks behind the planner's 14, as measured
+        // (`results/2026-11-24-shared-state-slots-h200/`: 242.5 vs 256.4-263.3).
+        let n17 = estimate_3_6b(&[&on_time[..4], &["--gpu-updated-layers", "17"]].concat());
+        assert!(n17.step_s > early.step_s, "{} vs {}", n17.step_s, early.step_s);
         assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
         assert!(streamed.step_s > all.step_s);
         // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read
