@@ -63,8 +63,6 @@ struct Builder {
     /// The early-upload units' slots (the last `early_uploads`): where their state for the next
     /// step goes up in the backward, and where the next forward finds it.
     early_slot: std::collections::HashMap<Unit, usize>,
-    /// Whether the early uploads go up in this step (exact mode).
-    early_uploads: bool,
 }
 
 impl Builder {
@@ -249,13 +247,12 @@ impl Program {
             early_slot: (pairs.iter().enumerate())
                 .map(|(i, &(e, _))| (Unit::Layer(e), spec.n_state_bufs - spec.early_uploads + i))
                 .collect(),
-            early_uploads: spec.mode == OptimMode::Exact,
         };
+        // Whether the early uploads go up in this step (exact mode).
+        let early_uploads = spec.mode == OptimMode::Exact;
         if spec.early_ready && exact_update {
             // The last step's early uploads: their slots are free once their state has gone back.
-            for (i, &(e, _)) in pairs.iter().enumerate() {
-                b.occupant.insert(spec.n_state_bufs - spec.early_uploads + i, Unit::Layer(e));
-            }
+            b.occupant.extend(b.early_slot.iter().map(|(&unit, &buf)| (buf, unit)));
             b.free_states.truncate(spec.n_state_bufs - spec.early_uploads);
         }
         let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
@@ -328,7 +325,7 @@ impl Program {
                 // The backward's H2D is free from here (every streamed layer held): the early
                 // uploads whose slot is empty go now, in the next forward's order; the others
                 // right after the download of the late layer whose state is there.
-                if b.early_uploads {
+                if early_uploads {
                     for &(e, _) in &pairs {
                         let unit = Unit::Layer(e);
                         match b.occupant.get(&b.early_slot[&unit]).copied() {
@@ -405,7 +402,7 @@ impl Program {
             if let Slot::Ring(r) = slot {
                 b.last.take(K_SLOT, r, bwd);
             }
-            if let (Some(&buf), true) = (b.early_slot.get(&unit), b.early_uploads) {
+            if let (Some(&buf), true) = (b.early_slot.get(&unit), early_uploads) {
                 // The gradient the land stores, for the next step's update (compute order: after
                 // this step's update read the slot's previous one).
                 b.push(Stream::Compute, Op::CopyGrad { unit, grad_buf, buf }, vec![]);
