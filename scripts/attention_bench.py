@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Our flash attention kernels (kernels/flash_attn.cu) against PyTorch SDPA, on one GPU, one run.
+
+The kernels are compiled with NVRTC through CuPy from the same source and prelude as the engine
+(crates/layers/src/cuda_kernels/flash.rs: kernels/common.cuh, then kernels/flash_attn.cu; the
+same launch geometry and shared-memory sizes), so what is timed here is what the engine runs.
+
+  check:  output, LSE, dQ, dK, dV against an f32 reference (SDPA's f32 path on upcast inputs,
+          K/V repeated to the query heads; per document for packed sequences): relative L2 and
+          max relative error, and a second backward compared bit for bit (determinism).
+  bench:  forward and backward time of ours and of each SDPA backend torch has here (flash,
+          cuDNN, efficient), causal, bf16, at each sequence length and head layout; TFLOP/s with
+          the causal FLOPs: forward 2*B*NH*S^2*HD, backward 2.5x that.
+
+Writes one JSON document (schema below) to --out and prints a table. Needs torch and cupy.
+
+  python3 scripts/attention_bench.py --out results.json [--seqs 4096,16384,65536,131072]
+      [--heads 28:4,32:8] [--check-seqs 4096,32768] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA_VERSION = 1
+FWD_FLOPS = "2*B*NH*S^2*HD (causal)"
+BWD_FLOPS = "2.5 x forward"
+
+
+def kernels_source() -> str:
+    common = (ROOT / "kernels" / "common.cuh").read_text()
+    flash = (ROOT / "kernels" / "flash_attn.cu").read_text()
+    return f'#line 1 "common.cuh"\n{common}\n#line 1 "flash_attn.cu"\n{flash}'
+
+
+class Ours:
+    """The four kernels, launched as the engine launches them."""
+
+    THREADS = 128
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+        self.mod = cupy.RawModule(code=kernels_source(), options=("--std=c++17", "-arch=compute_90"))
+        self.fns = {}
+
+    def fn(self, name: str, smem: int):
+        k = self.fns.get(name)
+        if k is None:
+            k = self.mod.get_function(name)
+            self.fns[name] = k
+        if smem > 48 * 1024:
+            k.max_dynamic_shared_size_bytes = smem
+        return k
+
+    @staticmethod
+    def smem(hd: int) -> dict:
+        return {"fwd": hd * 768, "dkdv": hd * 768 + 1024, "dq": hd * 768}
+
+    def ptr(self, t):
+        import numpy
+
+        return numpy.uint64(t.data_ptr())
+
+    def forward(self, q, k, v, seg_lo=None):
+        import numpy
+        import torch
+
+        b, t, nh, hd = q.shape
+        nkv = k.shape[2]
+        o = torch.empty_like(q)
+        lse = torch.empty((b, nh, t), dtype=torch.float32, device=q.device)
+        scale = 1.0 / math.sqrt(hd)
+        sm = self.smem(hd)["fwd"]
+        f = self.fn(f"mt_flash_fwd_hd{hd}", sm)
+        lo = self.ptr(seg_lo) if seg_lo is not None else numpy.uint64(0)
+        f(
+            ((t + 127) // 128, nh, b),
+            (self.THREADS,),
+            (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(o), self.ptr(lse), lo,
+             numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale * math.log2(math.e))),
+            shared_mem=sm,
+        )
+        return o, lse
+
+    def backward(self, q, k, v, o, lse, do, seg_lo=None, seg_hi=None):
+        import numpy
+        import torch
+
+        b, t, nh, hd = q.shape
+        nkv = k.shape[2]
+        scale = 1.0 / math.sqrt(hd)
+        sl2 = scale * math.log2(math.e)
+        d = torch.empty((b, nh, t), dtype=torch.float32, device=q.device)
+        rows = b * t * nh
+        self.fn("mt_flash_bwd_dot", 0)(
+            ((rows + 3) // 4,), (self.THREADS,),
+            (self.ptr(do), self.ptr(o), self.ptr(d), numpy.int32(t), numpy.int32(nh), numpy.int32(hd),
+             numpy.int64(rows)),
+        )
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        lo = self.ptr(seg_lo) if seg_lo is not None else numpy.uint64(0)
+        hi = self.ptr(seg_hi) if seg_hi is not None else numpy.uint64(0)
+        sm = self.smem(hd)
+        self.fn(f"mt_flash_bwd_dkdv_hd{hd}", sm["dkdv"])(
+            ((t + 63) // 64, nkv, b), (self.THREADS,),
+            (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(do), self.ptr(lse), self.ptr(d), self.ptr(dk),
+             self.ptr(dv), lo, hi, numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale),
+             numpy.float32(sl2)),
+            shared_mem=sm["dkdv"],
+        )
+        self.fn(f"mt_flash_bwd_dq_hd{hd}", sm["dq"])(
+            ((t + 63) // 64, nh, b), (self.THREADS,),
+            (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(do), self.ptr(lse), self.ptr(d), self.ptr(dq), lo,
+             numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale), numpy.float32(sl2)),
+            shared_mem=sm["dq"],
+        )
+        return dq, dk, dv
+
+
+def reference(q, k, v, do, docs=None):
+    """f32 attention and gradients, [b, t, heads, hd] in and out, through SDPA's f32 path."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2).detach().requires_grad_()
+    kf = k.float().transpose(1, 2).detach().requires_grad_()
+    vf = v.float().transpose(1, 2).detach().requires_grad_()
+    ke, ve = kf.repeat_interleave(g, dim=1), vf.repeat_interleave(g, dim=1)
+    dof = do.float().transpose(1, 2)
+    # The memory-efficient backend takes f32 and keeps O(s) memory (the math one would need s x s).
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        if docs is None:
+            o = F.scaled_dot_product_attention(qf, ke, ve, is_causal=True)
+        else:
+            parts = [F.scaled_dot_product_attention(qf[:, :, s:e], ke[:, :, s:e], ve[:, :, s:e], is_causal=True)
+                     for s, e in docs]
+            o = torch.cat(parts, dim=2)
+        o.backward(dof)
+    return o.transpose(1, 2), None, qf.grad.transpose(1, 2), kf.grad.transpose(1, 2), vf.grad.transpose(1, 2)
+
+
+def errs(got, want):
+    g, w = got.float(), want.float()
+    rel_l2 = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+    max_rel = ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+    finite = bool(torch_isfinite(g))
+    return {"rel_l2": rel_l2, "max_abs_over_max_ref": max_rel, "finite": finite}
+
+
+def torch_isfinite(x):
+    import torch
+
+    return torch.isfinite(x).all().item()
+
+
+def check(ours, s, nh, nkv, hd, docs_n, seed):
+    import torch
+
+    torch.manual_seed(seed)
+    dev = "cuda"
+    q = torch.randn(1, s, nh, hd, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, s, nkv, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, s, nkv, hd, device=dev, dtype=torch.bfloat16)
+    do = torch.randn(1, s, nh, hd, device=dev, dtype=torch.bfloat16)
+    docs, lo, hi = None, None, None
+    if docs_n:
+        cuts = sorted(torch.randperm(s - 1)[: docs_n - 1].add(1).tolist())
+        bounds = [0] + cuts + [s]
+        docs = list(zip(bounds[:-1], bounds[1:]))
+        lo = torch.empty(s, dtype=torch.int32)
+        hi = torch.empty(s, dtype=torch.int32)
+        for a, b in docs:
+            lo[a:b], hi[a:b] = a, b
+        lo, hi = lo.to(dev), hi.to(dev)
+    o, lse = ours.forward(q, k, v, lo)
+    dq, dk, dv = ours.backward(q, k, v, o, lse, do, lo, hi)
+    dq2, dk2, dv2 = ours.backward(q, k, v, o, lse, do, lo, hi)
+    torch.cuda.synchronize()
+    det = bool(torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2))
+    ro, _, rdq, rdk, rdv = reference(q, k, v, do, docs)
+    # LSE reference from the f32 scores, a row block at a time (whole rows only where s is small).
+    res = {
+        "seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "documents": docs_n or 1,
+        "o": errs(o, ro), "dq": errs(dq, rdq), "dk": errs(dk, rdk), "dv": errs(dv, rdv),
+        "backward_bitwise_repeatable": det,
+    }
+    if s <= 8192 and not docs_n:
+        qf, kf = q.float().transpose(1, 2), k.float().transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+        sc = (qf @ kf.transpose(-1, -2)) / math.sqrt(hd)
+        sc = sc.masked_fill(torch.ones(s, s, device=dev, dtype=torch.bool).triu(1), float("-inf"))
+        rl = torch.logsumexp(sc, dim=-1)
+        res["lse"] = errs(lse, rl)
+        del sc
+    return res
+
+
+def time_ms(fn, reps):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench(ours, s, nh, nkv, hd, reps):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    q = torch.randn(1, s, nh, hd, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, s, nkv, hd, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, s, nkv, hd, device=dev, dtype=torch.bfloat16)
+    do = torch.randn(1, s, nh, hd, device=dev, dtype=torch.bfloat16)
+    fwd_flops = 2.0 * nh * s * s * hd
+    out = {"seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "systems": {}}
+
+    o, lse = ours.forward(q, k, v)
+    t_f = time_ms(lambda: ours.forward(q, k, v), reps)
+    t_b = time_ms(lambda: ours.backward(q, k, v, o, lse, do), reps)
+    out["systems"]["ours"] = entry(t_f, t_b, fwd_flops, "ok")
+    del o, lse
+
+    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, do))
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            gqa = "enable_gqa"
+            kk, vv = kt, vt
+            try:
+                with sdpa_kernel([be]):
+                    F.scaled_dot_product_attention(qt, kk, vv, is_causal=True, enable_gqa=True)
+            except Exception:
+                gqa = "kv repeated"
+                kk, vv = kt.repeat_interleave(nh // nkv, 1), vt.repeat_interleave(nh // nkv, 1)
+            kw = {"enable_gqa": True} if gqa == "enable_gqa" else {}
+            qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kk, vv))
+            with sdpa_kernel([be]):
+                t_f = time_ms(lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, **kw), reps)
+                ot = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, **kw)
+                t_b = time_ms(lambda: torch.autograd.grad(ot, (qg, kg, vg), dot, retain_graph=True), reps)
+            out["systems"][name] = entry(t_f, t_b, fwd_flops, "ok", gqa)
+            del ot, qg, kg, vg
+        except Exception as e:  # a backend torch lacks here, or out of memory
+            out["systems"][name] = {"status": "failed", "reason": str(e).splitlines()[0][:300]}
+        torch.cuda.empty_cache()
+    return out
+
+
+def entry(t_f, t_b, fwd_flops, status, gqa=None):
+    e = {
+        "status": status,
+        "fwd_ms": t_f,
+        "bwd_ms": t_b,
+        "fwd_tflops": fwd_flops / t_f / 1e9,
+        "bwd_tflops": 2.5 * fwd_flops / t_b / 1e9,
+        "fwd_bwd_tflops": 3.5 * fwd_flops / (t_f + t_b) / 1e9,
+    }
+    if gqa:
+        e["gqa"] = gqa
+    return e
+
+
+def machine():
+    import torch
+
+    gpu = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        smi = None
+    return {"hostname": platform.node(), "gpu": gpu.name, "sm_count": gpu.multi_processor_count,
+            "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seqs", default="4096,16384,65536,131072")
+    p.add_argument("--heads", default="28:4,32:8", help="NH:NKV pairs, head dim 128")
+    p.add_argument("--check-seqs", default="4096,32768")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--skip-bench", action="store_true")
+    a = p.parse_args()
+
+    import torch
+
+    ours = Ours()
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "suite": "attention",
+        "machine": machine(),
+        "commit": os.environ.get("MT_COMMIT"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "flops": {"forward": FWD_FLOPS, "backward": BWD_FLOPS},
+        "checks": [],
+        "bench": [],
+    }
+    heads = [tuple(int(x) for x in h.split(":")) for h in a.heads.split(",")]
+    for s in [int(x) for x in a.check_seqs.split(",") if x]:
+        for nh, nkv, hd, docs in ((28, 4, 128, 0), (32, 8, 128, 0), (8, 2, 64, 0), (28, 4, 128, 7)):
+            r = check(ours, s, nh, nkv, hd, docs, seed=s + nh)
+            doc["checks"].append(r)
+            print(f"check s={s} nh={nh} nkv={nkv} hd={hd} docs={r['documents']}: "
+                  + " ".join(f"{n} {r[n]['rel_l2']:.2e}/{r[n]['max_abs_over_max_ref']:.2e}"
+                             for n in ("o", "dq", "dk", "dv"))
+                  + (f" lse {r['lse']['rel_l2']:.1e}" if "lse" in r else "")
+                  + f" repeatable={r['backward_bitwise_repeatable']}", flush=True)
+            torch.cuda.empty_cache()
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    if not a.skip_bench:
+        for s in [int(x) for x in a.seqs.split(",") if x]:
+            for nh, nkv in heads:
+                reps = a.reps if s <= 16384 else max(2, a.reps // 2)
+                r = bench(ours, s, nh, nkv, 128, reps)
+                doc["bench"].append(r)
+                line = f"bench s={s} {nh}/{nkv}:"
+                for name, e in r["systems"].items():
+                    if e["status"] == "ok":
+                        line += f" {name} {e['fwd_tflops']:.0f}/{e['bwd_tflops']:.0f}/{e['fwd_bwd_tflops']:.0f}"
+                    else:
+                        line += f" {name} failed"
+                print(line, flush=True)
+                Path(a.out).write_text(json.dumps(doc, indent=1))
+                torch.cuda.empty_cache()
+    Path(a.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
