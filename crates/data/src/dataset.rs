@@ -72,6 +72,9 @@ pub struct TokenBatch {
     pub input_ids: Vec<u32>,
     /// The token each position must predict, or [`IGNORE_INDEX`] (`-100`), `[batch, seq]`.
     pub targets: Vec<i64>,
+    /// Each token's position within its sample, `[batch, seq]`: packed samples restart at 0, so
+    /// each is a document of its own (transformers' `position_ids` for packed SFT).
+    pub positions: Vec<u32>,
 }
 
 impl TokenBatch {
@@ -273,14 +276,15 @@ impl Dataset {
     pub fn train_batch(&self, step: u64, batch: usize) -> TokenBatch {
         let seq = self.opts.seq_len;
         let mut input_ids = Vec::with_capacity(batch * seq);
+        let mut positions = Vec::with_capacity(batch * seq);
         let mut targets = Vec::with_capacity(batch * seq);
         let first = u128::from(step) * batch as u128;
         for j in 0..batch {
             let (epoch, pos) = self.locate(first + j as u128);
             let k = if self.opts.shuffle { self.epoch_order(epoch)[pos] } else { pos };
-            self.train.write(k, &mut input_ids, &mut targets);
+            self.train.write(k, &mut input_ids, &mut positions, &mut targets);
         }
-        TokenBatch { batch, seq, input_ids, targets }
+        TokenBatch { batch, seq, input_ids, targets, positions }
     }
 
     /// All eval sequences in order, `batch` per batch (the last batch may be smaller; `batch` 0
@@ -292,11 +296,11 @@ impl Dataset {
             .step_by(batch)
             .map(|start| {
                 let end = (start + batch).min(self.eval.len());
-                let (mut input_ids, mut targets) = (Vec::new(), Vec::new());
+                let (mut input_ids, mut positions, mut targets) = (Vec::new(), Vec::new(), Vec::new());
                 for k in start..end {
-                    self.eval.write(k, &mut input_ids, &mut targets);
+                    self.eval.write(k, &mut input_ids, &mut positions, &mut targets);
                 }
-                TokenBatch { batch: end - start, seq, input_ids, targets }
+                TokenBatch { batch: end - start, seq, input_ids, targets, positions }
             })
             .collect()
     }

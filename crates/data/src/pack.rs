@@ -8,12 +8,13 @@ pub const IGNORE_INDEX: i64 = -100;
 /// Token id of padding.
 pub const PAD_ID: u32 = 0;
 
-/// Packed sequences of `seq_len` tokens, stored flat: the ids and, per position, whether it
-/// predicts the next position's token.
+/// Packed sequences of `seq_len` tokens, stored flat: the ids, each token's position within its
+/// sample and, per position, whether it predicts the next position's token.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Packed {
     seq_len: usize,
     ids: Vec<u32>,
+    positions: Vec<u32>,
     predicts: Vec<bool>,
     n_targets: u64,
 }
@@ -22,7 +23,9 @@ impl Packed {
     /// Packs `samples` in the given order. With `pack`, a sample goes into the current sequence if
     /// it fits in the space left, else it starts a new one; without, every sample starts a new
     /// sequence. The rest of a sequence is padding ([`PAD_ID`], never a target). Samples must not
-    /// be longer than `seq_len`.
+    /// be longer than `seq_len`. Positions count from 0 at each sample's first token (so each
+    /// sample of a packed sequence is a document of its own); padding continues the last
+    /// sample's count (it is never a target, and no earlier token sees it).
     pub(crate) fn pack<'a>(
         samples: impl IntoIterator<Item = &'a Sample>,
         seq_len: usize,
@@ -36,10 +39,16 @@ impl Packed {
             if !pack || used + n > seq_len {
                 p.ids.resize(p.ids.len() + seq_len, PAD_ID);
                 p.predicts.resize(p.predicts.len() + seq_len, false);
+                p.positions.resize(p.positions.len() + seq_len, 0);
                 used = 0;
             }
             let base = p.ids.len() - seq_len + used;
             p.ids[base..base + n].copy_from_slice(&s.ids);
+            // This sample's positions from 0, and the padding after it continuing them.
+            let row_end = p.ids.len();
+            for (k, pos) in p.positions[base..row_end].iter_mut().enumerate() {
+                *pos = k as u32;
+            }
             for k in 0..n.saturating_sub(1) {
                 if s.is_target[k + 1] {
                     p.predicts[base + k] = true;
@@ -61,12 +70,19 @@ impl Packed {
         self.n_targets
     }
 
-    /// Appends sequence `k`'s ids and targets (`ids[t + 1]` where position `t` predicts, else
-    /// [`IGNORE_INDEX`]).
-    pub(crate) fn write(&self, k: usize, ids: &mut Vec<u32>, targets: &mut Vec<i64>) {
+    /// Appends sequence `k`'s ids, positions and targets (`ids[t + 1]` where position `t`
+    /// predicts, else [`IGNORE_INDEX`]).
+    pub(crate) fn write(
+        &self,
+        k: usize,
+        ids: &mut Vec<u32>,
+        positions: &mut Vec<u32>,
+        targets: &mut Vec<i64>,
+    ) {
         let r = k * self.seq_len..(k + 1) * self.seq_len;
-        let (seq_ids, predicts) = (&self.ids[r.clone()], &self.predicts[r]);
+        let (seq_ids, predicts) = (&self.ids[r.clone()], &self.predicts[r.clone()]);
         ids.extend_from_slice(seq_ids);
+        positions.extend_from_slice(&self.positions[r]);
         targets.extend(predicts.iter().enumerate().map(|(t, &p)| {
             // `predicts[t]` is only set when `t + 1` is in the same sample, so inside the sequence.
             if p {
@@ -89,9 +105,19 @@ mod tests {
     fn rows(p: &Packed) -> Vec<(Vec<u32>, Vec<i64>)> {
         (0..p.len())
             .map(|k| {
-                let (mut ids, mut tg) = (Vec::new(), Vec::new());
-                p.write(k, &mut ids, &mut tg);
+                let (mut ids, mut pos, mut tg) = (Vec::new(), Vec::new(), Vec::new());
+                p.write(k, &mut ids, &mut pos, &mut tg);
                 (ids, tg)
+            })
+            .collect()
+    }
+
+    fn positions(p: &Packed) -> Vec<Vec<u32>> {
+        (0..p.len())
+            .map(|k| {
+                let (mut ids, mut pos, mut tg) = (Vec::new(), Vec::new(), Vec::new());
+                p.write(k, &mut ids, &mut pos, &mut tg);
+                pos
             })
             .collect()
     }
@@ -112,6 +138,8 @@ mod tests {
             ]
         );
         assert_eq!(p.n_targets(), 2 + 1 + 3 + 1);
+        // Each sample counts its positions from 0; padding continues the last sample's.
+        assert_eq!(positions(&p), [vec![0, 1, 2, 0, 1, 2], vec![0, 1, 2, 3, 0, 1], vec![0, 1, 2, 3, 4, 5]]);
     }
 
     #[test]

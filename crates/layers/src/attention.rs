@@ -1,4 +1,7 @@
-//! Causal grouped-query attention (transformers' eager path) with its backward.
+//! Causal grouped-query attention with its backward: the materialised scores of transformers'
+//! eager path (every device), or flash attention (`kernels/flash_attn.cu`: bf16 on CUDA, O(t)
+//! memory, for head dims 16, 32, 64, 128). Packed documents (`Docs`) mask keys outside a
+//! query's document on both paths.
 //!
 //! Layout trick for GQA: query head `i` uses key/value head `i / g` (`g = nh / nkv`), so the
 //! `nh` query heads are viewed as `[nkv, g]` and the `g` heads of a group are stacked along the
@@ -9,6 +12,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::ops::{stat_dtype, swap12};
+use crate::positions::Docs;
 use crate::Result;
 
 /// Shapes of one attention call.
@@ -29,33 +33,48 @@ impl Dims {
 
 /// What the backward needs from the forward.
 #[derive(Debug)]
-pub(crate) struct AttnCache {
-    /// Queries `[b, nkv, g·t, hd]`, compute dtype.
-    q: Tensor,
-    /// Keys `[b, nkv, t, hd]`.
-    k: Tensor,
-    /// Values `[b, nkv, t, hd]`.
-    v: Tensor,
-    /// The attention probabilities, `[b, nkv, g·t, t]`.
-    p: Probs,
+pub(crate) enum AttnCache {
+    /// The materialised path.
+    Dense {
+        /// Queries `[b, nkv, g·t, hd]`, compute dtype.
+        q: Tensor,
+        /// Keys `[b, nkv, t, hd]`.
+        k: Tensor,
+        /// Values `[b, nkv, t, hd]`.
+        v: Tensor,
+        /// The attention probabilities, `[b, nkv, g·t, t]`.
+        p: Probs,
+    },
+    /// Flash attention: the inputs as they came (`q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]`),
+    /// the output `o: [b, t, nh, hd]` and each row's log-sum-exp (f32 `[b, nh, t]`); the
+    /// backward recomputes the probabilities tile by tile.
+    #[cfg(feature = "cuda")]
+    Flash { q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor },
 }
 
 impl AttnCache {
-    /// Bytes of its tensors.
+    /// Bytes of its tensors, but for the flash path's output, which is the layer's attention
+    /// output (the decoder counts it).
     pub(crate) fn bytes(&self) -> u64 {
         let t = |x: &Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
-        let p = match &self.p {
-            Probs::Full(p) => t(p),
+        match self {
+            AttnCache::Dense { q, k, v, p } => {
+                let p = match p {
+                    Probs::Full(p) => t(p),
+                    #[cfg(feature = "cuda")]
+                    Probs::Fused { s, pb, stats } => t(s) + t(pb) + t(stats),
+                };
+                t(q) + t(k) + t(v) + p
+            }
             #[cfg(feature = "cuda")]
-            Probs::Fused { s, pb, stats } => t(s) + t(pb) + t(stats),
-        };
-        t(&self.q) + t(&self.k) + t(&self.v) + p
+            AttnCache::Flash { q, k, v, lse, .. } => t(q) + t(k) + t(v) + t(lse),
+        }
     }
 }
 
-/// How the forward keeps the probabilities for the backward.
+/// How the materialised forward keeps the probabilities for the backward.
 #[derive(Debug)]
-enum Probs {
+pub(crate) enum Probs {
     /// In the statistics dtype (the candle path).
     Full(Tensor),
     /// The fused bf16 CUDA path (`kernels/softmax.cu`) keeps the raw bf16 scores `s = q kᵀ`,
@@ -87,15 +106,31 @@ fn softmax_last(s: &Tensor) -> Result<Tensor> {
     Ok(e.broadcast_div(&z)?)
 }
 
-/// Forward. `q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]` (after RoPE), compute dtype.
+/// Forward. `q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]` (after RoPE), compute dtype; `flash`
+/// takes the flash path where it applies (`crate::flash_attention`), else the materialised one:
 /// `scores = q kᵀ` in the compute dtype, cast to the statistics dtype and scaled there by
 /// `hd^-1/2` (one rounding, as the fused kernel; transformers' eager path scales in the compute
-/// dtype, rounding twice), causal mask, softmax in the statistics dtype, probabilities cast back,
-/// `o = P v`. On the candle path the scaled scores (and in the backward `c P`) are one more
-/// statistics-dtype temporary of the scores' size.
+/// dtype, rounding twice), causal (and document) mask, softmax in the statistics dtype,
+/// probabilities cast back, `o = P v`. On the candle path the scaled scores (and in the backward
+/// `c P`) are one more statistics-dtype temporary of the scores' size.
 /// Returns `o: [b, t, nh·hd]`.
-pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Tensor, AttnCache)> {
+pub(crate) fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d: Dims,
+    docs: Option<&Docs>,
+    flash: bool,
+) -> Result<(Tensor, AttnCache)> {
     let Dims { b, t, nh, nkv, hd } = d;
+    #[cfg(feature = "cuda")]
+    if flash && crate::flash_attention(q.device(), q.dtype(), hd) {
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let (o, lse) = crate::cuda_kernels::flash_forward(&q, &k, &v, docs.map(Docs::bounds))?;
+        let out = o.reshape((b, t, nh * hd))?;
+        return Ok((out, AttnCache::Flash { q, k, v, o, lse }));
+    }
+    let _ = flash;
     let dtype = q.dtype();
     let sd = stat_dtype(dtype);
     let g = d.g();
@@ -105,20 +140,28 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Te
     let scale = 1.0 / (hd as f64).sqrt();
     #[cfg(feature = "cuda")]
     if crate::cuda_kernels::applies(&q) {
-        // One fused kernel for scale, mask and softmax (kernels/softmax.cu), bf16 out.
-        let s = q.matmul(&k.t()?)?;
+        // One fused kernel for scale, causal mask and softmax (kernels/softmax.cu), bf16 out;
+        // keys of other documents get -inf scores first.
+        let mut s = q.matmul(&k.t()?)?;
+        if let Some(docs) = docs {
+            let m = docs.mask(dtype)?;
+            s = s.reshape((b, nkv, g, t, t))?.broadcast_add(&m)?.reshape((b, nkv, g * t, t))?;
+        }
         let (pb, stats) = crate::cuda_kernels::causal_softmax(&s, scale)?;
         let o = swap12(&pb.matmul(&v)?.reshape((b, nh, t, hd))?)?.reshape((b, t, nh * hd))?;
-        return Ok((o, AttnCache { q, k, v, p: Probs::Fused { s, pb, stats } }));
+        return Ok((o, AttnCache::Dense { q, k, v, p: Probs::Fused { s, pb, stats } }));
     }
     // The scale is applied in the statistics dtype, one rounding, as the fused kernel does.
     let s = (q.matmul(&k.t()?)?.to_dtype(sd)? * scale)?;
-    let mask = causal_mask(t, sd, q.device())?;
-    let s = s.reshape((b, nkv, g, t, t))?.broadcast_add(&mask)?.reshape((b, nkv, g * t, t))?;
-    let p = softmax_last(&s)?;
+    let s = s.reshape((b, nkv, g, t, t))?;
+    let s = match docs {
+        Some(docs) => s.broadcast_add(&docs.mask(sd)?)?,
+        None => s.broadcast_add(&causal_mask(t, sd, q.device())?)?,
+    };
+    let p = softmax_last(&s.reshape((b, nkv, g * t, t))?)?;
     let o = p.to_dtype(dtype)?.matmul(&v)?;
     let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-    Ok((o, AttnCache { q, k, v, p: Probs::Full(p) }))
+    Ok((o, AttnCache::Dense { q, k, v, p: Probs::Full(p) }))
 }
 
 /// Backward. `d_o: [b, t, nh·hd]`. Returns `(dq [b,t,nh,hd], dk [b,t,nkv,hd], dv [b,t,nkv,hd])`.
@@ -127,32 +170,46 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, d: Dims) -> Result<(Te
 /// `dV = Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ⊙ (dP - rowsum(dP ⊙ P))` (softmax Jacobian; masked
 /// entries have `P = 0` and so `dS = 0`), `dQ = c dS K`, `dK = c dSᵀ Q`. Over the stacked
 /// `g·t` axis the products `Pᵀ dO` and `dSᵀ Q` sum the contributions of the `g` query heads
-/// that share a key/value head.
-pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims) -> Result<(Tensor, Tensor, Tensor)> {
+/// that share a key/value head. (Flash: the same with `rowsum(dP ⊙ P) = rowsum(dO ⊙ O)`.)
+pub(crate) fn backward(
+    d_o: &Tensor,
+    cache: &AttnCache,
+    d: Dims,
+    docs: Option<&Docs>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let Dims { b, t, nh, nkv, hd } = d;
+    let (q, k, v, p) = match cache {
+        AttnCache::Dense { q, k, v, p } => (q, k, v, p),
+        #[cfg(feature = "cuda")]
+        AttnCache::Flash { q, k, v, o, lse } => {
+            let d_o = d_o.reshape((b, t, nh, hd))?.contiguous()?;
+            return Ok(crate::cuda_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds))?);
+        }
+    };
+    let _ = docs;
     let dtype = d_o.dtype();
     let g = d.g();
     let scale = 1.0 / (hd as f64).sqrt();
     let d_o = swap12(&d_o.reshape((b, t, nh, hd))?)?.reshape((b, nkv, g * t, hd))?;
     // Without the cuda feature `Probs` has one variant.
     #[allow(clippy::infallible_destructuring_match)]
-    let p = match &cache.p {
+    let p = match p {
         Probs::Full(p) => p,
         #[cfg(feature = "cuda")]
         Probs::Fused { s, pb, stats } => {
             let dv = pb.t()?.matmul(&d_o)?;
             // dS with the scale folded in, P recomputed from s and the row statistics, in one
             // kernel (kernels/softmax.cu).
-            let ds = crate::cuda_kernels::softmax_backward(&d_o.matmul(&cache.v.t()?)?, s, stats, scale)?;
-            return heads_last(ds.matmul(&cache.k)?, ds.t()?.matmul(&cache.q)?, dv, d);
+            let ds = crate::cuda_kernels::softmax_backward(&d_o.matmul(&v.t()?)?, s, stats, scale)?;
+            return heads_last(ds.matmul(k)?, ds.t()?.matmul(q)?, dv, d);
         }
     };
     let dv = p.to_dtype(dtype)?.t()?.matmul(&d_o)?;
-    let dp = d_o.matmul(&cache.v.t()?)?.to_dtype(p.dtype())?;
+    let dp = d_o.matmul(&v.t()?)?.to_dtype(p.dtype())?;
     let row = (&dp * p)?.sum_keepdim(D::Minus1)?;
     // The scale folded into dS before its rounding, `(c P) ⊙ (dP - row)`, as the fused kernel.
     let ds = ((p * scale)? * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
-    heads_last(ds.matmul(&cache.k)?, ds.t()?.matmul(&cache.q)?, dv, d)
+    heads_last(ds.matmul(k)?, ds.t()?.matmul(q)?, dv, d)
 }
 
 /// `dq [b, nkv, g·t, hd]`, `dk, dv [b, nkv, t, hd]` back to `[b, t, heads, hd]`, contiguous.

@@ -1,21 +1,53 @@
 //! The decoder layer template: explicit forward, and a backward that recomputes the forward
 //! from the checkpointed layer input and accumulates every weight gradient into a `GradSink`.
+//!
+//! Long sequences: the attention runs over the whole chunk (flash attention keeps it O(t)), the
+//! MLP over row tiles of [`LayerOptions::mlp_rows`] rows, so that no `[t, ffn]` tensor exists
+//! whole; the backward recomputes each tile's MLP from the attention block's output just before
+//! back-propagating through it.
+
+use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::Tensor;
 use mt_core::ModelConfig;
 
 use crate::attention::{self, AttnCache, Dims};
 use crate::ops::{add, linear, linear_backward, rms_norm, rms_norm_backward, silu_grad, RmsCache};
+use crate::positions::{Docs, Positions};
 use crate::profile::{mark, start as prof_start};
 use crate::rope::{self, Rope};
 use crate::weights::{names, LayerWeights};
 use crate::{Error, GradSink, Result};
 
 /// Template for one decoder layer (Llama / Mistral / Qwen2 / Qwen3). Stateless: it holds only
-/// the configuration; weights are passed in as views on every call.
+/// the configuration and how to run it; weights are passed in as views on every call.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
     cfg: ModelConfig,
+    opts: LayerOptions,
+}
+
+/// How a decoder layer runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerOptions {
+    /// Flash attention where it applies (bf16 on CUDA, head dim 16, 32, 64 or 128:
+    /// [`flash_attention`]); the materialised scores elsewhere.
+    pub flash: bool,
+    /// Rows (tokens of a chunk, all its sequences together) of each MLP tile; 0 = all at once.
+    pub mlp_rows: usize,
+}
+
+/// Whether the flash path applies to activations of `dtype` on `device` for a head dim of
+/// `head_dim`.
+pub fn flash_attention(device: &candle_core::Device, dtype: candle_core::DType, head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::cuda_kernels::applies_on(device, dtype) && crate::cuda_kernels::flash_head_dim(head_dim);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, dtype, head_dim);
+        false
+    }
 }
 
 /// What a forward kept for its backward ([`DecoderLayer::forward_keep`]): device activations
@@ -31,17 +63,20 @@ impl LayerState {
         let norm = |c: &RmsCache| c.bytes();
         let qk = s.q_norm.as_ref().map_or(0, norm) + s.k_norm.as_ref().map_or(0, norm);
         let input_shared = if s.norm1.shares_input() { t(s.norm1.input()) } else { 0 };
+        let mlp: u64 = s
+            .mlp
+            .iter()
+            .map(|m| {
+                norm(&m.norm2) + t(&m.c) + t(&m.gate) + t(&m.up) + m.act.as_ref().map_or(0, t) + t(&m.mid)
+            })
+            .sum();
         norm(&s.norm1) - input_shared
             + t(&s.a)
             + qk
             + s.attn.bytes()
             + t(&s.o)
-            + norm(&s.norm2)
-            + t(&s.c)
-            + t(&s.gate)
-            + t(&s.up)
-            + s.act.as_ref().map_or(0, t)
-            + t(&s.mid)
+            + s.x1.as_ref().map_or(0, t)
+            + mlp
     }
 }
 
@@ -57,6 +92,7 @@ struct Saved {
     dims: Dims,
     cos: Tensor,
     sin: Tensor,
+    docs: Option<Arc<Docs>>,
     norm1: RmsCache,
     /// Input-norm output `[N, h]`.
     a: Tensor,
@@ -65,12 +101,21 @@ struct Saved {
     attn: AttnCache,
     /// Attention output before `o_proj` `[N, nh·hd]`.
     o: Tensor,
+    /// The attention block's output `x1 = x + o_proj(o)` `[N, h]`, when the MLP tiles are to be
+    /// recomputed from it (`mlp` empty).
+    x1: Option<Tensor>,
+    /// The MLP's saved tensors, tile by tile (`tile_ranges`), or none: recomputed in the
+    /// backward.
+    mlp: Vec<MlpSaved>,
+}
+
+/// What the backward needs of one MLP tile.
+struct MlpSaved {
     norm2: RmsCache,
-    /// Post-attention-norm output `[N, h]`.
+    /// Post-attention-norm output `[rows, h]`.
     c: Tensor,
     gate: Tensor,
     up: Tensor,
-    /// `silu(gate)`.
     /// `silu(gate)`; `None` on the fused CUDA path (recomputed by the backward kernel).
     act: Option<Tensor>,
     /// `silu(gate) ⊙ up`, the input of `down_proj`.
@@ -78,14 +123,24 @@ struct Saved {
 }
 
 impl DecoderLayer {
-    /// A template for layers of this model.
+    /// A template for layers of this model, materialised attention, no MLP tiles.
     pub fn new(cfg: &ModelConfig) -> Self {
-        DecoderLayer { cfg: cfg.clone() }
+        Self::with_options(cfg, LayerOptions::default())
+    }
+
+    /// A template that runs as `opts` says.
+    pub fn with_options(cfg: &ModelConfig, opts: LayerOptions) -> Self {
+        DecoderLayer { cfg: cfg.clone(), opts }
     }
 
     /// The configuration the template was built for.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// How it runs.
+    pub fn options(&self) -> LayerOptions {
+        self.opts
     }
 
     /// Forward of `x: [b, t, h]` (the weights' dtype) at positions `0..t` of every sequence.
@@ -95,7 +150,12 @@ impl DecoderLayer {
 
     /// Forward at positions `start..start + t` of every sequence.
     pub fn forward_at(&self, w: &LayerWeights, x: &Tensor, rope: &Rope, start: usize) -> Result<Tensor> {
-        let (out, _) = self.run(w, x, rope, start, Output::Keep)?;
+        self.forward_pos(w, x, &Positions::range(rope, start, x.dim(1)?)?)
+    }
+
+    /// Forward at the tokens' [`Positions`] (per-token positions, packed documents).
+    pub fn forward_pos(&self, w: &LayerWeights, x: &Tensor, pos: &Positions) -> Result<Tensor> {
+        let (out, _) = self.run(w, x, pos, Output::Keep)?;
         Ok(out.expect("the forward keeps its output"))
     }
 
@@ -104,7 +164,17 @@ impl DecoderLayer {
     /// [`DecoderLayer::forward`], so the same output and, backwards, the same gradients bit for
     /// bit; memory traded for the recompute (see [`DecoderLayer::kept_state_bytes`]).
     pub fn forward_keep(&self, w: &LayerWeights, x: &Tensor, rope: &Rope) -> Result<(Tensor, LayerState)> {
-        let (out, saved) = self.run(w, x, rope, 0, Output::Keep)?;
+        self.forward_keep_pos(w, x, &Positions::range(rope, 0, x.dim(1)?)?)
+    }
+
+    /// [`DecoderLayer::forward_keep`] at the tokens' [`Positions`].
+    pub fn forward_keep_pos(
+        &self,
+        w: &LayerWeights,
+        x: &Tensor,
+        pos: &Positions,
+    ) -> Result<(Tensor, LayerState)> {
+        let (out, saved) = self.run(w, x, pos, Output::KeepAll)?;
         Ok((out.expect("the forward keeps its output"), LayerState(saved)))
     }
 
@@ -136,23 +206,26 @@ impl DecoderLayer {
     /// ([`fused_kernels`]): the input-norm output, q (and Qwen3's pre-norm q, k), k, v, the raw
     /// scores and bf16 probabilities (`2 × b·heads·s²`) with f32 row statistics, the attention
     /// output, `x1`, the post-norm output, gate, up and their product, the norms' f32 reciprocal
-    /// RMS. Otherwise (candle's ops) also each norm's statistics-dtype input copy and normalised
-    /// input, `silu(gate)`, and f32 probabilities instead of the scores. Linear in `b`: a
-    /// batch's chunks together hold what the whole batch would.
+    /// RMS; `flash` (fused only, [`flash_attention`]): each row's f32 log-sum-exp instead of the
+    /// scores and probabilities. Otherwise (candle's ops) also each norm's statistics-dtype
+    /// input copy and normalised input, `silu(gate)`, and f32 probabilities instead of the
+    /// scores. Linear in `b`: a batch's chunks together hold what the whole batch would.
     ///
     /// [`fused_kernels`]: crate::fused_kernels
-    pub fn kept_state_bytes(cfg: &ModelConfig, b: usize, s: usize, e: u64, fused: bool) -> u64 {
+    pub fn kept_state_bytes(cfg: &ModelConfig, b: usize, s: usize, e: u64, fused: bool, flash: bool) -> u64 {
         let (n, sq) = ((b * s) as u64, (s * s) as u64);
         let (h, f, hd) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.head_dim as u64);
         let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
         let heads = (b * cfg.num_attention_heads) as u64;
-        // a, c, q, k, v (heads first), o, gate, up, mid; the norms' f32 reciprocal RMS per row.
+        // a, c, q, k, v, o, gate, up, mid; the norms' f32 reciprocal RMS per row.
         let common = n * e * (2 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * n * 4;
         // Qwen3: the q and k norms keep their pre-norm input and an f32 reciprocal RMS per head.
         let qk_rows = n * ((qd + kvd) / hd) * 4;
         if fused {
-            // x1 (the post-norm's input); raw scores and bf16 probabilities, (max, sum) per row.
-            let scores = heads * sq * 2 * e + heads * s as u64 * 2 * 4;
+            // x1 (the post-norm's input); raw scores and bf16 probabilities, (max, sum) per row,
+            // or, flash, each row's log-sum-exp.
+            let scores =
+                if flash { heads * s as u64 * 4 } else { heads * sq * 2 * e + heads * s as u64 * 2 * 4 };
             let qk = if cfg.qk_norm { n * (qd + kvd) * e + qk_rows } else { 0 };
             return common + n * h * e + scores + qk;
         }
@@ -192,6 +265,18 @@ impl DecoderLayer {
         start: usize,
         grads: &GradSink,
     ) -> Result<Tensor> {
+        self.backward_pos(w, x, dy, &Positions::range(rope, start, x.dim(1)?)?, grads)
+    }
+
+    /// [`DecoderLayer::backward`] at the tokens' [`Positions`].
+    pub fn backward_pos(
+        &self,
+        w: &LayerWeights,
+        x: &Tensor,
+        dy: &Tensor,
+        pos: &Positions,
+        grads: &GradSink,
+    ) -> Result<Tensor> {
         if dy.dims() != x.dims() || dy.dtype() != x.dtype() {
             return Err(Error::shape(
                 "dy",
@@ -199,9 +284,16 @@ impl DecoderLayer {
                 dy.dims(),
             ));
         }
-        // The recompute stops before `down_proj`: the layer's output is not needed backwards.
-        let (_, s) = self.run(w, x, rope, start, Output::Skip)?;
+        // The recompute stops at the attention block: each MLP tile is recomputed in the
+        // backward, and the layer's output is not needed backwards.
+        let (_, s) = self.run(w, x, pos, Output::Skip)?;
         self.backward_saved(w, &s, dy, grads)
+    }
+
+    /// The MLP tiles of `n` rows: `[0, n)` in pieces of [`LayerOptions::mlp_rows`].
+    fn tile_ranges(&self, n: usize) -> Vec<Range<usize>> {
+        let rows = if self.opts.mlp_rows == 0 { n } else { self.opts.mlp_rows.min(n) }.max(1);
+        (0..n).step_by(rows).map(|r| r..(r + rows).min(n)).collect()
     }
 
     /// The backward proper, from what the forward saved.
@@ -213,25 +305,41 @@ impl DecoderLayer {
         let dy = dy.reshape((n, h))?;
         prof_start(dev);
 
-        // MLP: out = x1 + down(silu(gate(c)) ⊙ up(c)), c = norm2(x1).
-        let d_mid = linear_backward(&dy, &s.mid, &w.down, grads, names::DOWN, None)?;
-        mark(dev, "bwd 9 down proj (2 GEMMs + accumulate)");
-        let (d_gate, d_up) = swiglu_backward(&d_mid, &s.gate, &s.up, s.act.as_ref())?;
-        mark(dev, "bwd 8 silu * up");
-        let dc_gate = linear_backward(&d_gate, &s.c, &w.gate, grads, names::GATE, None)?;
-        let dc_up = linear_backward(&d_up, &s.c, &w.up, grads, names::UP, None)?;
-        let dc = add(&dc_gate, &dc_up)?;
-        mark(dev, "bwd 7 gate/up proj (4 GEMMs + accumulate)");
-        let (dx1_norm, d_post) = rms_norm_backward(&dc, &w.post_norm, &s.norm2)?;
-        grads.accumulate(names::POST_NORM, &d_post)?;
-        // Residual: x1 feeds both the MLP branch and the output.
-        let dx1 = add(&dy, &dx1_norm)?;
-        mark(dev, "bwd 6 post norm");
+        // MLP, tile by tile: out = x1 + down(silu(gate(c)) ⊙ up(c)), c = norm2(x1).
+        let tiles = self.tile_ranges(n);
+        let mut dx1_parts = Vec::with_capacity(tiles.len());
+        for (i, r) in tiles.iter().enumerate() {
+            let recomputed;
+            let m = match s.mlp.get(i) {
+                Some(m) => m,
+                None => {
+                    let x1 = s.x1.as_ref().expect("x1 is kept when the MLP is recomputed");
+                    recomputed = self.mlp_forward(w, &x1.narrow(0, r.start, r.len())?, Output::Skip)?.1;
+                    &recomputed
+                }
+            };
+            let dy_t = dy.narrow(0, r.start, r.len())?;
+            let d_mid = linear_backward(&dy_t, &m.mid, &w.down, grads, names::DOWN, None)?;
+            mark(dev, "bwd 9 down proj (2 GEMMs + accumulate)");
+            let (d_gate, d_up) = swiglu_backward(&d_mid, &m.gate, &m.up, m.act.as_ref())?;
+            mark(dev, "bwd 8 silu * up");
+            let dc_gate = linear_backward(&d_gate, &m.c, &w.gate, grads, names::GATE, None)?;
+            let dc_up = linear_backward(&d_up, &m.c, &w.up, grads, names::UP, None)?;
+            let dc = add(&dc_gate, &dc_up)?;
+            mark(dev, "bwd 7 gate/up proj (4 GEMMs + accumulate)");
+            let (dx1_norm, d_post) = rms_norm_backward(&dc, &w.post_norm, &m.norm2)?;
+            grads.accumulate(names::POST_NORM, &d_post)?;
+            // Residual: x1 feeds both the MLP branch and the output.
+            dx1_parts.push(add(&dy_t, &dx1_norm)?);
+            mark(dev, "bwd 6 post norm");
+        }
+        let dx1 = join_rows(dx1_parts, n, &tiles)?;
 
         // Attention: x1 = x + o_proj(attn(rope(q), rope(k), v)).
         let d_o = linear_backward(&dx1, &s.o, &w.o, grads, names::O, bias(&w.o_bias, names::O_BIAS))?;
         mark(dev, "bwd 5 o proj (2 GEMMs + accumulate)");
-        let (dq, dk, dv) = attention::backward(&d_o.reshape((b, t, nh * hd))?, &s.attn, s.dims)?;
+        let (dq, dk, dv) =
+            attention::backward(&d_o.reshape((b, t, nh * hd))?, &s.attn, s.dims, s.docs.as_deref())?;
         mark(dev, "bwd 4 attention");
         let mut dq = rope::apply_backward(&dq, &s.cos, &s.sin)?;
         let mut dk = rope::apply_backward(&dk, &s.cos, &s.sin)?;
@@ -262,7 +370,7 @@ impl DecoderLayer {
         Ok(dx.reshape((b, t, h))?)
     }
 
-    fn check_input(&self, w: &LayerWeights, x: &Tensor, rope: &Rope) -> Result<(usize, usize)> {
+    fn check_input(&self, w: &LayerWeights, x: &Tensor, pos: &Positions) -> Result<(usize, usize)> {
         let h = self.cfg.hidden_size;
         let (b, t) = match x.dims() {
             [b, t, hh] if *hh == h => (*b, *t),
@@ -275,35 +383,40 @@ impl DecoderLayer {
                 x.dtype(),
             ));
         }
-        if rope.dtype() != w.dtype() {
+        if pos.dtype() != w.dtype() {
             return Err(Error::dtype(
                 "RoPE table",
                 format!("{:?} (the weights' dtype)", w.dtype()),
-                rope.dtype(),
+                pos.dtype(),
             ));
+        }
+        let rows = pos.cos_sin().0.dim(0)?;
+        if rows != t && rows != b * t {
+            return Err(Error::shape("RoPE rows of the positions", format!("{t} or {}", b * t), &[rows]));
         }
         self.cfg.check_seq_len(t)?;
         Ok((b, t))
     }
 
-    /// The forward, keeping what the backward needs; the output (`down_proj` and the residual,
-    /// a quarter of a Llama layer's GEMM FLOPs) only where asked for.
+    /// The forward, keeping what the backward needs; the MLP (its output, and what the backward
+    /// needs of it) as `output` says.
     fn run(
         &self,
         w: &LayerWeights,
         x: &Tensor,
-        rope: &Rope,
-        start: usize,
+        pos: &Positions,
         output: Output,
     ) -> Result<(Option<Tensor>, Saved)> {
         let cfg = &self.cfg;
-        let (b, t) = self.check_input(w, x, rope)?;
+        let (b, t) = self.check_input(w, x, pos)?;
         let (h, nh, nkv, hd) =
             (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let dims = Dims { b, t, nh, nkv, hd };
         let n = b * t;
         let eps = cfg.rms_norm_eps;
-        let (cos, sin) = rope.cos_sin(start, t)?;
+        let (cos, sin) = pos.cos_sin();
+        let (cos, sin) = (cos.clone(), sin.clone());
+        let docs = pos.docs_arc();
         let xf = x.reshape((n, h))?;
         let dev = x.device();
         prof_start(dev);
@@ -319,13 +432,45 @@ impl DecoderLayer {
         let q = rope::apply(&q, &cos, &sin)?;
         let k = rope::apply(&k, &cos, &sin)?;
         mark(dev, "fwd 3 qk norm + rope");
-        let (o, attn) = attention::forward(&q, &k, &v, dims)?;
+        let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), self.opts.flash)?;
+        drop((q, k, v));
         let o = o.reshape((n, nh * hd))?;
         mark(dev, "fwd 4 attention");
         let x1 = add(&xf, &linear(&o, &w.o, w.o_bias.as_ref())?)?;
         mark(dev, "fwd 5 o proj (GEMM) + residual");
 
-        let (c, norm2) = rms_norm(&x1, &w.post_norm, eps)?;
+        let (out, x1, mlp) = match output {
+            // The backward recomputes each tile from x1.
+            Output::Skip => (None, Some(x1), Vec::new()),
+            Output::Keep | Output::KeepAll => {
+                let tiles = self.tile_ranges(n);
+                let mut outs = Vec::with_capacity(tiles.len());
+                let mut mlp = Vec::new();
+                for r in &tiles {
+                    let (y, m) = self.mlp_forward(w, &x1.narrow(0, r.start, r.len())?, Output::Keep)?;
+                    outs.push(y.expect("the tile's output was asked for"));
+                    if output == Output::KeepAll {
+                        mlp.push(m);
+                    }
+                }
+                let out = join_rows(outs, n, &tiles)?.reshape((b, t, h))?;
+                (Some(out), None, mlp)
+            }
+        };
+        let saved = Saved { rows: n, dims, cos, sin, docs, norm1, a, q_norm, k_norm, attn, o, x1, mlp };
+        Ok((out, saved))
+    }
+
+    /// One MLP tile of `x1: [rows, h]`: what its backward needs and, for [`Output::Keep`], its
+    /// output `x1 + down(silu(gate(c)) ⊙ up(c))`.
+    fn mlp_forward(
+        &self,
+        w: &LayerWeights,
+        x1: &Tensor,
+        output: Output,
+    ) -> Result<(Option<Tensor>, MlpSaved)> {
+        let dev = x1.device();
+        let (c, norm2) = rms_norm(x1, &w.post_norm, self.cfg.rms_norm_eps)?;
         mark(dev, "fwd 6 post norm");
         let gate = linear(&c, &w.gate, None)?;
         let up = linear(&c, &w.up, None)?;
@@ -333,36 +478,35 @@ impl DecoderLayer {
         let (act, mid) = swiglu(&gate, &up)?;
         mark(dev, "fwd 8 silu * up");
         let out = match output {
-            Output::Keep => Some(add(&x1, &linear(&mid, &w.down, None)?)?.reshape((b, t, h))?),
+            Output::Keep | Output::KeepAll => Some(add(x1, &linear(&mid, &w.down, None)?)?),
             Output::Skip => None,
         };
         mark(dev, "fwd 9 down proj (GEMM) + residual");
-        let saved = Saved {
-            rows: n,
-            dims,
-            cos,
-            sin,
-            norm1,
-            a,
-            q_norm,
-            k_norm,
-            attn,
-            o,
-            norm2,
-            c,
-            gate,
-            up,
-            act,
-            mid,
-        };
-        Ok((out, saved))
+        Ok((out, MlpSaved { norm2, c, gate, up, act, mid }))
     }
 }
 
-/// Whether [`DecoderLayer::run`] computes the layer's output.
+/// Rows `[n, h]` from the tiles' pieces (one piece: itself, no copy).
+fn join_rows(mut parts: Vec<Tensor>, n: usize, tiles: &[Range<usize>]) -> Result<Tensor> {
+    if parts.len() == 1 {
+        return Ok(parts.remove(0));
+    }
+    let first = &parts[0];
+    let out = Tensor::zeros((n, first.dim(1)?), first.dtype(), first.device())?;
+    for (p, r) in parts.iter().zip(tiles) {
+        out.slice_set(p, 0, r.start)?;
+    }
+    Ok(out)
+}
+
+/// What [`DecoderLayer::run`] does with the MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Output {
+    /// Computes the layer's output.
     Keep,
+    /// Computes the output and keeps what the MLP's backward needs.
+    KeepAll,
+    /// Stops after the attention block (the backward's recompute).
     Skip,
 }
 

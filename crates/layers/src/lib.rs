@@ -27,11 +27,12 @@ mod error;
 mod grads;
 mod ops;
 mod outer;
+mod positions;
 pub mod profile;
 mod rope;
 mod weights;
 
-pub use decoder::{DecoderLayer, LayerState};
+pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
 
 /// Whether the fused CUDA kernels (`kernels/*.cu`, built for compute capability 9.0) run for
 /// tensors of `dtype` on `device`: bf16 on a Hopper or later GPU. Elsewhere candle's ops run,
@@ -46,7 +47,14 @@ pub fn fused_kernels(device: &candle_core::Device, dtype: candle_core::DType) ->
     }
 }
 pub use error::{Error, Result};
+
+/// Whether flash attention is built for head dim `hd` (it also needs bf16 on a CUDA device:
+/// [`flash_attention`]).
+pub fn flash_head_dim(hd: usize) -> bool {
+    matches!(hd, 16 | 32 | 64 | 128)
+}
 pub use grads::GradSink;
 pub use outer::Outer;
-pub use rope::Rope;
+pub use positions::Positions;
+pub use rope::{Rope, RopeAngles};
 pub use weights::{names, LayerWeights, OuterWeights};

@@ -1,5 +1,6 @@
 //! Rotary position embedding: the frequency table (with `linear` and `llama3` scaling, computed
-//! in f32 exactly as transformers does) and the rotation with its backward.
+//! in f32 exactly as transformers does), the angles `pos · inv_freq` as transformers forms them
+//! (f32) or exact (f64), and the rotation with its backward.
 
 use candle_core::{DType, Device, Tensor, D};
 use mt_core::{ModelConfig, RopeScaling};
@@ -69,38 +70,49 @@ impl Rope {
         }
     }
 
-    /// Builds the tables for positions `0..max_t`. The angle `pos * inv_freq` is the f32 product
-    /// (as in transformers); its cosine and sine are evaluated in f64 and rounded to f32 (the
-    /// correctly rounded value of transformers' f32 `cos`), then cast to `dtype`, except that an
-    /// f64 table keeps the f64 values.
+    /// Builds the tables for positions `0..max_t` with the angles transformers uses
+    /// ([`RopeAngles::Transformers`]).
     pub fn new(cfg: &ModelConfig, max_t: usize, dtype: DType, device: &Device) -> Result<Self> {
+        Self::with_angles(cfg, max_t, dtype, device, RopeAngles::Transformers)
+    }
+
+    /// Builds the tables for positions `0..max_t`: the angle `pos · inv_freq` formed as
+    /// `angles` says, its cosine and sine evaluated in f64 (with the library's full argument
+    /// reduction) and rounded once to f32, then cast to `dtype` (an f64 table keeps the f64
+    /// values).
+    pub fn with_angles(
+        cfg: &ModelConfig,
+        max_t: usize,
+        dtype: DType,
+        device: &Device,
+        angles: RopeAngles,
+    ) -> Result<Self> {
         if !dtype.is_float() {
             return Err(Error::dtype("RoPE table", "a float dtype", dtype));
         }
         let inv = Self::inv_freq(cfg);
-        let (hd, half) = (cfg.head_dim, inv.len());
-        let mut cos = Vec::with_capacity(max_t * hd);
-        let mut sin = Vec::with_capacity(max_t * hd);
-        for pos in 0..max_t {
-            for _copy in 0..2 {
-                for &f in &inv {
-                    let angle = f64::from(pos as f32 * f);
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
-                }
-            }
-        }
-        debug_assert_eq!(2 * half, hd);
-        let table = |v: Vec<f64>| -> Result<Tensor> {
-            let t = if dtype == DType::F64 {
-                Tensor::from_vec(v, (max_t, hd), device)?
+        let hd = cfg.head_dim;
+        debug_assert_eq!(2 * inv.len(), hd);
+        let table = |f: fn(f64) -> f64| -> Result<Tensor> {
+            Ok(if dtype == DType::F64 {
+                Tensor::from_vec(table_rows(&inv, max_t, angles, f, |x| x), (max_t, hd), device)?
             } else {
-                let v32: Vec<f32> = v.into_iter().map(|x| x as f32).collect();
-                Tensor::from_vec(v32, (max_t, hd), device)?.to_dtype(dtype)?
-            };
-            Ok(t)
+                // Rounded to f32 once, with no f64 table of `max_t · hd` values in between.
+                Tensor::from_vec(table_rows(&inv, max_t, angles, f, |x| x as f32), (max_t, hd), device)?
+                    .to_dtype(dtype)?
+            })
         };
-        Ok(Rope { cos: table(cos)?, sin: table(sin)?, max_t })
+        Ok(Rope { cos: table(f64::cos)?, sin: table(f64::sin)?, max_t })
+    }
+
+    /// The device the tables live on.
+    pub fn device(&self) -> &Device {
+        self.cos.device()
+    }
+
+    /// The whole `cos` and `sin` tables, `[max_t, head_dim]`.
+    pub(crate) fn tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
     }
 
     /// Number of positions in the table.
@@ -123,6 +135,44 @@ impl Rope {
     }
 }
 
+/// How the rotation angle `pos · inv_freq` is formed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RopeAngles {
+    /// The f32 product, as transformers (and the inference engines that follow it) forms it at
+    /// every position, in every model dtype: the definition the golden fixtures and checkpoints
+    /// use. Its rounding is at most `angle · 2^-24`: 1e-4 rad at position 2048, 2e-3 rad at
+    /// 32768, 0.031 rad at 524287 for the highest-frequency pair (the bf16 spacing of cos near
+    /// ±1 is 2^-9 ≈ 2e-3).
+    #[default]
+    Transformers,
+    /// The exact angle, formed in f64 (a 24-bit `inv_freq` times a position below 2^29 is exact
+    /// there): for models whose inference computes RoPE exactly.
+    Exact,
+}
+
+/// Rows `0..max_t` of a table, flat: row `pos` is `cat(v, v)` with `v[i] = conv(f(angle))`,
+/// `angle = pos · inv[i]` formed as `angles` says.
+fn table_rows<T: Copy>(
+    inv: &[f32],
+    max_t: usize,
+    angles: RopeAngles,
+    f: fn(f64) -> f64,
+    conv: impl Fn(f64) -> T,
+) -> Vec<T> {
+    let half = inv.len();
+    let angle = |pos: usize, w: f32| match angles {
+        RopeAngles::Transformers => f64::from(pos as f32 * w),
+        RopeAngles::Exact => pos as f64 * f64::from(w),
+    };
+    let mut out = Vec::with_capacity(max_t * 2 * half);
+    for pos in 0..max_t {
+        let start = out.len();
+        out.extend(inv.iter().map(|&w| conv(f(angle(pos, w)))));
+        out.extend_from_within(start..start + half);
+    }
+    out
+}
+
 /// `rotate_half(x) = cat(-x[..., hd/2:], x[..., :hd/2])` over the last dimension.
 fn rotate_half(x: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
@@ -131,13 +181,20 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
 }
 
-/// Rotates `x: [b, t, heads, hd]` with `cos, sin: [t, hd]`: `x * cos + rotate_half(x) * sin`.
+/// Rotates `x: [b, t, heads, hd]` with `cos, sin: [t, hd]` (the same rows for every sequence) or
+/// `[b·t, hd]` (a row per token): `x * cos + rotate_half(x) * sin`.
 pub(crate) fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, t, heads, hd) = x.dims4()?;
+    let rows = cos.dim(0)?;
+    if rows != t && rows == b * t {
+        // A row per token: the batch as one sequence of b·t tokens.
+        let y = apply(&x.reshape((1, b * t, heads, hd))?, cos, sin)?;
+        return Ok(y.reshape((b, t, heads, hd))?);
+    }
     #[cfg(feature = "cuda")]
     if crate::cuda_kernels::applies(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() {
         return Ok(crate::cuda_kernels::rope(x, cos, sin, false)?);
     }
-    let (t, hd) = cos.dims2()?;
     let cos = cos.reshape((1, t, 1, hd))?;
     let sin = sin.reshape((1, t, 1, hd))?;
     Ok((x.broadcast_mul(&cos)? + rotate_half(x)?.broadcast_mul(&sin)?)?)
@@ -149,6 +206,12 @@ pub(crate) fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `dx = cos ⊙ dy + (-sin) ⊙ (R dy)`: the forward rotation with `sin` negated (the inverse
 /// rotation, since the rotation is orthogonal).
 pub(crate) fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, t, heads, hd) = dy.dims4()?;
+    let rows = cos.dim(0)?;
+    if rows != t && rows == b * t {
+        let y = apply_backward(&dy.reshape((1, b * t, heads, hd))?, cos, sin)?;
+        return Ok(y.reshape((b, t, heads, hd))?);
+    }
     #[cfg(feature = "cuda")]
     if crate::cuda_kernels::applies(dy) && cos.dtype() == dy.dtype() && sin.dtype() == dy.dtype() {
         return Ok(crate::cuda_kernels::rope(dy, cos, sin, true)?);

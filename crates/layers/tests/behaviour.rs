@@ -177,6 +177,7 @@ fn rope_table_holds_cat_freqs_freqs() {
     let half = cfg.head_dim / 2;
     for (row, pos) in (9..12).enumerate() {
         for i in 0..cfg.head_dim {
+            // transformers' f32 angle, its cosine rounded once to f32.
             let angle = f64::from(pos as f32 * inv[i % half]);
             assert_eq!(cos[row][i], angle.cos() as f32, "cos at pos {pos}, dim {i}");
             assert_eq!(sin[row][i], angle.sin() as f32, "sin at pos {pos}, dim {i}");
@@ -373,7 +374,7 @@ fn a_kept_forward_holds_what_the_planner_counts_and_backs_up_as_the_recompute() 
             let e = dtype.size_in_bytes() as u64;
             assert_eq!(
                 state.bytes(),
-                DecoderLayer::kept_state_bytes(&cfg, 2, 8, e, false),
+                DecoderLayer::kept_state_bytes(&cfg, 2, 8, e, false, false),
                 "{name} {dtype:?}"
             );
             let plain = layer.forward(&w, &x, &rope).unwrap();

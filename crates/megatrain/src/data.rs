@@ -113,6 +113,7 @@ impl TrainData {
                             seq,
                             input_ids: all.input_ids[rows.start * seq..rows.end * seq].to_vec(),
                             targets: all.targets[rows.start * seq..rows.end * seq].to_vec(),
+                            positions: Some(all.positions[rows.start * seq..rows.end * seq].to_vec()),
                         }
                     })
                     .collect()
@@ -155,7 +156,13 @@ impl TrainData {
 }
 
 fn into_batch(b: mt_data::TokenBatch) -> Batch {
-    Batch { batch: b.batch, seq: b.seq, input_ids: b.input_ids, targets: b.targets }
+    Batch {
+        batch: b.batch,
+        seq: b.seq,
+        input_ids: b.input_ids,
+        targets: b.targets,
+        positions: Some(b.positions),
+    }
 }
 
 /// The built-in training text (original prose, ASCII).
@@ -235,7 +242,7 @@ impl Dataset {
             input_ids.extend_from_slice(&window[..seq]);
             targets.extend(window[1..].iter().map(|&t| i64::from(t)));
         }
-        Batch { batch, seq, input_ids, targets }
+        Batch { batch, seq, input_ids, targets, positions: None }
     }
 }
 

@@ -113,6 +113,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         early_state_uploads: args.early_state_uploads.choice(args.device, false),
         // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
         fused_kernels: fused_kernels(args),
+        flash_attention: args.attention.choice(),
+        mlp_rows: args.mlp_rows.choice(),
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };

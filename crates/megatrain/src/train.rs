@@ -182,6 +182,8 @@ fn make_plan(
         late_state_downloads: args.late_state_downloads.choice(args.device, args.store.is_some()),
         early_state_uploads: args.early_state_uploads.choice(args.device, args.store.is_some()),
         fused_kernels: fused,
+        flash_attention: args.attention.choice(),
+        mlp_rows: args.mlp_rows.choice(),
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");
@@ -266,6 +268,9 @@ fn run<B: Backend>(
     eopts.gpu_updated_layers = plan.gpu_updated_layers;
     eopts.late_state_downloads = plan.late_state_downloads;
     eopts.early_state_uploads = plan.early_state_uploads;
+    eopts.flash_attention = plan.flash_attention;
+    eopts.mlp_rows = plan.mlp_rows;
+    eopts.rope_angles = args.rope_angles.into();
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;
     let t_engine = Instant::now();

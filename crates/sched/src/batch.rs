@@ -20,6 +20,11 @@ pub struct Batch {
     pub input_ids: Vec<u32>,
     /// Next-token target of every position (`IGNORE_INDEX` = not trained on), `[batch, seq]`.
     pub targets: Vec<i64>,
+    /// HF-style position ids `[batch, seq]`, or `None` for `0..seq` in every sequence. In a
+    /// packed sequence they restart at 0 with every sample, and each sample is then a document
+    /// of its own: its tokens attend only to earlier tokens of the same sample, and RoPE sees
+    /// their position within it (as transformers does for packed SFT with `position_ids`).
+    pub positions: Option<Vec<u32>>,
 }
 
 impl Batch {
@@ -41,7 +46,7 @@ impl Batch {
                 targets[b * seq + t] = labels[b * seq + t + 1];
             }
         }
-        Ok(Batch { batch, seq, input_ids, targets })
+        Ok(Batch { batch, seq, input_ids, targets, positions: None })
     }
 
     /// Non-masked targets (the loss normaliser).
@@ -80,6 +85,25 @@ impl Batch {
             ))
             .into());
         }
+        if let Some(p) = &self.positions {
+            if p.len() != n {
+                return Err(data(format!(
+                    "batch of {} x {} needs {n} position ids, got {}",
+                    self.batch,
+                    self.seq,
+                    p.len()
+                ))
+                .into());
+            }
+            if let Some((i, &pos)) = p.iter().enumerate().find(|(i, &pos)| pos as usize > i % self.seq) {
+                return Err(data(format!(
+                    "position id {pos} at token {} of sequence {} is past the token itself (position ids count from 0 at the start of each sample)",
+                    i % self.seq,
+                    i / self.seq
+                ))
+                .into());
+            }
+        }
         cfg.check_seq_len(self.seq)?;
         if self.n_targets() == 0 {
             return Err(CoreError::NoTargetTokens.into());
@@ -100,6 +124,8 @@ pub struct Chunk {
     pub targets: Tensor,
     /// `[b, t]` f32 loss weights: `1 / N_global` where trained, 0 elsewhere.
     pub weights: Tensor,
+    /// The chunk's position ids, `[b, t]` row-major (`Batch::positions`), if the batch has them.
+    pub positions: Option<Vec<u32>>,
 }
 
 /// Sequence ranges of `n_chunks` near-equal contiguous groups.
@@ -127,6 +153,7 @@ pub fn make_chunks(b: &Batch, n_chunks: usize, device: &Device) -> Result<Vec<Ch
                 host_ids: Tensor::from_slice(&b.input_ids[lo..hi], shape, &Device::Cpu)?,
                 targets: Tensor::from_slice(&targets, shape, device)?,
                 weights: Tensor::from_slice(&weights, shape, device)?.to_dtype(DType::F32)?,
+                positions: b.positions.as_ref().map(|p| p[lo..hi].to_vec()),
             })
         })
         .collect()
@@ -159,7 +186,8 @@ mod tests {
     #[test]
     fn bad_batches_are_refused_with_a_reason() {
         let cfg = ModelConfig::tiny_llama();
-        let ok = Batch { batch: 1, seq: 3, input_ids: vec![1, 2, 3], targets: vec![2, 3, -100] };
+        let ok =
+            Batch { batch: 1, seq: 3, input_ids: vec![1, 2, 3], targets: vec![2, 3, -100], positions: None };
         assert!(ok.validate(&cfg).is_ok());
         let cases = [
             (Batch { input_ids: vec![1, 2, 999], ..ok.clone() }, "999"),

@@ -36,7 +36,7 @@ use crate::{Error, OptimMode, Result};
 #[path = "plan_bytes.rs"]
 mod bytes;
 use bytes::{grad_elem_bytes, round_page};
-pub use bytes::{layer_workspace, loss_workspace, store_bytes};
+pub use bytes::{layer_workspace, loss_workspace, store_bytes, LayerPath};
 #[path = "plan_model.rs"]
 mod model;
 pub use model::{
@@ -123,7 +123,18 @@ pub struct PlanInput {
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
     /// capability 9.0+), which keep less for the backward than candle's ops.
     pub fused_kernels: bool,
+    /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide
+    /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).
+    pub flash_attention: Option<bool>,
+    /// Rows of each decoder layer's MLP tile (`Some(r)`, 0 = a chunk's rows at once), or decide
+    /// (`None`): all of a chunk's rows when that fits, else the largest of [`MLP_TILE_ROWS`] that
+    /// does.
+    pub mlp_rows: Option<usize>,
 }
+
+/// The MLP tile sizes the planner tries, largest first, when a chunk's rows at once do not fit:
+/// 8192 rows keep the tile's GEMMs as efficient as whole ones.
+pub const MLP_TILE_ROWS: [usize; 4] = [8192, 4096, 2048, 1024];
 
 /// Where the layer-boundary checkpoints live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,6 +222,10 @@ pub struct Plan {
     pub resident_outer: bool,
     /// Decoder layers `0..kept_layers` keep their forward activations (no recompute).
     pub kept_layers: usize,
+    /// Attention runs as flash attention (no `[s, s]` scores).
+    pub flash_attention: bool,
+    /// Rows of each MLP tile (0 = a chunk's rows at once).
+    pub mlp_rows: usize,
     /// The last `held_layers` decoder layers (streamed) are uploaded once a step and held on
     /// the GPU from their forward to their backward.
     pub held_layers: usize,
@@ -345,35 +360,58 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         ));
     }
     let left = budget - fixed - checkpoints - act_grads;
+    let flash_runs = input.fused_kernels && mt_layers::flash_head_dim(cfg.head_dim);
+    let flash = match input.flash_attention {
+        Some(true) if !flash_runs => {
+            return opt(format!(
+                "flash attention asked, but it runs only with bf16 weights on a CUDA GPU of compute capability 9.0+ and a head dim of 16, 32, 64 or 128 (this model's is {}); use the materialised attention",
+                cfg.head_dim
+            ))
+        }
+        Some(f) => f,
+        None => flash_runs,
+    };
+    // The chunk count's workspace with the largest MLP tile that fits (the smallest tried when
+    // none does).
     let workspace_of = |n: usize| {
         let b = chunk_ranges(batch, n).iter().map(|r| r.len()).max().unwrap_or(batch);
-        let ws = layer_workspace(cfg, &layout, b, seq, e, input.fused_kernels).max(loss_workspace(
-            cfg,
-            b * seq,
-            input.rows_per_block,
-            e,
-            input.fused_kernels,
-        ));
-        (b, ws)
+        let tiles: Vec<usize> = match input.mlp_rows {
+            Some(r) => vec![r],
+            None => std::iter::once(0).chain(MLP_TILE_ROWS.into_iter().filter(|&r| r < b * seq)).collect(),
+        };
+        let ws = |mlp_rows: usize| {
+            let path = LayerPath { fused: input.fused_kernels, flash, mlp_rows };
+            layer_workspace(cfg, &layout, b, seq, e, path).max(loss_workspace(
+                cfg,
+                b * seq,
+                input.rows_per_block,
+                e,
+                input.fused_kernels,
+            ))
+        };
+        let r = tiles.iter().copied().find(|&r| ws(r) <= left).unwrap_or(*tiles.last().unwrap_or(&0));
+        (b, r, ws(r))
     };
     let candidates: Vec<usize> = match input.n_chunks {
         Some(n) => vec![n],
         None => (1..=batch).collect(),
     };
-    let Some((n_chunks, (seqs_per_chunk, workspace))) =
-        candidates.iter().map(|&n| (n, workspace_of(n))).find(|(_, (_, ws))| *ws <= left)
+    let Some((n_chunks, (seqs_per_chunk, mlp_rows, workspace))) =
+        candidates.iter().map(|&n| (n, workspace_of(n))).find(|(_, (_, _, ws))| *ws <= left)
     else {
         let n = *candidates.last().unwrap_or(&batch);
-        let (b, ws) = workspace_of(n);
+        let (b, r, ws) = workspace_of(n);
+        let tiles = if r > 0 { format!(" (MLP tiles of {r} rows)") } else { String::new() };
         return opt(format!(
-            "the workspace of a chunk of {b} x {seq} tokens needs {:.2} GiB, {:.2} GiB more than the {:.2} GiB left after weights, gradients and checkpoints ({:.2} GiB) of the GPU's {budget_line}{}",
+            "the workspace of a chunk of {b} x {seq} tokens{tiles} needs {:.2} GiB, {:.2} GiB more than the {:.2} GiB left after weights, gradients and checkpoints ({:.2} GiB) of the GPU's {budget_line}{}",
             gib(ws), gib(ws - left), gib(left), gib(budget - left),
             if input.n_chunks.is_some() && n < batch { "; use more chunks" } else { "; use shorter sequences" }
         ));
     };
     let mut total = fixed + checkpoints + act_grads + workspace;
     // Explicit held and kept counts are served before the automatic choices take what is left.
-    let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels);
+    let per_kept_layer =
+        mt_layers::DecoderLayer::kept_state_bytes(cfg, batch, seq, e, input.fused_kernels, flash);
     let asked_held = input.held_layers.unwrap_or(0);
     // GPU-updated layers' state slots: `ring_depth` slots of fp32 master, m, v and the stored
     // gradient (`g` bytes), one more per late download (early uploads take slots free in the
@@ -601,6 +639,8 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         resident_layers,
         resident_outer,
         kept_layers,
+        flash_attention: flash,
+        mlp_rows,
         held_layers,
         gpu_updated_layers,
         late_state_downloads,
@@ -621,9 +661,11 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state ({} of them download it in the backward, {} upload it for the next step there); {} layers keep their activations (no recompute)",
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state ({} of them download it in the backward, {} upload it for the next step there); {} layers keep their activations (no recompute); {} attention; MLP in {}",
             self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers, self.n_layers,
-            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.late_state_downloads, self.early_state_uploads, self.kept_layers
+            if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.late_state_downloads, self.early_state_uploads, self.kept_layers,
+            if self.flash_attention { "flash" } else { "materialised" },
+            if self.mlp_rows == 0 { "whole chunks".to_string() } else { format!("tiles of {} rows", self.mlp_rows) }
         )?;
         writeln!(f, "GPU (GiB)   ring {:.2} | held {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | state slots {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
             gib(g.weight_ring), gib(g.held), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.state_slots), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;

@@ -11,8 +11,12 @@ const HIDDEN_TENSORS: u64 = 8;
 /// `[t, q_dim + 2 kv_dim]` tensors alive (projections, their RoPE'd and heads-first copies,
 /// the three gradients and their RoPE backward).
 const QKV_TENSORS: u64 = 6;
-/// `[t, ffn]` tensors alive (saved gate, up, silu, product; down dx, d_act, d_up, silu', d_gate).
+/// `[rows, ffn]` tensors alive in one MLP tile (saved gate, up, silu, product; down dx, d_act,
+/// d_up, silu', d_gate).
 const FFN_TENSORS: u64 = 9;
+/// Flash attention: f32 values per (token, head) alive in a layer's backward (the forward's
+/// log-sum-exp and the backward's `rowsum(dO ⊙ O)`); no `[s, s]` tensor exists.
+const FLASH_ROW_F32: u64 = 2;
 /// f32 `[b, heads, s, s]` tensors alive in the attention backward (P, dP, dP - rowsum, the
 /// product, and the weight-dtype copies of P and dS).
 const SCORE_TENSORS: u64 = 5;
@@ -47,28 +51,46 @@ pub fn store_bytes(layout: &ModelLayout, grad: GradDtype) -> u64 {
     PAGE as u64 + record(layout.outer.len as u64) + layout.n_layers as u64 * record(layout.layer.len as u64)
 }
 
+/// How a decoder layer runs, as far as its memory goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerPath {
+    /// The fused CUDA kernels (`mt_layers::fused_kernels`).
+    pub fused: bool,
+    /// Flash attention (`mt_layers::flash_attention`; fused only).
+    pub flash: bool,
+    /// Rows of an MLP tile (`mt_layers::LayerOptions::mlp_rows`), 0 = all of a chunk's.
+    pub mlp_rows: usize,
+}
+
 /// Peak transient bytes of one layer's backward with recompute over a chunk of `b` sequences of
-/// `s` tokens: `t·e·(8·hidden + 6·(q_dim + 2·kv_dim) + 9·ffn)` plus the attention scores, and
-/// the largest weight gradient before accumulation. Candle's ops (`fused == false`): scores
-/// `5·b·heads·s²·4` and the gradient `numel × (e + 4 + 4)` (the gradient, its f32 copy and the
-/// sum written back). The fused kernels: scores `8·b·heads·s²` ([`FUSED_SCORE_BYTES`]) and no
-/// gradient copy (the GEMM accumulates into the f32 buffer). Measured against the device memory
-/// pool's high-water mark (3.6B on an H200, 2026-11-23): the candle-path count left 9 GiB (4 x
-/// 2048) and 21 GiB (16 x 2048) of the planned workspace unused on the fused path.
+/// `s` tokens (`t = b·s` rows, MLP tiles of `r = min(mlp_rows, t)` rows):
+/// `e·(8·t·hidden + 6·t·(q_dim + 2·kv_dim) + 9·r·ffn)` plus the attention's own, and the largest
+/// weight gradient before accumulation. Candle's ops: scores `5·b·heads·s²·4` and the gradient
+/// `numel × (e + 4 + 4)` (the gradient, its f32 copy and the sum written back). The fused
+/// kernels: scores `8·b·heads·s²` ([`FUSED_SCORE_BYTES`]) and no gradient copy (the GEMM
+/// accumulates into the f32 buffer); with flash attention no scores, `2·t·heads` f32. Measured
+/// against the device memory pool's high-water mark (3.6B on an H200, 2026-11-23): the
+/// candle-path count left 9 GiB (4 x 2048) and 21 GiB (16 x 2048) of the planned workspace
+/// unused on the fused path.
 pub fn layer_workspace(
     cfg: &ModelConfig,
     layout: &ModelLayout,
     b: usize,
     s: usize,
     e: u64,
-    fused: bool,
+    path: LayerPath,
 ) -> u64 {
     let t = (b * s) as u64;
+    let rows = if path.mlp_rows == 0 { t } else { t.min(path.mlp_rows as u64) };
     let (h, f) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
     let qkv = (cfg.q_dim() + 2 * cfg.kv_dim()) as u64;
-    let acts = t * e * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv + FFN_TENSORS * f);
-    let score_elems = (b * cfg.num_attention_heads) as u64 * (s * s) as u64;
-    if fused {
+    let acts = e * (t * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv) + rows * FFN_TENSORS * f);
+    let heads = cfg.num_attention_heads as u64;
+    let score_elems = b as u64 * heads * (s * s) as u64;
+    if path.fused && path.flash {
+        return acts + FLASH_ROW_F32 * 4 * t * heads;
+    }
+    if path.fused {
         return acts + FUSED_SCORE_BYTES * score_elems;
     }
     let scores = SCORE_TENSORS * score_elems * 4;

@@ -46,6 +46,10 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         late_state_downloads: None,
         early_state_uploads: Some(0),
         fused_kernels: true,
+        // The materialised attention and untiled MLPs, which the tests below were written for;
+        // `long_sequences_*` plan flash attention and MLP tiles.
+        flash_attention: Some(false),
+        mlp_rows: Some(0),
     }
 }
 
@@ -434,7 +438,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
 fn kept_activations_fill_what_residency_leaves() {
     let base = PlanInput { kept_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
     let cfg = llama3_3b();
-    let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, true);
+    let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, true, false);
     // a, x1, c, q, o (3072 each), k, v (1024 each), gate, up, mid (8192 each) per token in bf16,
     // raw scores and probabilities of 4 x 24 heads with their f32 (max, sum) per row, the two
     // norms' f32 reciprocal RMS per token: ~2.1 GiB a layer.
@@ -444,7 +448,7 @@ fn kept_activations_fill_what_residency_leaves() {
     assert_eq!(per, acts + scores + stats + rms);
     // candle's ops also keep each norm's f32 input copy and x·r, silu(gate), and f32
     // probabilities instead of the bf16 scores and probabilities with their statistics.
-    let unfused = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, false);
+    let unfused = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, false, false);
     let n = 4 * 2048;
     assert_eq!(unfused, per + 2 * n * 3072 * 4 + n * 3072 * 2 + n * 8192 * 2 - stats);
     // Auto keeps none of the streamed, not held layers' (their backward waits on the host);

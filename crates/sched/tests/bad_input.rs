@@ -75,7 +75,13 @@ fn zero_targets_after_masking_is_an_error_and_changes_nothing() {
     let cfg = golden::load("llama_tied").unwrap().cfg;
     let store = store_with(&cfg, &random_params(&cfg, 1), GradDtype::F32);
     let mut e = engine(&cfg, store.clone(), golden_opts(), 0);
-    let ok = Batch { batch: 1, seq: 4, input_ids: vec![1, 2, 3, 4], targets: vec![2, 3, 4, IGNORE_INDEX] };
+    let ok = Batch {
+        batch: 1,
+        seq: 4,
+        input_ids: vec![1, 2, 3, 4],
+        targets: vec![2, 3, 4, IGNORE_INDEX],
+        positions: None,
+    };
     e.step(&ok, 1e-3).unwrap();
     let (before, state) = (params_of(&store), store.state());
     let masked = Batch { targets: vec![IGNORE_INDEX; 4], ..ok.clone() };

@@ -28,7 +28,7 @@ fn config() -> ModelConfig {
 
 fn batch(cfg: &ModelConfig, b: usize, seed: u64) -> Batch {
     let (input_ids, targets) = random_batch(cfg, b, 12, seed, 0.2);
-    Batch { batch: b, seq: 12, input_ids, targets }
+    Batch { batch: b, seq: 12, input_ids, targets, positions: None }
 }
 
 /// What a run leaves behind: loss bits per step, params, grads of the last step, one layer's m.

@@ -374,7 +374,7 @@ fn each_layer_crosses_twice_and_its_gradient_once() {
             let (input_ids, targets) = random_batch(&cfg, batch, 8, 1, 0.0);
             let mut planned = (0, 0);
             let r = e
-                .step_with(&Batch { batch, seq: 8, input_ids, targets }, 1e-3, |p| {
+                .step_with(&Batch { batch, seq: 8, input_ids, targets, positions: None }, 1e-3, |p| {
                     planned = (p.uploads().count(), p.downloads().count())
                 })
                 .unwrap();
@@ -415,7 +415,7 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
             };
             let mut e = engine(&cfg, store, opts, 0);
             let (input_ids, targets) = random_batch(&cfg, 2, 8, 1, 0.0);
-            let b = Batch { batch: 2, seq: 8, input_ids, targets };
+            let b = Batch { batch: 2, seq: 8, input_ids, targets, positions: None };
             let first = e.step(&b, 1e-3).unwrap();
             let h = if late > 0 { n } else { 0 }; // held layers
             let ke = early as u64;
@@ -490,7 +490,7 @@ fn a_held_layer_crosses_once() {
         let opts = EngineOptions { held_layers, n_chunks: 2, ..golden_opts() };
         let mut e = engine(&cfg, store, opts, 0);
         let (input_ids, targets) = random_batch(&cfg, 2, 8, 1, 0.0);
-        let r = e.step(&Batch { batch: 2, seq: 8, input_ids, targets }, 1e-3).unwrap();
+        let r = e.step(&Batch { batch: 2, seq: 8, input_ids, targets, positions: None }, 1e-3).unwrap();
         assert_eq!(r.h2d_bytes, ((2 * n - held_layers as u64) * l + o) * 4, "{held_layers} held");
         assert_eq!(r.d2h_bytes, n * l * 2 + o * 4, "{held_layers} held");
     }

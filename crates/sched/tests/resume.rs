@@ -19,7 +19,7 @@ fn batches(cfg: &ModelConfig) -> Vec<Batch> {
     (0..4)
         .map(|s| {
             let (input_ids, targets) = random_batch(cfg, 2, 10, 100 + s, 0.1);
-            Batch { batch: 2, seq: 10, input_ids, targets }
+            Batch { batch: 2, seq: 10, input_ids, targets, positions: None }
         })
         .collect()
 }

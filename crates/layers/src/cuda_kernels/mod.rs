@@ -174,6 +174,8 @@ mod optim;
 pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials};
 mod softmax;
 pub(crate) use softmax::{causal_softmax, softmax_backward};
+mod flash;
+pub(crate) use flash::{flash_backward, flash_forward, flash_head_dim};
 
 struct Swiglu;
 

@@ -8,10 +8,10 @@ use clap::{Args, Parser, Subcommand};
 mod config_file;
 mod values;
 pub use config_file::{config_file_options, parse_args, ArgsError};
-use values::{at_least_one, fraction, layer_count, non_negative, parse_data, positive_f64};
+use values::{at_least_one, fraction, layer_count, mlp_rows, non_negative, parse_data, positive_f64};
 pub use values::{
-    DataKind, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, OptimModeArg, Precision,
-    ResidentOuter, ScheduleKind,
+    AttentionArg, DataKind, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows,
+    OptimModeArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
 };
 
 /// Train LLMs larger than GPU memory on one GPU by streaming layers through it.
@@ -91,6 +91,12 @@ pub struct EstimateArgs {
     /// As `megatrain train --early-state-uploads`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub early_state_uploads: LayerCount,
+    /// As `megatrain train --attention`.
+    #[arg(long, value_enum, default_value_t = AttentionArg::Auto)]
+    pub attention: AttentionArg,
+    /// As `megatrain train --mlp-rows`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = mlp_rows)]
+    pub mlp_rows: MlpRows,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -370,6 +376,25 @@ pub struct TrainArgs {
     /// memory have room for (0 unless every streamed layer is held) and that pair.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
     pub early_state_uploads: LayerCount,
+
+    /// Attention kernels: `flash` = flash attention (O(seq) memory; bf16 on a CUDA GPU with a head
+    /// dim of 16, 32, 64 or 128), `materialized` = the `[batch, heads, seq, seq]` scores,
+    /// `auto` = flash wherever it runs.
+    #[arg(long, value_enum, default_value_t = AttentionArg::Auto)]
+    pub attention: AttentionArg,
+
+    /// Rows (tokens) of each decoder layer's MLP tile, so that no `[seq, ffn]` tensor exists
+    /// whole: a number (0 = a chunk's rows at once), or `auto` = a chunk at once when it fits,
+    /// else the largest of 8192, 4096, 2048, 1024 rows that fits.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = mlp_rows)]
+    pub mlp_rows: MlpRows,
+
+    /// How RoPE angles `position · inv_freq` are formed: `transformers` = in f32, as transformers
+    /// and the inference engines that follow it do (the model as its checkpoint defines it; off
+    /// by up to 2e-3 rad at position 32768 and 0.031 rad at 524287), `exact` = in f64, for models
+    /// whose inference computes them exactly.
+    #[arg(long, value_enum, default_value_t = RopeAnglesArg::Transformers)]
+    pub rope_angles: RopeAnglesArg,
 
     /// Optimizer placement: `exact` = global-norm clipping, each layer's update deferred to just
     /// before its next upload; `lean` = update each layer as soon as its gradient lands.

@@ -126,6 +126,77 @@ impl ResidentOuter {
     }
 }
 
+/// The attention kernels (`--attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionArg {
+    /// Flash attention wherever it runs (bf16 on a CUDA GPU, head dim 16, 32, 64 or 128), the
+    /// materialised scores elsewhere.
+    Auto,
+    /// Flash attention; refused where it cannot run.
+    Flash,
+    /// The materialised `[batch, heads, seq, seq]` scores (transformers' eager path).
+    Materialized,
+}
+
+impl AttentionArg {
+    /// The planner's input: `None` lets it decide.
+    pub fn choice(self) -> Option<bool> {
+        match self {
+            AttentionArg::Auto => None,
+            AttentionArg::Flash => Some(true),
+            AttentionArg::Materialized => Some(false),
+        }
+    }
+}
+
+/// How RoPE angles are formed (`--rope-angles`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RopeAnglesArg {
+    /// The f32 product `pos · inv_freq`, as transformers forms it (off by up to 2e-3 rad at
+    /// position 32768 and 0.031 rad at 524287 for the fastest-turning pair).
+    Transformers,
+    /// The exact angle (f64).
+    Exact,
+}
+
+impl From<RopeAnglesArg> for mt_layers::RopeAngles {
+    fn from(a: RopeAnglesArg) -> Self {
+        match a {
+            RopeAnglesArg::Transformers => mt_layers::RopeAngles::Transformers,
+            RopeAnglesArg::Exact => mt_layers::RopeAngles::Exact,
+        }
+    }
+}
+
+/// Rows of a decoder layer's MLP tile (`--mlp-rows`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpRows {
+    /// The planner decides.
+    Auto,
+    /// This many rows (0 = a chunk's rows at once).
+    Rows(usize),
+}
+
+impl MlpRows {
+    /// The planner's input: `None` lets it decide.
+    pub fn choice(self) -> Option<usize> {
+        match self {
+            MlpRows::Auto => None,
+            MlpRows::Rows(r) => Some(r),
+        }
+    }
+}
+
+/// `--mlp-rows`: `auto` or a row count (0 = a chunk's rows at once).
+pub(super) fn mlp_rows(s: &str) -> std::result::Result<MlpRows, String> {
+    if s == "auto" {
+        return Ok(MlpRows::Auto);
+    }
+    s.parse()
+        .map(MlpRows::Rows)
+        .map_err(|_| format!("{s:?}: expected `auto` or a number of rows (0 = no tiles)"))
+}
+
 /// How many leading decoder layers stay on the GPU (`--resident-layers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 /// A number of decoder layers given to some placement (`--resident-layers`, `--kept-layers`).

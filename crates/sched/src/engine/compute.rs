@@ -22,7 +22,6 @@ impl<B: Backend> Engine<B> {
         args: &StepArgs,
     ) -> Result<()> {
         let (cfg, layout) = (&self.cfg, &self.layout);
-        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
         let n_layers = layout.n_layers;
         match *op {
             Op::Embed => {
@@ -40,8 +39,9 @@ impl<B: Backend> Engine<B> {
                 let keep = layer < self.opts.kept_layers;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
+                    let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
                     let y = if keep {
-                        let (y, state) = self.layer_t.forward_keep(&w, &x, rope)?;
+                        let (y, state) = self.layer_t.forward_keep_pos(&w, &x, pos)?;
                         let entry = self.kept.get_mut(layer * chunks.len() + c).ok_or_else(|| {
                             CoreError::Plan(format!(
                                 "no place to keep layer {layer}, chunk {c} (scheduling bug)"
@@ -51,7 +51,7 @@ impl<B: Backend> Engine<B> {
                         *entry = Some(state);
                         y
                     } else {
-                        self.layer_t.forward(&w, &x, rope)?
+                        self.layer_t.forward_pos(&w, &x, pos)?
                     };
                     self.pool.put_checkpoint(layer + 1, c, y);
                 }
@@ -86,7 +86,10 @@ impl<B: Backend> Engine<B> {
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
                     let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
                         Some(state) => self.layer_t.backward_kept(&w, state, &dy, &sink)?,
-                        None => self.layer_t.backward(&w, &x, &dy, rope, &sink)?,
+                        None => {
+                            let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
+                            self.layer_t.backward_pos(&w, &x, &dy, pos, &sink)?
+                        }
                     };
                     self.pool.put_act_grad(c, dx);
                 }
@@ -186,6 +189,10 @@ impl<B: Backend> Engine<B> {
 
 fn no_state(buf: usize) -> Error {
     CoreError::Plan(format!("state slot {buf} does not exist (scheduling bug)")).into()
+}
+
+fn missing_positions(chunk: usize) -> Error {
+    CoreError::Plan(format!("positions of chunk {chunk} missing (scheduling bug)")).into()
 }
 
 fn missing_grad(layer: usize, chunk: usize) -> Error {

@@ -3,7 +3,7 @@
 
 use candle_core::{Tensor, D};
 use mt_core::Unit;
-use mt_layers::{LayerWeights, OuterWeights};
+use mt_layers::{LayerWeights, OuterWeights, Positions};
 
 use super::Engine;
 use crate::backend::Backend;
@@ -31,6 +31,10 @@ impl<B: Backend> Engine<B> {
         let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
         let mut x = self.outer_t.embed(&ow, &ids)?;
         let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        let pos = match &batch.positions {
+            Some(p) => Positions::from_ids(rope, batch.batch, batch.seq, p)?,
+            None => Positions::range(rope, 0, batch.seq)?,
+        };
         for l in 0..self.layout.n_layers {
             // Likewise a resident layer's.
             let slot = match self.pool.resident.get(l) {
@@ -41,7 +45,7 @@ impl<B: Backend> Engine<B> {
                 }
             };
             let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &slot)?;
-            x = self.layer_t.forward(&w, &x, rope)?;
+            x = self.layer_t.forward_pos(&w, &x, &pos)?;
         }
         let logits = self.outer_t.logits(&ow, &x)?;
         // The slots are read on the compute stream; the next step's uploads must not overtake.

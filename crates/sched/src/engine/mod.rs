@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::DType;
 use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
-use mt_layers::{DecoderLayer, Outer, Rope};
+use mt_layers::{DecoderLayer, LayerOptions, Outer, Positions, Rope};
 use mt_optim::{AdamW, Grad, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
 use mt_store::{
@@ -77,6 +77,8 @@ pub struct Engine<B: Backend> {
     layer_t: DecoderLayer,
     outer_t: Outer,
     rope: Option<Rope>,
+    /// The positions of each chunk's tokens this step (empty outside a step).
+    positions: Vec<Positions>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     /// Resident units' shares of the global norm, still on the device until the step ends.
     device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
@@ -226,9 +228,13 @@ impl<B: Backend> Engine<B> {
             device_sumsq: Vec::new(),
             kept: Vec::new(),
             kept_bytes: 0,
-            layer_t: DecoderLayer::new(cfg),
+            layer_t: DecoderLayer::with_options(
+                cfg,
+                LayerOptions { flash: opts.flash_attention, mlp_rows: opts.mlp_rows },
+            ),
             outer_t: Outer::new(cfg, opts.rows_per_block),
             rope: None,
+            positions: Vec::new(),
             layout,
             store,
             backend,
@@ -356,6 +362,7 @@ impl<B: Backend> Engine<B> {
         }
         let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
         self.ensure_rope(batch.seq)?;
+        self.positions = self.chunk_positions(&chunks)?;
         let state = self.store.state();
         let mut program = Program::build(self.program_spec(state.pending_update, self.early_ready));
         edit(&mut program);
@@ -390,6 +397,7 @@ impl<B: Backend> Engine<B> {
         let loss = self.execute(&program, &chunks, update_args);
         // Whatever a failed step left kept is freed with it.
         self.kept.clear();
+        self.positions.clear();
         let loss = loss?;
         for (unit, ss) in std::mem::take(&mut self.device_sumsq) {
             let ss = ss.value()?;
@@ -463,9 +471,30 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Each chunk's [`Positions`]: its position ids' RoPE rows and packed documents.
+    pub(super) fn chunk_positions(&self, chunks: &[Chunk]) -> Result<Vec<Positions>> {
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        chunks
+            .iter()
+            .map(|ch| {
+                let (b, t) = ch.ids.dims2()?;
+                Ok(match &ch.positions {
+                    Some(ids) => Positions::from_ids(rope, b, t, ids)?,
+                    None => Positions::range(rope, 0, t)?,
+                })
+            })
+            .collect()
+    }
+
     pub(super) fn ensure_rope(&mut self, seq: usize) -> Result<()> {
         if self.rope.as_ref().is_none_or(|r| r.max_t() < seq) {
-            self.rope = Some(Rope::new(&self.cfg, seq, self.opts.weight_dtype, self.backend.device())?);
+            self.rope = Some(Rope::with_angles(
+                &self.cfg,
+                seq,
+                self.opts.weight_dtype,
+                self.backend.device(),
+                self.opts.rope_angles,
+            )?);
         }
         Ok(())
     }

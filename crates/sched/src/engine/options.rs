@@ -85,6 +85,15 @@ pub struct EngineOptions {
     /// forward. Needs the device gradient in the store's dtype (device narrowing with bf16 store
     /// gradients). 0 = every state upload in the forward.
     pub early_state_uploads: usize,
+    /// Flash attention (`kernels/flash_attn.cu`) where it applies (`mt_layers::flash_attention`:
+    /// bf16 on a CUDA device, head dim 16, 32, 64 or 128): O(t) memory instead of the
+    /// materialised `[b, heads, t, t]` scores; elsewhere the materialised path runs regardless.
+    pub flash_attention: bool,
+    /// How RoPE angles are formed (`mt_layers::RopeAngles`: transformers' f32 product by default).
+    pub rope_angles: mt_layers::RopeAngles,
+    /// Rows of each decoder layer's MLP tile (`mt_layers::LayerOptions::mlp_rows`; 0 = a chunk's
+    /// rows at once): bounds the `[rows, ffn]` tensors of long sequences.
+    pub mlp_rows: usize,
     /// Where exact mode keeps bf16 store gradients, narrow each streamed layer's gradient on the
     /// device and land it in bf16 (`plan::lands_bf16`); `false` lands f32 and narrows on the
     /// host, as before. Exists so tests can prove the two bitwise equal; the planner assumes
@@ -111,6 +120,9 @@ impl Default for EngineOptions {
             gpu_updated_layers: 0,
             late_state_downloads: 0,
             early_state_uploads: 0,
+            flash_attention: false,
+            rope_angles: mt_layers::RopeAngles::Transformers,
+            mlp_rows: 0,
             device_narrowing: true,
         }
     }

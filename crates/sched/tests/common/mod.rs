@@ -81,7 +81,13 @@ pub fn grads_of(store: &HostStore) -> BTreeMap<String, Tensor> {
 
 /// The golden fixture's batch.
 pub fn golden_batch(g: &Golden) -> Batch {
-    Batch { batch: g.batch, seq: g.seq, input_ids: g.input_ids.clone(), targets: g.targets.clone() }
+    Batch {
+        batch: g.batch,
+        seq: g.seq,
+        input_ids: g.input_ids.clone(),
+        targets: g.targets.clone(),
+        positions: None,
+    }
 }
 
 /// `n` seeded random batches of 2 x 8 tokens (10% of targets masked), seeds `seed0..seed0 + n`.
@@ -89,7 +95,7 @@ pub fn small_batches(cfg: &ModelConfig, n: u64, seed0: u64) -> Vec<Batch> {
     (0..n)
         .map(|s| {
             let (input_ids, targets) = mt_testkit::init::random_batch(cfg, 2, 8, seed0 + s, 0.1);
-            Batch { batch: 2, seq: 8, input_ids, targets }
+            Batch { batch: 2, seq: 8, input_ids, targets, positions: None }
         })
         .collect()
 }
