@@ -42,7 +42,7 @@ pub struct LayerOptions {
 /// `head_dim`.
 pub fn flash_attention(device: &candle_core::Device, dtype: candle_core::DType, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
-    return crate::cuda_kernels::applies_on(device, dtype) && crate::cuda_kernels::flash_head_dim(head_dim);
+    return crate::cuda_kernels::applies_on(device, dtype) && crate::flash_head_dim(head_dim);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, dtype, head_dim);
@@ -197,7 +197,7 @@ impl DecoderLayer {
                 dy.dims(),
             ));
         }
-        self.backward_saved(w, &s, dy, grads)
+        self.backward_saved(w, s, dy, grads)
     }
 
     /// Bytes a [`LayerState`] of `b` sequences of `s` tokens holds (weights and activations of
@@ -287,7 +287,7 @@ impl DecoderLayer {
         // The recompute stops at the attention block: each MLP tile is recomputed in the
         // backward, and the layer's output is not needed backwards.
         let (_, s) = self.run(w, x, pos, Output::Skip)?;
-        self.backward_saved(w, &s, dy, grads)
+        self.backward_saved(w, s, dy, grads)
     }
 
     /// The MLP tiles of `n` rows: `[0, n)` in pieces of [`LayerOptions::mlp_rows`].
@@ -296,8 +296,9 @@ impl DecoderLayer {
         (0..n).step_by(rows).map(|r| r..(r + rows).min(n)).collect()
     }
 
-    /// The backward proper, from what the forward saved.
-    fn backward_saved(&self, w: &LayerWeights, s: &Saved, dy: &Tensor, grads: &GradSink) -> Result<Tensor> {
+    /// The backward proper, from what the forward saved; each saved tensor is dropped as soon as
+    /// nothing later needs it (a long sequence's `[t, hidden]` tensors are gigabytes).
+    fn backward_saved(&self, w: &LayerWeights, s: Saved, dy: &Tensor, grads: &GradSink) -> Result<Tensor> {
         let dev = dy.device();
         let h = self.cfg.hidden_size;
         let Dims { b, t, nh, nkv, hd } = s.dims;
@@ -308,14 +309,14 @@ impl DecoderLayer {
         // MLP, tile by tile: out = x1 + down(silu(gate(c)) ⊙ up(c)), c = norm2(x1).
         let tiles = self.tile_ranges(n);
         let mut dx1_parts = Vec::with_capacity(tiles.len());
-        for (i, r) in tiles.iter().enumerate() {
-            let recomputed;
-            let m = match s.mlp.get(i) {
+        let Saved { dims, cos, sin, docs, norm1, a, q_norm, k_norm, attn, o, x1, mlp, .. } = s;
+        let mut kept = mlp.into_iter();
+        for r in &tiles {
+            let m = match kept.next() {
                 Some(m) => m,
                 None => {
-                    let x1 = s.x1.as_ref().expect("x1 is kept when the MLP is recomputed");
-                    recomputed = self.mlp_forward(w, &x1.narrow(0, r.start, r.len())?, Output::Skip)?.1;
-                    &recomputed
+                    let x1 = x1.as_ref().expect("x1 is kept when the MLP is recomputed");
+                    self.mlp_forward(w, &x1.narrow(0, r.start, r.len())?, Output::Skip)?.1
                 }
             };
             let dy_t = dy.narrow(0, r.start, r.len())?;
@@ -333,22 +334,24 @@ impl DecoderLayer {
             dx1_parts.push(add(&dy_t, &dx1_norm)?);
             mark(dev, "bwd 6 post norm");
         }
+        drop(x1);
         let dx1 = join_rows(dx1_parts, n, &tiles)?;
 
         // Attention: x1 = x + o_proj(attn(rope(q), rope(k), v)).
-        let d_o = linear_backward(&dx1, &s.o, &w.o, grads, names::O, bias(&w.o_bias, names::O_BIAS))?;
+        let d_o = linear_backward(&dx1, &o, &w.o, grads, names::O, bias(&w.o_bias, names::O_BIAS))?;
+        drop(o);
         mark(dev, "bwd 5 o proj (2 GEMMs + accumulate)");
-        let (dq, dk, dv) =
-            attention::backward(&d_o.reshape((b, t, nh * hd))?, &s.attn, s.dims, s.docs.as_deref())?;
+        let (dq, dk, dv) = attention::backward(&d_o.reshape((b, t, nh * hd))?, &attn, dims, docs.as_deref())?;
+        drop((d_o, attn));
         mark(dev, "bwd 4 attention");
-        let mut dq = rope::apply_backward(&dq, &s.cos, &s.sin)?;
-        let mut dk = rope::apply_backward(&dk, &s.cos, &s.sin)?;
-        if let (Some(cache), Some(wn)) = (&s.q_norm, &w.q_norm) {
+        let mut dq = rope::apply_backward(&dq, &cos, &sin)?;
+        let mut dk = rope::apply_backward(&dk, &cos, &sin)?;
+        if let (Some(cache), Some(wn)) = (&q_norm, &w.q_norm) {
             let (d, dw) = rms_norm_backward(&dq, wn, cache)?;
             grads.accumulate(names::Q_NORM, &dw)?;
             dq = d;
         }
-        if let (Some(cache), Some(wn)) = (&s.k_norm, &w.k_norm) {
+        if let (Some(cache), Some(wn)) = (&k_norm, &w.k_norm) {
             let (d, dw) = rms_norm_backward(&dk, wn, cache)?;
             grads.accumulate(names::K_NORM, &dw)?;
             dk = d;
@@ -357,13 +360,20 @@ impl DecoderLayer {
         let dq = dq.reshape((n, nh * hd))?;
         let dk = dk.reshape((n, nkv * hd))?;
         let dv = dv.reshape((n, nkv * hd))?;
-        let da_q = linear_backward(&dq, &s.a, &w.q, grads, names::Q, bias(&w.q_bias, names::Q_BIAS))?;
-        let da_k = linear_backward(&dk, &s.a, &w.k, grads, names::K, bias(&w.k_bias, names::K_BIAS))?;
-        let da_v = linear_backward(&dv, &s.a, &w.v, grads, names::V, bias(&w.v_bias, names::V_BIAS))?;
-        // a feeds q, k and v: its gradient is the sum of the three.
-        let da = add(&add(&da_q, &da_k)?, &da_v)?;
+        // a feeds q, k and v: its gradient is the sum of the three (added as they come).
+        let da_q = linear_backward(&dq, &a, &w.q, grads, names::Q, bias(&w.q_bias, names::Q_BIAS))?;
+        drop(dq);
+        let da_k = linear_backward(&dk, &a, &w.k, grads, names::K, bias(&w.k_bias, names::K_BIAS))?;
+        drop(dk);
+        let da = add(&da_q, &da_k)?;
+        drop((da_q, da_k));
+        let da_v = linear_backward(&dv, &a, &w.v, grads, names::V, bias(&w.v_bias, names::V_BIAS))?;
+        drop((dv, a));
+        let da = add(&da, &da_v)?;
+        drop(da_v);
         mark(dev, "bwd 2 qkv proj (6 GEMMs + accumulate)");
-        let (dx_norm, d_in) = rms_norm_backward(&da, &w.input_norm, &s.norm1)?;
+        let (dx_norm, d_in) = rms_norm_backward(&da, &w.input_norm, &norm1)?;
+        drop((da, norm1));
         grads.accumulate(names::INPUT_NORM, &d_in)?;
         let dx = add(&dx1, &dx_norm)?;
         mark(dev, "bwd 1 input norm");

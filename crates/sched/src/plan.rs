@@ -127,13 +127,14 @@ pub struct PlanInput {
     /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).
     pub flash_attention: Option<bool>,
     /// Rows of each decoder layer's MLP tile (`Some(r)`, 0 = a chunk's rows at once), or decide
-    /// (`None`): all of a chunk's rows when that fits, else the largest of [`MLP_TILE_ROWS`] that
-    /// does.
+    /// (`None`): a chunk's rows at once up to `MLP_TILE_ROWS[0]` of them, else the largest of
+    /// [`MLP_TILE_ROWS`] that fits.
     pub mlp_rows: Option<usize>,
 }
 
-/// The MLP tile sizes the planner tries, largest first, when a chunk's rows at once do not fit:
-/// 8192 rows keep the tile's GEMMs as efficient as whole ones.
+/// The MLP tile sizes the planner tries, largest first, for chunks of more rows: tiles of 8192
+/// rows keep the MLP's GEMMs as efficient as whole ones (`[8192, hidden] x [hidden, ffn]`) and
+/// leave the memory a whole chunk's `[rows, ffn]` tensors would take to residency.
 pub const MLP_TILE_ROWS: [usize; 4] = [8192, 4096, 2048, 1024];
 
 /// Where the layer-boundary checkpoints live.
@@ -377,7 +378,8 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         let b = chunk_ranges(batch, n).iter().map(|r| r.len()).max().unwrap_or(batch);
         let tiles: Vec<usize> = match input.mlp_rows {
             Some(r) => vec![r],
-            None => std::iter::once(0).chain(MLP_TILE_ROWS.into_iter().filter(|&r| r < b * seq)).collect(),
+            None if b * seq <= MLP_TILE_ROWS[0] => vec![0],
+            None => MLP_TILE_ROWS.to_vec(),
         };
         let ws = |mlp_rows: usize| {
             let path = LayerPath { fused: input.fused_kernels, flash, mlp_rows };

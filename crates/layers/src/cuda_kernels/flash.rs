@@ -27,7 +27,7 @@ fn ptx() -> candle_core::Result<&'static str> {
     compile(&PTX, SOURCE, "flash_attn.cu")
 }
 
-pub(crate) use crate::flash_head_dim;
+use crate::flash_head_dim;
 
 /// Dynamic shared memory of each kernel for head dim `hd` (the kernels' header comment).
 fn smem(kernel: &str, hd: usize) -> u32 {
@@ -156,7 +156,6 @@ pub(crate) fn flash_forward(
     // above), every index the kernel forms is below those (64-bit offsets); `sm` bytes of
     // shared memory as the kernel lays it out, allowed above.
     unsafe { a.launch(cfg) }.w()?;
-    drop((qv, kv, vv, lo_v));
     Ok((wrap(o, &dev, (b, t, nh, hd)), wrap(lse, &dev, (b, nh, t))))
 }
 
@@ -288,6 +287,5 @@ pub(crate) fn flash_backward(
     // SAFETY: signature (bf16* Q, K, V, dO, float* LSE, D, bf16* dQ, int* seg_lo or null, int T,
     // NH, NKV, float scale, scale_log2); dQ holds b·t·nh·hd; `sm` bytes, allowed above.
     unsafe { a.launch(cfg) }.w()?;
-    drop((qv, kv, vv, ov, lv, dov, bounds));
     Ok((wrap(dq, &dev, (b, t, nh, hd)), wrap(dk, &dev, (b, t, nkv, hd)), wrap(dv, &dev, (b, t, nkv, hd))))
 }

@@ -175,7 +175,7 @@ pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials};
 mod softmax;
 pub(crate) use softmax::{causal_softmax, softmax_backward};
 mod flash;
-pub(crate) use flash::{flash_backward, flash_forward, flash_head_dim};
+pub(crate) use flash::{flash_backward, flash_forward};
 
 struct Swiglu;
 
@@ -451,3 +451,6 @@ pub(crate) fn ce_grad(logits: &Tensor, targets: &Tensor, weights: &Tensor) -> ca
 
 #[cfg(test)]
 mod ce_tests;
+
+#[cfg(test)]
+mod flash_tests;

@@ -1,0 +1,162 @@
+//! Flash attention, packed documents and MLP tiles through the CUDA engine (compiled only with
+//! the `cuda` feature, run on the GPU machine): the flash path trains as the CPU engine and as the
+//! materialised GPU path within the bf16 bounds of `tests/gpu.rs`, a packed batch as its samples
+//! one per sequence, and a 4096-token sequence as the CPU engine. Every figure is printed
+//! (SUMMARY lines) before the bounds are asserted.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor};
+use mt_core::ModelConfig;
+use mt_sched::{Backend, Batch, CpuBackend, CpuOptions, CudaBackend, Engine, EngineOptions, IGNORE_INDEX};
+use mt_store::GradDtype;
+use mt_testkit::golden::{self, GOLDEN_NAMES};
+use mt_testkit::init::{random_batch, random_params};
+use mt_testkit::tol::compare_maps;
+use mt_testkit::Tolerance;
+
+use common::*;
+
+/// bf16 against f32 and bf16 paths against each other: the bound of `tests/gpu.rs`.
+const BF16_GRAD: f64 = 3e-2;
+
+/// Losses of three steps and the first step's gradients.
+fn run<B: Backend>(
+    cfg: &ModelConfig,
+    params: &BTreeMap<String, Tensor>,
+    batch: &Batch,
+    backend: B,
+    opts: EngineOptions,
+) -> (Vec<f64>, BTreeMap<String, Tensor>) {
+    let store = store_with(cfg, params, GradDtype::F32);
+    let mut e = Engine::new(cfg, store.clone(), backend, opts).unwrap();
+    let mut losses = vec![e.step(batch, 1e-3).unwrap().loss];
+    let grads = grads_of(&store);
+    for _ in 0..2 {
+        losses.push(e.step(batch, 1e-3).unwrap().loss);
+    }
+    (losses, grads)
+}
+
+fn cuda() -> CudaBackend {
+    CudaBackend::new(0, CpuOptions::uniform(300, 3)).unwrap()
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::on_device(Device::Cpu, CpuOptions::default())
+}
+
+fn bf16(flash: bool, mlp_rows: usize) -> EngineOptions {
+    EngineOptions {
+        weight_dtype: DType::BF16,
+        n_chunks: 2,
+        flash_attention: flash,
+        mlp_rows,
+        ..golden_opts()
+    }
+}
+
+fn worst_loss(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y).fold(0.0, f64::max)
+}
+
+/// Every golden model (head dims 16 and 32): bf16 with flash attention (and MLP tiles of 5 rows)
+/// against the f32 CPU engine and against the materialised bf16 GPU path.
+#[test]
+fn cuda_flash_attention_trains_as_the_cpu_and_materialised_engines() {
+    let mut failures = Vec::new();
+    for name in GOLDEN_NAMES {
+        let g = golden::load(name).unwrap();
+        let batch = golden_batch(&g);
+        let (cpu_l, cpu_g) = run(&g.cfg, &g.params, &batch, cpu(), golden_opts());
+        let (mat_l, mat_g) = run(&g.cfg, &g.params, &batch, cuda(), bf16(false, 0));
+        for mlp_rows in [0, 5] {
+            let (fl_l, fl_g) = run(&g.cfg, &g.params, &batch, cuda(), bf16(true, mlp_rows));
+            let vs_cpu = compare_maps(&fl_g, &cpu_g, Tolerance { rel: BF16_GRAD });
+            let vs_mat = compare_maps(&fl_g, &mat_g, Tolerance { rel: BF16_GRAD });
+            let (wc, wm) = (vs_cpu.worst().unwrap(), vs_mat.worst().unwrap());
+            let (lc, lm) = (worst_loss(&fl_l, &cpu_l), worst_loss(&fl_l, &mat_l));
+            eprintln!(
+                "SUMMARY flash {name} bf16 mlp_rows {mlp_rows}: vs CPU f32 losses {lc:.2e}, worst grad {:.2e} ({}); vs materialised bf16 GPU losses {lm:.2e}, worst grad {:.2e} ({})",
+                wc.rel_err(),
+                wc.name,
+                wm.rel_err(),
+                wm.name
+            );
+            if !vs_cpu.is_ok() || !vs_mat.is_ok() || lc > 1e-3 || lm > 1e-3 {
+                failures.push(format!("{name} mlp_rows {mlp_rows}\n{vs_cpu}\n{vs_mat}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Three samples packed in one sequence with restarting position ids train as the three one per
+/// sequence, on the flash path and on the materialised one (its document mask).
+#[test]
+fn cuda_packed_batch_equals_samples_one_per_sequence() {
+    let g = golden::load("qwen3_qknorm").unwrap();
+    let samples: [Vec<u32>; 3] = [vec![3, 17, 9, 44, 2, 8], vec![11, 5, 60, 7, 21], vec![99, 4, 13, 70]];
+    let (mut ids, mut pos, mut tgt) = (Vec::new(), Vec::new(), Vec::new());
+    for s in &samples {
+        for (k, &id) in s.iter().enumerate() {
+            ids.push(id);
+            pos.push(k as u32);
+            tgt.push(s.get(k + 1).map_or(IGNORE_INDEX, |&n| i64::from(n)));
+        }
+    }
+    ids.push(0);
+    pos.push(4);
+    tgt.push(IGNORE_INDEX);
+    let packed = Batch { batch: 1, seq: 16, input_ids: ids, targets: tgt, positions: Some(pos) };
+    let (mut ids, mut tgt) = (Vec::new(), Vec::new());
+    for s in &samples {
+        for k in 0..6 {
+            ids.push(s.get(k).copied().unwrap_or(0));
+            tgt.push(s.get(k + 1).map_or(IGNORE_INDEX, |&n| i64::from(n)));
+        }
+    }
+    let separate = Batch { batch: 3, seq: 6, input_ids: ids, targets: tgt, positions: None };
+    let one_chunk = |flash| EngineOptions { n_chunks: 1, ..bf16(flash, 0) };
+    let mut failures = Vec::new();
+    for flash in [true, false] {
+        let (lp, gp) = run(&g.cfg, &g.params, &packed, cuda(), one_chunk(flash));
+        let (ls, gs) = run(&g.cfg, &g.params, &separate, cuda(), one_chunk(flash));
+        let r = compare_maps(&gp, &gs, Tolerance { rel: BF16_GRAD });
+        let w = r.worst().unwrap();
+        let l = worst_loss(&lp, &ls);
+        eprintln!(
+            "SUMMARY packed vs one per sequence, bf16, flash {flash}: losses {l:.2e}, worst grad {:.2e} ({})",
+            w.rel_err(),
+            w.name
+        );
+        if !r.is_ok() || l > 1e-3 {
+            failures.push(format!("flash {flash}\n{r}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A 4096-token sequence (Qwen3's golden shape, head dim 32, with random weights): flash
+/// attention with MLP tiles of 1024 rows on the GPU trains as the f32 CPU engine.
+#[test]
+fn cuda_flash_long_sequence_trains_as_the_cpu_engine() {
+    let cfg = golden::load("qwen3_qknorm").unwrap().cfg;
+    let params = random_params(&cfg, 9);
+    let (input_ids, targets) = random_batch(&cfg, 1, 4096, 4, 0.1);
+    let batch = Batch { batch: 1, seq: 4096, input_ids, targets, positions: None };
+    let (cpu_l, cpu_g) = run(&cfg, &params, &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
+    let (fl_l, fl_g) = run(&cfg, &params, &batch, cuda(), EngineOptions { n_chunks: 1, ..bf16(true, 1024) });
+    let r = compare_maps(&fl_g, &cpu_g, Tolerance { rel: BF16_GRAD });
+    let w = r.worst().unwrap();
+    let l = worst_loss(&fl_l, &cpu_l);
+    eprintln!(
+        "SUMMARY flash 1 x 4096 bf16 vs CPU f32: losses {l:.2e}, worst grad {:.2e} ({})",
+        w.rel_err(),
+        w.name
+    );
+    assert!(r.is_ok() && l <= 1e-3, "{r}");
+}
