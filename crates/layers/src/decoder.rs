@@ -344,8 +344,8 @@ impl DecoderLayer {
         let (dq, dk, dv) = attention::backward(&d_o.reshape((b, t, nh * hd))?, &attn, dims, docs.as_deref())?;
         drop((d_o, attn));
         mark(dev, "bwd 4 attention");
-        let mut dq = rope::apply_backward(&dq, &cos, &sin)?;
-        let mut dk = rope::apply_backward(&dk, &cos, &sin)?;
+        let unrotate = |x: Tensor| rope::apply_backward(&x, &cos, &sin);
+        let (mut dq, mut dk) = (unrotate(dq)?, unrotate(dk)?);
         if let (Some(cache), Some(wn)) = (&q_norm, &w.q_norm) {
             let (d, dw) = rms_norm_backward(&dq, wn, cache)?;
             grads.accumulate(names::Q_NORM, &dw)?;
@@ -439,8 +439,9 @@ impl DecoderLayer {
         mark(dev, "fwd 2 qkv proj (GEMM)");
         let (q, q_norm) = norm_opt(q, w.q_norm.as_ref(), eps)?;
         let (k, k_norm) = norm_opt(k, w.k_norm.as_ref(), eps)?;
-        let q = rope::apply(&q, &cos, &sin)?;
-        let k = rope::apply(&k, &cos, &sin)?;
+        // By value, so that the unrotated tensor is freed as soon as its rotation exists.
+        let rotate = |x: Tensor| rope::apply(&x, &cos, &sin);
+        let (q, k) = (rotate(q)?, rotate(k)?);
         mark(dev, "fwd 3 qk norm + rope");
         let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), self.opts.flash)?;
         drop((q, k, v));

@@ -16,6 +16,7 @@ pub mod data;
 pub mod estimate;
 pub mod init;
 pub mod metrics;
+mod oom;
 pub mod report;
 pub mod schedule;
 pub mod trace;

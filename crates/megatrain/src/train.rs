@@ -362,7 +362,7 @@ fn run<B: Backend>(
         let _span = tracing::info_span!("step", step = k + 1).entered();
         let batch = data.batch(args.seed, k, args.batch_size, args.seq_len);
         let lr = schedule.lr(k);
-        let r = engine.step(&batch, lr).with_context(|| format!("training step {}", k + 1))?;
+        let r = engine.step(&batch, lr).map_err(|e| crate::oom::step_error(e, k + 1, &plan))?;
         if !r.loss.is_finite() {
             bail!("training diverged at step {}: loss is {} (try a lower --lr)", k + 1, r.loss);
         }

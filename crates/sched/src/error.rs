@@ -36,6 +36,33 @@ pub enum Error {
     /// Invalid engine options.
     #[error("invalid engine options: {0}")]
     Options(String),
+    /// A compute operation of the step program failed.
+    #[error("{op}: {source}")]
+    Op {
+        /// The operation, as the program lists it (`Backward { layer: 12, .. }`).
+        op: String,
+        /// What went wrong.
+        source: Box<Error>,
+    },
+}
+
+impl Error {
+    /// Whether the device ran out of memory (a CUDA allocation failed).
+    pub fn is_out_of_memory(&self) -> bool {
+        let text = match self {
+            Error::Op { source, .. } => return source.is_out_of_memory(),
+            other => other.to_string(),
+        };
+        text.contains("OUT_OF_MEMORY") || text.contains("out of memory")
+    }
+
+    /// The compute operation that failed, if one did.
+    pub fn op(&self) -> Option<&str> {
+        match self {
+            Error::Op { op, .. } => Some(op),
+            _ => None,
+        }
+    }
 }
 
 /// Result alias.

@@ -525,7 +525,8 @@ impl<B: Backend> Engine<B> {
                     self.backend.compute_wait(&waits)?;
                     self.backend.compute_begin();
                     let t0 = self.backend.now_s();
-                    self.run_compute(&ins.op, chunks, &mut losses, &args)?;
+                    self.run_compute(&ins.op, chunks, &mut losses, &args)
+                        .map_err(|e| Error::Op { op: format!("{:?}", ins.op), source: Box::new(e) })?;
                     self.backend.compute_record(format!("{:?}", ins.op), t0)
                 }
                 _ => self.issue_transfer(&ins.op, &waits, args)?,
