@@ -115,6 +115,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         fused_kernels: fused_kernels(args),
         flash_attention: args.attention.choice(),
         mlp_rows: args.mlp_rows.choice(),
+        spilled_checkpoints: args.spill_checkpoints.choice(args.device, false),
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };

@@ -60,6 +60,7 @@ mod tests {
             fused_kernels: true,
             flash_attention: None,
             mlp_rows: None,
+            spilled_checkpoints: None,
         })
         .unwrap()
     }

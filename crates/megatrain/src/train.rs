@@ -184,6 +184,7 @@ fn make_plan(
         fused_kernels: fused,
         flash_attention: args.attention.choice(),
         mlp_rows: args.mlp_rows.choice(),
+        spilled_checkpoints: args.spill_checkpoints.choice(args.device, false),
     })
     .context("no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)")?;
     eprintln!("{p}");
@@ -270,6 +271,7 @@ fn run<B: Backend>(
     eopts.early_state_uploads = plan.early_state_uploads;
     eopts.flash_attention = plan.flash_attention;
     eopts.mlp_rows = plan.mlp_rows;
+    eopts.spilled_checkpoints = plan.spilled_checkpoints;
     eopts.rope_angles = args.rope_angles.into();
     eopts.n_chunks = plan.n_chunks;
     eopts.ring_depth = plan.ring_depth;

@@ -107,7 +107,7 @@ pub struct PoolBytes {
     pub outer: usize,
     /// Layer and outer gradient buffers.
     pub grads: usize,
-    /// Checkpoints currently held.
+    /// Checkpoints currently held, and the reload buffers of spilled ones.
     pub checkpoints: usize,
     /// Activation gradients currently held.
     pub act_grads: usize,
@@ -159,6 +159,9 @@ pub struct DevicePool {
     pub state: Vec<Tensor>,
     /// The stored gradient of the layer in `state[k]` (`layer_len`, the store's dtype).
     pub state_grad: Vec<Tensor>,
+    /// Reload buffers of spilled checkpoints: `reload[slot][chunk]`, flat, in the weight dtype
+    /// (allocated by [`DevicePool::ensure_reload`] for a step's chunk sizes).
+    pub reload: Vec<Vec<Tensor>>,
     checkpoints: Vec<Vec<Option<Tensor>>>,
     act_grads: Vec<Option<Tensor>>,
     spec: PoolSpec,
@@ -234,6 +237,7 @@ impl DevicePool {
             state_grad: (0..spec.state_slots)
                 .map(|_| Tensor::zeros(spec.layer_len, spec.state_grad_dtype, device))
                 .collect::<candle_core::Result<_>>()?,
+            reload: Vec::new(),
             checkpoints: vec![vec![None; spec.n_chunks]; spec.n_layers + 1],
             act_grads: vec![None; spec.n_chunks],
             spec: spec.clone(),
@@ -253,6 +257,25 @@ impl DevicePool {
     /// The checkpoint of `boundary`/`chunk`.
     pub fn checkpoint(&self, boundary: usize, chunk: usize) -> Result<&Tensor> {
         self.checkpoints[boundary][chunk].as_ref().ok_or(Error::MissingCheckpoint { boundary, chunk })
+    }
+
+    /// Makes `slots` reload buffers of one flat tensor per chunk of `chunk_elems` elements (the
+    /// weight dtype) on `device`, keeping those already of that shape; returns whether any was
+    /// allocated (the caller then synchronises the device before a copy stream writes them).
+    pub fn ensure_reload(&mut self, slots: usize, chunk_elems: &[usize], device: &Device) -> Result<bool> {
+        let fits = |s: &Vec<Tensor>| s.iter().map(Tensor::elem_count).eq(chunk_elems.iter().copied());
+        if self.reload.len() == slots && self.reload.iter().all(fits) {
+            return Ok(false);
+        }
+        self.reload.clear();
+        for _ in 0..slots {
+            let bufs = chunk_elems
+                .iter()
+                .map(|&n| Tensor::zeros(n, self.spec.weight_dtype, device))
+                .collect::<candle_core::Result<_>>()?;
+            self.reload.push(bufs);
+        }
+        Ok(slots > 0)
     }
 
     /// Frees every checkpoint of a boundary once backward has consumed it.
@@ -285,7 +308,8 @@ impl DevicePool {
             outer: tensor_bytes(&self.outer_slot),
             grads: self.grad_bufs.iter().chain(&self.grad_narrow).map(tensor_bytes).sum::<usize>()
                 + tensor_bytes(&self.outer_grad),
-            checkpoints: self.checkpoints.iter().map(|c| live(c)).sum(),
+            checkpoints: self.checkpoints.iter().map(|c| live(c)).sum::<usize>()
+                + self.reload.iter().flatten().map(tensor_bytes).sum::<usize>(),
             act_grads: live(&self.act_grads),
             outer_state: self.outer_state.as_ref().map_or(0, tensor_bytes),
             resident_layers: self

@@ -31,6 +31,7 @@ use mt_core::{ModelConfig, ModelLayout};
 use mt_store::GradDtype;
 
 use crate::batch::chunk_ranges;
+use crate::engine::RELOAD_SLOTS;
 use crate::{Error, OptimMode, Result};
 
 #[path = "plan_bytes.rs"]
@@ -126,6 +127,10 @@ pub struct PlanInput {
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide
     /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).
     pub flash_attention: Option<bool>,
+    /// Spill the checkpoints of boundaries `0..k` to page-locked host memory between their
+    /// layer's forward and backward (`Some(k)`), or decide (`None`): the fewest that let the plan
+    /// fit with its smallest workspace.
+    pub spilled_checkpoints: Option<usize>,
     /// Rows of each decoder layer's MLP tile (`Some(r)`, 0 = a chunk's rows at once), or decide
     /// (`None`): a chunk's rows at once up to `MLP_TILE_ROWS[0]` of them, else the largest of
     /// [`MLP_TILE_ROWS`] that fits.
@@ -190,6 +195,8 @@ pub struct HostBytes {
     pub store: u64,
     /// Staging and landing buffers (page-locked on CUDA).
     pub pinned: u64,
+    /// Of `pinned`, the spilled checkpoints' buffers.
+    pub spilled_checkpoints: u64,
     /// Sum of the two: what must fit (the whole store is populated before the engine starts).
     pub total: u64,
     /// Of the store, the gradient regions of the resident units, which the engine gives back to
@@ -225,6 +232,9 @@ pub struct Plan {
     pub kept_layers: usize,
     /// Attention runs as flash attention (no `[s, s]` scores).
     pub flash_attention: bool,
+    /// Checkpoints of boundaries `0..spilled_checkpoints` live in page-locked host memory between
+    /// their layer's forward and backward.
+    pub spilled_checkpoints: usize,
     /// Rows of each MLP tile (0 = a chunk's rows at once).
     pub mlp_rows: usize,
     /// The last `held_layers` decoder layers (streamed) are uploaded once a step and held on
@@ -279,7 +289,13 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         // Resident when it costs no chunk; whichever fits when only one does (the streamed
         // layout needs more pinned host memory, the resident one more GPU memory).
         None => match (plan_placed(input, false), plan_placed(input, true)) {
-            (Ok(s), Ok(r)) => Ok(if r.n_chunks <= s.n_chunks { r } else { s }),
+            (Ok(s), Ok(r)) => {
+                Ok(if r.n_chunks <= s.n_chunks && r.spilled_checkpoints <= s.spilled_checkpoints {
+                    r
+                } else {
+                    s
+                })
+            }
             (Ok(s), Err(_)) => Ok(s),
             (Err(_), Ok(r)) => Ok(r),
             (Err(e), Err(_)) => Err(e),
@@ -325,7 +341,8 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
     // Bytes per element of a landed layer gradient (the outer unit's lands in f32).
     let le: u64 = if lands_bf16(input.mode, input.grad_dtype) { 2 } else { 4 };
     let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * le + ol_moved * 4;
-    let mut host = HostBytes { store, pinned, total: store + pinned, released_by_resident: 0 };
+    let mut host =
+        HostBytes { store, pinned, spilled_checkpoints: 0, total: store + pinned, released_by_resident: 0 };
     if host.total > input.host_bytes {
         return opt(format!(
             "host store ({:.2} GiB) + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
@@ -352,15 +369,12 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
             gib(fixed), gib(weight_ring), gib(outer), gib(grads), gib(outer_state), gib(asked_resident)
         ));
     }
-    let checkpoints = (nl + 1) * tokens * hid * e;
-    let act_grads = tokens * hid * e;
-    if fixed + checkpoints + act_grads > budget {
-        return opt(format!(
-            "checkpoints for {batch} x {seq} tokens need {:.2} GiB (+ {:.2} GiB activation gradients), the GPU has {:.2} GiB left after weights and gradient buffers ({:.2} GiB) of its {budget_line}; use fewer or shorter sequences",
-            gib(checkpoints), gib(act_grads), gib(budget - fixed), gib(fixed)
-        ));
-    }
-    let left = budget - fixed - checkpoints - act_grads;
+    // One boundary's checkpoints (every chunk); on the device every boundary's, or, with `k`
+    // spilled, the others' plus the one in flight down and the reload buffers (at most).
+    let cp = tokens * hid * e;
+    let device_checkpoints =
+        |k: u64| if k == 0 { (nl + 1) * cp } else { (nl + 2 - k + RELOAD_SLOTS as u64) * cp };
+    let act_grads = cp;
     let flash_runs = input.fused_kernels && mt_layers::flash_head_dim(cfg.head_dim);
     let flash = match input.flash_attention {
         Some(true) if !flash_runs => {
@@ -372,9 +386,9 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         Some(f) => f,
         None => flash_runs,
     };
-    // The chunk count's workspace with the largest MLP tile that fits (the smallest tried when
-    // none does).
-    let workspace_of = |n: usize| {
+    // The chunk count's workspace with the largest MLP tile that fits in `left` (the smallest
+    // tried when none does).
+    let workspace_of = |n: usize, left: u64| {
         let b = chunk_ranges(batch, n).iter().map(|r| r.len()).max().unwrap_or(batch);
         let tiles: Vec<usize> = match input.mlp_rows {
             Some(r) => vec![r],
@@ -398,14 +412,54 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         Some(n) => vec![n],
         None => (1..=batch).collect(),
     };
+    // Spilled checkpoints: as asked, or the fewest with which the smallest workspace fits.
+    let min_ws = candidates.iter().map(|&n| workspace_of(n, 0).2).min().unwrap_or(0);
+    let spilled = match input.spilled_checkpoints {
+        Some(k) if k > layout.n_layers => {
+            return opt(format!(
+                "{k} spilled checkpoints asked of a {}-layer model (the inputs of its layers can spill; the loss's input stays)",
+                layout.n_layers
+            ))
+        }
+        Some(k) => k,
+        None => (0..=layout.n_layers)
+            .find(|&k| fixed + device_checkpoints(k as u64) + act_grads + min_ws <= budget)
+            .unwrap_or(0),
+    };
+    let checkpoints = device_checkpoints(spilled as u64);
+    if spilled > 0 {
+        host.spilled_checkpoints = spilled as u64 * cp;
+        host.pinned += host.spilled_checkpoints;
+        host.total += host.spilled_checkpoints;
+        if host.total > input.host_bytes {
+            return opt(format!(
+                "{spilled} checkpoints spilled to host memory ({:.2} GiB each, {:.2} GiB) with the host store ({:.2} GiB) and pinned buffers need {:.2} GiB, {:.2} GiB more than the host's {:.2} GiB; use fewer or shorter sequences, lean mode (--optim-mode lean --grad-dtype none), or more host memory",
+                gib(cp), gib(host.spilled_checkpoints), gib(store), gib(host.total), gib(host.total - input.host_bytes), gib(input.host_bytes)
+            ));
+        }
+    }
+    if fixed + checkpoints + act_grads > budget {
+        return opt(format!(
+            "checkpoints for {batch} x {seq} tokens need {:.2} GiB{} (+ {:.2} GiB activation gradients), the GPU has {:.2} GiB left after weights and gradient buffers ({:.2} GiB) of its {budget_line}; use fewer or shorter sequences",
+            gib(checkpoints),
+            if spilled > 0 { format!(" with {spilled} of {} spilled to host memory", nl + 1) } else { String::new() },
+            gib(act_grads), gib(budget - fixed), gib(fixed)
+        ));
+    }
+    let left = budget - fixed - checkpoints - act_grads;
     let Some((n_chunks, (seqs_per_chunk, mlp_rows, workspace))) =
-        candidates.iter().map(|&n| (n, workspace_of(n))).find(|(_, (_, _, ws))| *ws <= left)
+        candidates.iter().map(|&n| (n, workspace_of(n, left))).find(|(_, (_, _, ws))| *ws <= left)
     else {
         let n = *candidates.last().unwrap_or(&batch);
-        let (b, r, ws) = workspace_of(n);
+        let (b, r, ws) = workspace_of(n, left);
         let tiles = if r > 0 { format!(" (MLP tiles of {r} rows)") } else { String::new() };
+        let spill = if spilled < layout.n_layers && input.spilled_checkpoints.is_some() {
+            "; spill more checkpoints (--spill-checkpoints)"
+        } else {
+            ""
+        };
         return opt(format!(
-            "the workspace of a chunk of {b} x {seq} tokens{tiles} needs {:.2} GiB, {:.2} GiB more than the {:.2} GiB left after weights, gradients and checkpoints ({:.2} GiB) of the GPU's {budget_line}{}",
+            "the workspace of a chunk of {b} x {seq} tokens{tiles} needs {:.2} GiB, {:.2} GiB more than the {:.2} GiB left after weights, gradients and checkpoints ({:.2} GiB) of the GPU's {budget_line}{}{spill}",
             gib(ws), gib(ws - left), gib(left), gib(budget - left),
             if input.n_chunks.is_some() && n < batch { "; use more chunks" } else { "; use shorter sequences" }
         ));
@@ -594,6 +648,11 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         Some(k) if k > layout.n_layers => {
             return opt(format!("{k} layers with kept activations asked of a {}-layer model", layout.n_layers))
         }
+        Some(k) if k > 0 && spilled > 0 => {
+            return opt(format!(
+                "keeping the activations of {k} layers and spilling {spilled} checkpoints: spilled checkpoints free the device memory kept activations take; use one or the other"
+            ))
+        }
         Some(k) if total + k as u64 * per_kept_layer > budget => {
             return opt(format!(
                 "keeping the activations of {k} layers needs {:.2} GiB ({:.2} GiB a layer), the GPU has {:.2} GiB left of its {budget_line}; keep fewer (--kept-layers)",
@@ -601,6 +660,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
             ))
         }
         Some(k) => k,
+        None if spilled > 0 => 0,
         None => {
             let covered =
                 if resident_layers + held_layers == layout.n_layers { layout.n_layers } else { resident_layers };
@@ -642,6 +702,7 @@ fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Plan> {
         resident_outer,
         kept_layers,
         flash_attention: flash,
+        spilled_checkpoints: spilled,
         mlp_rows,
         held_layers,
         gpu_updated_layers,
@@ -663,11 +724,12 @@ impl fmt::Display for Plan {
         let (g, h) = (&self.gpu, &self.host);
         writeln!(
             f,
-            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state ({} of them download it in the backward, {} upload it for the next step there); {} layers keep their activations (no recompute); {} attention; MLP in {}",
+            "step: {} x {} tokens in {} chunk(s) of up to {} sequences; ring depth {}; checkpoints on {:?}; {} of {} layers resident (AdamW on the device); outer unit {}; {} streamed layers held from forward to backward; {} streamed layers updated on the GPU from their streamed state ({} of them download it in the backward, {} upload it for the next step there); {} layers keep their activations (no recompute); {} attention; MLP in {}; {} checkpoints spilled to host memory",
             self.batch, self.seq, self.n_chunks, self.seqs_per_chunk, self.ring_depth, self.checkpoints, self.resident_layers, self.n_layers,
             if self.resident_outer { "resident (AdamW on the device)" } else { "streamed" }, self.held_layers, self.gpu_updated_layers, self.late_state_downloads, self.early_state_uploads, self.kept_layers,
             if self.flash_attention { "flash" } else { "materialised" },
-            if self.mlp_rows == 0 { "whole chunks".to_string() } else { format!("tiles of {} rows", self.mlp_rows) }
+            if self.mlp_rows == 0 { "whole chunks".to_string() } else { format!("tiles of {} rows", self.mlp_rows) },
+            self.spilled_checkpoints
         )?;
         writeln!(f, "GPU (GiB)   ring {:.2} | held {:.2} | outer {:.2} | grads {:.2} | outer state {:.2} | resident layers {:.2} | state slots {:.2} | checkpoints {:.2} | kept activations {:.2} | act grads {:.2} | workspace {:.2} | total {:.2} of {:.2} usable",
             gib(g.weight_ring), gib(g.held), gib(g.outer), gib(g.grads), gib(g.outer_state), gib(g.resident_layers), gib(g.state_slots), gib(g.checkpoints), gib(g.kept), gib(g.act_grads), gib(g.workspace), gib(g.total), gib(g.budget))?;
@@ -698,3 +760,7 @@ impl fmt::Display for Plan {
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "plan_long_tests.rs"]
+mod long_tests;

@@ -17,6 +17,10 @@ const FFN_TENSORS: u64 = 9;
 /// Flash attention: f32 values per (token, head) alive in a layer's backward (the forward's
 /// log-sum-exp and the backward's `rowsum(dO ⊙ O)`); no `[s, s]` tensor exists.
 const FLASH_ROW_F32: u64 = 2;
+/// Flash attention, `[t, hidden]` tensors alive at the two peaks of a layer's backward (with
+/// `q_dim`- and `kv_dim`-wide ones beside them, [`flash_acts`]).
+const FLASH_MLP_PEAK_HIDDEN: u64 = 5;
+const FLASH_ATTN_PEAK_HIDDEN: u64 = 2;
 /// f32 `[b, heads, s, s]` tensors alive in the attention backward (P, dP, dP - rowsum, the
 /// product, and the weight-dtype copies of P and dS).
 const SCORE_TENSORS: u64 = 5;
@@ -88,7 +92,7 @@ pub fn layer_workspace(
     let heads = cfg.num_attention_heads as u64;
     let score_elems = b as u64 * heads * (s * s) as u64;
     if path.fused && path.flash {
-        return acts + FLASH_ROW_F32 * 4 * t * heads;
+        return flash_acts(cfg, t, e) + e * rows * FFN_TENSORS * f + FLASH_ROW_F32 * 4 * t * heads;
     }
     if path.fused {
         return acts + FUSED_SCORE_BYTES * score_elems;
@@ -96,6 +100,21 @@ pub fn layer_workspace(
     let scores = SCORE_TENSORS * score_elems * 4;
     let dw = layout.layer.tensors.iter().map(|t| t.numel() as u64).max().unwrap_or(0) * (e + 8);
     acts + scores + dw
+}
+
+/// Flash attention's `[t, ·]` activations at the peak of a layer's backward (the backward drops
+/// each tensor once nothing later needs it, `mt_layers::DecoderLayer`): in the MLP tiles, the
+/// input norm's output `a`, `x1`, `dx1` in pieces and joined, one spare (`5 × hidden`) beside
+/// the attention's `q`, `o` and `k`, `v` (`2 × q_dim + 2 × kv_dim`); in the attention's backward,
+/// `a` and `dx1` (`2 × hidden`) beside the inputs, `dO` and the three gradients (`4 × q_dim +
+/// 4 × kv_dim`). Measured (Qwen2.5-7B shape at 1 x 262144 on an H200, 2026-11-26): the pool's
+/// high-water mark was 5.7 `[t, hidden]` tensors above the rest of the plan; this counts 7.3.
+fn flash_acts(cfg: &ModelConfig, t: u64, e: u64) -> u64 {
+    let h = cfg.hidden_size as u64;
+    let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
+    let mlp_peak = FLASH_MLP_PEAK_HIDDEN * h + 2 * qd + 2 * kvd;
+    let attn_peak = FLASH_ATTN_PEAK_HIDDEN * h + 4 * qd + 4 * kvd;
+    e * t * mlp_peak.max(attn_peak)
 }
 
 /// Peak transient bytes of the loss over a chunk of `t` tokens: one block of logits

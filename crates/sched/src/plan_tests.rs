@@ -50,6 +50,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         // `long_sequences_*` plan flash attention and MLP tiles.
         flash_attention: Some(false),
         mlp_rows: Some(0),
+        spilled_checkpoints: Some(0),
     }
 }
 
@@ -121,6 +122,8 @@ fn program_gpu(
         early_uploads: 0,
         early_ready: false,
         n_state_bufs: 2,
+        spilled_checkpoints: 0,
+        reload_slots: 0,
     })
 }
 

@@ -33,6 +33,14 @@
 //! slots return to the others' use once their state has gone back. No slot of their own: every
 //! byte uploaded is needed, the slot held another layer's state in between.
 //!
+//! Spilled checkpoints (`spilled_checkpoints`: boundaries `0..k`, the inputs of the first `k`
+//! layers, produced first and needed last) leave the GPU once the forward has read them: each
+//! goes down to page-locked host memory right after the op that produced it
+//! ([`Op::SpillCheckpoint`], on the D2H stream, beside the next layer's forward), its device copy
+//! is freed after that layer's forward ([`Op::DropCheckpoint`], once the copy is done), and it
+//! comes back up in the backward ([`Op::ReloadCheckpoint`]) into one of `reload_slots` device
+//! buffers, `reload_slots` backward layers ahead of the layer that reads it.
+//!
 //! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
 //! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
 //! their gradient accumulates in their own buffer, and [`Op::UpdateResident`] applies their
@@ -190,6 +198,24 @@ pub enum Op {
         /// Unit.
         unit: Unit,
     },
+    /// D2H: every chunk's checkpoint of `boundary` into its page-locked host buffer.
+    SpillCheckpoint {
+        /// Layer boundary (the input of layer `boundary`).
+        boundary: usize,
+    },
+    /// Compute: frees the device copy of a spilled checkpoint (after its spill is done).
+    DropCheckpoint {
+        /// Layer boundary.
+        boundary: usize,
+    },
+    /// H2D: a spilled checkpoint's host buffers into device reload buffer `slot`, where the
+    /// layer's backward reads it.
+    ReloadCheckpoint {
+        /// Layer boundary.
+        boundary: usize,
+        /// Reload buffer.
+        slot: usize,
+    },
     /// D2H: a unit's accumulated gradient into a landing buffer.
     Download {
         /// Unit.
@@ -274,6 +300,11 @@ pub struct ProgramSpec {
     /// step's backward, their records unchanged since): their forward uploads nothing. The
     /// engine sets it only after a step that issued them succeeded.
     pub early_ready: bool,
+    /// Boundaries `0..spilled_checkpoints` (the inputs of the first layers) live in host memory
+    /// from their layer's forward to its backward; at most `n_layers` (the loss's input stays).
+    pub spilled_checkpoints: usize,
+    /// Device buffers the spilled checkpoints are reloaded into (at least 1 when any is spilled).
+    pub reload_slots: usize,
     /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads` when
     /// `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their forward while the late
     /// ones wait for their backward; the last `early_uploads` slots are the early layers', taken
@@ -398,6 +429,12 @@ pub fn slot_pairs_of(
     }
     pairs.sort_unstable();
     pairs
+}
+
+/// The reload buffer spilled boundary `boundary` comes back through, of `reload_slots`, when
+/// boundaries `0..spilled` are spilled: the reloads go in backward order, round-robin.
+pub fn reload_slot(spilled: usize, reload_slots: usize, boundary: usize) -> usize {
+    (spilled - 1 - boundary) % reload_slots
 }
 
 /// The instructions of one step.

@@ -63,6 +63,12 @@ struct Builder {
     /// The early-upload units' slots (the last `early_uploads`): where their state for the next
     /// step goes up in the backward, and where the next forward finds it.
     early_slot: std::collections::HashMap<Unit, usize>,
+    /// Spilled boundaries (`0..spilled`) and the reload buffers they come back through.
+    spilled: usize,
+    reload_slots: usize,
+    /// Each spilled boundary's spill, and its reload once issued.
+    spill_of: std::collections::HashMap<usize, usize>,
+    reload_of: std::collections::HashMap<usize, usize>,
 }
 
 impl Builder {
@@ -176,6 +182,39 @@ impl Builder {
         self.last.take(K_STATE, buf, up);
     }
 
+    /// After `producer` wrote boundary `boundary`: its spill, if it is a spilled one.
+    fn spill(&mut self, boundary: usize, producer: usize) {
+        if boundary < self.spilled {
+            let id = self.push(Stream::D2H, Op::SpillCheckpoint { boundary }, vec![producer]);
+            self.spill_of.insert(boundary, id);
+        }
+    }
+
+    /// After the forward that read spilled boundary `boundary`: its device copy freed, once its
+    /// spill is done.
+    fn drop_spilled(&mut self, boundary: usize) {
+        if let Some(&spill) = self.spill_of.get(&boundary) {
+            self.push(Stream::Compute, Op::DropCheckpoint { boundary }, vec![spill]);
+        }
+    }
+
+    /// The reload of spilled boundary `boundary` into buffer `(spilled - 1 - boundary) %
+    /// reload_slots` (the reloads' order is the backward's), after its spill and after
+    /// `previous`, the backward that last read that buffer.
+    fn reload(&mut self, boundary: usize, previous: Option<usize>) {
+        let slot = super::reload_slot(self.spilled, self.reload_slots, boundary);
+        let waits = self.spill_of.get(&boundary).copied().into_iter().chain(previous).collect();
+        let id = self.push(Stream::H2D, Op::ReloadCheckpoint { boundary, slot }, waits);
+        self.reload_of.insert(boundary, id);
+    }
+
+    /// After the backward `bwd` of layer `layer`: the reload that takes over its reload buffer.
+    fn reload_after(&mut self, layer: usize, bwd: usize) {
+        if layer < self.spilled && layer >= self.reload_slots {
+            self.reload(layer - self.reload_slots, Some(bwd));
+        }
+    }
+
     /// Marks slot `buf` as holding `unit`'s state; panics if another's is still there.
     fn occupy(&mut self, buf: usize, unit: Unit) {
         if let Some(other) = self.occupant.insert(buf, unit) {
@@ -216,6 +255,11 @@ impl Program {
             spec.late_downloads <= held_gpu_updated(&spec).len(),
             "late downloads are of GPU-updated held layers"
         );
+        assert!(
+            spec.spilled_checkpoints <= spec.n_layers
+                && (spec.spilled_checkpoints == 0 || spec.reload_slots >= 1),
+            "spilled checkpoints are inputs of layers, reloaded through at least one buffer"
+        );
         let pairs = early_upload_pairs(&spec);
         assert!(
             pairs.len() == spec.early_uploads && (spec.early_uploads == 0 || spec.gpu_updated > 0),
@@ -247,6 +291,10 @@ impl Program {
             early_slot: (pairs.iter().enumerate())
                 .map(|(i, &(e, _))| (Unit::Layer(e), spec.n_state_bufs - spec.early_uploads + i))
                 .collect(),
+            spilled: spec.spilled_checkpoints,
+            reload_slots: spec.reload_slots,
+            spill_of: Default::default(),
+            reload_of: Default::default(),
         };
         // Whether the early uploads go up in this step (exact mode).
         let early_uploads = spec.mode == OptimMode::Exact;
@@ -316,12 +364,17 @@ impl Program {
         if spec.resident_outer && exact_update {
             b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
         }
-        b.push(Stream::Compute, Op::Embed, up_outer.into_iter().collect());
+        let embed = b.push(Stream::Compute, Op::Embed, up_outer.into_iter().collect());
+        b.spill(0, embed);
         let mut n_grads = 0usize;
         let mut j = 0usize; // ring uses so far
         for (k, &(layer, backward)) in uses.iter().enumerate() {
             if k == n {
                 b.push(Stream::Compute, Op::Loss, vec![]);
+                // The first reloads, one per buffer, as the backward starts.
+                for i in 0..spec.reload_slots.min(spec.spilled_checkpoints) {
+                    b.reload(spec.spilled_checkpoints - 1 - i, None);
+                }
                 // The backward's H2D is free from here (every streamed layer held): the early
                 // uploads whose slot is empty go now, in the next forward's order; the others
                 // right after the download of the late layer whose state is there.
@@ -347,10 +400,15 @@ impl Program {
                     if exact_update {
                         b.push(Stream::Compute, Op::UpdateResident { unit }, vec![]);
                     }
-                    b.push(Stream::Compute, Op::Forward { layer, slot: Slot::Resident(layer) }, vec![]);
+                    let fwd =
+                        b.push(Stream::Compute, Op::Forward { layer, slot: Slot::Resident(layer) }, vec![]);
+                    b.drop_spilled(layer);
+                    b.spill(layer + 1, fwd);
                 } else {
                     let op = Op::Backward { layer, slot: Slot::Resident(layer), grad_buf: None };
-                    b.push(Stream::Compute, op, vec![]);
+                    let bwd =
+                        b.push(Stream::Compute, op, b.reload_of.get(&layer).copied().into_iter().collect());
+                    b.reload_after(layer, bwd);
                     if lean {
                         b.push(Stream::Compute, Op::UpdateResident { unit }, vec![]);
                     }
@@ -373,6 +431,8 @@ impl Program {
                 if let Slot::Ring(r) = slot {
                     b.last.take(K_SLOT, r, fwd);
                 }
+                b.drop_spilled(layer);
+                b.spill(layer + 1, fwd);
                 let (now, later): (Vec<_>, Vec<_>) =
                     std::mem::take(&mut b.deferred).into_iter().partition(|&(d, _)| uses[d].0 == layer);
                 b.deferred = later;
@@ -397,11 +457,13 @@ impl Program {
                 vec![uploads[k].expect("a streamed layer is fetched before its backward")]
             };
             waits.extend(b.last.0.get(&(K_GRAD, grad_buf)).copied());
+            waits.extend(b.reload_of.get(&layer).copied());
             let op = Op::Backward { layer, slot, grad_buf: Some(grad_buf) };
             let bwd = b.push(Stream::Compute, op, waits);
             if let Slot::Ring(r) = slot {
                 b.last.take(K_SLOT, r, bwd);
             }
+            b.reload_after(layer, bwd);
             if let (Some(&buf), true) = (b.early_slot.get(&unit), early_uploads) {
                 // The gradient the land stores, for the next step's update (compute order: after
                 // this step's update read the slot's previous one).

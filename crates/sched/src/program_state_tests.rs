@@ -252,6 +252,8 @@ fn gpu_updated_layers_are_spread_evenly_over_the_streamed_ones() {
         let s = ProgramSpec {
             gpu_updated: k,
             n_state_bufs: 2,
+            spilled_checkpoints: 0,
+            reload_slots: 0,
             ..spec_held(n, 2, OptimMode::Exact, true, false, r, 0)
         };
         let picked: Vec<usize> = (0..n).filter(|&l| is_gpu_updated(&s, l)).collect();
@@ -277,6 +279,8 @@ fn an_early_upload_reads_the_record_after_its_own_download_from_another_slot() {
         early_uploads: 1,
         early_ready: false,
         n_state_bufs: 4,
+        spilled_checkpoints: 0,
+        reload_slots: 0,
         ..spec_held(4, 2, OptimMode::Exact, true, false, 0, 4)
     };
     let p = Program::build(s);

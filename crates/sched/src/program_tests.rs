@@ -49,6 +49,8 @@ fn spec_held(
         early_uploads: 0,
         early_ready: false,
         n_state_bufs: 0,
+        spilled_checkpoints: 0,
+        reload_slots: 0,
     }
 }
 
@@ -68,6 +70,16 @@ fn all_specs() -> Vec<ProgramSpec> {
                             hs.dedup();
                             for h in hs {
                                 v.push(spec_held(l, n, mode, pending, resident, k, h));
+                                // Spilled checkpoints: the first layer's input, every layer's;
+                                // through one reload buffer or two.
+                                for (spilled, reload_slots) in [(1, 2), (l, 1), (l, 2)] {
+                                    let base = spec_held(l, n, mode, pending, resident, k, h);
+                                    v.push(ProgramSpec {
+                                        spilled_checkpoints: spilled,
+                                        reload_slots,
+                                        ..base
+                                    });
+                                }
                                 // GPU-updated layers (exact mode): one, three quarters, every
                                 // streamed one.
                                 let mut gs = vec![1.min(l - k), (l - k) * 3 / 4, l - k];
@@ -77,6 +89,8 @@ fn all_specs() -> Vec<ProgramSpec> {
                                     let s = ProgramSpec {
                                         gpu_updated: g,
                                         n_state_bufs: n,
+                                        spilled_checkpoints: 0,
+                                        reload_slots: 0,
                                         ..spec_held(l, n, mode, pending, resident, k, h)
                                     };
                                     // Late downloads: none, one, all but one, every held GPU-updated
@@ -102,6 +116,8 @@ fn all_specs() -> Vec<ProgramSpec> {
                                                     early_uploads: e,
                                                     early_ready: ready,
                                                     n_state_bufs: n + d,
+                                                    spilled_checkpoints: 0,
+                                                    reload_slots: 0,
                                                     ..s
                                                 });
                                             }
@@ -529,3 +545,55 @@ fn a_program_waiting_on_a_later_instruction_is_refused() {
 /// The GPU-updated layers' state slots: reuse, late downloads, early uploads.
 #[path = "program_state_tests.rs"]
 mod state;
+
+/// Spilled checkpoints: each spilled boundary goes down once after the op that wrote it, its
+/// device copy is freed once (after its layer's forward read it and its spill is done), it comes
+/// back once (after its spill) before its layer's backward, and a reload buffer is refilled only
+/// after the backward that read it.
+#[test]
+fn spilled_checkpoints_go_down_and_come_back_in_order() {
+    let mut checked = 0;
+    for s in all_specs().into_iter().filter(|s| s.spilled_checkpoints > 0) {
+        let p = Program::build(s);
+        let anc = ancestors(&p);
+        let find = |f: &dyn Fn(&Op) -> bool| -> Vec<usize> {
+            (0..p.instrs.len()).filter(|&i| f(&p.instrs[i].op)).collect()
+        };
+        let mut slot_users: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+        for b in 0..s.spilled_checkpoints {
+            let spill = find(&|o| *o == Op::SpillCheckpoint { boundary: b });
+            let drop = find(&|o| *o == Op::DropCheckpoint { boundary: b });
+            let reload = find(&|o| matches!(o, Op::ReloadCheckpoint { boundary, .. } if *boundary == b));
+            assert_eq!((spill.len(), drop.len(), reload.len()), (1, 1, 1), "{s:?} boundary {b}");
+            let (spill, drop, reload) = (spill[0], drop[0], reload[0]);
+            assert_eq!(p.instrs[spill].stream, Stream::D2H);
+            assert_eq!(p.instrs[drop].stream, Stream::Compute);
+            assert_eq!(p.instrs[reload].stream, Stream::H2D);
+            let producer = if b == 0 {
+                find(&|o| *o == Op::Embed)[0]
+            } else {
+                find(&|o| matches!(o, Op::Forward { layer, .. } if *layer == b - 1))[0]
+            };
+            let forward = find(&|o| matches!(o, Op::Forward { layer, .. } if *layer == b))[0];
+            let backward = find(&|o| matches!(o, Op::Backward { layer, .. } if *layer == b))[0];
+            assert!(anc[spill].contains(&producer), "{s:?}: spill {b} before its producer");
+            assert!(anc[drop].contains(&spill) && anc[drop].contains(&forward), "{s:?}: drop {b} too early");
+            assert!(anc[reload].contains(&spill), "{s:?}: reload {b} before its spill");
+            assert!(anc[backward].contains(&reload), "{s:?}: backward {b} before its reload");
+            let Op::ReloadCheckpoint { slot, .. } = p.instrs[reload].op else { unreachable!() };
+            assert!(slot < s.reload_slots);
+            slot_users.entry(slot).or_default().push((reload, backward));
+        }
+        for users in slot_users.values_mut() {
+            users.sort_unstable();
+            for w in users.windows(2) {
+                assert!(
+                    anc[w[1].0].contains(&w[0].1),
+                    "{s:?}: a reload buffer refilled before its reader ran"
+                );
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked > 100, "{checked} specs with spilled checkpoints");
+}

@@ -97,6 +97,9 @@ pub struct EstimateArgs {
     /// As `megatrain train --mlp-rows`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = mlp_rows)]
     pub mlp_rows: MlpRows,
+    /// As `megatrain train --spill-checkpoints`.
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub spill_checkpoints: LayerCount,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -388,6 +391,13 @@ pub struct TrainArgs {
     /// else the largest of 8192, 4096, 2048, 1024 rows that fits.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = mlp_rows)]
     pub mlp_rows: MlpRows,
+
+    /// How many layer inputs (checkpoints; the first layers', needed last) go down to page-locked
+    /// host memory after their layer's forward and come back for its backward, on the copy
+    /// streams beside compute: a number, or `auto` = the fewest with which the step fits the GPU
+    /// (their host memory is counted in the plan; always 0 on the CPU).
+    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
+    pub spill_checkpoints: LayerCount,
 
     /// How RoPE angles `position · inv_freq` are formed: `transformers` = in f32, as transformers
     /// and the inference engines that follow it do (the model as its checkpoint defines it; off

@@ -81,8 +81,8 @@ impl<B: Backend> Engine<B> {
                 DevicePool::zero(&gbuf)?;
                 let sink = GradSink::new(&layout.layer, &gbuf)?;
                 let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
-                for c in 0..chunks.len() {
-                    let x = self.pool.checkpoint(layer, c)?.clone();
+                for (c, ch) in chunks.iter().enumerate() {
+                    let x = self.backward_input(layer, c, ch)?;
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
                     let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
                         Some(state) => self.layer_t.backward_kept(&w, state, &dy, &sink)?,
@@ -156,6 +156,10 @@ impl<B: Backend> Engine<B> {
                     .into());
                 }
                 dst.slice_set(src, 0, 0)?;
+            }
+            Op::DropCheckpoint { boundary } => {
+                let _s = tracing::debug_span!("drop_checkpoint", boundary).entered();
+                self.pool.drop_checkpoints(boundary);
             }
             Op::UpdateResident { unit } => {
                 let _s = tracing::debug_span!("update_resident", ?unit).entered();

@@ -25,9 +25,11 @@ mod compute;
 mod eval;
 mod options;
 mod resident;
+mod spill;
 
 pub(crate) use options::early_refusal;
 pub use options::EngineOptions;
+pub(crate) use spill::RELOAD_SLOTS;
 
 /// What one step did.
 #[derive(Debug, Clone)]
@@ -79,6 +81,8 @@ pub struct Engine<B: Backend> {
     rope: Option<Rope>,
     /// The positions of each chunk's tokens this step (empty outside a step).
     positions: Vec<Positions>,
+    /// Page-locked host buffers of the spilled checkpoints, `[boundary][chunk]`.
+    spill_host: Vec<Vec<Arc<Mutex<Staging>>>>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     /// Resident units' shares of the global norm, still on the device until the step ends.
     device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
@@ -235,6 +239,7 @@ impl<B: Backend> Engine<B> {
             outer_t: Outer::new(cfg, opts.rows_per_block),
             rope: None,
             positions: Vec::new(),
+            spill_host: Vec::new(),
             layout,
             store,
             backend,
@@ -283,6 +288,8 @@ impl<B: Backend> Engine<B> {
             late_downloads: self.opts.late_state_downloads,
             early_uploads: if self.opts.mode == OptimMode::Exact { self.opts.early_state_uploads } else { 0 },
             early_ready,
+            spilled_checkpoints: self.opts.spilled_checkpoints,
+            reload_slots: if self.opts.spilled_checkpoints > 0 { spill::RELOAD_SLOTS } else { 0 },
             n_state_bufs: self.pool.state.len(),
         }
     }
@@ -363,6 +370,7 @@ impl<B: Backend> Engine<B> {
         let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
         self.ensure_rope(batch.seq)?;
         self.positions = self.chunk_positions(&chunks)?;
+        self.ensure_spill(&chunks)?;
         let state = self.store.state();
         let mut program = Program::build(self.program_spec(state.pending_update, self.early_ready));
         edit(&mut program);
@@ -614,6 +622,8 @@ impl<B: Backend> Engine<B> {
                 })?;
                 self.backend.download_record(waits, state, Arc::clone(&self.store), unit, args.step, name)
             }
+            Op::SpillCheckpoint { boundary } => self.issue_spill(boundary, waits, &name)?,
+            Op::ReloadCheckpoint { boundary, slot } => self.issue_reload(boundary, slot, waits, &name)?,
             Op::Download { grad_buf, landing, .. } => {
                 // A layer gradient narrowed to bf16 by its backward downloads from the twin.
                 let src = match grad_buf {

@@ -89,6 +89,12 @@ pub struct EngineOptions {
     /// bf16 on a CUDA device, head dim 16, 32, 64 or 128): O(t) memory instead of the
     /// materialised `[b, heads, t, t]` scores; elsewhere the materialised path runs regardless.
     pub flash_attention: bool,
+    /// Boundaries `0..spilled_checkpoints` (the inputs of the first layers) go down to
+    /// page-locked host memory once their layer's forward has read them and come back up for
+    /// its backward (`program::Op::SpillCheckpoint`, `ReloadCheckpoint`): device memory for
+    /// host memory, the copies on the D2H and H2D streams beside compute. At most `n_layers`;
+    /// not with kept activations.
+    pub spilled_checkpoints: usize,
     /// How RoPE angles are formed (`mt_layers::RopeAngles`: transformers' f32 product by default).
     pub rope_angles: mt_layers::RopeAngles,
     /// Rows of each decoder layer's MLP tile (`mt_layers::LayerOptions::mlp_rows`; 0 = a chunk's
@@ -121,6 +127,7 @@ impl Default for EngineOptions {
             late_state_downloads: 0,
             early_state_uploads: 0,
             flash_attention: false,
+            spilled_checkpoints: 0,
             rope_angles: mt_layers::RopeAngles::Transformers,
             mlp_rows: 0,
             device_narrowing: true,
@@ -213,6 +220,18 @@ impl EngineOptions {
         if self.early_state_uploads > 0 && store_grad == GradDtype::Bf16 && !self.device_narrowing {
             return Err(Error::Options(
                 "early state uploads copy the device's bf16 gradient into the state slot, and without device narrowing there is none: use early_state_uploads 0 or device_narrowing".into(),
+            ));
+        }
+        if self.spilled_checkpoints > layout.n_layers {
+            return Err(Error::Options(format!(
+                "{} spilled checkpoints asked of a {}-layer model: the inputs of its layers can spill, the loss's input stays",
+                self.spilled_checkpoints, layout.n_layers
+            )));
+        }
+        if self.spilled_checkpoints > 0 && self.kept_layers > 0 {
+            return Err(Error::Options(
+                "spilled checkpoints free device memory that kept activations take: use one or the other"
+                    .into(),
             ));
         }
         if self.kept_layers > layout.n_layers {
