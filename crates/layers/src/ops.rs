@@ -1,5 +1,6 @@
-//! Building blocks with their backward: RMSNorm, linear projections, SiLU. Each backward is
-//! written out by hand and derived in its doc comment; none relies on autograd.
+//! Building blocks with their backward: RMSNorm, linear projections, SiLU, and the f64
+//! accumulation of f32 layers on the CPU ([`is_wide`]). Each backward is written out by hand and
+//! derived in its doc comment; none relies on autograd.
 
 use candle_core::{DType, Tensor, D};
 
@@ -18,13 +19,14 @@ pub(crate) fn stat_dtype(dtype: DType) -> DType {
 /// is rounded to f32 once: matrix products, the norms' statistics, softmax, cross-entropy and
 /// bias sums ([`wide_dtype`]).
 ///
-/// Why: in f32 a reduction over `k` terms rounds about `√k` times more than its result, and the
-/// products' reductions over the hidden size dominated the step-0 gradient's distance from a
-/// float64 evaluation (2.9e-7 relative, PyTorch fp32 the same); with f64 accumulation it is
-/// 1.1e-7. AdamW turns the absolute error of a gradient element near its `eps` into an
-/// update-sized difference, so the weights after a few steps gain the same factor
-/// (`crates/megatrain/tests/numerics.rs`). The CPU only: the GPU's fp32 path keeps cuBLAS's f32
-/// products, its bf16 path the fused kernels, which round as candle's bf16 ops do.
+/// Why: an f32 reduction over `k` terms carries up to `k` roundings; measured stage by stage
+/// against a float64 evaluation of the same model, the products' reductions dominated, then the
+/// norms' and softmax's: the step-0 gradients were 2.9e-7 (relative L2) from float64, exactly
+/// PyTorch fp32's distance, and are 0.9e-7 so. AdamW turns the absolute error of a gradient
+/// element near its `eps` into an update-sized difference, so the weights after a few steps
+/// gain about the same factor (`crates/megatrain/tests/numerics.rs`). The CPU only: the GPU's
+/// fp32 path keeps cuBLAS's f32 products, its bf16 path the fused kernels, which round as
+/// candle's bf16 ops do.
 pub(crate) fn is_wide(x: &Tensor) -> bool {
     x.dtype() == DType::F32 && x.device().is_cpu()
 }
