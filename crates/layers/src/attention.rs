@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::ops::{stat_dtype, swap12};
+use crate::ops::{matmul, matmul_wide, stat_dtype, swap12, wide_dtype};
 use crate::positions::Docs;
 use crate::Result;
 
@@ -132,7 +132,8 @@ pub(crate) fn forward(
     }
     let _ = flash;
     let dtype = q.dtype();
-    let sd = stat_dtype(dtype);
+    // f32 on the CPU: scores and softmax in f64, the probabilities kept in f32 (`ops::is_wide`).
+    let sd = wide_dtype(q);
     let g = d.g();
     let q = heads_first(q)?.reshape((b, nkv, g * t, hd))?;
     let k = heads_first(k)?;
@@ -152,14 +153,14 @@ pub(crate) fn forward(
         return Ok((o, AttnCache::Dense { q, k, v, p: Probs::Fused { s, pb, stats } }));
     }
     // The scale is applied in the statistics dtype, one rounding, as the fused kernel does.
-    let s = (q.matmul(&k.t()?)?.to_dtype(sd)? * scale)?;
+    let s = (matmul_wide(&q, &k.t()?)? * scale)?;
     let s = s.reshape((b, nkv, g, t, t))?;
     let s = match docs {
         Some(docs) => s.broadcast_add(&docs.mask(sd)?)?,
         None => s.broadcast_add(&causal_mask(t, sd, q.device())?)?,
     };
-    let p = softmax_last(&s.reshape((b, nkv, g * t, t))?)?;
-    let o = p.to_dtype(dtype)?.matmul(&v)?;
+    let p = softmax_last(&s.reshape((b, nkv, g * t, t))?)?.to_dtype(stat_dtype(dtype))?;
+    let o = matmul(&p.to_dtype(dtype)?, &v)?;
     let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
     Ok((o, AttnCache::Dense { q, k, v, p: Probs::Full(p) }))
 }
@@ -204,12 +205,13 @@ pub(crate) fn backward(
             return heads_last(ds.matmul(k)?, ds.t()?.matmul(q)?, dv, d);
         }
     };
-    let dv = p.to_dtype(dtype)?.t()?.matmul(&d_o)?;
-    let dp = d_o.matmul(&v.t()?)?.to_dtype(p.dtype())?;
-    let row = (&dp * p)?.sum_keepdim(D::Minus1)?;
+    let dv = matmul(&p.to_dtype(dtype)?.t()?, &d_o)?;
+    let dp = matmul_wide(&d_o, &v.t()?)?;
+    let p = p.to_dtype(dp.dtype())?;
+    let row = (&dp * &p)?.sum_keepdim(D::Minus1)?;
     // The scale folded into dS before its rounding, `(c P) ⊙ (dP - row)`, as the fused kernel.
     let ds = ((p * scale)? * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
-    heads_last(ds.matmul(k)?, ds.t()?.matmul(q)?, dv, d)
+    heads_last(matmul(&ds, k)?, matmul(&ds.t()?, q)?, dv, d)
 }
 
 /// `dq [b, nkv, g·t, hd]`, `dk, dv [b, nkv, t, hd]` back to `[b, t, heads, hd]`, contiguous.

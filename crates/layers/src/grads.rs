@@ -39,15 +39,21 @@ impl<'a> GradSink<'a> {
         self.buf.dtype()
     }
 
-    /// `buf[name] += g`, with `g` of exactly the tensor's shape in the layout (any float dtype).
+    /// `buf[name] += g`, with `g` of exactly the tensor's shape in the layout (any float dtype;
+    /// an f64 `g` into an f32 buffer is added in f64, so the sum is rounded once).
     pub fn accumulate(&self, name: &str, g: &Tensor) -> Result<()> {
         let spec = self.layout.get(name)?;
         if g.dims() != spec.shape.as_slice() {
             return Err(Error::shape(format!("gradient of {name}"), format!("{:?}", spec.shape), g.dims()));
         }
         let n = spec.numel();
-        let g = g.to_dtype(self.buf.dtype())?.flatten_all()?;
-        let sum = (self.buf.narrow(0, spec.offset, n)? + g)?.contiguous()?;
+        let dst = self.buf.narrow(0, spec.offset, n)?;
+        let sum = if g.dtype() == DType::F64 && dst.dtype() == DType::F32 {
+            // An f64 gradient (f32 layers on the CPU) is added in f64 and rounded once.
+            (dst.to_dtype(DType::F64)? + g.flatten_all()?)?.to_dtype(DType::F32)?
+        } else {
+            (dst + g.to_dtype(self.buf.dtype())?.flatten_all()?)?.contiguous()?
+        };
         self.buf.slice_set(&sum, 0, spec.offset)?;
         Ok(())
     }
@@ -55,8 +61,9 @@ impl<'a> GradSink<'a> {
     /// `buf[name] += dyᵀ x` for a projection `name` of shape `[out, in]`, `dy: [N, out]`,
     /// `x: [N, in]`: the weight gradient of `y = x Wᵀ`. On CUDA with bf16 operands and an f32
     /// buffer this is one GEMM whose f32 accumulators are added into the buffer (no bf16
-    /// rounding of the gradient, no extra pass); elsewhere `dyᵀ x` is formed in the operands'
-    /// dtype and added as by [`GradSink::accumulate`].
+    /// rounding of the gradient, no extra pass); f32 operands on the CPU form `dyᵀ x` in f64 and
+    /// add it as by [`GradSink::accumulate`] (one rounding); elsewhere `dyᵀ x` is formed in the
+    /// operands' dtype and added likewise.
     pub fn accumulate_matmul(&self, name: &str, dy: &Tensor, x: &Tensor) -> Result<()> {
         let spec = self.layout.get(name)?;
         let (out, inp) = match spec.shape.as_slice() {
@@ -77,13 +84,16 @@ impl<'a> GradSink<'a> {
                 return Ok(crate::cuda_kernels::accumulate_matmul_t(&dst, dy, x)?);
             }
         }
+        if crate::ops::is_wide(dy) {
+            return self.accumulate(name, &crate::ops::matmul_wide(&dy.t()?, x)?);
+        }
         self.accumulate(name, &dy.t()?.matmul(x)?)
     }
 
     /// `buf[name] += Σ_rows dy` (in the statistics dtype) for a bias `name` of shape `[out]` and
     /// `dy: [N, out]`: the bias gradient of `y = x Wᵀ + b`. On CUDA with bf16 `dy` and an f32
-    /// buffer one deterministic column-sum kernel; elsewhere `dy` is cast and summed, then added
-    /// as by [`GradSink::accumulate`].
+    /// buffer one deterministic column-sum kernel; elsewhere `dy` is cast (f32 on the CPU to f64)
+    /// and summed, then added as by [`GradSink::accumulate`].
     pub fn accumulate_col_sums(&self, name: &str, dy: &Tensor) -> Result<()> {
         let spec = self.layout.get(name)?;
         if !matches!((spec.shape.as_slice(), dy.dims()), ([o], [_, o2]) if o == o2) {
@@ -98,7 +108,7 @@ impl<'a> GradSink<'a> {
             let dst = self.buf.narrow(0, spec.offset, spec.numel())?;
             return Ok(crate::cuda_kernels::col_sums_add(&dst, dy)?);
         }
-        self.accumulate(name, &dy.to_dtype(crate::ops::stat_dtype(dy.dtype()))?.sum(0)?)
+        self.accumulate(name, &dy.to_dtype(crate::ops::wide_dtype(dy))?.sum(0)?)
     }
 
     /// `buf[name][rows[i], :] += src[i, :]` for every `i` (repeated rows add up): the backward of

@@ -4,7 +4,7 @@
 use candle_core::{DType, Tensor, D};
 use mt_core::ModelConfig;
 
-use crate::ops::{linear, rms_norm, rms_norm_backward, stat_dtype, RmsCache};
+use crate::ops::{linear, matmul, matmul_wide, rms_norm, rms_norm_backward, wide_dtype, RmsCache};
 use crate::weights::{names, OuterWeights};
 use crate::{Error, GradSink, Result};
 
@@ -121,7 +121,8 @@ impl Outer {
 
     /// Loss (and, with a sink, the head's backward), block by block.
     ///
-    /// Per row, with logits `l` (statistics dtype: f32, or f64 for f64 weights), `z = Σ exp(l - m)`,
+    /// Per row, with logits `l` (statistics dtype: f32 for bf16, f64 for f64 weights and for f32
+    /// on the CPU, where the head's product is not rounded to f32 first), `z = Σ exp(l - m)`,
     /// `lse = m + ln z`, `CE = lse - l[target]`, `p = softmax(l)`:
     /// `d(weight · CE)/dl = weight · (p - onehot(target))`. Through the head `l = x̂ Hᵀ`:
     /// `dx̂ = dl H`, `dH += dlᵀ x̂` (the caller runs the final norm's backward on `dx̂`).
@@ -148,7 +149,7 @@ impl Outer {
         }
         let (h, n) = (self.cfg.hidden_size, b * t);
         let dtype = x.dtype();
-        let sd = stat_dtype(dtype);
+        let sd = wide_dtype(x);
         let head = w.head();
         let (xn, norm) = rms_norm(&x.reshape((n, h))?, &w.norm, self.cfg.rms_norm_eps)?;
         let tg = targets.reshape((n, 1))?;
@@ -176,7 +177,7 @@ impl Outer {
                 r0 += r;
                 continue;
             }
-            let logits = linear(&xb, head, None)?.to_dtype(sd)?;
+            let logits = matmul_wide(&xb, &head.t()?)?;
             let m = logits.max_keepdim(D::Minus1)?;
             let e = logits.broadcast_sub(&m)?.exp()?;
             let z = e.sum_keepdim(D::Minus1)?;
@@ -187,7 +188,7 @@ impl Outer {
             if let Some(grads) = grads {
                 let p = e.broadcast_div(&z)?;
                 let dl = p.broadcast_mul(&wb)?.scatter_add(&tb, &wb.neg()?, 1)?.to_dtype(dtype)?;
-                dxn.push(dl.matmul(head)?);
+                dxn.push(matmul(&dl, head)?);
                 grads.accumulate_matmul(w.head_name(), &dl, &xb)?;
             }
             r0 += r;

@@ -1,7 +1,7 @@
 //! A training batch (token ids and aligned next-token targets), its validation, and its split
 //! into token chunks (contiguous groups of sequences).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use mt_core::{Error as CoreError, ModelConfig};
 
 use crate::Result;
@@ -122,7 +122,8 @@ pub struct Chunk {
     pub host_ids: Tensor,
     /// `[b, t]` u32 targets (ignored positions hold 0 and weight 0).
     pub targets: Tensor,
-    /// `[b, t]` f32 loss weights: `1 / N_global` where trained, 0 elsewhere.
+    /// `[b, t]` f64 loss weights: `1 / N_global` where trained, 0 elsewhere (the loss casts them
+    /// to its statistics dtype: f32 for bf16, so `1 / N` is rounded there, not here).
     pub weights: Tensor,
     /// The chunk's position ids, `[b, t]` row-major (`Batch::positions`), if the batch has them.
     pub positions: Option<Vec<u32>>,
@@ -146,13 +147,12 @@ pub fn make_chunks(b: &Batch, n_chunks: usize, device: &Device) -> Result<Vec<Ch
             let tg = &b.targets[lo..hi];
             let targets: Vec<u32> =
                 tg.iter().map(|&t| if t == IGNORE_INDEX { 0 } else { t as u32 }).collect();
-            let weights: Vec<f32> =
-                tg.iter().map(|&t| if t == IGNORE_INDEX { 0.0 } else { inv_n as f32 }).collect();
+            let weights: Vec<f64> = tg.iter().map(|&t| if t == IGNORE_INDEX { 0.0 } else { inv_n }).collect();
             Ok(Chunk {
                 ids: Tensor::from_slice(&b.input_ids[lo..hi], shape, device)?,
                 host_ids: Tensor::from_slice(&b.input_ids[lo..hi], shape, &Device::Cpu)?,
                 targets: Tensor::from_slice(&targets, shape, device)?,
-                weights: Tensor::from_slice(&weights, shape, device)?.to_dtype(DType::F32)?,
+                weights: Tensor::from_slice(&weights, shape, device)?,
                 positions: b.positions.as_ref().map(|p| p[lo..hi].to_vec()),
             })
         })

@@ -16,7 +16,7 @@ pub mod tol;
 
 pub use error::{Error, Result};
 pub use reference::ReferenceModel;
-pub use tol::{compare_maps, Report, Tolerance};
+pub use tol::{compare_maps, Report, Tolerance, VsReference};
 
 #[cfg(test)]
 mod golden_tests;

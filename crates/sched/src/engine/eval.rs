@@ -1,7 +1,7 @@
 //! Evaluation without training: logits and the summed loss of a batch under the store's current
 //! weights, streamed layer by layer through one slot.
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use mt_core::Unit;
 use mt_layers::{LayerWeights, OuterWeights, Positions};
 
@@ -56,15 +56,17 @@ impl<B: Backend> Engine<B> {
     /// Sum of the cross-entropy over the batch's targets (nats) and their count, under the
     /// store's current master weights: no gradients, no update (pending updates are not applied:
     /// flush first). For held-out evaluation. The log-sum-exp runs on the device in f32 over
-    /// [`Engine::logits`] (so the batch's `[b, t, V]` f32 logits must fit there); one scalar comes
-    /// back.
+    /// [`Engine::logits`] (so the batch's `[b, t, V]` f32 logits must fit there; on the CPU in
+    /// f64), the rows' sum in f64; one scalar comes back.
     pub fn loss_sum(&mut self, batch: &Batch) -> Result<(f64, usize)> {
         let logits = self.logits(batch)?;
         let (v, rows) = (self.cfg.vocab_size, batch.batch * batch.seq);
         let device = logits.device().clone();
-        let logits = logits.reshape((rows, v))?;
-        let keep: Vec<f32> =
-            batch.targets.iter().map(|&t| f32::from(u8::from(t != crate::batch::IGNORE_INDEX))).collect();
+        // On the CPU the log-sum-exp over the vocabulary in f64, as the training loss's.
+        let sd = if device.is_cpu() { DType::F64 } else { DType::F32 };
+        let logits = logits.reshape((rows, v))?.to_dtype(sd)?;
+        let keep: Vec<f64> =
+            batch.targets.iter().map(|&t| f64::from(u8::from(t != crate::batch::IGNORE_INDEX))).collect();
         // Ignored rows gather column 0 and are multiplied by 0; `validate` checked 0 <= t < V.
         let idx: Vec<u32> = batch
             .targets
@@ -76,7 +78,9 @@ impl<B: Backend> Engine<B> {
         let m = logits.max_keepdim(D::Minus1)?;
         let lse = logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&m)?;
         let picked = logits.gather(&idx, D::Minus1)?;
-        let sum = (lse - picked)?.squeeze(D::Minus1)?.mul(&keep)?.sum_all()?.to_scalar::<f32>()?;
-        Ok((f64::from(sum), batch.n_targets()))
+        // An f32 sum over the rows would drift by up to rows · 2^-24 of it.
+        let ce = (lse - picked)?.squeeze(D::Minus1)?.to_dtype(DType::F64)?;
+        let sum = ce.mul(&keep)?.sum_all()?.to_scalar::<f64>()?;
+        Ok((sum, batch.n_targets()))
     }
 }
