@@ -3,14 +3,15 @@
 //! JSON (schema in [`schema`], documented in `results/README.md`) with figures beside it.
 //!
 //! Modules: [`schema`] (the results JSON), [`run`] (launch one system, parse its JSON Lines
-//! metrics), [`suites`] (which runs each suite makes), [`extrapolate`] (the 120B entry from its
-//! measured slices), [`plot`] (figures), [`regress`]
+//! metrics), [`suites`] (which runs each suite makes), [`longctx`] (the long-context suite),
+//! [`extrapolate`] (the 120B entry from its measured slices), [`plot`] (figures), [`regress`]
 //! (compare two results files).
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 
 pub mod extrapolate;
+pub mod longctx;
 pub mod plot;
 pub mod regress;
 pub mod run;

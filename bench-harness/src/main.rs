@@ -33,11 +33,12 @@ struct Cli {
     /// Systems (paper).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ours,torch,deepspeed")]
     systems: Vec<System>,
-    /// Models (paper): 3.6b, 8b, 14b, 32b, 120b or config.json paths; `none` for no throughput
-    /// part.
-    #[arg(long, value_delimiter = ',', default_value = "3.6b,14b")]
-    models: Vec<String>,
-    /// Tokens per step as BATCHxSEQ [default: smoke 4x64, paper 4x2048,16x2048, ablate 4x2048].
+    /// Models (paper, longctx): 3.6b, 7b, 8b, 14b, 32b, 120b or config.json paths; `none` for no
+    /// throughput part [default: paper 3.6b,14b; longctx 7b].
+    #[arg(long, value_delimiter = ',')]
+    models: Option<Vec<String>>,
+    /// Tokens per step as BATCHxSEQ [default: smoke 4x64, paper 4x2048,16x2048, ablate 4x2048,
+    /// longctx 1x32768,1x131072,1x262144,1x524288].
     #[arg(long, value_delimiter = ',', value_parser = parse_tokens)]
     tokens: Option<Vec<(usize, usize)>>,
     /// Paper: also train this model (a label or config path) as the "largest model" part.
@@ -99,6 +100,7 @@ fn options(cli: &Cli, suite: Suite) -> Options {
     let default_tokens = match suite {
         Suite::Smoke => vec![(4, 64)],
         Suite::Paper => vec![(4, 2048), (16, 2048)],
+        Suite::Longctx => vec![(1, 32768), (1, 131072), (1, 262144), (1, 524288)],
         _ => vec![(4, 2048)],
     };
     let name = format!("{:?}", suite).to_lowercase();
@@ -117,8 +119,17 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         megatrain: cli.megatrain.clone().unwrap_or_else(suites::default_megatrain),
         python: cli.python.clone(),
         steps: cli.steps,
-        systems: if suite == Suite::Smoke { vec![System::Ours] } else { cli.systems.clone() },
-        models: cli.models.iter().filter(|m| m.as_str() != "none").cloned().collect(),
+        systems: match suite {
+            Suite::Smoke => vec![System::Ours],
+            // DeepSpeed offload at 7B and 32k+ tokens a sequence is out of scope of this suite.
+            Suite::Longctx => cli.systems.iter().copied().filter(|&s| s != System::Deepspeed).collect(),
+            _ => cli.systems.clone(),
+        },
+        models: match (&cli.models, suite) {
+            (Some(m), _) => m.iter().filter(|m| m.as_str() != "none").cloned().collect(),
+            (None, Suite::Longctx) => vec!["7b".into()],
+            (None, _) => vec!["3.6b".into(), "14b".into()],
+        },
         tokens: cli.tokens.clone().unwrap_or(default_tokens),
         depths: cli.depths.iter().copied().filter(|&d| d > 0).collect(),
         slices: cli.slices.iter().copied().filter(|&d| d > 0).collect(),

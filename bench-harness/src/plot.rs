@@ -354,6 +354,61 @@ pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
         render!(out, stem, files, |root| timeline(&root, &title, &spans));
     }
 
+    // longctx: step time and model TFLOP/s against context length (published points included,
+    // labelled as such), and the attention kernel against each SDPA backend.
+    let context: Vec<&Run> = results
+        .runs
+        .iter()
+        .filter(|r| r.part == "context" && (ok(r) || r.status == Status::Published))
+        .collect();
+    let ctx_name = |r: &Run| match r.status {
+        Status::Published => "MegaTrain, GH200 (published)".to_owned(),
+        _ => format!("{} {}", r.system, r.variant),
+    };
+    let kilo = |r: &Run| r.seq_len as f64 / 1024.0;
+    let steps = group(&context, ctx_name, |r| Some((kilo(r), r.measured.step_ms? / 1e3)));
+    if !steps.is_empty() {
+        let title = format!("Step time vs context length, one sequence a step ({machine})");
+        render!(out, "context-step-time", files, |root| lines(
+            &root,
+            &title,
+            ("context length (k tokens)", "seconds per step"),
+            &steps
+        ));
+        let tf = group(&context, ctx_name, |r| Some((kilo(r), r.measured.model_tflops?)));
+        let title = format!("Model TFLOP/s vs context length ({machine})");
+        render!(out, "context-tflops", files, |root| lines(
+            &root,
+            &title,
+            ("context length (k tokens)", "model TFLOP/s (6NT + 6LSHT, causal)"),
+            &tf
+        ));
+    }
+    if let Some(doc) = &results.attention {
+        let mut series: Vec<Series> = Vec::new();
+        for b in doc["bench"].as_array().into_iter().flatten() {
+            let (s, h, kv) = (b["seq_len"].as_f64(), b["heads"].as_u64(), b["kv_heads"].as_u64());
+            let (Some(s), Some(h), Some(kv)) = (s, h, kv) else { continue };
+            for (sys, e) in b["systems"].as_object().into_iter().flatten() {
+                let Some(tf) = e["fwd_bwd_tflops"].as_f64() else { continue };
+                let name = format!("{sys} {h}/{kv}");
+                match series.iter_mut().find(|x| x.0 == name) {
+                    Some(x) => x.1.push((s / 1024.0, tf)),
+                    None => series.push((name, vec![(s / 1024.0, tf)])),
+                }
+            }
+        }
+        if !series.is_empty() {
+            let title = format!("Causal attention fwd+bwd, d 128, bf16 ({machine})");
+            render!(out, "attention-kernel", files, |root| lines(
+                &root,
+                &title,
+                ("sequence length (k tokens)", "TFLOP/s (fwd 2BHS^2D, bwd 2.5x)"),
+                &series
+            ));
+        }
+    }
+
     let memory: Vec<Bar> = tput
         .iter()
         .filter_map(|r| {

@@ -38,6 +38,10 @@ pub struct Results {
     pub ratios: Vec<Ratio>,
     /// Figures written beside the file (PNG and SVG), relative to it.
     pub figures: Vec<String>,
+    /// longctx: the attention kernel benchmark's document (`scripts/attention_bench.py`), when
+    /// it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<Value>,
 }
 
 /// The machine.
@@ -88,6 +92,9 @@ pub enum Status {
     /// Not run: computed from measured runs (`reason` says which and how). Only the fields the
     /// computation fills are set.
     Extrapolated,
+    /// Not run here: a figure a publication reports (`reason` cites it), drawn beside the
+    /// measurements as a reference point and never part of a ratio.
+    Published,
 }
 
 /// One system on one configuration.
@@ -406,6 +413,7 @@ impl Results {
             runs,
             ratios: vec![],
             figures: vec![],
+            attention: None,
         }
     }
 }

@@ -3,10 +3,12 @@
 //!
 //! - `smoke`: CPU only, megatrain on tiny models (throughput, ablation, depth parts).
 //! - `ablate`: ring depth 1/2/3, optimizer overlap off, chunk sweep on one model config (every
-//!   layer through the ring), and the planner's held layers and kept activations on top;
-//!   checkpoints on the host is listed as skipped (not implemented by the engine).
+//!   layer through the ring), and the planner's held layers and kept activations on top, and
+//!   every layer's checkpoint spilled to host memory.
 //! - `paper`: every system on every model and tokens-per-step setting, depth scaling at the
 //!   first model's width, and the largest-model part recorded as not run.
+//! - `longctx`: one sequence a step at each context length, ours and resident PyTorch, the
+//!   published MegaTrain points, the attention kernel benchmark (`longctx.rs`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -29,6 +31,9 @@ pub enum Suite {
     Paper,
     /// megatrain's ablations.
     Ablate,
+    /// Context lengths 32k-512k against resident PyTorch and MegaTrain's published figures, and
+    /// the attention kernel against PyTorch SDPA.
+    Longctx,
     /// Compare results with a baseline file.
     Regress,
     /// Redraw the figures of an earlier run from its `results.json` (`--out DIR`).
@@ -45,6 +50,9 @@ pub enum System {
     Torch,
     /// `scripts/baselines/deepspeed_zero3.py`.
     Deepspeed,
+    /// A published figure of MegaTrain's (never run).
+    #[value(skip)]
+    MegatrainPaper,
 }
 
 impl System {
@@ -54,6 +62,7 @@ impl System {
             System::Ours => "ours",
             System::Torch => "torch",
             System::Deepspeed => "deepspeed",
+            System::MegatrainPaper => "megatrain_paper",
         }
     }
 }
@@ -121,6 +130,7 @@ pub fn default_megatrain() -> PathBuf {
 pub fn model_config_path(label: &str) -> Result<PathBuf> {
     let file = match label {
         "3.6b" => "llama3-3.6b.json",
+        "7b" => "qwen2.5-7b.json",
         "8b" => "llama3-8b.json",
         "14b" => "qwen2.5-14b.json",
         "32b" => "qwen2.5-32b.json",
@@ -128,7 +138,7 @@ pub fn model_config_path(label: &str) -> Result<PathBuf> {
         other if other.ends_with(".json") => return Ok(PathBuf::from(other)),
         other => {
             return Err(Error::Options(format!(
-                "unknown model {other:?}: use 3.6b, 8b, 14b, 32b, 120b or a .json path"
+                "unknown model {other:?}: use 3.6b, 7b, 8b, 14b, 32b, 120b or a .json path"
             )))
         }
     };
@@ -136,7 +146,7 @@ pub fn model_config_path(label: &str) -> Result<PathBuf> {
 }
 
 /// A model's name in run keys: a known label as given (`3.6b`), a config path's file stem.
-fn model_label(label: &str) -> String {
+pub(crate) fn model_label(label: &str) -> String {
     if !label.ends_with(".json") {
         return label.to_owned();
     }
@@ -189,25 +199,59 @@ pub struct Plan {
     pub fixed: Vec<Run>,
 }
 
-struct Ctx<'a> {
-    opts: &'a Options,
-    plan: Plan,
+pub(crate) struct Ctx<'a> {
+    pub(crate) opts: &'a Options,
+    pub(crate) plan: Plan,
 }
 
 /// What one run is, before it runs.
-struct Spec {
+pub(crate) struct Spec {
     part: &'static str,
     system: System,
     model: String,
     config: Option<PathBuf>,
     tokens: (usize, usize),
     variant: String,
-    extra: Vec<String>,
+    pub(crate) extra: Vec<String>,
     trace: bool,
 }
 
+impl Spec {
+    pub(crate) fn new(
+        part: &'static str,
+        system: System,
+        model: &str,
+        config: Option<PathBuf>,
+        tokens: (usize, usize),
+        variant: &str,
+    ) -> Self {
+        Spec {
+            part,
+            system,
+            model: model.to_owned(),
+            config,
+            tokens,
+            variant: variant.to_owned(),
+            extra: vec![],
+            trace: false,
+        }
+    }
+}
+
+/// Decoder layers of a model config file (megatrain's built-in tiny Llama's 4 without one).
+fn layers_of(config: Option<&PathBuf>) -> Result<usize> {
+    let Some(path) = config else { return Ok(4) };
+    let text = std::fs::read_to_string(path).map_err(io_err(path))?;
+    let cfg: Value =
+        serde_json::from_str(&text).map_err(|e| Error::Parse { path: path.clone(), msg: e.to_string() })?;
+    cfg["num_hidden_layers"]
+        .as_u64()
+        .map(|n| n as usize)
+        .ok_or_else(|| Error::Parse { path: path.clone(), msg: "no num_hidden_layers".into() })
+}
+
 impl Ctx<'_> {
-    fn entry(&self, s: &Spec, status: Status, reason: Option<String>) -> Run {
+    pub(crate) fn entry(&self, s: &Spec, status: Status, reason: Option<String>) -> Run {
         let (b, t) = s.tokens;
         Run {
             key: Run::make_key(s.part, s.system.name(), &s.model, b, t, &s.variant),
@@ -231,7 +275,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn add(&mut self, s: Spec) {
+    pub(crate) fn add(&mut self, s: Spec) {
         let o = self.opts;
         let run = self.entry(&s, Status::NotRun, Some("not started".into()));
         let stem = run.key.replace('/', "_");
@@ -273,7 +317,7 @@ impl Ctx<'_> {
         arg(&mut args, "--metrics", &metrics.display());
         args.extend(s.extra);
         let log = o.out.join("logs").join(format!("{stem}.log"));
-        self.plan.jobs.push(Job { run, program, args, metrics, log, trace });
+        self.plan.jobs.push(Job { run, program, args, metrics, log, trace, document: false });
     }
 }
 
@@ -284,16 +328,7 @@ pub fn plan(opts: &Options) -> Result<Plan> {
     }
     let mut cx = Ctx { opts, plan: Plan { jobs: vec![], configs: vec![], fixed: vec![] } };
     let first_tokens = *opts.tokens.first().ok_or_else(|| Error::Options("--tokens is empty".into()))?;
-    let spec = |part, system, model: &str, config, tokens, variant: &str| Spec {
-        part,
-        system,
-        model: model.to_owned(),
-        config,
-        tokens,
-        variant: variant.to_owned(),
-        extra: vec![],
-        trace: false,
-    };
+    let spec = Spec::new;
     let ablations = |cx: &mut Ctx<'_>, model: &str, config: Option<PathBuf>| {
         let (b, _) = first_tokens;
         let mut variants: Vec<(String, Vec<String>)> = (1..=3)
@@ -313,16 +348,19 @@ pub fn plan(opts: &Options) -> Result<Plan> {
         }
         let s = spec("ablation", System::Ours, model, config.clone(), first_tokens, "held_kept");
         cx.add(Spec { extra: streamed_layers(), ..s });
+        // Every layer's input checkpoint down to host memory and back.
+        let layers = layers_of(config.as_ref())?;
         let s = spec("ablation", System::Ours, model, config, first_tokens, "checkpoints_host");
-        let reason = "the engine keeps layer-boundary checkpoints on the GPU only; checkpoints in host \
-                      memory are not implemented (megatrain train has no option for it)";
-        cx.plan.fixed.push(cx.entry(&s, Status::Skipped, Some(reason.into())));
+        let extra =
+            ["--spill-checkpoints".to_owned(), layers.to_string()].into_iter().chain(ring_streamed_layers());
+        cx.add(Spec { extra: extra.collect(), ..s });
+        Ok(())
     };
     match opts.suite {
         Suite::Smoke => {
             let s = spec("throughput", System::Ours, "tiny", None, first_tokens, "default");
             cx.add(Spec { trace: true, ..s });
-            ablations(&mut cx, "tiny", None);
+            ablations(&mut cx, "tiny", None)?;
             for layers in [1, 2, 4] {
                 let path = opts.out.join("configs").join(format!("tiny-L{layers}.json"));
                 cx.plan.configs.push((path.clone(), tiny_config(layers)));
@@ -339,8 +377,9 @@ pub fn plan(opts: &Options) -> Result<Plan> {
         Suite::Ablate => {
             let label =
                 opts.model_config.as_ref().map_or("tiny".into(), |p| model_label(&p.display().to_string()));
-            ablations(&mut cx, &label, opts.model_config.clone());
+            ablations(&mut cx, &label, opts.model_config.clone())?;
         }
+        Suite::Longctx => crate::longctx::plan(&mut cx)?,
         Suite::Paper => {
             for m in &opts.models {
                 let config = model_config_path(m)?;
@@ -465,6 +504,7 @@ pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Resul
         let mut runs = runs;
         runs.extend(plan.fixed.iter().cloned());
         crate::extrapolate::extrapolate_120b(&mut runs, machine.ram_bytes)?;
+        crate::longctx::fill_published(&mut runs);
         let mut results = Results {
             schema_version: SCHEMA_VERSION,
             suite: format!("{:?}", opts.suite).to_lowercase(),
@@ -476,6 +516,7 @@ pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Resul
             runs,
             ratios: vec![],
             figures: vec![],
+            attention: crate::longctx::attention_doc(out),
         };
         results.compute_ratios();
         Ok(results)
