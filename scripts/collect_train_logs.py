@@ -78,6 +78,28 @@ def main():
         if "megatrain" not in text and "step:" not in text:
             continue
         runs[name] = dict(parse(text), args=args.get(name))
+    # Runs known only by their `--metrics` JSON Lines (m-NAME.jsonl): the steady state of the
+    # steps after the first, as megatrain's own summary computes it (time-weighted).
+    for path in sorted(glob.glob(os.path.join(a.dir, "m-*.jsonl"))):
+        name = os.path.basename(path)[2:-6]
+        recs = [json.loads(l) for l in open(path) if l.strip()]
+        run = next((r for r in recs if r["type"] == "run"), None)
+        steps = [r for r in recs if r["type"] == "step"]
+        later = steps[1:] or steps
+        if run is None or not later:
+            continue
+        secs = sum(r["step_ms"] for r in later) / 1e3
+        r = runs.setdefault(name, {"args": args.get(name)})
+        r["metrics"] = {
+            "options": run["options"], "n_params": run["n_params"], "model_flops_per_step": run["model_flops_per_step"],
+            "flops_formula": run["flops_formula"], "steps_measured": len(later),
+            "step_s": secs / len(later),
+            "tokens_per_s": sum(x["tokens"] for x in later) / secs,
+            "model_tflops": run["model_flops_per_step"] * len(later) / secs / 1e12,
+            "loss_first": steps[0]["loss"], "loss_last": steps[-1]["loss"],
+            "gpu_peak_bytes": max((x.get("gpu_peak_bytes") or 0) for x in steps) or None,
+            "rss_bytes_max": max((x.get("rss_bytes") or 0) for x in steps) or None,
+        }
     print(json.dumps({"schema": "megatrain-train-logs/1", "machine": {"kind": a.machine, "env": env},
                       "commit": a.commit, "date": env[0] if env else None, "runs": runs}, indent=1))
 
