@@ -26,7 +26,6 @@ mod eval;
 mod options;
 mod resident;
 
-pub(crate) use options::early_refusal;
 pub use options::EngineOptions;
 
 /// What one step did.
