@@ -3,8 +3,8 @@
 //!
 //! Memory is the planner's byte count, place by place. Host RAM adds what the process itself
 //! holds besides the planned buffers (code, libraries, allocator, the CUDA context's host side):
-//! [`PROCESS_OVERHEAD_CPU`] / [`PROCESS_OVERHEAD_CUDA`], measured as the RSS of runs minus their
-//! planned bytes (`results/2026-11-22-real-use-h200x4.json`). On the CPU backend the device pool
+//! [`mt_train::host::PROCESS_OVERHEAD_CPU`] / [`mt_train::host::PROCESS_OVERHEAD_CUDA`], measured
+//! as the RSS of runs minus their planned bytes (`results/2026-11-22-real-use-h200x4.json`). On the CPU backend the device pool
 //! is host memory too and is added; transients are not, so small CPU runs sit below or above the
 //! figure by the size of their activations.
 //!
@@ -25,28 +25,11 @@ use mt_core::ModelLayout;
 use mt_sched::plan::{plan, Plan, PlanInput};
 use serde_json::{json, Value};
 
+use mt_train::host::{available_bytes, gib_to_bytes, planned_host_bytes};
+use mt_train::{ModelChoice, ModelSource, PlacementChoice};
+
 use crate::cli::{DeviceKind, EstimateArgs, Precision};
-use crate::train::ModelSource;
 
-/// RSS of a CPU run beyond its planned bytes (binary, libraries, allocator arenas): the
-/// built-in tiny run holds 36 MB, 13 MB of it store.
-pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
-/// RSS of a CUDA run beyond its planned host bytes (binary, libraries, the CUDA context, cuBLAS
-/// and NVRTC host-side state). Measured on the H200 machines (commit 80e8b16) as RSS at the end
-/// minus store + staging/landing: 513 MB for Llama-3-8B, 524 MB for SmolLM2-135M.
-pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
-
-/// Host RAM a run of `plan` holds while it trains: store + staging/landing + the process
-/// overhead, less the resident units' gradient pages (given back once the engine has loaded
-/// them), and on the CPU backend the device pool too (weight ring, outer slot, gradient buffers,
-/// checkpoints; not the planner's GPU workspace reserve, which on the CPU is transient heap).
-pub fn host_bytes(plan: &Plan, device: DeviceKind) -> u64 {
-    let held = plan.host.total - plan.host.released_by_resident;
-    match device {
-        DeviceKind::Cuda => held + PROCESS_OVERHEAD_CUDA,
-        DeviceKind::Cpu => held + plan.gpu.total - plan.gpu.workspace + PROCESS_OVERHEAD_CPU,
-    }
-}
 /// Default GPU memory: one H200 as the driver reports it.
 pub const DEFAULT_GPU_GIB: f64 = 139.8;
 
@@ -71,10 +54,8 @@ pub struct Estimate {
     pub host_update_s: f64,
     /// Expected seconds per step.
     pub step_s: f64,
-}
-
-fn gib_to_bytes(g: f64) -> u64 {
-    (g * (1u64 << 30) as f64) as u64
+    /// The device it is for (the words the plan is printed with).
+    pub device: mt_train::DeviceKind,
 }
 
 /// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 9.0 or
@@ -85,9 +66,25 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
 
 /// Plans the run and prices it.
 pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
-    let model = ModelSource::from_args(args.model.as_deref(), args.config.as_deref())?;
+    let choice = match (&args.model, &args.config) {
+        (Some(dir), _) => ModelChoice::HfDir(dir.clone()),
+        (None, Some(p)) => ModelChoice::Config(p.clone()),
+        (None, None) => ModelChoice::Builtin,
+    };
+    let model = ModelSource::load(&choice)?;
     let cfg = &model.cfg;
-    let host_avail = args.host_mem.map_or_else(crate::train::host_available_bytes, gib_to_bytes);
+    let host_avail = args.host_mem.map_or_else(available_bytes, gib_to_bytes);
+    let device: mt_train::Device = args.device.into();
+    let placement = PlacementChoice {
+        resident_outer: args.resident_outer.choice(),
+        resident_layers: args.resident_layers.choice(),
+        kept_layers: args.kept_layers.choice(),
+        held_layers: args.held_layers.choice(),
+        gpu_updated_layers: args.gpu_updated_layers.choice(),
+        late_state_downloads: args.late_state_downloads.choice(),
+        early_state_uploads: args.early_state_uploads.choice(),
+    }
+    .for_run(device, false);
     let gpu = match args.device {
         DeviceKind::Cuda => gib_to_bytes(args.gpu_mem.unwrap_or(DEFAULT_GPU_GIB)),
         DeviceKind::Cpu => host_avail,
@@ -104,13 +101,13 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         ring_depth: Some(args.ring_depth),
         n_chunks: args.chunks,
         rows_per_block: 4096,
-        resident_outer: args.resident_outer.choice(args.device, false),
-        resident_layers: args.resident_layers.choice(args.device, false),
-        kept_layers: args.kept_layers.choice(args.device, false),
-        held_layers: args.held_layers.choice(args.device, false),
-        gpu_updated_layers: args.gpu_updated_layers.choice(args.device, false),
-        late_state_downloads: args.late_state_downloads.choice(args.device, false),
-        early_state_uploads: args.early_state_uploads.choice(args.device, false),
+        resident_outer: placement.resident_outer,
+        resident_layers: placement.resident_layers,
+        kept_layers: placement.kept_layers,
+        held_layers: placement.held_layers,
+        gpu_updated_layers: placement.gpu_updated_layers,
+        late_state_downloads: placement.late_state_downloads,
+        early_state_uploads: placement.early_state_uploads,
         // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
         fused_kernels: fused_kernels(args),
         flash_attention: args.attention.choice(),
@@ -118,7 +115,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     })
     .context("no memory plan fits")?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
-    let host_bytes = host_bytes(&p, args.device);
+    let host_bytes = planned_host_bytes(&p, device);
     let layout = ModelLayout::new(cfg);
     let tokens = (args.batch_size * args.seq_len) as f64;
     // Model FLOPs plus the recomputed forward of every layer that does not keep its
@@ -205,6 +202,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         host_s,
         host_update_s,
         step_s,
+        device: device.kind(),
     })
 }
 
@@ -284,7 +282,7 @@ impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let p = &self.plan;
-        writeln!(f, "{p}")?;
+        writeln!(f, "{}", p.display_on(self.device))?;
         writeln!(
             f,
             "host RAM: {:.2} GiB ({:.2} bytes/param; store {:.2}, staging/landing {:.2}, process)",

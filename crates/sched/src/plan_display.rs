@@ -76,13 +76,23 @@ impl fmt::Display for Plan {
     }
 }
 
-/// `unit: name size | ...` for each non-zero size, in GiB, or in MiB when all are below a GiB.
+/// `b` bytes in MiB below a GiB, else in GiB.
+fn human(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", gib(b))
+    } else {
+        format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// `name size` for each non-zero size, joined by ` | `.
 fn sizes(items: &[(&str, u64)]) -> String {
-    let gib_unit = items.iter().any(|(_, b)| *b >= 1 << 30);
-    let (unit, scale) = if gib_unit { ("GiB", 1.0) } else { ("MiB", 1.0 / 1024.0) };
-    let shown: Vec<String> =
-        items.iter().filter(|(_, b)| *b > 0).map(|(n, b)| format!("{n} {:.2}", gib(*b) / scale)).collect();
-    format!("({unit}) {}", shown.join(" | "))
+    items
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(n, b)| format!("{n} {}", human(*b)))
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 impl fmt::Display for PlanDisplay<'_> {
@@ -108,8 +118,6 @@ impl fmt::Display for PlanDisplay<'_> {
         )?;
         writeln!(f, "{}", p.placement().display_on(self.device))?;
         let device_bytes = sizes(&[
-            ("total", g.total),
-            ("usable", g.budget),
             ("ring", g.weight_ring),
             ("held", g.held),
             ("outer", g.outer),
@@ -122,9 +130,10 @@ impl fmt::Display for PlanDisplay<'_> {
             ("act grads", g.act_grads),
             ("workspace", g.workspace),
         ]);
+        let total = format!("total {} of {} usable", human(g.total), human(g.budget));
         match self.device {
-            DeviceKind::Gpu => writeln!(f, "GPU memory {device_bytes}")?,
-            DeviceKind::Cpu => writeln!(f, "device buffers in host memory {device_bytes}")?,
+            DeviceKind::Gpu => writeln!(f, "GPU memory: {device_bytes} | {total}")?,
+            DeviceKind::Cpu => writeln!(f, "device buffers (in host memory): {device_bytes} | {total}")?,
         }
         let rings = match self.device {
             DeviceKind::Gpu => "pinned rings",
@@ -132,11 +141,11 @@ impl fmt::Display for PlanDisplay<'_> {
         };
         writeln!(
             f,
-            "host memory {}",
+            "host memory: {}",
             sizes(&[
-                ("total", h.total),
                 ("store", h.store),
                 (rings, h.pinned),
+                ("total", h.total),
                 ("given back by resident units", h.released_by_resident)
             ])
         )?;
@@ -146,11 +155,11 @@ impl fmt::Display for PlanDisplay<'_> {
         };
         writeln!(
             f,
-            "{copies}: H2D {} B ({:.2} GiB), D2H {} B ({:.2} GiB)",
+            "{copies}: H2D {} B ({}), D2H {} B ({})",
             p.pcie_h2d_per_step,
-            gib(p.pcie_h2d_per_step),
+            human(p.pcie_h2d_per_step),
             p.pcie_d2h_per_step,
-            gib(p.pcie_d2h_per_step)
+            human(p.pcie_d2h_per_step)
         )?;
         write!(
             f,

@@ -747,6 +747,6 @@ fn the_placement_table_lists_each_layer_once_in_the_words_of_its_device() {
     let cpu = plan(&input(ModelConfig::tiny_llama(), 4, 16, GIB)).unwrap();
     let s = cpu.display_on(DeviceKind::Cpu).to_string();
     assert!(s.contains("0-3     streamed (up twice)  recomputed   host   host store"), "{s}");
-    assert!(s.contains("device buffers in host memory (MiB) total "), "{s}");
+    assert!(s.contains("device buffers (in host memory): ring 0.69 MiB | "), "{s}");
     assert!(!s.contains("GPU") && !s.contains("PCIe"), "{s}");
 }
