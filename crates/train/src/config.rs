@@ -10,8 +10,26 @@ use mt_core::ModelConfig;
 use mt_sched::OptimMode;
 use mt_store::GradDtype;
 
-pub use crate::data::{DataKind, DataSource};
 pub use crate::schedule::ScheduleKind;
+
+/// A built-in source of training tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataKind {
+    /// Embedded English text, one token per byte.
+    Builtin,
+    /// Deterministic arithmetic sequences of token ids.
+    Synthetic,
+}
+
+/// Training data: a built-in source or a JSON Lines file (`{"text": ...}`, `{"messages":
+/// [...]}` or `{"input_ids": [...]}` per line).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSource {
+    /// A built-in source.
+    Builtin(DataKind),
+    /// A JSON Lines file.
+    File(PathBuf),
+}
 
 /// Where the model comes from.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -7,7 +7,7 @@
 //! and `k`, which is what makes a run resumed from a store see the same data as an uninterrupted
 //! one.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use mt_core::Error as CoreError;
 use mt_sched::Batch;
@@ -15,27 +15,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::DataCursor;
+use crate::config::{DataKind, DataSource, TrainConfig};
 use crate::error::{Context, Error, Result};
-use crate::TrainConfig;
-
-/// A built-in source of training tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DataKind {
-    /// Embedded English text, one token per byte.
-    Builtin,
-    /// Deterministic arithmetic sequences of token ids.
-    Synthetic,
-}
-
-/// Training data: a built-in source or a JSON Lines file (`{"text": ...}`, `{"messages":
-/// [...]}` or `{"input_ids": [...]}` per line).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DataSource {
-    /// A built-in source.
-    Builtin(DataKind),
-    /// A JSON Lines file.
-    File(PathBuf),
-}
 
 /// `--data` as written in logs and manifests.
 pub fn describe_source(d: &DataSource) -> String {

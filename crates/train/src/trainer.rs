@@ -564,8 +564,9 @@ fn start_engine<O: Observer>(
 
 /// The options a checkpoint is only valid for: a resume with any of them changed is refused.
 fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
+    use crate::config::DataSource;
     use crate::config::{grad_dtype_name, optim_mode_name};
-    use crate::data::{describe_source, DataSource};
+    use crate::data::describe_source;
     // A file is identified by its contents (hashed only when checkpoints are in use: a large
     // file takes a while), not by how its path is spelled.
     let (data, data_sha256) = match &c.data {
