@@ -291,15 +291,21 @@ impl std::fmt::Display for Estimate {
             gib(p.host.store),
             gib(p.host.pinned)
         )?;
-        writeln!(
-            f,
-            "pinned RAM: {:.2} GiB   device memory: {:.2} GiB",
-            gib(self.pinned_bytes),
-            gib(self.device_bytes)
-        )?;
+        let pcie = match self.device {
+            mt_train::DeviceKind::Gpu => {
+                writeln!(
+                    f,
+                    "pinned RAM: {:.2} GiB   GPU memory: {:.2} GiB",
+                    gib(self.pinned_bytes),
+                    gib(self.device_bytes)
+                )?;
+                "PCIe"
+            }
+            mt_train::DeviceKind::Cpu => "copies",
+        };
         write!(
             f,
-            "step time: {:.3} s (compute {:.3} s, PCIe {:.3} s, host optimizer {:.3} s of which update {:.3} s) -> {:.0} tokens/s, {:.1} model TFLOP/s",
+            "step time: {:.3} s (compute {:.3} s, {pcie} {:.3} s, host optimizer {:.3} s of which update {:.3} s) -> {:.0} tokens/s, {:.1} model TFLOP/s",
             self.step_s,
             self.compute_s,
             self.pcie_s,
