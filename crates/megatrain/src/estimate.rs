@@ -20,13 +20,13 @@
 //! (one layer's upload and update, which cannot overlap). On the H200 (2026-11-23) this predicted
 //! 0.964 s for the 3.6B at 4 x 2048 with every layer streamed, which ran in 0.952 s.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use mt_core::ModelLayout;
-use mt_sched::plan::{plan, Plan, PlanInput};
+use mt_sched::plan::Plan;
 use serde_json::{json, Value};
 
 use mt_train::host::{available_bytes, gib_to_bytes, planned_host_bytes};
-use mt_train::{ModelChoice, ModelSource, PlacementChoice};
+use mt_train::{plan_for, ModelChoice, ModelSource, PlacementChoice, TrainConfig};
 
 use crate::cli::{DeviceKind, EstimateArgs, Precision};
 
@@ -66,54 +66,43 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
 
 /// Plans the run and prices it.
 pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
-    let choice = match (&args.model, &args.config) {
-        (Some(dir), _) => ModelChoice::HfDir(dir.clone()),
-        (None, Some(p)) => ModelChoice::Config(p.clone()),
-        (None, None) => ModelChoice::Builtin,
+    let config = TrainConfig {
+        model: match (&args.model, &args.config) {
+            (Some(dir), _) => ModelChoice::HfDir(dir.clone()),
+            (None, Some(p)) => ModelChoice::Config(p.clone()),
+            (None, None) => ModelChoice::Builtin,
+        },
+        batch_size: args.batch_size,
+        seq_len: args.seq_len,
+        chunks: args.chunks,
+        ring_depth: args.ring_depth,
+        precision: args.precision.into(),
+        grad_dtype: args.grad_dtype.map(Into::into),
+        optim_mode: args.optim_mode.into(),
+        device: args.device.into(),
+        placement: PlacementChoice {
+            resident_outer: args.resident_outer.choice(),
+            resident_layers: args.resident_layers.choice(),
+            kept_layers: args.kept_layers.choice(),
+            held_layers: args.held_layers.choice(),
+            gpu_updated_layers: args.gpu_updated_layers.choice(),
+            late_state_downloads: args.late_state_downloads.choice(),
+            early_state_uploads: args.early_state_uploads.choice(),
+        },
+        attention: args.attention.choice(),
+        mlp_rows: args.mlp_rows.choice(),
+        ..TrainConfig::default()
     };
-    let model = ModelSource::load(&choice)?;
+    let model = ModelSource::load(&config.model)?;
     let cfg = &model.cfg;
+    let device = config.device;
     let host_avail = args.host_mem.map_or_else(available_bytes, gib_to_bytes);
-    let device: mt_train::Device = args.device.into();
-    let placement = PlacementChoice {
-        resident_outer: args.resident_outer.choice(),
-        resident_layers: args.resident_layers.choice(),
-        kept_layers: args.kept_layers.choice(),
-        held_layers: args.held_layers.choice(),
-        gpu_updated_layers: args.gpu_updated_layers.choice(),
-        late_state_downloads: args.late_state_downloads.choice(),
-        early_state_uploads: args.early_state_uploads.choice(),
-    }
-    .for_run(device, false);
     let gpu = match args.device {
         DeviceKind::Cuda => gib_to_bytes(args.gpu_mem.unwrap_or(DEFAULT_GPU_GIB)),
         DeviceKind::Cpu => host_avail,
     };
-    let p = plan(&PlanInput {
-        cfg: cfg.clone(),
-        batch: args.batch_size,
-        seq: args.seq_len,
-        weight_dtype: args.precision.into(),
-        grad_dtype: crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into(),
-        mode: args.optim_mode.into(),
-        gpu_bytes: gpu,
-        host_bytes: host_avail,
-        ring_depth: Some(args.ring_depth),
-        n_chunks: args.chunks,
-        rows_per_block: 4096,
-        resident_outer: placement.resident_outer,
-        resident_layers: placement.resident_layers,
-        kept_layers: placement.kept_layers,
-        held_layers: placement.held_layers,
-        gpu_updated_layers: placement.gpu_updated_layers,
-        late_state_downloads: placement.late_state_downloads,
-        early_state_uploads: placement.early_state_uploads,
-        // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
-        fused_kernels: fused_kernels(args),
-        flash_attention: args.attention.choice(),
-        mlp_rows: args.mlp_rows.choice(),
-    })
-    .context("no memory plan fits")?;
+    // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
+    let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
     let host_bytes = planned_host_bytes(&p, device);
     let layout = ModelLayout::new(cfg);

@@ -1,9 +1,12 @@
-//! The host a run is on: memory available to the plan, the process's resident set, and the host
-//! RAM a plan will hold (the figure a run's RSS is set against, and `megatrain estimate` prints).
+//! The host a run is on and the plan for it: memory available to the plan, the process's
+//! resident set, the step planned for a configuration ([`plan_for`]) and the host RAM a plan
+//! will hold (the figure a run's RSS is set against, and `megatrain estimate` prints).
 
-use mt_sched::plan::Plan;
+use mt_core::ModelConfig;
+use mt_sched::plan::{plan, Plan, PlanInput};
 
-use crate::Device;
+use crate::error::{Context, Result};
+use crate::{Device, TrainConfig};
 
 /// RSS of a CPU run beyond its planned bytes (binary, libraries, allocator arenas): the
 /// built-in tiny run holds 36 MB, 13 MB of it store.
@@ -47,4 +50,43 @@ pub fn rss_bytes() -> Option<u64> {
 /// `g` GiB in bytes.
 pub fn gib_to_bytes(g: f64) -> u64 {
     (g * (1u64 << 30) as f64) as u64
+}
+
+/// The step `c` asks for, planned for a device of `device_bytes` (the GPU's; on the CPU, host
+/// memory) and a host of `host_bytes`, with `fused_kernels` where the device runs them
+/// (`mt_layers::fused_kernels`); the placement's `auto`s resolved for `c.device` and its store.
+pub fn plan_for(
+    c: &TrainConfig,
+    cfg: &ModelConfig,
+    device_bytes: u64,
+    host_bytes: u64,
+    fused_kernels: bool,
+) -> Result<Plan> {
+    let placement = c.placement.for_run(c.device, c.store.is_some());
+    plan(&PlanInput {
+        cfg: cfg.clone(),
+        batch: c.batch_size,
+        seq: c.seq_len,
+        weight_dtype: c.precision.dtype(),
+        grad_dtype: c.grad_dtype(),
+        mode: c.optim_mode,
+        gpu_bytes: device_bytes,
+        host_bytes,
+        ring_depth: Some(c.ring_depth),
+        n_chunks: c.chunks,
+        rows_per_block: c.rows_per_block,
+        resident_outer: placement.resident_outer,
+        resident_layers: placement.resident_layers,
+        kept_layers: placement.kept_layers,
+        held_layers: placement.held_layers,
+        gpu_updated_layers: placement.gpu_updated_layers,
+        late_state_downloads: placement.late_state_downloads,
+        early_state_uploads: placement.early_state_uploads,
+        fused_kernels,
+        flash_attention: c.attention,
+        mlp_rows: c.mlp_rows,
+    })
+    .context_with(|| {
+        "no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)".into()
+    })
 }

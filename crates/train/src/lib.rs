@@ -40,6 +40,7 @@ pub use config::{
     Precision, ScheduleKind, TrainConfig,
 };
 pub use error::{Error, Result};
+pub use host::plan_for;
 pub use model::{ModelSource, BUILTIN_MODEL};
 pub use mt_hf::ExportDtype;
 pub use mt_layers::RopeAngles;

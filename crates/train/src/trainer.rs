@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mt_core::ModelLayout;
-use mt_sched::plan::{plan, Plan, PlanInput};
+use mt_sched::plan::Plan;
 use mt_sched::{Batch, EngineOptions, StepReport};
 use mt_store::HostStore;
 use serde_json::Value;
@@ -25,7 +25,7 @@ use crate::init::init_store;
 use crate::observer::{CheckpointWritten, EvalResult, Event, Observer, RunStart, StepEvent};
 use crate::schedule::LrSchedule;
 use crate::summary::{StepTotals, TrainSummary};
-use crate::{checks, ModelSource, TrainConfig};
+use crate::{checks, plan_for, ModelSource, TrainConfig};
 
 /// A training run, set up and ready to step. The observer `O` hears every stage and step.
 pub struct Trainer<O: Observer> {
@@ -387,33 +387,7 @@ fn plan_run<O: Observer>(
     }
     let host = c.host_mem_gib.map_or_else(available_bytes, gib_to_bytes);
     let device = c.gpu_mem_gib.map_or(backend.memory_bytes(available_bytes())?, gib_to_bytes);
-    let placement = c.placement.for_run(c.device, c.store.is_some());
-    let p = plan(&PlanInput {
-        cfg: model.cfg.clone(),
-        batch: c.batch_size,
-        seq: c.seq_len,
-        weight_dtype: c.precision.dtype(),
-        grad_dtype: c.grad_dtype(),
-        mode: c.optim_mode,
-        gpu_bytes: device,
-        host_bytes: host,
-        ring_depth: Some(c.ring_depth),
-        n_chunks: c.chunks,
-        rows_per_block: c.rows_per_block,
-        resident_outer: placement.resident_outer,
-        resident_layers: placement.resident_layers,
-        kept_layers: placement.kept_layers,
-        held_layers: placement.held_layers,
-        gpu_updated_layers: placement.gpu_updated_layers,
-        late_state_downloads: placement.late_state_downloads,
-        early_state_uploads: placement.early_state_uploads,
-        fused_kernels: backend.fused_kernels(c.precision.dtype()),
-        flash_attention: c.attention,
-        mlp_rows: c.mlp_rows,
-    })
-    .context_with(|| {
-        "no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)".into()
-    })?;
+    let p = plan_for(c, &model.cfg, device, host, backend.fused_kernels(c.precision.dtype()))?;
     notify(observer, &Event::Planned { plan: &p, device: c.device.kind() })?;
     Ok(p)
 }
