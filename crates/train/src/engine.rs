@@ -8,7 +8,7 @@ use mt_sched::placement::DeviceKind;
 use mt_sched::{Batch, CpuBackend, CpuOptions, Engine, EngineOptions, StepReport};
 use mt_store::HostStore;
 
-use crate::error::{Context, Error, Result};
+use crate::error::{Context, Result};
 use crate::{Device, TrainConfig};
 
 /// An opened backend, before the engine starts on it.
@@ -59,7 +59,7 @@ impl Backend {
                 Ok(Backend::Cuda(b))
             }
             #[cfg(not(feature = "cuda"))]
-            Device::Cuda => Err(Error::Options(
+            Device::Cuda => Err(crate::Error::Options(
                 "--device cuda: this megatrain was built without the cuda feature; use --device cpu".into(),
             )),
         }
