@@ -2,7 +2,7 @@
 # Type-checks and lints the `cuda` feature without a GPU (CI runs it after scripts/test.sh):
 # installs the pinned CUDA 13.0 toolchain (scripts/cuda-toolchain.sh, idempotent) and runs
 # clippy with warnings as errors over every crate the feature touches. Nothing is executed on a
-# GPU here; the GPU tests run on the GPU machine (README "GPU").
+# GPU here; the GPU tests run on the GPU machine (README "The GPU build").
 # Cost on a cold 2-core machine: ~1 min install + ~13 min (candle-kernels' CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."

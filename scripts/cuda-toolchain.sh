@@ -5,7 +5,7 @@
 #   scripts/cuda-toolchain.sh [PREFIX]      # default PREFIX: $MEGATRAIN_CUDA_PREFIX or <repo>/.venv-cuda
 #   source scripts/cuda-env.sh              # then: cargo build --release --features cuda
 #
-# What it does (recipe: notes/cuda-toolchain.md, re-checked for candle-core 0.11.1 / cudarc 0.19):
+# What it does (checked end to end for candle-core 0.11.1 / cudarc 0.19):
 #   1. pip-installs NVIDIA's CUDA 13.0 wheels, pinned by version and sha256, into a venv at PREFIX.
 #      Everything lands in <site-packages>/nvidia/cu13/{bin,include,lib,nvvm}.
 #      13.0 on purpose: the GPU machines run driver 580 (CUDA 13.0), which rejects PTX newer than

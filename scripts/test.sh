@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README "Run the tests"; CI's .ci/run calls it).
+# The project's test command (README "The two commands"; CI's .ci/run calls it).
 # Needs only a Rust toolchain (rustup); installs the rustfmt/clippy components if missing.
 # No GPU, no network at test time: every fixture is committed under crates/testkit/fixtures.
 set -euo pipefail

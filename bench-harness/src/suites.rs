@@ -528,9 +528,11 @@ pub fn execute(opts: &Options, plan: &Plan, log: &mut dyn Write) -> Result<Resul
         let run = execute_job(job, out, timeout, sample_gpu);
         let line = match (run.status, run.measured.tokens_per_s) {
             (Status::Ok, Some(t)) => format!(
-                "    ok: {t:.1} tokens/s, {:.1} ms/step, {:.3} model TFLOP/s",
+                "    ok: {t:.1} tokens/s, {:.1} ms/step, {:.3} model TFLOP/s, loss {:.4} -> {:.4}",
                 run.measured.step_ms.unwrap_or(0.0),
-                run.measured.model_tflops.unwrap_or(0.0)
+                run.measured.model_tflops.unwrap_or(0.0),
+                run.measured.loss_first.unwrap_or(f64::NAN),
+                run.measured.loss_last.unwrap_or(f64::NAN)
             ),
             _ => {
                 let reason: Vec<&str> = run.reason.as_deref().unwrap_or("").lines().collect();

@@ -191,7 +191,7 @@ impl ModelLayout {
 }
 
 /// Model FLOPs of one training step of `batch` sequences of `seq` tokens — the one convention
-/// every figure in this project uses (the peers' in `shared/notes/measured.md`):
+/// every figure in this project uses (the peers' in `docs/peers.md`):
 /// `6·N·T + 6·L·seq·hidden·T`, `N` all parameters (the input embedding, a lookup, included: +11%
 /// on the `6·N·T` term at the 3.6B Llama-3 shape), `T = batch·seq`, `L` decoder layers. The
 /// attention term is the causal half of the full `12·L·seq·hidden·T`; recompute is not counted.
@@ -244,7 +244,7 @@ mod tests {
 
     #[test]
     fn model_flops_follow_the_measured_notes_convention() {
-        // 3.6B Llama-3 shape at 4 x 2048: 14_505 tok/s is 329 TFLOP/s in shared/notes/measured.md.
+        // 3.6B Llama-3 shape at 4 x 2048: 14_505 tok/s is 329 TFLOP/s in docs/peers.md.
         let cfg = crate::ModelConfig::from_json(
             &serde_json::from_str(
                 r#"{"model_type":"llama","hidden_size":3072,"intermediate_size":8192,"num_attention_heads":24,

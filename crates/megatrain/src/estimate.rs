@@ -3,8 +3,8 @@
 //!
 //! Memory is the planner's byte count, place by place. Host RAM adds what the process itself
 //! holds besides the planned buffers (code, libraries, allocator, the CUDA context's host side):
-//! [`PROCESS_OVERHEAD_CPU`] / [`PROCESS_OVERHEAD_CUDA`], measured as the RSS of runs minus their
-//! planned bytes (`results/2026-11-22-real-use-h200x4.json`). On the CPU backend the device pool
+//! [`mt_train::host::PROCESS_OVERHEAD_CPU`] / [`mt_train::host::PROCESS_OVERHEAD_CUDA`], measured
+//! as the RSS of runs minus their planned bytes (`results/2026-11-22-real-use-h200x4.json`). On the CPU backend the device pool
 //! is host memory too and is added; transients are not, so small CPU runs sit below or above the
 //! figure by the size of their activations.
 //!
@@ -20,33 +20,16 @@
 //! (one layer's upload and update, which cannot overlap). On the H200 (2026-11-23) this predicted
 //! 0.964 s for the 3.6B at 4 x 2048 with every layer streamed, which ran in 0.952 s.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use mt_core::ModelLayout;
-use mt_sched::plan::{plan, Plan, PlanInput};
+use mt_sched::plan::Plan;
 use serde_json::{json, Value};
 
+use mt_train::host::{available_bytes, gib_to_bytes, planned_host_bytes};
+use mt_train::{plan_for, ModelChoice, ModelSource, PlacementChoice, TrainConfig};
+
 use crate::cli::{DeviceKind, EstimateArgs, Precision};
-use crate::train::ModelSource;
 
-/// RSS of a CPU run beyond its planned bytes (binary, libraries, allocator arenas): the
-/// built-in tiny run holds 36 MB, 13 MB of it store.
-pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
-/// RSS of a CUDA run beyond its planned host bytes (binary, libraries, the CUDA context, cuBLAS
-/// and NVRTC host-side state). Measured on the H200 machines (commit 80e8b16) as RSS at the end
-/// minus store + staging/landing: 513 MB for Llama-3-8B, 524 MB for SmolLM2-135M.
-pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
-
-/// Host RAM a run of `plan` holds while it trains: store + staging/landing + the process
-/// overhead, less the resident units' gradient pages (given back once the engine has loaded
-/// them), and on the CPU backend the device pool too (weight ring, outer slot, gradient buffers,
-/// checkpoints; not the planner's GPU workspace reserve, which on the CPU is transient heap).
-pub fn host_bytes(plan: &Plan, device: DeviceKind) -> u64 {
-    let held = plan.host.total - plan.host.released_by_resident;
-    match device {
-        DeviceKind::Cuda => held + PROCESS_OVERHEAD_CUDA,
-        DeviceKind::Cpu => held + plan.gpu.total - plan.gpu.workspace + PROCESS_OVERHEAD_CPU,
-    }
-}
 /// Default GPU memory: one H200 as the driver reports it.
 pub const DEFAULT_GPU_GIB: f64 = 139.8;
 
@@ -71,10 +54,8 @@ pub struct Estimate {
     pub host_update_s: f64,
     /// Expected seconds per step.
     pub step_s: f64,
-}
-
-fn gib_to_bytes(g: f64) -> u64 {
-    (g * (1u64 << 30) as f64) as u64
+    /// The device it is for (the words the plan is printed with).
+    pub device: mt_train::DeviceKind,
 }
 
 /// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 9.0 or
@@ -85,41 +66,46 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
 
 /// Plans the run and prices it.
 pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
-    let model = ModelSource::from_args(args.model.as_deref(), args.config.as_deref())?;
+    let config = TrainConfig {
+        model: match (&args.model, &args.config) {
+            (Some(dir), _) => ModelChoice::HfDir(dir.clone()),
+            (None, Some(p)) => ModelChoice::Config(p.clone()),
+            (None, None) => ModelChoice::Builtin,
+        },
+        batch_size: args.batch_size,
+        seq_len: args.seq_len,
+        chunks: args.chunks,
+        ring_depth: args.ring_depth,
+        precision: args.precision.into(),
+        grad_dtype: args.grad_dtype.map(Into::into),
+        optim_mode: args.optim_mode.into(),
+        device: args.device.into(),
+        placement: PlacementChoice {
+            resident_outer: args.resident_outer.choice(),
+            resident_layers: args.resident_layers.choice(),
+            kept_layers: args.kept_layers.choice(),
+            held_layers: args.held_layers.choice(),
+            gpu_updated_layers: args.gpu_updated_layers.choice(),
+            late_state_downloads: args.late_state_downloads.choice(),
+            early_state_uploads: args.early_state_uploads.choice(),
+            spilled_checkpoints: args.spill_checkpoints.choice(),
+        },
+        attention: args.attention.choice(),
+        mlp_rows: args.mlp_rows.choice(),
+        ..TrainConfig::default()
+    };
+    let model = ModelSource::load(&config.model)?;
     let cfg = &model.cfg;
-    let host_avail = args.host_mem.map_or_else(crate::train::host_available_bytes, gib_to_bytes);
+    let device = config.device;
+    let host_avail = args.host_mem.map_or_else(available_bytes, gib_to_bytes);
     let gpu = match args.device {
         DeviceKind::Cuda => gib_to_bytes(args.gpu_mem.unwrap_or(DEFAULT_GPU_GIB)),
         DeviceKind::Cpu => host_avail,
     };
-    let p = plan(&PlanInput {
-        cfg: cfg.clone(),
-        batch: args.batch_size,
-        seq: args.seq_len,
-        weight_dtype: args.precision.into(),
-        grad_dtype: crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into(),
-        mode: args.optim_mode.into(),
-        gpu_bytes: gpu,
-        host_bytes: host_avail,
-        ring_depth: Some(args.ring_depth),
-        n_chunks: args.chunks,
-        rows_per_block: 4096,
-        resident_outer: args.resident_outer.choice(args.device, false),
-        resident_layers: args.resident_layers.choice(args.device, false),
-        kept_layers: args.kept_layers.choice(args.device, false),
-        held_layers: args.held_layers.choice(args.device, false),
-        gpu_updated_layers: args.gpu_updated_layers.choice(args.device, false),
-        late_state_downloads: args.late_state_downloads.choice(args.device, false),
-        early_state_uploads: args.early_state_uploads.choice(args.device, false),
-        // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
-        fused_kernels: fused_kernels(args),
-        flash_attention: args.attention.choice(),
-        mlp_rows: args.mlp_rows.choice(),
-        spilled_checkpoints: args.spill_checkpoints.choice(args.device, false),
-    })
-    .context("no memory plan fits")?;
+    // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
+    let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
-    let host_bytes = host_bytes(&p, args.device);
+    let host_bytes = planned_host_bytes(&p, device);
     let layout = ModelLayout::new(cfg);
     let tokens = (args.batch_size * args.seq_len) as f64;
     // Model FLOPs plus the recomputed forward of every layer that does not keep its
@@ -206,6 +192,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         host_s,
         host_update_s,
         step_s,
+        device: device.kind(),
     })
 }
 
@@ -285,7 +272,7 @@ impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let p = &self.plan;
-        writeln!(f, "{p}")?;
+        writeln!(f, "{}", p.display_on(self.device))?;
         writeln!(
             f,
             "host RAM: {:.2} GiB ({:.2} bytes/param; store {:.2}, staging/landing {:.2}, process)",
@@ -294,15 +281,21 @@ impl std::fmt::Display for Estimate {
             gib(p.host.store),
             gib(p.host.pinned)
         )?;
-        writeln!(
-            f,
-            "pinned RAM: {:.2} GiB   device memory: {:.2} GiB",
-            gib(self.pinned_bytes),
-            gib(self.device_bytes)
-        )?;
+        let pcie = match self.device {
+            mt_train::DeviceKind::Gpu => {
+                writeln!(
+                    f,
+                    "pinned RAM: {:.2} GiB   GPU memory: {:.2} GiB",
+                    gib(self.pinned_bytes),
+                    gib(self.device_bytes)
+                )?;
+                "PCIe"
+            }
+            mt_train::DeviceKind::Cpu => "copies",
+        };
         write!(
             f,
-            "step time: {:.3} s (compute {:.3} s, PCIe {:.3} s, host optimizer {:.3} s of which update {:.3} s) -> {:.0} tokens/s, {:.1} model TFLOP/s",
+            "step time: {:.3} s (compute {:.3} s, {pcie} {:.3} s, host optimizer {:.3} s of which update {:.3} s) -> {:.0} tokens/s, {:.1} model TFLOP/s",
             self.step_s,
             self.compute_s,
             self.pcie_s,

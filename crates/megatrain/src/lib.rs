@@ -1,36 +1,29 @@
-//! The `megatrain` command line as a library: option parsing ([`cli`]), training data
-//! ([`data`]), seeded initialisation ([`init`]), the learning-rate schedule ([`schedule`]), the
-//! training loop ([`train`]), the JSON Lines metrics log ([`metrics`]), the Chrome trace of one
-//! step ([`trace`]) and what the user sees ([`report`]). `src/main.rs` only parses, sets up
-//! logging and calls [`run`].
+//! The `megatrain` command line, a thin layer over [`mt_train`]: option parsing ([`cli`]), the
+//! observer that shows a run and writes its metrics and trace ([`report`], [`metrics`],
+//! [`trace`]), `train` ([`train()`]), `estimate` ([`estimate`]) and `init`. `src/main.rs` only
+//! parses, sets up logging and calls [`run`].
 //!
 //! Architecture Invariant: this is the only crate that prints to the terminal, and the only one
 //! that uses `anyhow`; everything below it returns typed errors and logs through `tracing`.
 #![forbid(unsafe_code)]
 #![recursion_limit = "256"]
 
-pub mod checkpoint;
-mod checks;
 pub mod cli;
-pub mod data;
 pub mod estimate;
-pub mod init;
 pub mod metrics;
-mod oom;
 pub mod report;
-pub mod schedule;
 pub mod trace;
 pub mod train;
 
 pub use cli::{Cli, Command, TrainArgs};
-pub use report::TrainSummary;
+pub use mt_train::TrainSummary;
 pub use train::train;
 
 /// Runs a parsed command line.
 #[allow(clippy::print_stdout)] // the CLI crate prints its results
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Train(args) => train(&args)?.print(),
+        Command::Train(args) => print!("{}", train(&args)?),
         Command::Estimate(args) => {
             let e = estimate::estimate(&args)?;
             if args.json {
@@ -40,7 +33,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Command::Init(args) => {
-            let r = init::init_command(&args)?;
+            let r =
+                mt_train::init::init_model_dir(&args.config, &args.out, args.seed, args.export_dtype.into())?;
             println!(
                 "wrote {} ({} shard(s), {:.2} GB)",
                 args.out.display(),

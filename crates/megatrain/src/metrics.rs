@@ -35,30 +35,18 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
-use mt_core::{Error, ModelConfig, Result};
-use mt_sched::program::Stream;
+use mt_core::{Error, Result};
 use mt_sched::stats::StreamStats;
-use mt_sched::StepReport;
-
-/// The FLOPs convention, as written into the run record.
-pub const FLOPS_FORMULA: &str = "6*N*T + 6*L*S*H*T";
-use mt_store::HostStore;
+use mt_train::{stream_name, EvalResult, RunStart, StepEvent};
 use serde_json::{json, Map, Value};
 
 use crate::cli::TrainArgs;
 
+/// The FLOPs convention, as written into the run record.
+pub const FLOPS_FORMULA: &str = "6*N*T + 6*L*S*H*T";
+
 /// Version of the record layout above; bump on any incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
-
-/// Short name of a stream, as used in field names and the summary.
-pub fn stream_name(s: Stream) -> &'static str {
-    match s {
-        Stream::Host => "host",
-        Stream::H2D => "h2d",
-        Stream::Compute => "compute",
-        Stream::D2H => "d2h",
-    }
-}
 
 /// An open metrics log.
 #[derive(Debug)]
@@ -88,31 +76,14 @@ impl MetricsLog {
     }
 }
 
-/// What the `run` record describes.
-#[derive(Debug)]
-pub struct RunInfo<'a> {
-    /// The options of this invocation.
-    pub args: &'a TrainArgs,
-    /// The model.
-    pub cfg: &'a ModelConfig,
-    /// Where the model came from (config path or `builtin:tiny_llama`).
-    pub source: &'a str,
-    /// The host store.
-    pub store: &'a HostStore,
-    /// Global step this invocation starts at (steps already in the store).
-    pub start_step: u64,
-    /// Whether training continues an existing store.
-    pub resumed: bool,
-}
-
 fn name_of<E: ValueEnum>(e: &E) -> Value {
     e.to_possible_value().map_or(Value::Null, |v| json!(v.get_name()))
 }
 
-/// The `run` record that opens an invocation's part of the log.
-pub fn run_record(info: &RunInfo<'_>) -> Value {
-    let (a, c) = (info.args, info.cfg);
-    let n_params = info.store.layout().n_params();
+/// The `run` record that opens an invocation's part of the log: the options of `args`, the run
+/// as it starts.
+pub fn run_record(a: &TrainArgs, info: &RunStart<'_>) -> Value {
+    let c = info.cfg;
     json!({
         "type": "run",
         "schema_version": SCHEMA_VERSION,
@@ -138,7 +109,7 @@ pub fn run_record(info: &RunInfo<'_>) -> Value {
         "options": {
             "config": a.config,
             "model": a.model,
-            "data": crate::data::describe_source(&a.data),
+            "data": mt_train::data::describe_source(&a.data),
             "no_shuffle": a.no_shuffle,
             "no_pack": a.no_pack,
             "truncate": a.truncate,
@@ -156,7 +127,7 @@ pub fn run_record(info: &RunInfo<'_>) -> Value {
             "batch_size": a.batch_size,
             "seq_len": a.seq_len,
             "chunks": a.chunks,
-            "lr": a.lr,
+            "lr": info.lr,
             "weight_decay": a.weight_decay,
             "clip": a.clip,
             "warmup": a.warmup,
@@ -175,25 +146,26 @@ pub fn run_record(info: &RunInfo<'_>) -> Value {
             "grad_dtype": name_of(&a.grad_dtype()),
             "delay_us": a.delay_us,
         },
-        "n_params": n_params,
+        "n_params": info.n_params,
         "start_step": info.start_step,
         "resumed": info.resumed,
         "tokens_per_step": a.batch_size * a.seq_len,
-        "store_bytes": info.store.bytes(),
-        "store_bytes_per_param": info.store.bytes_per_param(),
-        "store_path": info.store.path(),
-        "model_flops_per_step": mt_core::model_flops_per_step(c, a.batch_size, a.seq_len),
+        "store_bytes": info.store_bytes,
+        "store_bytes_per_param": info.store_bytes_per_param,
+        "store_path": info.store_path,
+        "model_flops_per_step": info.flops_per_step,
         "flops_formula": FLOPS_FORMULA,
     })
 }
 
-/// The `eval` record: held-out loss after global step `step`.
-pub fn eval_record(step: u64, loss: f64, n_targets: usize, eval_s: f64) -> Value {
-    json!({"type": "eval", "step": step, "eval_loss": loss, "eval_targets": n_targets, "eval_ms": 1e3 * eval_s})
+/// The `eval` record: held-out loss after global step `e.step`.
+pub fn eval_record(e: &EvalResult) -> Value {
+    json!({"type": "eval", "step": e.step, "eval_loss": e.loss, "eval_targets": e.targets, "eval_ms": 1e3 * e.secs})
 }
 
-/// The `step` record of global step `step` (1-based), trained at learning rate `lr`.
-pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64, rss_bytes: Option<u64>) -> Value {
+/// The `step` record of a step; `rss_bytes`: the host's resident set after it.
+pub fn step_record(s: &StepEvent<'_>, rss_bytes: Option<u64>) -> Value {
+    let (step, lr, r, flops_per_step) = (s.step, s.lr, s.report, s.flops_per_step);
     let mut m = Map::new();
     m.insert("type".into(), json!("step"));
     m.insert("step".into(), json!(step));
@@ -202,7 +174,7 @@ pub fn step_record(step: u64, lr: f64, r: &StepReport, flops_per_step: f64, rss_
     m.insert("grad_norm".into(), json!(r.grad_norm));
     m.insert("tokens".into(), json!(r.n_tokens));
     m.insert("step_ms".into(), json!(r.step_s * 1e3));
-    m.insert("tokens_per_s".into(), json!(tokens_per_s(r)));
+    m.insert("tokens_per_s".into(), json!(s.tokens_per_s()));
     m.insert(
         "model_tflops".into(),
         json!(if r.step_s > 0.0 { flops_per_step / r.step_s / 1e12 } else { 0.0 }),
@@ -226,13 +198,4 @@ fn add_stream(m: &mut Map<String, Value>, s: &StreamStats) {
     let name = stream_name(s.stream);
     m.insert(format!("{name}_busy_frac"), json!(s.busy_frac));
     m.insert(format!("{name}_max_gap_ms"), json!(s.max_gap_s * 1e3));
-}
-
-/// Tokens per second of one step (0 when the step took no measurable time).
-pub fn tokens_per_s(r: &StepReport) -> f64 {
-    if r.step_s > 0.0 {
-        r.n_tokens as f64 / r.step_s
-    } else {
-        0.0
-    }
 }

@@ -23,7 +23,7 @@ use mt_sched::program::Stream;
 use mt_sched::StepReport;
 use serde_json::{json, Value};
 
-use crate::metrics::stream_name;
+use mt_train::stream_name;
 
 /// The streams in `tid` order.
 pub const STREAMS: [Stream; 4] = [Stream::Host, Stream::H2D, Stream::Compute, Stream::D2H];

@@ -1,7 +1,7 @@
 //! Criterion benchmark of the fused AdamW step and the gradient sum of squares on 64M parameters.
 //!
 //! Throughput is `Elements(n)` with one element per parameter, so criterion's "Gelem/s" is Gparam/s
-//! (the unit of the torch and DeepSpeed CPU AdamW figures in shared/notes/measured.md; torch's fused
+//! (the unit of the torch and DeepSpeed CPU AdamW figures in docs/peers.md; torch's fused
 //! CPU AdamW writes no upload copy, so compare it with `f32_grad+no_upload`). A rayon-parallel f32
 //! copy of the same size is timed beside them as a bandwidth yardstick for the machine at hand.
 #![allow(missing_docs)]

@@ -132,7 +132,7 @@ pub enum Upload<'a> {
 
 impl Upload<'_> {
     /// Number of elements, or `None` for [`Upload::None`].
-    fn len(&self) -> Option<usize> {
+    pub(crate) fn len(&self) -> Option<usize> {
         match self {
             Upload::None => None,
             Upload::F32(u) => Some(u.len()),
@@ -219,7 +219,7 @@ fn update_block(c: &Coeffs, g: &[f32], p: &mut [f32], m: &mut [f32], v: &mut [f3
 }
 
 /// A gradient element type the fused kernel reads.
-trait GradElem: Copy + Send + Sync {
+pub(crate) trait GradElem: Copy + Send + Sync {
     fn to_f32(self) -> f32;
 
     /// `src` as f32: itself for f32, else widened into `buf`.
@@ -314,7 +314,7 @@ impl UploadElem for f16 {
 }
 
 /// One rayon task: the chunk in L1-sized blocks, each widened (bf16 grads), updated, and cast.
-fn update_chunk<G: GradElem, U: UploadElem>(
+pub(crate) fn update_chunk<G: GradElem, U: UploadElem>(
     c: &Coeffs,
     g: &[G],
     p: &mut [f32],
@@ -367,7 +367,7 @@ fn run_upload<G: GradElem>(c: &Coeffs, g: &[G], p: &mut [f32], m: &mut [f32], v:
 
 /// The checks of an update over `n` parameters (every length equal to the master's, the extra
 /// buffer's too when given; hyper-parameters torch would accept), then its scalars.
-fn checked(
+pub(crate) fn checked(
     h: &AdamW,
     a: &StepArgs,
     n: usize,
@@ -410,60 +410,6 @@ pub fn step_fused(
         Grad::Bf16(g) => run_upload(&c, g, master, m, v, upload),
     }
     Ok(())
-}
-
-/// Lean mode's land and update in one pass over memory: stores the landed f32 gradient into
-/// `stored` (rounded to its type; `Upload::None` stores nothing), returns the sum of squares of
-/// `landed` (bitwise [`crate::sum_squares`] of it: same chunks, same order) and applies AdamW
-/// from `landed` to `master`, `m`, `v` (bitwise [`step_fused`] with `Grad::F32(landed)` and no
-/// upload). The separate passes read the landed gradient three times; this reads it once.
-///
-/// # Errors
-/// As [`step_fused`]; nothing is written when an error is returned.
-pub fn land_and_step(
-    h: &AdamW,
-    a: &StepArgs,
-    landed: &[f32],
-    stored: Upload<'_>,
-    master: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-) -> Result<f64, Error> {
-    let c = checked(h, a, master.len(), landed.len(), m.len(), v.len(), ("stored gradient", stored.len()))?;
-    fn go<U: UploadElem>(
-        c: &Coeffs,
-        g: &[f32],
-        st: &mut [U],
-        p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
-    ) -> Vec<f64> {
-        let chunks = (p.par_chunks_mut(CHUNK), m.par_chunks_mut(CHUNK), v.par_chunks_mut(CHUNK));
-        (chunks.0, chunks.1, chunks.2, g.par_chunks(CHUNK), st.par_chunks_mut(CHUNK))
-            .into_par_iter()
-            .map(|(p, m, v, g, st)| {
-                U::narrow_streaming(g, st, &mut Writer::new());
-                let ss = crate::norm::chunk_sum_squares(g, |x| x);
-                update_chunk::<f32, f32>(c, g, p, m, v, None);
-                ss
-            })
-            .collect()
-    }
-    let partials = match stored {
-        Upload::None => (master.par_chunks_mut(CHUNK), m.par_chunks_mut(CHUNK), v.par_chunks_mut(CHUNK))
-            .into_par_iter()
-            .zip(landed.par_chunks(CHUNK))
-            .map(|((p, m, v), g)| {
-                let ss = crate::norm::chunk_sum_squares(g, |x| x);
-                update_chunk::<f32, f32>(&c, g, p, m, v, None);
-                ss
-            })
-            .collect(),
-        Upload::F32(st) => go(&c, landed, st, master, m, v),
-        Upload::Bf16(st) => go(&c, landed, st, master, m, v),
-        Upload::F16(st) => go(&c, landed, st, master, m, v),
-    };
-    Ok(partials.iter().fold(0.0, |acc, s| acc + s))
 }
 
 /// The plain scalar loop [`step_fused`] is tested against: torch's `_single_tensor_adam` for fp32

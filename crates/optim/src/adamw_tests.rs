@@ -2,6 +2,7 @@
 //! determinism across thread counts, upload casts and argument checks.
 
 use super::*;
+use crate::land_and_step;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

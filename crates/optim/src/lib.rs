@@ -51,12 +51,12 @@
 
 mod adamw;
 mod error;
+mod land;
 mod norm;
 #[allow(unsafe_code)]
 mod streaming;
 
-pub use adamw::{
-    cast_into, land_and_step, step_fused, step_reference, AdamW, Coeffs, Grad, StepArgs, Upload, CHUNK,
-};
+pub use adamw::{cast_into, step_fused, step_reference, AdamW, Coeffs, Grad, StepArgs, Upload, CHUNK};
 pub use error::Error;
+pub use land::land_and_step;
 pub use norm::{cast_sum_squares, clip_coef, sum_squares};

@@ -16,6 +16,7 @@ pub mod cuda;
 mod cuda_ffi;
 mod engine;
 mod error;
+pub mod placement;
 pub mod plan;
 pub mod program;
 pub mod simulate;

@@ -4,7 +4,7 @@
 use super::*;
 use crate::program::ProgramSpec;
 use crate::Program;
-use mt_core::Unit;
+use mt_core::{ModelLayout, Unit};
 use mt_store::HostStore;
 
 const GIB: u64 = 1 << 30;
@@ -184,8 +184,8 @@ fn llama3_3b_parameters_pcie_and_flops_match_the_closed_form() {
     // gradients: layers land in bf16): 28 · 100_669_440 · 2 B + 788_007_936 · 4 B.
     assert_eq!(p.pcie_h2d_per_step, 12_850_993_152);
     assert_eq!(p.pcie_d2h_per_step, 8_789_520_384);
-    // FLOPs (measured.md's convention): 6 · N · T + 6 · L · seq · hidden · T, all parameters;
-    // at this size 7.78e14 per step (329 TFLOP/s = 14_505 tok/s at 4 x 2048, as measured.md).
+    // FLOPs (docs/peers.md's convention): 6 · N · T + 6 · L · seq · hidden · T, all parameters;
+    // at this size 7.78e14 per step (329 TFLOP/s = 14_505 tok/s at 4 x 2048, as docs/peers.md).
     let want = 6.0 * 3_606_752_256.0 * 32_768.0 + 6.0 * 28.0 * 2048.0 * 3072.0 * 32_768.0;
     assert_eq!(p.flops_per_step, want);
     // Checkpoints: 29 boundaries · 32_768 tokens · 3072 · 2 B.
@@ -239,7 +239,7 @@ fn bad_user_choices_are_refused() {
 fn display_shows_the_pcie_line() {
     let s = plan(&input(llama3_3b(), 16, 2048, H200)).unwrap().to_string();
     assert!(s.contains("PCIe per step: H2D 12850993152 B (11.97 GiB), D2H 8789520384 B"), "{s}");
-    assert!(s.contains("ring depth 2") && s.contains("checkpoints on Gpu"), "{s}");
+    assert!(s.contains("ring depth 2") && s.contains("layer checkpoints on the GPU"), "{s}");
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! check the schedule's invariants on the data alone (every layer fetched before use, at most
 //! `ring_depth` slots live, each gradient offloaded exactly once, updates in forward order).
 //!
-//! Layer-major order (engine-brief "Step program"): the outer unit (embedding, final norm, LM
+//! Layer-major order (docs/design.md, "Step program"): the outer unit (embedding, final norm, LM
 //! head) is uploaded once and stays resident; layer `i` is uploaded for forward (all chunks),
 //! the loss runs chunk by chunk, then layers `L-1..0` are uploaded again, recomputed and
 //! back-propagated over all chunks, and each layer's gradient is downloaded once.

@@ -1,4 +1,4 @@
-//! GPU vs CPU (engine-brief "Oracles" 3), compiled only with the `cuda` feature and run on the
+//! GPU vs CPU (docs/design.md, "Oracles" 3), compiled only with the `cuda` feature and run on the
 //! GPU machine: the same step program on the overlapped CUDA backend (dedicated H2D/D2H streams,
 //! events, page-locked rings) must reproduce the CPU engine's loss, every gradient, and 3 steps of
 //! training — fp32 within 1e-4, bf16 within 2e-2 per tensor; ring depths 1/2/3 must give the same

@@ -1,4 +1,4 @@
-//! Invariance tests of the step program (engine-brief "Oracles" 4): ring depth changes nothing,
+//! Invariance tests of the step program (docs/design.md, "Oracles" 4): ring depth changes nothing,
 //! chunking changes results only by rounding, the loss is normalised by the global target count,
 //! and a missing wait is caught as a wrong gradient.
 

@@ -11,6 +11,11 @@ use mt_core::{Error, ModelLayout, Result, Unit};
 use crate::header::{self, off};
 use crate::PAGE;
 
+#[path = "arena_pages.rs"]
+mod pages;
+#[path = "arena_params.rs"]
+mod params;
+
 /// Element type of a record's gradient buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GradDtype {
@@ -549,55 +554,6 @@ impl HostStore {
         (self.base as usize + loc.base, loc.bytes(self.grad))
     }
 
-    /// Writes a parameter's master value (by HF name) and zeroes its moments.
-    pub fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
-        let (u, spec) = self.layout.resolve(hf_name)?;
-        if data.len() != spec.numel() {
-            return Err(Error::Shape {
-                what: hf_name.to_owned(),
-                expected: spec.shape.clone(),
-                found: vec![data.len()],
-            });
-        }
-        use rayon::prelude::*;
-        // In blocks on every core: a 14B model writes 59 GB of master weights and reads 118 GB
-        // of moments here, which one thread (faulting pages in as it goes) takes minutes over.
-        const BLOCK: usize = 1 << 20;
-        let mut r = self.record(u);
-        let range = spec.offset..spec.offset + data.len();
-        let p = r.parts();
-        crate::par_copy(&mut p.master[range.clone()], data);
-        // Zero the moments only where they are not zero already: reading a never-written page
-        // of an anonymous or sparse mapping maps the shared zero page, writing would allocate
-        // it, so importing into a fresh store keeps its moments out of RAM until training.
-        for region in [&mut p.m[range.clone()], &mut p.v[range]] {
-            region.par_chunks_mut(BLOCK).for_each(|block| {
-                if block.iter().any(|&x| x.to_bits() != 0) {
-                    block.fill(0.0);
-                }
-            });
-        }
-        Ok(())
-    }
-
-    /// Reads a parameter's master value (by HF name).
-    pub fn read_param(&self, hf_name: &str) -> Result<Vec<f32>> {
-        let (u, spec) = self.layout.resolve(hf_name)?;
-        let r = self.record(u);
-        Ok(r.master()[spec.offset..spec.offset + spec.numel()].to_vec())
-    }
-
-    /// Reads a parameter's landed gradient (by HF name), widened to f32.
-    pub fn read_grad(&self, hf_name: &str) -> Result<Vec<f32>> {
-        let (u, spec) = self.layout.resolve(hf_name)?;
-        let r = self.record(u);
-        let g = r.grad().ok_or_else(|| Error::Store {
-            path: self.path.clone().unwrap_or_else(|| PathBuf::from("<anonymous store>")),
-            msg: "this store keeps no gradient buffers (lean mode, 12 B/param)".into(),
-        })?;
-        Ok(g.to_f32(spec.offset, spec.numel()))
-    }
-
     /// Flushes a file-backed store to disk (no-op for anonymous stores).
     pub fn flush(&self) -> Result<()> {
         match &self.path {
@@ -634,51 +590,5 @@ impl HostStore {
     /// Whether a file lock is held (file-backed stores).
     pub fn is_file_backed(&self) -> bool {
         self.file.is_some()
-    }
-
-    /// Pre-faults an anonymous store's pages for writing (`MADV_POPULATE_WRITE`, in parallel
-    /// ranges), so the first optimizer update does not pay for faulting in the moments it is
-    /// the first to write (importing leaves them as untouched zero pages). Contents are not
-    /// changed. Returns the bytes populated: 0 for a file-backed store, whose pages come from
-    /// the file; an error where the kernel lacks the advice (Linux < 5.14), which callers may
-    /// ignore, leaving the faults to the first update.
-    pub fn prefault(&self) -> Result<usize> {
-        use rayon::prelude::*;
-        if self.is_file_backed() {
-            return Ok(0);
-        }
-        const RANGE: usize = 64 << 20;
-        (0..self.total_len.div_ceil(RANGE)).into_par_iter().try_for_each(|i| {
-            let off = i * RANGE;
-            self.map.advise_range(Advice::PopulateWrite, off, RANGE.min(self.total_len - off)).map_err(
-                |source| Error::Io { path: PathBuf::from("<anonymous store: MADV_POPULATE_WRITE>"), source },
-            )
-        })?;
-        Ok(self.total_len)
-    }
-
-    /// Gives one unit's gradient region of an anonymous store back to the kernel
-    /// (`MADV_DONTNEED`): it reads as zeros afterwards and costs no RAM until written again.
-    /// For a unit whose gradient lives elsewhere (a GPU-resident unit, whose host gradient is
-    /// written only when a pending update must be handed over). Returns the bytes released: 0
-    /// for a file-backed store (its file is the training state) or a store without gradients.
-    pub fn release_grad(&self, u: Unit) -> Result<usize> {
-        if self.is_file_backed() || self.grad == GradDtype::None {
-            return Ok(0);
-        }
-        let idx = u.index();
-        assert!(idx < self.records.len(), "{u:?} is not a unit of this store ({} units)", self.records.len());
-        // Held so that no guard of this record is alive (none can be: it would be this lock).
-        let _lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
-        let loc = self.records[idx];
-        let (off, len) = (loc.base + PAGE + 3 * loc.f32_region, round_page(loc.len * self.grad.size()));
-        // SAFETY: the range is the record's page-aligned gradient region, inside the private
-        // anonymous mapping (`plan`), and the record's lock is held, so no slice of it is alive:
-        // every later access goes through a new guard, which reads the zero pages the kernel
-        // maps back in. No other data shares these pages.
-        unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off, len) }.map_err(
-            |source| Error::Io { path: PathBuf::from("<anonymous store: MADV_DONTNEED>"), source },
-        )?;
-        Ok(len)
     }
 }

@@ -3,7 +3,7 @@
 //! layers: master, moments and gradient go up, master and moments come back, by DMA straight
 //! from and into the record).
 //!
-//! Only what crosses PCIe is pinned (engine brief, "Memory"): the chosen records, never the
+//! Only what crosses PCIe is pinned (docs/design.md, "Memory"): the chosen records, never the
 //! whole store. Registering existing pages is cheap (no copy, no allocation); the records stay in
 //! the store's mapping, so the host's bytes per parameter do not change. Registration is undone
 //! in `Drop`, and the value keeps the store (and so its mapping) alive, so a registered range

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 (16 cores), build 7508690 (late state downloads, no scalar reads in the step): the 3.6B Llama-3 shape in one bench-harness paper run at 4x2048 and 16x2048:
 # ours (planner), ours every layer streamed (GPU-updated layers and late state downloads auto), ours every layer streamed with every update
-# on the host (streamed_host), resident PyTorch. DeepSpeed not run (measured 80 on this kind, shared/notes/measured.md).
+# on the host (streamed_host), resident PyTorch. DeepSpeed not run (measured 80 on this kind, docs/peers.md).
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
 export MT_COMMIT=${MT_COMMIT:-7508690}

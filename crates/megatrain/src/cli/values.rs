@@ -7,24 +7,7 @@ use candle_core::DType;
 use clap::ValueEnum;
 use mt_sched::OptimMode;
 use mt_store::GradDtype;
-
-/// Source of training tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DataKind {
-    /// Embedded English text, one token per byte.
-    Builtin,
-    /// Deterministic arithmetic sequences of token ids.
-    Synthetic,
-}
-
-/// `--data`: a built-in source or a JSON Lines file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DataSource {
-    /// A built-in source.
-    Builtin(DataKind),
-    /// A JSON Lines file.
-    File(PathBuf),
-}
+use mt_train::{DataKind, DataSource};
 
 pub(super) fn parse_data(s: &str) -> Result<DataSource, String> {
     match s {
@@ -44,6 +27,15 @@ pub enum ExportDtypeArg {
     Bf16,
 }
 
+impl From<ExportDtypeArg> for mt_train::ExportDtype {
+    fn from(d: ExportDtypeArg) -> Self {
+        match d {
+            ExportDtypeArg::Fp32 => mt_train::ExportDtype::F32,
+            ExportDtypeArg::Bf16 => mt_train::ExportDtype::Bf16,
+        }
+    }
+}
+
 /// Learning-rate schedule after warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ScheduleKind {
@@ -53,6 +45,16 @@ pub enum ScheduleKind {
     Cosine,
     /// Linear decay from the peak rate to 0 at the end of the schedule.
     Linear,
+}
+
+impl From<ScheduleKind> for mt_train::ScheduleKind {
+    fn from(s: ScheduleKind) -> Self {
+        match s {
+            ScheduleKind::Constant => mt_train::ScheduleKind::Constant,
+            ScheduleKind::Cosine => mt_train::ScheduleKind::Cosine,
+            ScheduleKind::Linear => mt_train::ScheduleKind::Linear,
+        }
+    }
 }
 
 /// Optimizer placement (see [`OptimMode`]).
@@ -92,6 +94,15 @@ impl Precision {
     }
 }
 
+impl From<Precision> for mt_train::Precision {
+    fn from(p: Precision) -> Self {
+        match p {
+            Precision::Fp32 => mt_train::Precision::Fp32,
+            Precision::Bf16 => mt_train::Precision::Bf16,
+        }
+    }
+}
+
 impl From<Precision> for DType {
     fn from(p: Precision) -> Self {
         match p {
@@ -113,15 +124,13 @@ pub enum ResidentOuter {
 }
 
 impl ResidentOuter {
-    /// The planner's input: `None` lets it decide. `auto` keeps a file-backed store's outer unit
-    /// streamed: that file is the live training state, which a resident outer unit would leave
-    /// stale between checkpoints.
-    pub fn choice(self, device: DeviceKind, file_backed_store: bool) -> Option<bool> {
-        match (self, device) {
-            (ResidentOuter::On, _) => Some(true),
-            (ResidentOuter::Off, _) | (ResidentOuter::Auto, DeviceKind::Cpu) => Some(false),
-            (ResidentOuter::Auto, DeviceKind::Cuda) if file_backed_store => Some(false),
-            (ResidentOuter::Auto, DeviceKind::Cuda) => None,
+    /// The run's choice: `None` lets the planner decide
+    /// ([`mt_train::PlacementChoice::for_run`] says how `auto` is resolved).
+    pub fn choice(self) -> Option<bool> {
+        match self {
+            ResidentOuter::On => Some(true),
+            ResidentOuter::Off => Some(false),
+            ResidentOuter::Auto => None,
         }
     }
 }
@@ -197,9 +206,8 @@ pub(super) fn mlp_rows(s: &str) -> std::result::Result<MlpRows, String> {
         .map_err(|_| format!("{s:?}: expected `auto` or a number of rows (0 = no tiles)"))
 }
 
-/// How many leading decoder layers stay on the GPU (`--resident-layers`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 /// A number of decoder layers given to some placement (`--resident-layers`, `--kept-layers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerCount {
     /// The planner decides (as many as fit on a GPU, none on the CPU).
     Auto,
@@ -208,14 +216,11 @@ pub enum LayerCount {
 }
 
 impl LayerCount {
-    /// The planner's input: `None` lets it decide. `auto` keeps every layer of a file-backed
-    /// store streamed, as [`ResidentOuter::choice`].
-    pub fn choice(self, device: DeviceKind, file_backed_store: bool) -> Option<usize> {
-        match (self, device) {
-            (LayerCount::Count(k), _) => Some(k),
-            (LayerCount::Auto, DeviceKind::Cpu) => Some(0),
-            (LayerCount::Auto, DeviceKind::Cuda) if file_backed_store => Some(0),
-            (LayerCount::Auto, DeviceKind::Cuda) => None,
+    /// The run's choice: `None` lets the planner decide.
+    pub fn choice(self) -> Option<usize> {
+        match self {
+            LayerCount::Count(k) => Some(k),
+            LayerCount::Auto => None,
         }
     }
 }
@@ -234,6 +239,15 @@ pub enum DeviceKind {
     Cpu,
     /// An NVIDIA GPU (needs a build with the `cuda` feature).
     Cuda,
+}
+
+impl From<DeviceKind> for mt_train::Device {
+    fn from(d: DeviceKind) -> Self {
+        match d {
+            DeviceKind::Cpu => mt_train::Device::Cpu,
+            DeviceKind::Cuda => mt_train::Device::Cuda,
+        }
+    }
 }
 
 /// Gradient buffer dtype of the host store.

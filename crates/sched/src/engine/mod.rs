@@ -27,7 +27,6 @@ mod options;
 mod resident;
 mod spill;
 
-pub(crate) use options::early_refusal;
 pub use options::EngineOptions;
 pub(crate) use spill::RELOAD_SLOTS;
 

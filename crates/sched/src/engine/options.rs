@@ -6,6 +6,7 @@ use mt_core::ModelLayout;
 use mt_optim::AdamW;
 use mt_store::GradDtype;
 
+use crate::placement::early_refusal;
 use crate::program::OptimMode;
 use crate::{Error, Result};
 
@@ -242,17 +243,4 @@ impl EngineOptions {
         }
         Ok(())
     }
-}
-
-/// Why `asked` early state uploads are refused when only `capable` of the `late` late-download
-/// layers have a partner (the planner says the same).
-pub(crate) fn early_refusal(asked: usize, capable: usize, late: usize, ring_depth: usize) -> String {
-    if late == 0 {
-        return format!(
-            "{asked} early state uploads asked, but no layer downloads its state late: each early upload needs a late-download layer (a held GPU-updated one) at least ring_depth = {ring_depth} layers after it, as there are no more state slots than ring_depth + late downloads; use --late-state-downloads (with --held-layers and --gpu-updated-layers) or --early-state-uploads 0"
-        );
-    }
-    format!(
-        "{asked} early state uploads asked, but only {capable} of the {late} late-download layers have a partner (a GPU-updated layer that does not download late, at least ring_depth = {ring_depth} layers before it): there are no more state slots than ring_depth + late downloads, and each early layer's slot stays taken in the forward until its state has gone back; use more --late-state-downloads or fewer early ones"
-    )
 }

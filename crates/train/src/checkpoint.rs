@@ -18,7 +18,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use crate::error::{Context, Error, Result};
 use mt_store::HostStore;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -75,11 +75,11 @@ fn hex(bytes: &[u8]) -> String {
 /// SHA-256 (hex) of a file's contents (the data file identity in the manifest).
 pub fn hash_file(path: &Path) -> Result<String> {
     use std::io::Read;
-    let mut f = fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut f = fs::File::open(path).context_with(|| format!("cannot read {}", path.display()))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = f.read(&mut buf).with_context(|| format!("cannot read {}", path.display()))?;
+        let n = f.read(&mut buf).context_with(|| format!("cannot read {}", path.display()))?;
         if n == 0 {
             break;
         }
@@ -103,26 +103,26 @@ pub fn save(
     keep: usize,
 ) -> Result<PathBuf> {
     fs::create_dir_all(dir)
-        .with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
+        .context_with(|| format!("cannot create checkpoint directory {}", dir.display()))?;
     let step = store.state().step;
     let store_file = format!("{}.store", stem(step));
     let store_path = dir.join(&store_file);
     let manifest_path = dir.join(format!("{}.json", stem(step)));
     if manifest_path.exists() {
-        bail!("checkpoint {} already exists", manifest_path.display());
+        return Err(Error::Checkpoint(format!("checkpoint {} already exists", manifest_path.display())));
     }
     // A snapshot without a manifest is debris of an interrupted save: replace it.
     if store_path.exists() {
-        fs::remove_file(&store_path).with_context(|| format!("cannot remove {}", store_path.display()))?;
+        fs::remove_file(&store_path).context_with(|| format!("cannot remove {}", store_path.display()))?;
     }
-    store.write_snapshot(&store_path).context("writing the store snapshot")?;
+    store.write_snapshot(&store_path).context_with(|| "writing the store snapshot".into())?;
     sync_dir(dir)?;
     let manifest = Manifest {
         schema_version: MANIFEST_SCHEMA,
         step,
         store_file,
         store_bytes: fs::metadata(&store_path)
-            .with_context(|| format!("cannot stat {}", store_path.display()))?
+            .context_with(|| format!("cannot stat {}", store_path.display()))?
             .len(),
         data_cursor,
         rng_seed,
@@ -130,7 +130,9 @@ pub fn save(
         defining: defining.clone(),
         megatrain_version: env!("CARGO_PKG_VERSION").to_owned(),
     };
-    write_atomic(&manifest_path, serde_json::to_string_pretty(&manifest)?.as_bytes())?;
+    let text =
+        serde_json::to_string_pretty(&manifest).context_with(|| "writing the checkpoint manifest".into())?;
+    write_atomic(&manifest_path, text.as_bytes())?;
     sync_dir(dir)?;
     prune(dir, keep)?;
     Ok(manifest_path)
@@ -142,17 +144,17 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    let mut f = fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let mut f = fs::File::create(&tmp).context_with(|| format!("cannot create {}", tmp.display()))?;
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+        .context_with(|| format!("cannot write {}", tmp.display()))?;
+    fs::rename(&tmp, path).context_with(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
-        .with_context(|| format!("cannot sync directory {}", dir.display()))
+        .context_with(|| format!("cannot sync directory {}", dir.display()))
 }
 
 /// Complete checkpoints in `dir`, oldest first: manifests that parse and whose snapshot exists
@@ -163,11 +165,11 @@ pub fn list(dir: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
         Err(e) => {
-            return Err(e).with_context(|| format!("cannot list checkpoint directory {}", dir.display()))
+            return Err(e).context_with(|| format!("cannot list checkpoint directory {}", dir.display()));
         }
     };
     for e in entries {
-        let p = e?.path();
+        let p = e.context_with(|| format!("cannot list checkpoint directory {}", dir.display()))?.path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         if !(name.starts_with("step-") && name.ends_with(".json")) {
             continue;
@@ -203,12 +205,14 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
     let kept: Vec<String> = all[n..].iter().flat_map(|(p, m)| [file_name(p), m.store_file.clone()]).collect();
     for (p, m) in all.into_iter().take(n) {
         // Manifest first: without it the snapshot is no longer a checkpoint.
-        fs::remove_file(&p).with_context(|| format!("cannot remove {}", p.display()))?;
+        fs::remove_file(&p).context_with(|| format!("cannot remove {}", p.display()))?;
         let _ = fs::remove_file(dir.join(&m.store_file));
     }
     // Debris of interrupted saves (a snapshot without manifest, a .tmp): everything named
     // step-* that is not part of a kept checkpoint. Saves never run concurrently.
-    for e in fs::read_dir(dir)?.flatten() {
+    let entries =
+        fs::read_dir(dir).context_with(|| format!("cannot list checkpoint directory {}", dir.display()))?;
+    for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with("step-") && !kept.contains(&name) {
             let _ = fs::remove_file(e.path());
@@ -224,13 +228,16 @@ fn file_name(p: &Path) -> String {
 /// Refuses a resume whose defining options differ from the checkpoint's, naming each one.
 pub fn check_same_run(m: &Manifest, defining: &Value) -> Result<()> {
     if m.schema_version != MANIFEST_SCHEMA {
-        bail!("checkpoint manifest schema {} is not {MANIFEST_SCHEMA}", m.schema_version);
+        return Err(Error::Checkpoint(format!(
+            "checkpoint manifest schema {} is not {MANIFEST_SCHEMA}",
+            m.schema_version
+        )));
     }
     if hash_json(defining) == m.config_hash {
         return Ok(());
     }
     let (Some(old), Some(new)) = (m.defining.as_object(), defining.as_object()) else {
-        bail!("the checkpoint was written by a differently configured run");
+        return Err(Error::Checkpoint("the checkpoint was written by a differently configured run".into()));
     };
     let mut diffs = Vec::new();
     for k in old.keys().chain(new.keys().filter(|k| !old.contains_key(*k))) {
@@ -250,12 +257,12 @@ pub fn check_same_run(m: &Manifest, defining: &Value) -> Result<()> {
             diffs.push(format!("{k}: checkpoint {} vs now {}", show(a), show(b)));
         }
     }
-    bail!(
+    Err(Error::Checkpoint(format!(
         "the checkpoint at step {} was written by a run with different options ({}); resume with the \
          options it was written with, or start a new run in another directory",
         m.step,
         diffs.join("; ")
-    )
+    )))
 }
 
 #[cfg(test)]

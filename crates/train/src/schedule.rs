@@ -2,7 +2,27 @@
 //! `get_linear_schedule_with_warmup`) or cosine decay to 10% of the peak, as a pure function of
 //! the global step (so a resumed run continues the same curve).
 
-use crate::cli::ScheduleKind;
+/// Learning-rate schedule after warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Hold the peak rate.
+    Constant,
+    /// Cosine decay from the peak rate to [`COSINE_FLOOR`] of it.
+    Cosine,
+    /// Linear decay from the peak rate to 0 at the end of the schedule.
+    Linear,
+}
+
+impl ScheduleKind {
+    /// The flag's value: `constant`, `cosine` or `linear`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScheduleKind::Constant => "constant",
+            ScheduleKind::Cosine => "cosine",
+            ScheduleKind::Linear => "linear",
+        }
+    }
+}
 
 /// Fraction of the peak rate that the cosine schedule decays to.
 pub const COSINE_FLOOR: f64 = 0.1;

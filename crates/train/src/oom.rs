@@ -3,7 +3,8 @@
 //! and what to change.
 
 use mt_sched::plan::Plan;
-use mt_sched::Error;
+
+use crate::error::Error;
 
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
@@ -11,15 +12,15 @@ fn gib(b: u64) -> f64 {
 
 /// `err` of global step `step` as an error a user reads: an out-of-memory as the paragraph
 /// below, anything else unchanged (with the step as its context).
-pub(crate) fn step_error(err: Error, step: u64, plan: &Plan) -> anyhow::Error {
+pub(crate) fn step_error(err: mt_sched::Error, step: u64, plan: &Plan) -> Error {
     if !err.is_out_of_memory() {
-        return anyhow::Error::new(err).context(format!("training step {step}"));
+        return Error::Engine { context: format!("training step {step}"), source: Box::new(err) };
     }
     let during = err.op().map(|op| format!(" during {op}")).unwrap_or_default();
     let g = &plan.gpu;
     // The budget the plan filled is 92% of the GPU; a tenth less leaves room for what it missed.
     let suggest = gib(g.budget) / mt_sched::plan::GPU_USABLE_FRACTION * 0.9;
-    anyhow::anyhow!(
+    Error::OutOfMemory(format!(
         "training step {step}: the GPU ran out of memory{during}. The plan accepted for this run counted \
          {:.2} GiB of the {:.2} GiB it may use (workspace {:.2} GiB, checkpoints {:.2} GiB; the table above), \
          so the planner under-counted something: please report it with that plan. To run now, give the \
@@ -30,7 +31,7 @@ pub(crate) fn step_error(err: Error, step: u64, plan: &Plan) -> anyhow::Error {
         gib(g.budget),
         gib(g.workspace),
         gib(g.checkpoints),
-    )
+    ))
 }
 
 #[cfg(test)]
@@ -67,6 +68,7 @@ mod tests {
 
     #[test]
     fn out_of_memory_is_one_paragraph_naming_the_op_and_the_plan() {
+        use mt_sched::Error;
         let oom = Error::Op {
             op: "Backward { layer: 3, slot: Ring(1), grad_buf: Some(0) }".into(),
             source: Box::new(Error::Cuda(
@@ -80,6 +82,6 @@ mod tests {
         );
         assert!(msg.contains("--gpu-mem 72 ") && !msg.contains("backtrace") && !msg.contains('\n'), "{msg}");
         let other = step_error(Error::Options("no".into()), 7, &plan());
-        assert_eq!(format!("{other:#}"), "training step 7: invalid engine options: no");
+        assert_eq!(other.to_string(), "training step 7: invalid engine options: no");
     }
 }

@@ -86,25 +86,29 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
-/// `megatrain init`: a seeded random model (the same values `megatrain train --config PATH
-/// --seed N` starts from) written as a Hugging Face directory. Only the master weights are
-/// touched, so a model needs about 4 bytes per parameter of RAM.
-pub fn init_command(args: &crate::cli::InitArgs) -> anyhow::Result<mt_hf::ExportReport> {
-    use anyhow::Context;
-    let model = crate::train::ModelSource::from_args(None, Some(&args.config))?;
+/// `megatrain init`: a seeded random model of the Hugging Face `config.json` at `config` (the
+/// same values a run with [`crate::ModelChoice::Config`] and this seed starts from) written to
+/// `out` as a Hugging Face directory. Only the master weights are touched, so a model needs
+/// about 4 bytes per parameter of RAM.
+pub fn init_model_dir(
+    config: &std::path::Path,
+    out: &std::path::Path,
+    seed: u64,
+    dtype: mt_hf::ExportDtype,
+) -> crate::Result<mt_hf::ExportReport> {
+    use crate::error::Context;
+    let model = crate::ModelSource::load(&crate::ModelChoice::Config(config.to_owned()))?;
     let layout = mt_core::ModelLayout::new(&model.cfg);
-    let store = HostStore::anonymous(&layout, mt_store::GradDtype::None)?;
-    init_store(&store, args.seed).context("initialising the model")?;
+    let store = HostStore::anonymous(&layout, mt_store::GradDtype::None)
+        .context_with(|| "allocating the parameters".into())?;
+    init_store(&store, seed).context_with(|| "initialising the model".into())?;
     let opts = mt_hf::ExportOptions {
-        dtype: match args.export_dtype {
-            crate::cli::ExportDtypeArg::Fp32 => mt_hf::ExportDtype::F32,
-            crate::cli::ExportDtypeArg::Bf16 => mt_hf::ExportDtype::Bf16,
-        },
+        dtype,
         max_shard_bytes: mt_hf::DEFAULT_MAX_SHARD_BYTES,
         copy_files_from: None,
     };
-    mt_hf::export(&store, &model.config_json, &args.out, &opts)
-        .with_context(|| format!("writing --out {}", args.out.display()))
+    mt_hf::export(&store, &model.config_json, out, &opts)
+        .context_with(|| format!("writing --out {}", out.display()))
 }
 
 #[cfg(test)]

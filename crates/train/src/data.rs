@@ -9,13 +9,14 @@
 
 use std::path::Path;
 
-use mt_core::{Error, Result};
+use mt_core::Error as CoreError;
 use mt_sched::Batch;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::DataCursor;
-use crate::cli::{DataKind, DataSource, TrainArgs};
+use crate::config::{DataKind, DataSource, TrainConfig};
+use crate::error::{Context, Error, Result};
 
 /// `--data` as written in logs and manifests.
 pub fn describe_source(d: &DataSource) -> String {
@@ -36,52 +37,54 @@ pub enum TrainData {
 }
 
 impl TrainData {
-    /// Loads `--data` for a model with `vocab_size` tokens; the tokenizer (for text and chat
-    /// data) comes from the `--model` directory.
-    pub fn new(args: &TrainArgs, vocab_size: usize, model_dir: Option<&Path>) -> anyhow::Result<Self> {
-        use anyhow::Context;
-        match &args.data {
+    /// Loads the data of `c` for a model with `vocab_size` tokens; the tokenizer (for text and
+    /// chat data) comes from the model directory `model_dir`.
+    pub fn new(c: &TrainConfig, vocab_size: usize, model_dir: Option<&Path>) -> Result<Self> {
+        match &c.data {
             DataSource::Builtin(kind) => {
-                if args.eval_fraction > 0.0 {
-                    anyhow::bail!(
+                if c.eval_fraction > 0.0 {
+                    return Err(Error::Options(
                         "--eval-fraction needs --data FILE (the built-in sources have no held-out split)"
-                    );
+                            .into(),
+                    ));
                 }
-                Ok(TrainData::Builtin(Dataset::new(*kind, vocab_size)?))
+                Ok(TrainData::Builtin(Dataset::new(*kind, vocab_size).context_with(|| "--data".into())?))
             }
             DataSource::File(path) => {
                 let tok = match model_dir {
                     Some(dir) if dir.join("tokenizer.json").is_file() => Some(
                         mt_data::Tokenizer::from_model_dir(dir)
-                            .with_context(|| format!("loading the tokenizer of {}", dir.display()))?,
+                            .context_with(|| format!("loading the tokenizer of {}", dir.display()))?,
                     ),
                     _ => None,
                 };
                 let opts = mt_data::DataOptions {
-                    seq_len: args.seq_len,
+                    seq_len: c.seq_len,
                     vocab_size,
-                    pack: !args.no_pack,
-                    truncate: args.truncate,
-                    eval_fraction: args.eval_fraction,
-                    shuffle: !args.no_shuffle,
-                    seed: args.seed,
+                    pack: c.pack,
+                    truncate: c.truncate,
+                    eval_fraction: c.eval_fraction,
+                    shuffle: c.shuffle,
+                    seed: c.seed,
                 };
                 let d = mt_data::Dataset::load(path, tok.as_ref(), &opts)
-                    .with_context(|| format!("--data {}", path.display()))?;
+                    .context_with(|| format!("--data {}", path.display()))?;
                 if d.n_train() == 0 {
-                    anyhow::bail!("--data {}: no training sequences", path.display());
+                    return Err(Error::Options(format!("--data {}: no training sequences", path.display())));
                 }
-                let eval = match &args.eval_data {
+                let eval = match &c.eval_data {
                     Some(e) => {
                         let o = mt_data::DataOptions { eval_fraction: 0.0, shuffle: false, ..opts };
                         let d = mt_data::Dataset::load(e, tok.as_ref(), &o)
-                            .with_context(|| format!("--eval-data {}", e.display()))?;
+                            .context_with(|| format!("--eval-data {}", e.display()))?;
                         Some(Box::new(d))
                     }
                     None => None,
                 };
-                if args.eval_every > 0 && eval.is_none() && d.n_eval() == 0 {
-                    anyhow::bail!("--eval-every needs held-out data: --eval-fraction F or --eval-data FILE");
+                if c.eval_every > 0 && eval.is_none() && d.n_eval() == 0 {
+                    return Err(Error::Options(
+                        "--eval-every needs held-out data: --eval-fraction F or --eval-data FILE".into(),
+                    ));
                 }
                 Ok(TrainData::File(Box::new(d), eval))
             }
@@ -197,11 +200,11 @@ pub enum Dataset {
 
 impl Dataset {
     /// The dataset for `kind`, checked against the model's vocabulary.
-    pub fn new(kind: DataKind, vocab_size: usize) -> Result<Self> {
+    pub fn new(kind: DataKind, vocab_size: usize) -> mt_core::Result<Self> {
         match kind {
             DataKind::Builtin => {
                 if vocab_size < BYTE_VOCAB {
-                    return Err(Error::Data(format!(
+                    return Err(CoreError::Data(format!(
                         "the built-in text is tokenised as bytes and needs vocab_size >= {BYTE_VOCAB}, \
                          but the model's vocab_size is {vocab_size}; use --data synthetic or a larger vocabulary"
                     )));
@@ -210,7 +213,9 @@ impl Dataset {
             }
             DataKind::Synthetic => {
                 let vocab = u32::try_from(vocab_size).ok().filter(|&v| v >= 2).ok_or_else(|| {
-                    Error::Data(format!("synthetic data needs 2 <= vocab_size < 2^32, found {vocab_size}"))
+                    CoreError::Data(format!(
+                        "synthetic data needs 2 <= vocab_size < 2^32, found {vocab_size}"
+                    ))
                 })?;
                 Ok(Dataset::Synthetic { vocab })
             }

@@ -1,0 +1,59 @@
+//! [`HostStore`]'s access to whole parameters by their Hugging Face name: writing a master value
+//! (an import or initialisation), reading master values and landed gradients back.
+
+use std::path::PathBuf;
+
+use mt_core::{Error, Result};
+
+use super::HostStore;
+
+impl HostStore {
+    /// Writes a parameter's master value (by HF name) and zeroes its moments.
+    pub fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
+        let (u, spec) = self.layout.resolve(hf_name)?;
+        if data.len() != spec.numel() {
+            return Err(Error::Shape {
+                what: hf_name.to_owned(),
+                expected: spec.shape.clone(),
+                found: vec![data.len()],
+            });
+        }
+        use rayon::prelude::*;
+        // In blocks on every core: a 14B model writes 59 GB of master weights and reads 118 GB
+        // of moments here, which one thread (faulting pages in as it goes) takes minutes over.
+        const BLOCK: usize = 1 << 20;
+        let mut r = self.record(u);
+        let range = spec.offset..spec.offset + data.len();
+        let p = r.parts();
+        crate::par_copy(&mut p.master[range.clone()], data);
+        // Zero the moments only where they are not zero already: reading a never-written page
+        // of an anonymous or sparse mapping maps the shared zero page, writing would allocate
+        // it, so importing into a fresh store keeps its moments out of RAM until training.
+        for region in [&mut p.m[range.clone()], &mut p.v[range]] {
+            region.par_chunks_mut(BLOCK).for_each(|block| {
+                if block.iter().any(|&x| x.to_bits() != 0) {
+                    block.fill(0.0);
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads a parameter's master value (by HF name).
+    pub fn read_param(&self, hf_name: &str) -> Result<Vec<f32>> {
+        let (u, spec) = self.layout.resolve(hf_name)?;
+        let r = self.record(u);
+        Ok(r.master()[spec.offset..spec.offset + spec.numel()].to_vec())
+    }
+
+    /// Reads a parameter's landed gradient (by HF name), widened to f32.
+    pub fn read_grad(&self, hf_name: &str) -> Result<Vec<f32>> {
+        let (u, spec) = self.layout.resolve(hf_name)?;
+        let r = self.record(u);
+        let g = r.grad().ok_or_else(|| Error::Store {
+            path: self.path.clone().unwrap_or_else(|| PathBuf::from("<anonymous store>")),
+            msg: "this store keeps no gradient buffers (lean mode, 12 B/param)".into(),
+        })?;
+        Ok(g.to_f32(spec.offset, spec.numel()))
+    }
+}

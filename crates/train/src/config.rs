@@ -1,0 +1,344 @@
+//! [`TrainConfig`]: everything a training run is asked to do, grouped as `megatrain train
+//! --help` groups its options (model, data, steps, optimizer, device and memory, outputs and
+//! checkpoints, placement, long sequences, diagnostics). Field names are the flags' names; the
+//! defaults are the command line's.
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+use mt_core::ModelConfig;
+use mt_sched::OptimMode;
+use mt_store::GradDtype;
+
+pub use crate::schedule::ScheduleKind;
+
+/// A built-in source of training tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataKind {
+    /// Embedded English text, one token per byte.
+    Builtin,
+    /// Deterministic arithmetic sequences of token ids.
+    Synthetic,
+}
+
+/// Training data: a built-in source or a JSON Lines file (`{"text": ...}`, `{"messages":
+/// [...]}` or `{"input_ids": [...]}` per line).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSource {
+    /// A built-in source.
+    Builtin(DataKind),
+    /// A JSON Lines file.
+    File(PathBuf),
+}
+
+/// Where the model comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ModelChoice {
+    /// The built-in tiny Llama (4 layers, hidden 128, a byte vocabulary of 256), seeded random.
+    #[default]
+    Builtin,
+    /// A Hugging Face `config.json`, trained from a seeded random initialisation.
+    Config(PathBuf),
+    /// A Hugging Face model directory to fine-tune (config.json, safetensors, tokenizer).
+    HfDir(PathBuf),
+}
+
+/// The compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The CPU backend (candle CPU, worker threads as copy streams).
+    #[default]
+    Cpu,
+    /// GPU 0 through CUDA (needs the `cuda` feature).
+    Cuda,
+}
+
+/// Weight and activation dtype on the device (fp32 master weights stay on the host either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// 32-bit floats.
+    #[default]
+    Fp32,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Precision {
+    /// The candle dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+
+    /// The flag's value: `fp32` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// The store's gradient dtype when none is asked for: f32 with fp32 (so fp32 training is
+    /// AdamW on exact fp32 gradients, as torch's), bf16 with bf16 (14 B/param).
+    pub fn default_grad_dtype(self) -> GradDtype {
+        match self {
+            Precision::Fp32 => GradDtype::F32,
+            Precision::Bf16 => GradDtype::Bf16,
+        }
+    }
+}
+
+/// The seven placement overrides; `None` lets the planner decide (`auto`). What each means:
+/// ARCHITECTURE.md, "Placement", and `docs/decisions/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlacementChoice {
+    /// The outer unit's fp32 master weights and moments on the GPU, updated there.
+    pub resident_outer: Option<bool>,
+    /// Leading decoder layers resident on the GPU with their optimizer state.
+    pub resident_layers: Option<usize>,
+    /// Leading decoder layers that keep their forward activations (no recompute).
+    pub kept_layers: Option<usize>,
+    /// Last streamed layers uploaded once a step and held from forward to backward.
+    pub held_layers: Option<usize>,
+    /// Streamed layers whose AdamW runs on the GPU from their streamed state.
+    pub gpu_updated_layers: Option<usize>,
+    /// GPU-updated, held layers that bring their state back in the backward.
+    pub late_state_downloads: Option<usize>,
+    /// GPU-updated layers whose state for the next step goes up in this step's backward.
+    pub early_state_uploads: Option<usize>,
+    /// Leading layers whose input checkpoint goes to host memory between forward and backward.
+    pub spilled_checkpoints: Option<usize>,
+}
+
+impl PlacementChoice {
+    /// What the planner is asked for on `device`. `auto` places nothing on the device on the CPU
+    /// backend (its "device" is host memory), and keeps a file-backed store's units streamed:
+    /// that file is the live training state, which resident units would leave stale between
+    /// checkpoints, and whose pages GPU-updated layers' DMA would not mark dirty.
+    pub fn for_run(self, device: Device, file_backed_store: bool) -> Self {
+        let none_here = device == Device::Cpu || file_backed_store;
+        let count = |c: Option<usize>, fb_aware: bool| match c {
+            Some(k) => Some(k),
+            None if device == Device::Cpu || (fb_aware && file_backed_store) => Some(0),
+            None => None,
+        };
+        PlacementChoice {
+            resident_outer: self.resident_outer.or(none_here.then_some(false)),
+            resident_layers: count(self.resident_layers, true),
+            kept_layers: count(self.kept_layers, false),
+            held_layers: count(self.held_layers, false),
+            gpu_updated_layers: count(self.gpu_updated_layers, true),
+            late_state_downloads: count(self.late_state_downloads, true),
+            early_state_uploads: count(self.early_state_uploads, true),
+            spilled_checkpoints: count(self.spilled_checkpoints, false),
+        }
+    }
+}
+
+/// A training run. `TrainConfig::default()` is `megatrain train` with no options: the built-in
+/// tiny Llama on the built-in text, 60 steps of 16 x 64 tokens, on the CPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    // Model
+    /// The model to train.
+    pub model: ModelChoice,
+
+    // Data
+    /// Training data.
+    pub data: DataSource,
+    /// Shuffle the samples (seeded); `false`: step k trains on sequences k·B .. k·B+B-1.
+    pub shuffle: bool,
+    /// Pack short samples together into sequences; `false`: one sample per (padded) sequence.
+    pub pack: bool,
+    /// Cut samples longer than `seq_len` instead of refusing them.
+    pub truncate: bool,
+    /// Fraction of the samples of `data` held out for evaluation.
+    pub eval_fraction: f64,
+    /// A separate JSON Lines file of held-out samples.
+    pub eval_data: Option<PathBuf>,
+    /// Evaluate every N steps (0: only at the start and after the last step).
+    pub eval_every: usize,
+
+    // Steps and batch
+    /// Optimizer steps: with `resume`, the run's total; otherwise the steps of this run.
+    pub steps: usize,
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Token chunks per step; `None`: the fewest that fit.
+    pub chunks: Option<usize>,
+    /// Seed of the initialisation and of the data order.
+    pub seed: u64,
+
+    // Optimizer
+    /// Peak learning rate; `None`: [`auto_lr`] of the model's width.
+    pub lr: Option<f64>,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub beta1: f64,
+    /// AdamW beta2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    /// Global gradient-norm clipping threshold (0: off).
+    pub clip: f64,
+    /// Steps of linear warmup.
+    pub warmup: usize,
+    /// Schedule after warmup.
+    pub schedule: ScheduleKind,
+    /// Length of the schedule in global steps; `None`: the run's last step.
+    pub schedule_steps: Option<usize>,
+    /// Exact (global-norm clipping, updates deferred) or lean (update as each gradient lands).
+    pub optim_mode: OptimMode,
+
+    // Device and memory
+    /// The compute device.
+    pub device: Device,
+    /// Weight dtype on the device.
+    pub precision: Precision,
+    /// Gradient dtype of a new store; `None`: [`Precision::default_grad_dtype`].
+    pub grad_dtype: Option<GradDtype>,
+    /// Device memory the plan may assume, GiB; `None`: the GPU's (on the CPU: host memory).
+    pub gpu_mem_gib: Option<f64>,
+    /// Host memory the plan may assume, GiB; `None`: MemAvailable.
+    pub host_mem_gib: Option<f64>,
+    /// File-backed host store (created, or continued from the step recorded in it).
+    pub store: Option<PathBuf>,
+
+    // Outputs and checkpoints
+    /// Export the trained model here as a Hugging Face directory.
+    pub out: Option<PathBuf>,
+    /// Weight dtype of the export.
+    pub export_dtype: mt_hf::ExportDtype,
+    /// A checkpoint every K steps (0: never).
+    pub save_every: usize,
+    /// Checkpoint directory; `None`: `out/checkpoints`.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoints kept.
+    pub keep_checkpoints: usize,
+    /// Continue from the newest checkpoint.
+    pub resume: bool,
+
+    // Placement
+    /// The placement overrides.
+    pub placement: PlacementChoice,
+    /// Device weight slots (1: no overlap, 2: double buffering).
+    pub ring_depth: usize,
+    /// Overlap the host optimizer with compute (`false`: the ablation).
+    pub overlap_optimizer: bool,
+
+    // Long sequences
+    /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide.
+    pub attention: Option<bool>,
+    /// Rows of each MLP tile (0: a chunk at once), or decide.
+    pub mlp_rows: Option<usize>,
+    /// How RoPE angles are formed.
+    pub rope_angles: mt_layers::RopeAngles,
+    /// Rows of logits alive at once in the loss.
+    pub rows_per_block: usize,
+
+    // Diagnostics
+    /// Random delay of up to this many microseconds before every CPU copy-stream job.
+    pub delay_us: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            model: ModelChoice::Builtin,
+            data: DataSource::Builtin(DataKind::Builtin),
+            shuffle: true,
+            pack: true,
+            truncate: false,
+            eval_fraction: 0.0,
+            eval_data: None,
+            eval_every: 0,
+            steps: 60,
+            batch_size: 16,
+            seq_len: 64,
+            chunks: None,
+            seed: 0,
+            lr: None,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            clip: 1.0,
+            warmup: 5,
+            schedule: ScheduleKind::Cosine,
+            schedule_steps: None,
+            optim_mode: OptimMode::Exact,
+            device: Device::Cpu,
+            precision: Precision::Fp32,
+            grad_dtype: None,
+            gpu_mem_gib: None,
+            host_mem_gib: None,
+            store: None,
+            out: None,
+            export_dtype: mt_hf::ExportDtype::F32,
+            save_every: 0,
+            checkpoint_dir: None,
+            keep_checkpoints: 2,
+            resume: false,
+            placement: PlacementChoice::default(),
+            ring_depth: 2,
+            overlap_optimizer: true,
+            attention: None,
+            mlp_rows: None,
+            rope_angles: mt_layers::RopeAngles::Transformers,
+            rows_per_block: 4096,
+            delay_us: 0,
+        }
+    }
+}
+
+/// The learning rate `lr: None` means: 0.5 / hidden_size, at most 1e-2. GPT-3's learning rates
+/// fall with the model's width about so (6e-4 at width 768, 1.2e-4 at 4096, 6e-5 at 12288);
+/// the built-in model (width 128) gets 3.9e-3, the 3.6B Llama-3 shape 1.6e-4 (1e-2 diverges
+/// there: `docs/decisions/0016-safe-learning-rate.md`).
+pub fn auto_lr(hidden_size: usize) -> f64 {
+    (0.5 / hidden_size.max(1) as f64).min(1e-2)
+}
+
+impl TrainConfig {
+    /// The store's gradient dtype: `grad_dtype`, else the one matching `precision`.
+    pub fn grad_dtype(&self) -> GradDtype {
+        self.grad_dtype.unwrap_or(self.precision.default_grad_dtype())
+    }
+
+    /// The peak learning rate for `cfg`: `lr`, else [`auto_lr`].
+    pub fn lr_for(&self, cfg: &ModelConfig) -> f64 {
+        self.lr.unwrap_or_else(|| auto_lr(cfg.hidden_size))
+    }
+
+    /// Where checkpoints go: `checkpoint_dir`, else `out/checkpoints`; `None` without either.
+    pub fn checkpoint_dir(&self) -> Option<PathBuf> {
+        self.checkpoint_dir.clone().or_else(|| self.out.as_ref().map(|o| o.join("checkpoints")))
+    }
+
+    /// The length of the learning-rate schedule: `schedule_steps`, else the run's last step.
+    pub fn schedule_total(&self, end_step: u64) -> u64 {
+        self.schedule_steps.map_or(end_step, |n| n as u64)
+    }
+}
+
+/// `exact` or `lean`, as the flag spells it.
+pub fn optim_mode_name(m: OptimMode) -> &'static str {
+    match m {
+        OptimMode::Exact => "exact",
+        OptimMode::Lean => "lean",
+    }
+}
+
+/// `f32`, `bf16` or `none`, as the flag spells it.
+pub fn grad_dtype_name(g: GradDtype) -> &'static str {
+    match g {
+        GradDtype::F32 => "f32",
+        GradDtype::Bf16 => "bf16",
+        GradDtype::None => "none",
+    }
+}

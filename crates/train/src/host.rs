@@ -1,0 +1,93 @@
+//! The host a run is on and the plan for it: memory available to the plan, the process's
+//! resident set, the step planned for a configuration ([`plan_for`]) and the host RAM a plan
+//! will hold (the figure a run's RSS is set against, and `megatrain estimate` prints).
+
+use mt_core::ModelConfig;
+use mt_sched::plan::{plan, Plan, PlanInput};
+
+use crate::error::{Context, Result};
+use crate::{Device, TrainConfig};
+
+/// RSS of a CPU run beyond its planned bytes (binary, libraries, allocator arenas): the
+/// built-in tiny run holds 36 MB, 13 MB of it store.
+pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
+/// RSS of a CUDA run beyond its planned host bytes (binary, libraries, the CUDA context, cuBLAS
+/// and NVRTC host-side state). Measured on the H200 machines (commit 80e8b16) as RSS at the end
+/// minus store + staging/landing: 513 MB for Llama-3-8B, 524 MB for SmolLM2-135M
+/// (`results/2026-11-22-real-use-h200x4.json`).
+pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
+
+/// Host RAM a run of `plan` holds while it trains: store + staging/landing + the process
+/// overhead, less the resident units' gradient pages (given back once the engine has loaded
+/// them), and on the CPU backend the device pool too (weight ring, outer slot, gradient buffers,
+/// checkpoints; not the planner's GPU workspace reserve, which on the CPU is transient heap).
+pub fn planned_host_bytes(plan: &Plan, device: Device) -> u64 {
+    let held = plan.host.total - plan.host.released_by_resident;
+    match device {
+        Device::Cuda => held + PROCESS_OVERHEAD_CUDA,
+        Device::Cpu => held + plan.gpu.total - plan.gpu.workspace + PROCESS_OVERHEAD_CPU,
+    }
+}
+
+/// Host memory available: MemAvailable of /proc/meminfo (no limit where that cannot be read).
+pub fn available_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            let line = t.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+        })
+        .unwrap_or(u64::MAX)
+}
+
+/// Resident set size of this process in bytes (Linux; `None` elsewhere).
+pub fn rss_bytes() -> Option<u64> {
+    let t = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = t.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+/// `g` GiB in bytes.
+pub fn gib_to_bytes(g: f64) -> u64 {
+    (g * (1u64 << 30) as f64) as u64
+}
+
+/// The step `c` asks for, planned for a device of `device_bytes` (the GPU's; on the CPU, host
+/// memory) and a host of `host_bytes`, with `fused_kernels` where the device runs them
+/// (`mt_layers::fused_kernels`); the placement's `auto`s resolved for `c.device` and its store.
+pub fn plan_for(
+    c: &TrainConfig,
+    cfg: &ModelConfig,
+    device_bytes: u64,
+    host_bytes: u64,
+    fused_kernels: bool,
+) -> Result<Plan> {
+    let placement = c.placement.for_run(c.device, c.store.is_some());
+    plan(&PlanInput {
+        cfg: cfg.clone(),
+        batch: c.batch_size,
+        seq: c.seq_len,
+        weight_dtype: c.precision.dtype(),
+        grad_dtype: c.grad_dtype(),
+        mode: c.optim_mode,
+        gpu_bytes: device_bytes,
+        host_bytes,
+        ring_depth: Some(c.ring_depth),
+        n_chunks: c.chunks,
+        rows_per_block: c.rows_per_block,
+        resident_outer: placement.resident_outer,
+        resident_layers: placement.resident_layers,
+        kept_layers: placement.kept_layers,
+        held_layers: placement.held_layers,
+        gpu_updated_layers: placement.gpu_updated_layers,
+        late_state_downloads: placement.late_state_downloads,
+        early_state_uploads: placement.early_state_uploads,
+        fused_kernels,
+        flash_attention: c.attention,
+        mlp_rows: c.mlp_rows,
+        spilled_checkpoints: placement.spilled_checkpoints,
+    })
+    .context_with(|| {
+        "no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)".into()
+    })
+}

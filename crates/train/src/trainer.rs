@@ -1,0 +1,580 @@
+//! [`Trainer`]: a training run from Rust. [`Trainer::new`] sets the run up in named phases (the
+//! model read, the options checked, the data loaded, the device opened and the step planned, the
+//! host store opened, the weights restored, imported or initialised, the engine started);
+//! [`Trainer::run`] trains to the last step with the configured evaluations and checkpoints and
+//! finishes (the last update applied, a final evaluation, the export). [`Trainer::step`],
+//! [`Trainer::evaluate`], [`Trainer::save_checkpoint`], [`Trainer::export`] and
+//! [`Trainer::finish`] are the same pieces, for a loop of one's own.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use mt_core::ModelLayout;
+use mt_sched::plan::Plan;
+use mt_sched::{Batch, EngineOptions, StepReport};
+use mt_store::HostStore;
+use serde_json::Value;
+
+use crate::checkpoint::{self, Manifest};
+use crate::data::TrainData;
+use crate::engine::{Backend, DeviceEngine};
+use crate::error::{Context, Error, Result};
+use crate::host::{available_bytes, gib_to_bytes, planned_host_bytes, rss_bytes};
+use crate::init::init_store;
+use crate::observer::{CheckpointWritten, EvalResult, Event, Observer, RunStart, StepEvent};
+use crate::schedule::LrSchedule;
+use crate::summary::{StepTotals, TrainSummary};
+use crate::{checks, plan_for, ModelSource, TrainConfig};
+
+/// A training run, set up and ready to step. The observer `O` hears every stage and step.
+pub struct Trainer<O: Observer> {
+    config: TrainConfig,
+    model: ModelSource,
+    layout: ModelLayout,
+    data: TrainData,
+    plan: Plan,
+    store: Arc<HostStore>,
+    engine: DeviceEngine,
+    observer: O,
+    schedule: LrSchedule,
+    /// The options a checkpoint is valid for.
+    defining: Value,
+    eval_batches: Vec<Batch>,
+    start_step: u64,
+    /// Global steps completed (the store's header counts them once their update is applied).
+    step: u64,
+    end_step: u64,
+    t0: Instant,
+    // What the run has done so far.
+    totals: StepTotals,
+    first_loss: Option<f64>,
+    last_loss: Option<f64>,
+    train_s: f64,
+    later_s: Vec<f64>,
+    evals: Vec<(u64, f64)>,
+}
+
+impl<O: Observer> std::fmt::Debug for Trainer<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("model", &self.model.name)
+            .field("step", &self.global_step())
+            .field("end_step", &self.end_step)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How the run's first step was reached.
+struct Restored {
+    resumed: bool,
+    note: Option<String>,
+    no_checkpoint_yet: bool,
+}
+
+impl<O: Observer> Trainer<O> {
+    /// Sets up the run `config` describes, telling `observer` each stage; refuses options that
+    /// cannot work before anything large is allocated.
+    pub fn new(config: TrainConfig, mut observer: O) -> Result<Self> {
+        let t0 = Instant::now();
+        let model = ModelSource::load(&config.model)?;
+        checks::check_sizes(&config, &model.cfg)?;
+        checks::check_outputs(&config)?;
+        let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
+        let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
+        let backend = Backend::open(&config)?;
+        let plan = plan_run(&config, &model, &backend, &mut observer)?;
+        let layout = ModelLayout::new(&model.cfg);
+        let defining = defining_options(&config, &model)?;
+        let (store, resumed_store) = open_store(&config, &layout)?;
+        let store = Arc::new(store);
+        prefault(&store, &mut observer)?;
+        let restored =
+            restore_or_initialise(&config, &model, &store, &data, &defining, resumed_store, &mut observer)?;
+        let engine = start_engine(&config, &model, &plan, backend, &store, &mut observer)?;
+        let start_step = store.state().step;
+        let end_step = if config.resume {
+            (config.steps as u64).max(start_step)
+        } else {
+            start_step + config.steps as u64
+        };
+        let lr = config.lr_for(&model.cfg);
+        let schedule = LrSchedule {
+            peak: lr,
+            warmup: config.warmup as u64,
+            total: config.schedule_total(end_step),
+            kind: config.schedule,
+        };
+        // Evaluation materialises a batch's [b, t, V] f32 logits (the training loss keeps at most
+        // `rows_per_block` rows alive): as many sequences as fit in that many rows, at least one.
+        let eval_seqs = plan.seqs_per_chunk.min((config.rows_per_block / config.seq_len).max(1));
+        let eval_batches = data.eval_batches(eval_seqs);
+        let start = RunStart {
+            cfg: &model.cfg,
+            source: &model.name,
+            n_params: layout.n_params(),
+            start_step,
+            end_step,
+            resumed: restored.resumed,
+            resume_note: restored.note,
+            no_checkpoint_yet: restored.no_checkpoint_yet,
+            data: data.describe(),
+            lr,
+            store_bytes: store.bytes(),
+            store_bytes_per_param: store.bytes_per_param(),
+            store_path: store.path(),
+            flops_per_step: plan.flops_per_step,
+        };
+        notify(&mut observer, &Event::Started(&start))?;
+        Ok(Trainer {
+            config,
+            model,
+            layout,
+            data,
+            plan,
+            store,
+            engine,
+            observer,
+            schedule,
+            defining,
+            eval_batches,
+            start_step,
+            step: start_step,
+            end_step,
+            t0,
+            totals: StepTotals::default(),
+            first_loss: None,
+            last_loss: None,
+            train_s: 0.0,
+            later_s: Vec::new(),
+            evals: Vec::new(),
+        })
+    }
+
+    /// Trains from the current step to the last, evaluating and checkpointing as configured,
+    /// then [`Trainer::finish`]es.
+    pub fn run(mut self) -> Result<TrainSummary> {
+        if !self.eval_batches.is_empty() && self.global_step() < self.end_step {
+            // The starting point, so the log shows the eval loss falling (or not) from the first step.
+            let e = self.evaluate()?;
+            notify(&mut self.observer, &Event::Eval(e))?;
+        }
+        while self.global_step() < self.end_step {
+            self.step()?;
+        }
+        self.finish()
+    }
+
+    /// One optimizer step, then the evaluation and checkpoint due after it; the observer hears
+    /// of all three at once. Returns the step's loss.
+    pub fn step(&mut self) -> Result<f64> {
+        let k = self.global_step();
+        let _span = tracing::info_span!("step", step = k + 1).entered();
+        let c = &self.config;
+        let batch = self.data.batch(c.seed, k, c.batch_size, c.seq_len);
+        let lr = self.schedule.lr(k);
+        let r = self.engine.step(&batch, lr).map_err(|e| crate::oom::step_error(e, k + 1, &self.plan))?;
+        if !r.loss.is_finite() {
+            return Err(Error::Diverged { step: k + 1, loss: r.loss });
+        }
+        self.record(&r, k);
+        self.step = k + 1;
+        let done = self.step;
+        let c = &self.config;
+        let eval_due = c.eval_every > 0 && done.is_multiple_of(c.eval_every as u64) && done < self.end_step;
+        let eval = if !self.eval_batches.is_empty() && eval_due { Some(self.evaluate()?) } else { None };
+        let checkpoint = match self.config.save_every {
+            k if k > 0 && done.is_multiple_of(k as u64) => Some(self.save_checkpoint()?),
+            _ => None,
+        };
+        let event = StepEvent {
+            step: done,
+            steps_done: done - self.start_step,
+            lr,
+            flops_per_step: self.plan.flops_per_step,
+            report: &r,
+            eval,
+            checkpoint,
+        };
+        notify_step(&mut self.observer, &event)?;
+        Ok(r.loss)
+    }
+
+    fn record(&mut self, r: &StepReport, k: u64) {
+        self.first_loss.get_or_insert(r.loss);
+        self.last_loss = Some(r.loss);
+        self.train_s += r.step_s;
+        if k > self.start_step {
+            self.later_s.push(r.step_s);
+        }
+        self.totals.add(r);
+    }
+
+    /// Mean loss over every target of the held-out batches under the store's weights (the
+    /// pending update applied first); `None`-like (`NaN`, 0 targets) without held-out data.
+    pub fn evaluate(&mut self) -> Result<EvalResult> {
+        let t = Instant::now();
+        let what = || "evaluating the held-out loss".to_string();
+        self.engine.flush_pending().context_with(what)?;
+        let (mut sum, mut n) = (0.0, 0);
+        for b in self.eval_batches.iter().filter(|b| b.n_targets() > 0) {
+            let (s, k) = self.engine.loss_sum(b).context_with(what)?;
+            sum += s;
+            n += k;
+        }
+        let loss = if n > 0 { sum / n as f64 } else { f64::NAN };
+        let e = EvalResult { step: self.global_step(), loss, targets: n, secs: t.elapsed().as_secs_f64() };
+        self.evals.push((e.step, e.loss));
+        Ok(e)
+    }
+
+    /// Writes a checkpoint of the current step into the checkpoint directory (the pending update
+    /// applied first), keeping the newest `keep_checkpoints`.
+    pub fn save_checkpoint(&mut self) -> Result<CheckpointWritten> {
+        let done = self.global_step();
+        let Some(dir) = self.config.checkpoint_dir() else {
+            return Err(Error::Options("a checkpoint needs --out DIR or --checkpoint-dir DIR".into()));
+        };
+        let t = Instant::now();
+        self.engine.flush_pending().context_with(|| "applying the update before a checkpoint".into())?;
+        let cursor = self.data.cursor(done, self.config.batch_size);
+        let keep = self.config.keep_checkpoints;
+        let manifest = checkpoint::save(&dir, &self.store, cursor, self.config.seed, &self.defining, keep)
+            .map_err(|e| Error::Checkpoint(format!("writing the checkpoint of step {done}: {e}")))?;
+        Ok(CheckpointWritten { manifest, secs: t.elapsed().as_secs_f64() })
+    }
+
+    /// Writes the model as a Hugging Face directory (config.json last, so the directory is
+    /// loadable exactly when it is complete), with the model directory's tokenizer files.
+    pub fn export(&mut self, dir: &Path) -> Result<()> {
+        let t = Instant::now();
+        self.engine.flush_pending().context_with(|| "applying the update before the export".into())?;
+        let opts = mt_hf::ExportOptions {
+            dtype: self.config.export_dtype,
+            max_shard_bytes: mt_hf::DEFAULT_MAX_SHARD_BYTES,
+            copy_files_from: self.model.hf.as_ref().map(|h| h.dir.clone()),
+        };
+        let r = mt_hf::export(&self.store, &self.model.config_json, dir, &opts)
+            .context_with(|| format!("exporting the model to --out {}", dir.display()))?;
+        let secs = t.elapsed().as_secs_f64();
+        let event = Event::Exported { dir, n_shards: r.n_shards, bytes: r.bytes_written, secs };
+        notify(&mut self.observer, &event)
+    }
+
+    /// Ends the run: the device profile (`MT_PROFILE=1`), the last pending update applied and
+    /// the store written back, a final evaluation, the export to `out`; returns the summary.
+    pub fn finish(mut self) -> Result<TrainSummary> {
+        self.report_profile()?;
+        let t = Instant::now();
+        self.engine.flush_pending().context_with(|| "applying the last update".into())?;
+        self.store.flush().context_with(|| "flushing the host store".into())?;
+        notify(&mut self.observer, &Event::Flushed { secs: t.elapsed().as_secs_f64() })?;
+        if !self.eval_batches.is_empty() {
+            let e = self.evaluate()?;
+            notify(&mut self.observer, &Event::Eval(e))?;
+        }
+        let exported = match self.config.out.clone() {
+            Some(out) => {
+                self.export(&out)?;
+                Some(out)
+            }
+            None => None,
+        };
+        Ok(self.summary(exported))
+    }
+
+    fn report_profile(&mut self) -> Result<()> {
+        if !mt_layers::profile::enabled() {
+            return Ok(());
+        }
+        let sections = mt_layers::profile::take();
+        let total: f64 = sections.iter().map(|s| s.2).sum();
+        for (name, calls, secs) in sections {
+            let share = secs / total.max(1e-12);
+            notify(&mut self.observer, &Event::Profile { name, calls, secs, share })?;
+        }
+        Ok(())
+    }
+
+    fn summary(&self, exported: Option<PathBuf>) -> TrainSummary {
+        let c = &self.config;
+        let later = &self.later_s;
+        TrainSummary {
+            model: self.model.name.clone(),
+            n_params: self.layout.n_params(),
+            n_layers: self.layout.n_layers,
+            start_step: self.start_step,
+            end_step: self.global_step(),
+            first_loss: self.first_loss.unwrap_or(f64::NAN),
+            last_loss: self.last_loss.unwrap_or(f64::NAN),
+            tokens_per_step: c.batch_size * c.seq_len,
+            train_s: self.train_s,
+            wall_s: self.t0.elapsed().as_secs_f64(),
+            store_bytes: self.store.bytes(),
+            store_bytes_per_param: self.store.bytes_per_param(),
+            rss_bytes: rss_bytes(),
+            planned_host_bytes: planned_host_bytes(&self.plan, c.device),
+            kept_bytes: (self.totals.kept_bytes(), self.plan.gpu.kept),
+            device_peak: (self.totals.device_peak(), self.plan.gpu.total),
+            flops_per_step: self.plan.flops_per_step,
+            later_step_s: (!later.is_empty()).then(|| later.iter().sum::<f64>() / later.len() as f64),
+            store_path: self.store.path().map(Path::to_owned),
+            h2d_bytes_per_step: self.totals.h2d_bytes_per_step(),
+            last_step_bytes: self.totals.last_step_bytes(),
+            d2h_bytes_per_step: self.totals.d2h_bytes_per_step(),
+            streams: self.totals.stream_means(),
+            evals: self.evals.clone(),
+            exported,
+            device: c.device.kind(),
+        }
+    }
+
+    /// Global optimizer steps completed.
+    pub fn global_step(&self) -> u64 {
+        self.step
+    }
+
+    /// The global step the run ends at.
+    pub fn end_step(&self) -> u64 {
+        self.end_step
+    }
+
+    /// The plan the run follows.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The run's options.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &ModelSource {
+        &self.model
+    }
+
+    /// The host store (fp32 master weights and AdamW moments; current after
+    /// [`Trainer::evaluate`], [`Trainer::save_checkpoint`] or [`Trainer::export`]).
+    pub fn store(&self) -> &HostStore {
+        &self.store
+    }
+
+    /// The observer.
+    pub fn observer(&mut self) -> &mut O {
+        &mut self.observer
+    }
+}
+
+fn notify<O: Observer>(observer: &mut O, event: &Event<'_>) -> Result<()> {
+    observer.event(event).map_err(Error::Observer)
+}
+
+fn notify_step<O: Observer>(observer: &mut O, event: &StepEvent<'_>) -> Result<()> {
+    observer.step(event).map_err(Error::Observer)
+}
+
+/// Phase: the step planned for this device and machine (chunking, ring depth, placement, bytes
+/// per place, PCIe bytes); an impossible plan is refused before anything is allocated.
+fn plan_run<O: Observer>(
+    c: &TrainConfig,
+    model: &ModelSource,
+    backend: &Backend,
+    observer: &mut O,
+) -> Result<Plan> {
+    if let Some(d) = backend.describe() {
+        notify(observer, &Event::Device(&d))?;
+    }
+    let host = c.host_mem_gib.map_or_else(available_bytes, gib_to_bytes);
+    let device = c.gpu_mem_gib.map_or(backend.memory_bytes(available_bytes())?, gib_to_bytes);
+    let p = plan_for(c, &model.cfg, device, host, backend.fused_kernels(c.precision.dtype()))?;
+    notify(observer, &Event::Planned { plan: &p, device: c.device.kind() })?;
+    Ok(p)
+}
+
+/// Phase: the `store` file (opened if it exists, else created) or an anonymous store; `true`
+/// when an existing store was opened.
+fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, bool)> {
+    let Some(path) = &c.store else {
+        let s = HostStore::anonymous(layout, c.grad_dtype())
+            .context_with(|| "allocating the host store".into())?;
+        return Ok((s, false));
+    };
+    if path.exists() {
+        let s = HostStore::open(path, layout).context_with(|| {
+            format!("cannot resume from --store {} (is it for this model?)", path.display())
+        })?;
+        Ok((s, true))
+    } else {
+        let s = HostStore::create(path, layout, c.grad_dtype())
+            .context_with(|| format!("cannot create --store {}", path.display()))?;
+        Ok((s, false))
+    }
+}
+
+/// Phase: the store's pages populated on every core before anything writes it (an import or
+/// initialisation into unpopulated memory would take each page fault on the writing thread).
+fn prefault<O: Observer>(store: &HostStore, observer: &mut O) -> Result<()> {
+    let t = Instant::now();
+    match store.prefault() {
+        Ok(0) => Ok(()),
+        Ok(bytes) => notify(observer, &Event::Prefaulted { bytes, secs: t.elapsed().as_secs_f64() }),
+        Err(e) => notify(observer, &Event::NotPrefaulted(e.to_string())),
+    }
+}
+
+/// Phase: the weights the run starts from: the newest checkpoint (with `resume`), the store
+/// file's own (a reopened `--store`), the model directory's, or a seeded initialisation.
+fn restore_or_initialise<O: Observer>(
+    c: &TrainConfig,
+    model: &ModelSource,
+    store: &HostStore,
+    data: &TrainData,
+    defining: &Value,
+    resumed_store: bool,
+    observer: &mut O,
+) -> Result<Restored> {
+    let latest = match (c.checkpoint_dir(), c.resume) {
+        (Some(dir), true) => checkpoint::latest(&dir)?,
+        _ => None,
+    };
+    if let Some((path, m)) = &latest {
+        restore_checkpoint(c, store, data, defining, path, m)?;
+        let note = format!("resumed from checkpoint {} at step {}", path.display(), m.step);
+        return Ok(Restored { resumed: true, note: Some(note), no_checkpoint_yet: false });
+    }
+    let no_checkpoint_yet = c.resume;
+    if resumed_store {
+        let note =
+            c.store.as_ref().map(|p| format!("resumed from {} at step {}", p.display(), store.state().step));
+        return Ok(Restored { resumed: true, note, no_checkpoint_yet });
+    }
+    match &model.hf {
+        Some(hf) => {
+            let r = mt_hf::import_weights(hf, store)
+                .context_with(|| format!("importing the weights of {}", model.name))?;
+            let event = Event::Imported { n_tensors: r.n_tensors, n_params: r.n_params, from: &model.name };
+            notify(observer, &event)?;
+        }
+        None => {
+            let t = Instant::now();
+            let n = init_store(store, c.seed).context_with(|| "initialising the model".into())?;
+            let event = Event::Initialised { n_tensors: n, seed: c.seed, secs: t.elapsed().as_secs_f64() };
+            notify(observer, &event)?;
+        }
+    }
+    Ok(Restored { resumed: false, note: None, no_checkpoint_yet })
+}
+
+/// A checkpoint's snapshot restored into `store`, once its options and data cursor are this run's.
+fn restore_checkpoint(
+    c: &TrainConfig,
+    store: &HostStore,
+    data: &TrainData,
+    defining: &Value,
+    path: &Path,
+    m: &Manifest,
+) -> Result<()> {
+    let refused = |why: String| Error::Checkpoint(format!("cannot resume from {}: {why}", path.display()));
+    checkpoint::check_same_run(m, defining).map_err(|e| refused(e.to_string()))?;
+    let snap = path.with_file_name(&m.store_file);
+    store.restore_snapshot(&snap).context_with(|| format!("restoring {}", snap.display()))?;
+    let here = data.cursor(m.step, c.batch_size);
+    if m.data_cursor != here {
+        return Err(refused(format!(
+            "its data cursor {:?} is not where this data puts step {} ({here:?}); was --data changed?",
+            m.data_cursor, m.step
+        )));
+    }
+    Ok(())
+}
+
+/// Phase: the engine started with the plan's placement, and an update a crashed exact-mode run
+/// left pending applied (bitwise what the next step would do).
+fn start_engine<O: Observer>(
+    c: &TrainConfig,
+    model: &ModelSource,
+    plan: &Plan,
+    backend: Backend,
+    store: &Arc<HostStore>,
+    observer: &mut O,
+) -> Result<DeviceEngine> {
+    let mut opts = EngineOptions {
+        weight_dtype: c.precision.dtype(),
+        ring_depth: plan.ring_depth,
+        n_chunks: plan.n_chunks,
+        mode: c.optim_mode,
+        clip: (c.clip > 0.0).then_some(c.clip),
+        overlap_optimizer: c.overlap_optimizer,
+        rows_per_block: c.rows_per_block,
+        resident_outer: plan.resident_outer,
+        resident_layers: plan.resident_layers,
+        kept_layers: plan.kept_layers,
+        held_layers: plan.held_layers,
+        gpu_updated_layers: plan.gpu_updated_layers,
+        late_state_downloads: plan.late_state_downloads,
+        early_state_uploads: plan.early_state_uploads,
+        flash_attention: plan.flash_attention,
+        mlp_rows: plan.mlp_rows,
+        spilled_checkpoints: plan.spilled_checkpoints,
+        rope_angles: c.rope_angles,
+        ..EngineOptions::default()
+    };
+    opts.adamw.lr = c.lr_for(&model.cfg);
+    opts.adamw.weight_decay = c.weight_decay;
+    opts.adamw.beta1 = c.beta1;
+    opts.adamw.beta2 = c.beta2;
+    opts.adamw.eps = c.eps;
+    let t = Instant::now();
+    let mut engine = backend.start(&model.cfg, Arc::clone(store), opts)?;
+    let event = Event::EngineReady {
+        secs: t.elapsed().as_secs_f64(),
+        device: c.device.kind(),
+        pinned_record_bytes: engine.pinned_record_bytes(),
+    };
+    notify(observer, &event)?;
+    engine.flush_pending().context_with(|| "applying the update a previous run left pending".into())?;
+    Ok(engine)
+}
+
+/// The options a checkpoint is only valid for: a resume with any of them changed is refused.
+fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
+    use crate::config::DataSource;
+    use crate::config::{grad_dtype_name, optim_mode_name};
+    use crate::data::describe_source;
+    // A file is identified by its contents (hashed only when checkpoints are in use: a large
+    // file takes a while), not by how its path is spelled.
+    let (data, data_sha256) = match &c.data {
+        DataSource::File(p) if c.checkpoint_dir().is_some() => {
+            (p.file_name().map(|n| n.to_string_lossy().into_owned()), Some(checkpoint::hash_file(p)?))
+        }
+        DataSource::File(p) => (p.file_name().map(|n| n.to_string_lossy().into_owned()), None),
+        other => (Some(describe_source(other)), None),
+    };
+    Ok(serde_json::json!({
+        "model_config": model.cfg.to_hf_json(),
+        "batch_size": c.batch_size,
+        "seq_len": c.seq_len,
+        "precision": c.precision.name(),
+        "optim_mode": optim_mode_name(c.optim_mode),
+        "grad_dtype": grad_dtype_name(c.grad_dtype()),
+        "data": data,
+        "data_sha256": data_sha256,
+        "shuffle": c.shuffle,
+        "pack": c.pack,
+        "truncate": c.truncate,
+        "eval_fraction": c.eval_fraction,
+        "seed": c.seed,
+        "lr": c.lr_for(&model.cfg),
+        "schedule": c.schedule.name(),
+        "schedule_steps": c.schedule_steps,
+        "steps_if_scheduled": (c.schedule != crate::ScheduleKind::Constant && c.schedule_steps.is_none())
+            .then_some(c.steps),
+        "warmup": c.warmup,
+        "weight_decay": c.weight_decay,
+        "clip": c.clip,
+        "beta1": c.beta1,
+        "beta2": c.beta2,
+        "eps": c.eps,
+    }))
+}
