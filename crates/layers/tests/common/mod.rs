@@ -34,6 +34,8 @@ pub fn llama_gqa() -> ModelConfig {
         qkv_bias: false,
         o_bias: false,
         qk_norm: false,
+        qk_norm_full: false,
+        moe: None,
         sliding_window: None,
     }
 }
