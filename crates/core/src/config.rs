@@ -458,7 +458,7 @@ mod tests {
                 n += 1;
             }
         }
-        assert_eq!(n, 4);
+        assert_eq!(n, 7);
         let t = ModelConfig::tiny_llama();
         assert_eq!(ModelConfig::from_json(&t.to_hf_json()).unwrap(), t);
     }

@@ -83,8 +83,9 @@ fn binding_makes_views_not_copies() {
     let spec = layout.get(names::DOWN).unwrap();
     let ones = Tensor::ones(spec.numel(), DType::F32, &Device::Cpu).unwrap();
     slot.slice_set(&ones, 0, spec.offset).unwrap();
-    assert_eq!(w.down.dims(), &[cfg.hidden_size, cfg.intermediate_size]);
-    assert_eq!(w.down.sum_all().unwrap().to_scalar::<f32>().unwrap(), spec.numel() as f32);
+    let mt_layers::MlpWeights::Dense { down, .. } = &w.mlp else { panic!("a dense layer's weights") };
+    assert_eq!(down.dims(), &[cfg.hidden_size, cfg.intermediate_size]);
+    assert_eq!(down.sum_all().unwrap().to_scalar::<f32>().unwrap(), spec.numel() as f32);
 
     let outer_layout = ModelLayout::new(&cfg).outer;
     let outer_slot = zeros(outer_layout.len + 10, DType::F32); // a longer slot is fine

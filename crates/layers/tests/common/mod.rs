@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use mt_core::{Arch, ModelConfig, RopeScaling};
-use mt_layers::{LayerWeights, Rope};
+use mt_layers::{LayerWeights, MlpWeights, Rope};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -256,8 +256,9 @@ pub fn reference_layer(cfg: &ModelConfig, w: &LayerWeights, x: &Tensor) -> Tenso
         let o = Tensor::cat(&head_outs, 1).unwrap();
         let x1 = (&xs + lin_ref(&o, &w.o, w.o_bias.as_ref())).unwrap();
         let c = rms_ref(&x1, &w.post_norm, eps);
-        let mid = (lin_ref(&c, &w.gate, None).silu().unwrap() * lin_ref(&c, &w.up, None)).unwrap();
-        outs.push((&x1 + lin_ref(&mid, &w.down, None)).unwrap());
+        let MlpWeights::Dense { gate, up, down } = &w.mlp else { panic!("the naive layer is dense only") };
+        let mid = (lin_ref(&c, gate, None).silu().unwrap() * lin_ref(&c, up, None)).unwrap();
+        outs.push((&x1 + lin_ref(&mid, down, None)).unwrap());
     }
     Tensor::stack(&outs, 0).unwrap()
 }
