@@ -1,4 +1,5 @@
-//! The REAL-USE round trip through the fixed command line: a tiny Llama and a tiny Qwen2 saved
+//! The REAL-USE round trip through the fixed command line: a tiny Llama, Qwen2, Qwen3-MoE (with
+//! its load-balancing loss) and Mixtral saved
 //! by transformers (`scripts/make_roundtrip.py`) -> `megatrain train --model DIR --data FILE
 //! --out DIR ... --no-shuffle` -> the exported safetensors equal PyTorch's float64 training of
 //! the same model on the same lines (transformers' float32 islands removed), tensor by tensor,
@@ -148,4 +149,14 @@ fn llama_round_trip_matches_pytorch() {
 #[test]
 fn qwen2_round_trip_matches_pytorch() {
     check("qwen2");
+}
+
+#[test]
+fn qwen3_moe_round_trip_matches_pytorch() {
+    check("qwen3_moe");
+}
+
+#[test]
+fn mixtral_round_trip_matches_pytorch() {
+    check("mixtral");
 }
