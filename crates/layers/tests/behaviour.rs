@@ -359,7 +359,7 @@ fn decoder_inputs_with_wrong_shapes_or_types_are_refused() {
 /// from it is bitwise the recomputing backward, for every layer kind, in f32 and bf16.
 #[test]
 fn a_kept_forward_holds_what_the_planner_counts_and_backs_up_as_the_recompute() {
-    for (name, cfg) in all_configs() {
+    for (name, cfg) in all_configs().into_iter().chain(moe_configs()) {
         let layout = ModelLayout::new(&cfg).layer;
         let mut rng = rng(7);
         let slot = random_slot(&mut rng, &layout);

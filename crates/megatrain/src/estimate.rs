@@ -111,12 +111,18 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let host_bytes = planned_host_bytes(&p, device);
     let layout = ModelLayout::new(cfg);
     let tokens = (args.batch_size * args.seq_len) as f64;
-    // Model FLOPs plus the recomputed forward of every layer that does not keep its
-    // activations (the recompute stops before down_proj).
-    let down = layout.layer.get(mt_core::names::DOWN).map_or(0, |s| s.numel());
+    // Model FLOPs (on the active parameters: a mixture of experts' tokens each reach k of its
+    // E experts) plus the recomputed forward of every layer that does not keep its activations
+    // (the recompute stops before down_proj, a MoE layer's before its experts' down projections).
+    let active = mt_core::active_params(cfg);
+    let active_layer = (active - layout.outer.n_params()) / layout.n_layers;
+    let down = match &cfg.moe {
+        None => layout.layer.get(mt_core::names::DOWN).map_or(0, |s| s.numel()),
+        Some(m) => m.num_experts_per_tok * cfg.hidden_size * m.moe_intermediate_size,
+    };
     let recomputed = layout.n_layers - p.kept_layers;
-    let recompute = 2.0 * (recomputed * (layout.layer.n_params() - down)) as f64 * tokens;
-    let gemm = 6.0 * layout.n_params() as f64 * tokens;
+    let recompute = 2.0 * (recomputed * (active_layer - down)) as f64 * tokens;
+    let gemm = 6.0 * active as f64 * tokens;
     let attn = attention_s(cfg, &p, args);
     let compute_s = (gemm + recompute) / (args.tflops * 1e12) + attn.forward + attn.backward;
     // The forward is a third of the GEMM FLOPs and attention's forward; the backward the rest.
