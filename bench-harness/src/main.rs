@@ -45,10 +45,13 @@ struct Cli {
     #[arg(long, value_name = "MODEL")]
     largest: Option<String>,
     /// Paper: also run our engine with every decoder layer streamed (`--resident-layers 0`,
-    /// variant `streamed`; and with every update on the host too, variant `streamed_host`)
-    /// beside the planner's placement (variant `default`).
+    /// variant `streamed`) beside the planner's placement (variant `default`).
     #[arg(long)]
     ours_streamed: bool,
+    /// Paper: also run our engine with every decoder layer streamed and every update on the host
+    /// (`--resident-layers 0 --gpu-updated-layers 0`, variant `streamed_host`).
+    #[arg(long)]
+    ours_streamed_host: bool,
     /// Paper: also run our engine without gradient clipping, as the DeepSpeed baseline is
     /// configured (`--clip 0 --optim-mode lean --grad-dtype none`, variant `noclip`; without
     /// clipping lean mode's update is bitwise exact mode's, tests/modes.rs).
@@ -136,6 +139,7 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         megatrain_args: cli.megatrain_arg.clone(),
         largest: cli.largest.clone(),
         ours_streamed: cli.ours_streamed,
+        ours_streamed_host: cli.ours_streamed_host,
         ours_noclip: cli.ours_noclip,
         device: cli
             .device

@@ -103,6 +103,8 @@ pub struct Options {
     pub largest: Option<String>,
     /// Paper: also run ours with every decoder layer streamed (variant `streamed`).
     pub ours_streamed: bool,
+    /// Paper: also run ours streamed with every update on the host (variant `streamed_host`).
+    pub ours_streamed_host: bool,
     /// Paper: also run ours without gradient clipping (variant `noclip`).
     pub ours_noclip: bool,
 }
@@ -162,7 +164,7 @@ fn streamed_layers() -> Vec<String> {
 }
 
 /// [`streamed_layers`] with every update on the host (no GPU-updated layers): variant
-/// `streamed_host`, beside `streamed` in the same run.
+/// `streamed_host` (`--ours-streamed-host`).
 fn streamed_host_updates() -> Vec<String> {
     ["--resident-layers", "0", "--gpu-updated-layers", "0"].map(String::from).to_vec()
 }
@@ -391,7 +393,7 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                         // Our further variants, each with its own arguments.
                         let variants = [
                             (opts.ours_streamed, "streamed", streamed_layers()),
-                            (opts.ours_streamed, "streamed_host", streamed_host_updates()),
+                            (opts.ours_streamed_host, "streamed_host", streamed_host_updates()),
                             (opts.ours_noclip, "noclip", no_clipping()),
                         ];
                         for (_, variant, extra) in variants.into_iter().filter(|v| v.0 && sys == System::Ours)

@@ -37,6 +37,7 @@ fn smoke_options(out: &std::path::Path) -> Options {
         megatrain_args: vec![],
         largest: None,
         ours_streamed: false,
+        ours_streamed_host: false,
         ours_noclip: false,
     }
 }
@@ -115,6 +116,7 @@ fn paper_plan_runs_each_of_our_variants_with_its_own_arguments() {
         tokens: vec![(4, 2048)],
         device: "cuda".into(),
         ours_streamed: true,
+        ours_streamed_host: true,
         ours_noclip: true,
         ..smoke_options(&std::env::temp_dir().join("bench-harness-plan-only"))
     };
