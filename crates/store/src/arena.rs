@@ -455,6 +455,18 @@ impl HostStore {
         self.with_header(|p| header::put_u64(p, off::DEVICE_OWNED, u64::from(owned)))
     }
 
+    /// Steps that applied no update because their loss or gradient was not finite (the engine
+    /// skipped them): with [`StoreState::step`] (the updates applied) they make the run's global
+    /// step. 0 in a store from before the count existed.
+    pub fn skipped_steps(&self) -> u64 {
+        self.with_header(|p| header::get_u64(p, off::SKIPPED))
+    }
+
+    /// Sets [`HostStore::skipped_steps`].
+    pub fn set_skipped_steps(&self, n: u64) {
+        self.with_header(|p| header::put_u64(p, off::SKIPPED, n))
+    }
+
     /// Locks one unit's record for exclusive access.
     ///
     /// # Panics

@@ -143,6 +143,7 @@ impl HostStore {
             grad_norm: f64::from_bits(header::get_u64(&page, off::GRAD_NORM)),
         };
         self.set_state(state);
+        self.set_skipped_steps(header::get_u64(&page, off::SKIPPED));
         Ok(state)
     }
 

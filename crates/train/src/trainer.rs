@@ -42,8 +42,13 @@ pub struct Trainer<O: Observer> {
     defining: Value,
     eval_batches: Vec<Batch>,
     start_step: u64,
-    /// Global steps completed (the store's header counts them once their update is applied).
+    /// Global steps completed, skipped ones included (the store's header counts the updates
+    /// applied and the steps skipped).
     step: u64,
+    /// Skipped steps in a row, up to the last step ([`TrainConfig::max_skipped_steps`]).
+    skipped_in_row: u64,
+    /// Skipped steps of this run.
+    skipped: u64,
     end_step: u64,
     t0: Instant,
     // What the run has done so far.
@@ -92,7 +97,8 @@ impl<O: Observer> Trainer<O> {
         let restored =
             restore_or_initialise(&config, &model, &store, &data, &defining, resumed_store, &mut observer)?;
         let engine = start_engine(&config, &model, &plan, backend, &store, &mut observer)?;
-        let start_step = store.state().step;
+        // Updates applied and steps skipped (no update is pending once the engine has started).
+        let start_step = store.state().step + store.skipped_steps();
         let end_step = if config.resume {
             (config.steps as u64).max(start_step)
         } else {
@@ -140,6 +146,8 @@ impl<O: Observer> Trainer<O> {
             eval_batches,
             start_step,
             step: start_step,
+            skipped_in_row: 0,
+            skipped: 0,
             end_step,
             t0,
             totals: StepTotals::default(),
@@ -167,19 +175,40 @@ impl<O: Observer> Trainer<O> {
 
     /// One optimizer step, then the evaluation and checkpoint due after it; the observer hears
     /// of all three at once. Returns the step's loss.
+    ///
+    /// A step whose loss or gradient norm is not finite applies no update (the engine skips it;
+    /// in lean mode, no update to the units whose gradient is not finite) and is reported in its
+    /// [`StepEvent`]; the run stops with [`Error::TooManySkipped`] at the
+    /// [`TrainConfig::max_skipped_steps`]-th skipped step in a row.
     pub fn step(&mut self) -> Result<f64> {
         let k = self.global_step();
         let _span = tracing::info_span!("step", step = k + 1).entered();
         let c = &self.config;
         let batch = self.data.batch(c.seed, k, c.batch_size, c.seq_len);
         let lr = self.schedule.lr(k);
-        let r = self.engine.step(&batch, lr).map_err(|e| crate::oom::step_error(e, k + 1, &self.plan))?;
-        if !r.loss.is_finite() {
-            return Err(Error::Diverged { step: k + 1, loss: r.loss });
+        for &(_, fault) in c.inject_faults.iter().filter(|(s, _)| *s == k + 1) {
+            self.engine.inject(fault);
         }
+        let r = self.engine.step(&batch, lr).map_err(|e| crate::oom::step_error(e, k + 1, &self.plan))?;
         self.record(&r, k);
         self.step = k + 1;
         let done = self.step;
+        if let Some(s) = &r.skipped {
+            self.skipped += 1;
+            self.skipped_in_row += 1;
+            tracing::warn!(step = done, "step skipped: {}", s.cause);
+            if self.skipped_in_row >= self.config.max_skipped_steps as u64 {
+                let event = self.step_event(done, lr, &r, None, None);
+                notify_step(&mut self.observer, &event)?;
+                return Err(Error::TooManySkipped {
+                    step: done,
+                    in_row: self.skipped_in_row,
+                    cause: s.cause.to_string(),
+                });
+            }
+        } else {
+            self.skipped_in_row = 0;
+        }
         let c = &self.config;
         let eval_due = c.eval_every > 0 && done.is_multiple_of(c.eval_every as u64) && done < self.end_step;
         let eval = if !self.eval_batches.is_empty() && eval_due { Some(self.evaluate()?) } else { None };
@@ -187,22 +216,37 @@ impl<O: Observer> Trainer<O> {
             k if k > 0 && done.is_multiple_of(k as u64) => Some(self.save_checkpoint()?),
             _ => None,
         };
-        let event = StepEvent {
-            step: done,
-            steps_done: done - self.start_step,
-            lr,
-            flops_per_step: self.plan.flops_per_step,
-            report: &r,
-            eval,
-            checkpoint,
-        };
+        let event = self.step_event(done, lr, &r, eval, checkpoint);
         notify_step(&mut self.observer, &event)?;
         Ok(r.loss)
     }
 
+    fn step_event<'r>(
+        &self,
+        done: u64,
+        lr: f64,
+        report: &'r StepReport,
+        eval: Option<EvalResult>,
+        checkpoint: Option<CheckpointWritten>,
+    ) -> StepEvent<'r> {
+        StepEvent {
+            step: done,
+            steps_done: done - self.start_step,
+            lr,
+            flops_per_step: self.plan.flops_per_step,
+            report,
+            skipped_in_row: self.skipped_in_row,
+            skipped_steps: self.store.skipped_steps(),
+            eval,
+            checkpoint,
+        }
+    }
+
     fn record(&mut self, r: &StepReport, k: u64) {
-        self.first_loss.get_or_insert(r.loss);
-        self.last_loss = Some(r.loss);
+        if r.skipped.is_none() {
+            self.first_loss.get_or_insert(r.loss);
+            self.last_loss = Some(r.loss);
+        }
         self.train_s += r.step_s;
         if k > self.start_step {
             self.later_s.push(r.step_s);
@@ -324,6 +368,7 @@ impl<O: Observer> Trainer<O> {
             d2h_bytes_per_step: self.totals.d2h_bytes_per_step(),
             streams: self.totals.stream_means(),
             evals: self.evals.clone(),
+            skipped_steps: self.skipped,
             exported,
             device: c.device.kind(),
         }
@@ -478,7 +523,15 @@ fn restore_checkpoint(
     let refused = |why: String| Error::Checkpoint(format!("cannot resume from {}: {why}", path.display()));
     checkpoint::check_same_run(m, defining).map_err(|e| refused(e.to_string()))?;
     let snap = path.with_file_name(&m.store_file);
-    store.restore_snapshot(&snap).context_with(|| format!("restoring {}", snap.display()))?;
+    let restored = store.restore_snapshot(&snap).context_with(|| format!("restoring {}", snap.display()))?;
+    if restored.step + store.skipped_steps() != m.step {
+        return Err(refused(format!(
+            "its snapshot holds {} updates and {} skipped steps, not the {} steps its manifest names",
+            restored.step,
+            store.skipped_steps(),
+            m.step
+        )));
+    }
     let here = data.cursor(m.step, c.batch_size);
     if m.data_cursor != here {
         return Err(refused(format!(

@@ -23,10 +23,14 @@ use crate::{Error, Result};
 
 mod compute;
 mod eval;
+mod faults;
 mod options;
 mod resident;
 mod spill;
 
+#[doc(hidden)]
+pub use faults::Fault;
+pub use faults::{SkipCause, Skipped};
 pub use options::EngineOptions;
 pub(crate) use spill::RELOAD_SLOTS;
 
@@ -57,6 +61,9 @@ pub struct StepReport {
     pub device_peak: Option<DevicePeak>,
     /// Every operation's span (for traces).
     pub spans: Vec<Span>,
+    /// `Some` when the loss or the gradient norm was not finite: the step applied no update
+    /// (in lean mode: none to the units whose gradient was not finite; `faults.rs`).
+    pub skipped: Option<Skipped>,
 }
 
 /// The streamed training engine.
@@ -99,6 +106,11 @@ pub struct Engine<B: Backend> {
     /// with their records unchanged since ([`ProgramSpec::early_ready`]): set only after a step
     /// that issued them succeeded, cleared by anything that may change a record.
     early_ready: bool,
+    /// Faults injected into the next step, and those of the step running ([`Fault`]).
+    faults: Vec<Fault>,
+    step_faults: Vec<Fault>,
+    /// Lean mode: the resident units whose update waits for the step's end (`faults.rs`).
+    deferred_resident: Vec<Unit>,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -247,6 +259,9 @@ impl<B: Backend> Engine<B> {
             applied: vec![0; layout_units],
             dirty: false,
             early_ready: false,
+            faults: Vec::new(),
+            step_faults: Vec::new(),
+            deferred_resident: Vec::new(),
         };
         engine.check_records()?;
         engine.load_resident()?;
@@ -399,6 +414,8 @@ impl<B: Backend> Engine<B> {
         }
         self.backend.begin_step();
         self.device_sumsq.clear();
+        self.deferred_resident.clear();
+        self.step_faults = std::mem::take(&mut self.faults);
         self.kept = std::iter::repeat_with(|| None).take(self.layout.n_layers * chunks.len()).collect();
         self.kept_bytes = 0;
         let loss = self.execute(&program, &chunks, update_args);
@@ -410,28 +427,14 @@ impl<B: Backend> Engine<B> {
             let ss = ss.value()?;
             self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
         }
-        let step_s = self.backend.now_s();
         let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
-        let coef = self.opts.clip.map_or(1.0, |c| mt_optim::clip_coef(norm, c));
-        let new_state = match self.opts.mode {
-            OptimMode::Exact => StoreState {
-                step: state.step + u64::from(state.pending_update),
-                pending_update: true,
-                pending_grad_scale: coef,
-                pending_lr: lr,
-                grad_norm: norm,
-            },
-            OptimMode::Lean => StoreState {
-                step: state.step + 1,
-                pending_update: false,
-                pending_grad_scale: 1.0,
-                pending_lr: lr,
-                grad_norm: norm,
-            },
-        };
-        self.store.set_state(new_state);
-        // Every stream is drained: the early uploads this step issued are in their slots.
-        self.early_ready = program.spec.early_uploads > 0;
+        let loss = self.inject_loss(loss);
+        self.step_faults.clear();
+        let skipped = self.conclude_step(state, lr, loss, norm, &update_args)?;
+        let step_s = self.backend.now_s();
+        // Every stream is drained: the early uploads this step issued are in their slots (of no
+        // use after a skipped step, which leaves no update pending for them).
+        self.early_ready = program.spec.early_uploads > 0 && skipped.is_none();
         let spans = self.backend.spans();
         let (h2d_bytes, d2h_bytes) = self.backend.transferred();
         Ok(StepReport {
@@ -446,6 +449,7 @@ impl<B: Backend> Engine<B> {
             kept_bytes: self.kept_bytes,
             device_peak: self.backend.device_peak(),
             spans,
+            skipped,
         })
     }
 
@@ -671,6 +675,14 @@ impl<B: Backend> Engine<B> {
                     // lean mode, which updates from the landed f32 gradient now, of that one,
                     // with the update in the same pass too (unless a retried step applied it).
                     let ss = if update && r.applied_step() < args.step {
+                        // A non-finite gradient updates nothing (`faults.rs`): checked before
+                        // the fused land + update writes the record.
+                        let ss = mt_optim::sum_squares(Grad::F32(src));
+                        if !ss.is_finite() {
+                            faults::zero_grad(&mut r);
+                            sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
+                            return Ok(());
+                        }
                         let p = r.parts_mut();
                         let stored = match p.grad {
                             Some(GradMut::F32(g)) => Upload::F32(g),
