@@ -467,6 +467,18 @@ impl HostStore {
         self.with_header(|p| header::put_u64(p, off::SKIPPED, n))
     }
 
+    /// Whether a run has this store open, from its start to its orderly end ([`HostStore::set_run_open`]):
+    /// a file-backed store still marked when opened was left by a run killed mid-step, and may
+    /// hold a half-applied update.
+    pub fn run_open(&self) -> bool {
+        self.with_header(|p| header::get_u64(p, off::RUN_OPEN) != 0)
+    }
+
+    /// Sets or clears the mark of [`HostStore::run_open`].
+    pub fn set_run_open(&self, open: bool) {
+        self.with_header(|p| header::put_u64(p, off::RUN_OPEN, u64::from(open)))
+    }
+
     /// Locks one unit's record for exclusive access.
     ///
     /// # Panics

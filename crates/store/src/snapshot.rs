@@ -46,6 +46,8 @@ impl HostStore {
             file.set_len(self.total_len as u64).map_err(io(&tmp))?;
             let mut page = vec![0u8; PAGE];
             self.with_header(|h| page.copy_from_slice(h));
+            // A snapshot is no run's live state.
+            header::put_u64(&mut page, off::RUN_OPEN, 0);
             file.write_all_at(&page, 0).map_err(io(&tmp))?;
             let mut written = PAGE as u64;
             for (i, loc) in self.records.iter().enumerate() {

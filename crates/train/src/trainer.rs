@@ -85,17 +85,20 @@ impl<O: Observer> Trainer<O> {
         let model = ModelSource::load(&config.model)?;
         checks::check_sizes(&config, &model.cfg)?;
         checks::check_outputs(&config)?;
+        checks::check_room(&checks::outputs(&config, &ModelLayout::new(&model.cfg)))?;
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
         let backend = Backend::open(&config)?;
         let plan = plan_run(&config, &model, &backend, &mut observer)?;
         let layout = ModelLayout::new(&model.cfg);
         let defining = defining_options(&config, &model)?;
-        let (store, resumed_store) = open_store(&config, &layout)?;
+        let (store, opened) = open_store(&config, &layout)?;
         let store = Arc::new(store);
         prefault(&store, &mut observer)?;
         let restored =
-            restore_or_initialise(&config, &model, &store, &data, &defining, resumed_store, &mut observer)?;
+            restore_or_initialise(&config, &model, &store, &data, &defining, opened, &mut observer)?;
+        // Until the run's orderly end (`Drop`): a kill leaves the mark in a --store file.
+        store.set_run_open(true);
         let engine = start_engine(&config, &model, &plan, backend, &store, &mut observer)?;
         // Updates applied and steps skipped (no update is pending once the engine has started).
         let start_step = store.state().step + store.skipped_steps();
@@ -411,6 +414,18 @@ impl<O: Observer> Trainer<O> {
     }
 }
 
+impl<O: Observer> Drop for Trainer<O> {
+    /// An orderly end (finished, or stopped by an error): the store is consistent (a failed step
+    /// is retried without applying an update twice), so a --store file loses the mark of a run
+    /// in progress. Only a kill (or a crash of the machine) leaves it.
+    fn drop(&mut self) {
+        self.store.set_run_open(false);
+        if let Err(e) = self.store.flush() {
+            tracing::error!("could not flush the host store: {e}");
+        }
+    }
+}
+
 fn notify<O: Observer>(observer: &mut O, event: &Event<'_>) -> Result<()> {
     observer.event(event).map_err(Error::Observer)
 }
@@ -437,23 +452,46 @@ fn plan_run<O: Observer>(
     Ok(p)
 }
 
-/// Phase: the `store` file (opened if it exists, else created) or an anonymous store; `true`
-/// when an existing store was opened.
-fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, bool)> {
+/// How the store was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opened {
+    /// Anonymous, or a new file: zeroed.
+    New,
+    /// An existing --store file, to continue from.
+    Continued,
+    /// An existing --store file under --resume: a working copy, restored from the newest
+    /// checkpoint or, without one, initialised afresh.
+    Reused,
+}
+
+/// Phase: the `store` file (opened if it exists, else created) or an anonymous store. An existing
+/// file that a killed run left mid-step is refused unless `resume` restores a checkpoint into it.
+fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, Opened)> {
     let Some(path) = &c.store else {
         let s = HostStore::anonymous(layout, c.grad_dtype())
             .context_with(|| "allocating the host store".into())?;
-        return Ok((s, false));
+        return Ok((s, Opened::New));
     };
     if path.exists() {
         let s = HostStore::open(path, layout).context_with(|| {
             format!("cannot resume from --store {} (is it for this model?)", path.display())
         })?;
-        Ok((s, true))
+        if c.resume {
+            return Ok((s, Opened::Reused));
+        }
+        if s.run_open() {
+            return Err(Error::Options(format!(
+                "--store {} was left by a run that was killed mid-step (or whose machine crashed): it \
+                 may hold a half-applied update. Rerun with --resume to restore the newest checkpoint \
+                 into it (--save-every with --out or --checkpoint-dir), or delete it to start afresh",
+                path.display()
+            )));
+        }
+        Ok((s, Opened::Continued))
     } else {
         let s = HostStore::create(path, layout, c.grad_dtype())
             .context_with(|| format!("cannot create --store {}", path.display()))?;
-        Ok((s, false))
+        Ok((s, Opened::New))
     }
 }
 
@@ -476,7 +514,7 @@ fn restore_or_initialise<O: Observer>(
     store: &HostStore,
     data: &TrainData,
     defining: &Value,
-    resumed_store: bool,
+    opened: Opened,
     observer: &mut O,
 ) -> Result<Restored> {
     let latest = match (c.checkpoint_dir(), c.resume) {
@@ -489,7 +527,11 @@ fn restore_or_initialise<O: Observer>(
         return Ok(Restored { resumed: true, note: Some(note), no_checkpoint_yet: false });
     }
     let no_checkpoint_yet = c.resume;
-    if resumed_store {
+    if opened == Opened::Reused {
+        // No checkpoint yet: start afresh over whatever a killed run left in the file.
+        reset_store(store);
+    }
+    if opened == Opened::Continued {
         let note =
             c.store.as_ref().map(|p| format!("resumed from {} at step {}", p.display(), store.state().step));
         return Ok(Restored { resumed: true, note, no_checkpoint_yet });
@@ -511,6 +553,26 @@ fn restore_or_initialise<O: Observer>(
     Ok(Restored { resumed: false, note: None, no_checkpoint_yet })
 }
 
+/// Zeroes everything of a store that a run writes (moments, gradients, update marks, the header's
+/// state and counts), for a fresh start in a reused --store file; the weights are written next.
+fn reset_store(store: &HostStore) {
+    for u in store.layout().units() {
+        let mut r = store.record(u);
+        let p = r.parts();
+        p.m.fill(0.0);
+        p.v.fill(0.0);
+        match r.grad_mut() {
+            Some(mt_store::GradMut::F32(g)) => g.fill(0.0),
+            Some(mt_store::GradMut::Bf16(g)) => g.fill(Default::default()),
+            None => {}
+        }
+        r.set_applied_step(0);
+    }
+    store.set_state(mt_store::StoreState { pending_grad_scale: 1.0, ..Default::default() });
+    store.set_skipped_steps(0);
+    store.set_device_owned(false);
+}
+
 /// A checkpoint's snapshot restored into `store`, once its options and data cursor are this run's.
 fn restore_checkpoint(
     c: &TrainConfig,
@@ -522,6 +584,8 @@ fn restore_checkpoint(
 ) -> Result<()> {
     let refused = |why: String| Error::Checkpoint(format!("cannot resume from {}: {why}", path.display()));
     checkpoint::check_same_run(m, defining).map_err(|e| refused(e.to_string()))?;
+    // A --store file reused under --resume may carry a killed run's marks; the snapshot is whole.
+    store.set_device_owned(false);
     let snap = path.with_file_name(&m.store_file);
     let restored = store.restore_snapshot(&snap).context_with(|| format!("restoring {}", snap.display()))?;
     if restored.step + store.skipped_steps() != m.step {

@@ -156,7 +156,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "GIB", value_parser = positive_f64, help_heading = "Device and memory")]
     pub host_mem: Option<f64>,
 
-    /// File-backed host store: created, or continued from the step recorded in it.
+    /// File-backed host store: created, or continued from the step recorded in it. The live state,
+    /// not a checkpoint: a killed run's file is refused; --resume restores a checkpoint into it.
     #[arg(long, value_name = "PATH", help_heading = "Device and memory")]
     pub store: Option<PathBuf>,
 
