@@ -1,5 +1,5 @@
 //! Errors of a training run: a refused option, the error of a layer below with what was being
-//! done when it happened, a diverged loss, or an observer's own error.
+//! done when it happened, too many skipped steps in a row, or an observer's own error.
 
 /// Everything a [`crate::Trainer`] can fail with. Messages name the option to change (by its
 /// `megatrain train` flag: the fields of [`crate::TrainConfig`] have the same names).
