@@ -83,6 +83,49 @@ fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
+/// Most parameters a config may describe: 2^48 (281 T). Every size derived from it (a unit's
+/// elements, a store's bytes at 16 B/param, offsets) then fits in 64 bits.
+const MAX_PARAMS: u128 = 1 << 48;
+
+/// Refuses sizes whose parameter counts would overflow the layout's arithmetic (found by the
+/// `config_json` fuzz target: a `hidden_size` of 6.4e17 wrapped around).
+fn check_magnitudes(c: &ModelConfig) -> Result<()> {
+    let [v, h, f, l, heads, kvh, hd] = [
+        c.vocab_size,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    ]
+    .map(|x| x as u128);
+    let (q, kv) = (heads.saturating_mul(hd), kvh.saturating_mul(hd));
+    let sum = |xs: &[u128]| xs.iter().fold(0u128, |a, &x| a.saturating_add(x));
+    // Every tensor of a layer, biases and norms included whether the config has them or not.
+    let layer = sum(&[
+        2 * h,
+        q.saturating_mul(h).saturating_mul(2),
+        kv.saturating_mul(h).saturating_mul(2),
+        f.saturating_mul(h).saturating_mul(3),
+        q,
+        2 * kv,
+        h,
+        2 * hd,
+    ]);
+    let total = sum(&[v.saturating_mul(h).saturating_mul(2), h, l.saturating_mul(layer)]);
+    if total > MAX_PARAMS {
+        return Err(Error::config(
+            "<sizes>",
+            format!(
+                "vocab_size {v}, hidden_size {h}, intermediate_size {f}, num_hidden_layers {l}, {heads} x {hd} \
+                 attention heads make more than 2^48 parameters"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
     let v = get(obj, key).ok_or_else(|| Error::config(key, "missing (required)"))?;
     let n = v
@@ -288,6 +331,7 @@ impl ModelConfig {
             qk_norm,
             sliding_window,
         };
+        check_magnitudes(&cfg)?;
         Ok(cfg)
     }
 
