@@ -29,7 +29,13 @@ fn engine(cfg: &ModelConfig, store: Arc<HostStore>, opts: EngineOptions) -> Engi
 }
 
 /// Per unit the bits of master, m, v and its update mark; the header's step.
-fn state_of(store: &HostStore) -> (Vec<(Vec<u32>, u64)>, u64) {
+type State = (Vec<(Vec<u32>, u64)>, u64);
+
+/// What [`run`] saw: the state after the bad step (flushed), after the later steps, the bad
+/// step's skip, and whether the store was all finite after it.
+type Seen = (State, State, Option<mt_sched::Skipped>, bool);
+
+fn state_of(store: &HostStore) -> State {
     let records = store
         .layout()
         .units()
@@ -62,7 +68,7 @@ fn run(
     opts: &EngineOptions,
     data: &[Batch],
     fault: Option<Fault>,
-) -> ((Vec<(Vec<u32>, u64)>, u64), (Vec<(Vec<u32>, u64)>, u64), Option<mt_sched::Skipped>, bool) {
+) -> Seen {
     let store = store_with(cfg, &random_params(cfg, 8), grad);
     let mut e = engine(cfg, store.clone(), opts.clone());
     for b in &data[..2] {
@@ -128,7 +134,7 @@ fn cuda_a_non_finite_step_is_skipped_bitwise() {
         for f in faults {
             let (mid, end, skipped, finite) = run(&cfg, *grad, opts, &data, Some(f));
             let skipped = skipped.unwrap_or_else(|| panic!("{name}, {f:?}: not skipped"));
-            println!("SUMMARY gpu_faults {name}, {f:?}: {skipped:?}");
+            eprintln!("SUMMARY gpu_faults {name}, {f:?}: {skipped:?}");
             assert!(finite, "{name}, {f:?}: a non-finite value in the store");
             assert!(mid == want_mid, "{name}, {f:?}: the store differs from the run without the bad step");
             assert!(end == want_end, "{name}, {f:?}: the steps after the skip differ");
