@@ -8,9 +8,15 @@
 
 mod config;
 mod error;
+mod hf_names;
 mod layout;
+mod moe;
 pub mod names;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use layout::{model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};
+pub use hf_names::{ExpertNames, HfPiece, MoeLayout};
+pub use layout::{
+    active_params, model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS,
+};
+pub use moe::MoeConfig;

@@ -1,5 +1,5 @@
 //! Non-finite steps: a step whose loss or global gradient norm is NaN or infinite applies no
-//! update (`docs/decisions/0027-non-finite-steps.md`).
+//! update (`docs/decisions/0030-non-finite-steps.md`).
 //!
 //! Exact mode decides at the step's end, before anything of the step's own update exists: the
 //! update the step computed is simply not made pending (its landed gradients are never read, and
