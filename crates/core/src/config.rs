@@ -290,7 +290,7 @@ impl ModelConfig {
         };
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
         let moe = parse_moe(obj, arch, num_hidden_layers)?;
-        if arch == Arch::Olmoe && head_dim * num_attention_heads != hidden_size {
+        if arch == Arch::Olmoe && head_dim.checked_mul(num_attention_heads) != Some(hidden_size) {
             // transformers sizes OLMoE's q/k norms from hidden_size / num_attention_heads.
             return Err(Error::Unsupported(format!(
                 "olmoe with head_dim {head_dim} != hidden_size / num_attention_heads = {}",
