@@ -280,3 +280,38 @@ fn before_norm(cfg: &ModelConfig, opts: &EngineOptions, data: &[Batch]) -> f64 {
     let mut e = engine(cfg, store.clone(), opts.clone(), 0);
     e.step(&data[0], 1e-3).unwrap().grad_norm
 }
+
+/// A mixture of experts (the load-balancing loss on, so the step's loss holds its term and the
+/// routers' gradients count in the norm) skips as a dense model does: the routing is decided on
+/// the host, but the skip is decided at the step's end over the whole loss and norm.
+#[test]
+fn a_moe_step_with_a_non_finite_gradient_or_loss_applies_nothing() {
+    for name in ["qwen3_moe", "mixtral"] {
+        let cfg = ModelConfig { num_hidden_layers: 3, ..golden::load(name).unwrap().cfg };
+        assert!(cfg.moe.as_ref().is_some_and(|m| m.aux_coef().is_some()), "{name}");
+        let data = small_batches(&cfg, 4, 110);
+        let c = Case {
+            name,
+            grad: GradDtype::Bf16,
+            opts: EngineOptions { n_chunks: 2, resident_layers: 1, kept_layers: 1, ..golden_opts() },
+        };
+        let (_, before) = reference(&cfg, &c, &data, 2);
+        for fault in [Fault::Gradient { unit: Unit::Layer(1), value: f32::NAN }, Fault::Loss(f64::INFINITY)] {
+            let what = format!("{name}: {fault:?}");
+            let store = store_with(&cfg, &random_params(&cfg, 8), c.grad);
+            let mut e = engine(&cfg, store.clone(), c.opts.clone(), 50);
+            for b in &data[..2] {
+                assert!(e.step(b, 1e-3).unwrap().skipped.is_none(), "{what}");
+            }
+            e.inject(fault);
+            let s = e.step(&data[2], 1e-3).unwrap().skipped;
+            assert!(s.is_some_and(|s| s.units_updated == 0), "{what}: the step must be skipped");
+            assert_eq!(store.skipped_steps(), 1, "{what}");
+            e.flush_pending().unwrap();
+            assert_same(&state_of(&store), &before, &what);
+            assert_all_finite(&store, &what);
+            let next = e.step(&data[3], 1e-3).unwrap();
+            assert!(next.skipped.is_none() && next.loss.is_finite(), "{what}: the run goes on");
+        }
+    }
+}
