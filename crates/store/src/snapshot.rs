@@ -46,6 +46,8 @@ impl HostStore {
             file.set_len(self.total_len as u64).map_err(io(&tmp))?;
             let mut page = vec![0u8; PAGE];
             self.with_header(|h| page.copy_from_slice(h));
+            // A snapshot is no run's live state.
+            header::put_u64(&mut page, off::RUN_OPEN, 0);
             file.write_all_at(&page, 0).map_err(io(&tmp))?;
             let mut written = PAGE as u64;
             for (i, loc) in self.records.iter().enumerate() {
@@ -54,6 +56,20 @@ impl HostStore {
                 meta.copy_from_slice(&r.applied_step().to_le_bytes());
                 file.write_all_at(&meta, loc.base as u64).map_err(io(&tmp))?;
                 for (k, region) in [r.master(), r.m(), r.v()].into_iter().enumerate() {
+                    // Never a checkpoint of a poisoned state (the engine skips non-finite steps, so
+                    // this is a last line of defence: one more read of data on its way to disk).
+                    if let Some(at) = region.iter().position(|x| !x.is_finite()) {
+                        return Err(Error::Store {
+                            path: path.to_owned(),
+                            msg: format!(
+                                "{:?}'s {} holds {} at element {at}: no checkpoint is written from a \
+                                 non-finite state",
+                                self.unit_at(i),
+                                ["master weights", "first moment", "second moment"][k],
+                                region[at]
+                            ),
+                        });
+                    }
                     let at = (loc.base + PAGE + k * loc.f32_region) as u64;
                     file.write_all_at(bytemuck::cast_slice(region), at).map_err(io(&tmp))?;
                     written += (region.len() * 4) as u64;
@@ -143,6 +159,7 @@ impl HostStore {
             grad_norm: f64::from_bits(header::get_u64(&page, off::GRAD_NORM)),
         };
         self.set_state(state);
+        self.set_skipped_steps(header::get_u64(&page, off::SKIPPED));
         Ok(state)
     }
 

@@ -125,3 +125,15 @@ fn snapshots_are_refused_when_they_do_not_belong() {
     let e = dst.restore_snapshot(&cut).unwrap_err().to_string();
     assert!(e.contains("truncated"), "{e}");
 }
+
+#[test]
+fn no_snapshot_is_written_from_a_non_finite_state() {
+    let store = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
+    fill(&store, 1.0);
+    store.record(Unit::Layer(1)).parts().m[5] = f32::INFINITY;
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("s.store");
+    let e = store.write_snapshot(&path).unwrap_err().to_string();
+    assert!(e.contains("Layer(1)'s first moment holds inf at element 5"), "{e}");
+    assert!(std::fs::read_dir(d.path()).unwrap().next().is_none(), "no file, not even a .tmp");
+}

@@ -10,7 +10,8 @@ use mt_core::Unit;
 use mt_optim::{StepArgs, Upload};
 use mt_store::GradMut;
 
-use super::{update_unit, Engine};
+use super::transfer::update_unit;
+use super::Engine;
 use crate::backend::Backend;
 use crate::{Error, Result};
 
