@@ -10,7 +10,9 @@ mod config;
 mod error;
 mod layout;
 pub mod names;
+mod states;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use layout::{model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};
+pub use states::{StateDtype, Q8_BLOCK};

@@ -78,6 +78,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         ring_depth: args.ring_depth,
         precision: args.precision.into(),
         grad_dtype: args.grad_dtype.map(Into::into),
+        optim_states: args.optim_states.into(),
         optim_mode: args.optim_mode.into(),
         device: args.device.into(),
         placement: PlacementChoice {
@@ -124,19 +125,22 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let outer_params = if p.resident_outer { 0.0 } else { layout.outer.n_params() as f64 };
     let mode = args.optim_mode.into();
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
-    let b = HostTraffic::of(mode, grad, args.precision.bytes());
+    let states = mt_core::StateDtype::from(args.optim_states);
+    let b = HostTraffic::of(mode, grad, args.precision.bytes(), states.nominal_state_bytes() as f64);
     let secs = |bytes: f64| bytes / (args.host_gbs * 1e9);
     // GPU-updated layers' updates run on the GPU from their streamed state, but the DMA of that
-    // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16)
-    // goes through the same host memory the host's update pass is bound by, in the same window:
-    // priced at the same bandwidth (measured on the 16-core H200: the host's pass per layer
-    // slows from 18.4 to ~24.5 ms beside it, 2026-11-24). Late downloads (12 B/param) come back
-    // in the backward instead, and early uploads' master and moments (12 B/param) go up there
-    // (their gradient is copied on the device).
+    // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16
+    // with fp32 moments; `s` B/param of master and moments each way) goes through the same host
+    // memory the host's update pass is bound by, in the same window: priced at the same
+    // bandwidth (measured on the 16-core H200: the host's pass per layer slows from 18.4 to
+    // ~24.5 ms beside it, 2026-11-24). Late downloads (`s` B/param) come back in the backward
+    // instead, and early uploads' master and moments (`s` B/param) go up there (their gradient is
+    // copied on the device).
+    let s = b.state;
     let gpu_params = (p.gpu_updated_layers * layout.layer.n_params()) as f64;
     let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
     let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
-    let state_dma = gpu_params * (24.0 + b.grad) - late_params * 12.0 - early_params * (12.0 + b.grad);
+    let state_dma = gpu_params * (2.0 * s + b.grad) - late_params * s - early_params * (s + b.grad);
     let host_update_s =
         secs((layer_params - gpu_params + outer_params) * (b.update + b.fwd_cast) + state_dma);
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
@@ -145,8 +149,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         recast_params * b.bwd_cast
             + layer_params * b.land
             + outer_params * b.outer_land
-            + late_params * 12.0
-            + early_params * 12.0,
+            + late_params * s
+            + early_params * s,
     );
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
@@ -163,15 +167,15 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => {
             let bwd_h2d = ((streamed_layers - p.held_layers) * layout.layer.len) as f64
                 * args.precision.bytes()
-                + early_params * 12.0;
+                + early_params * s;
             // GPU-updated layers' master and moments come back during the forward (the late
             // ones' during the backward).
-            let fwd_d2h = (12 * (p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64;
+            let fwd_d2h = ((p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64 * s;
             // Their state goes up beside the host's pass, slower than weights alone (the
             // planner's `STATE_UPLOAD_GBS` of its `PCIE_GBS`): master, m, v and the stored
             // gradient of each not uploaded early.
             let state_up =
-                ((p.gpu_updated_layers - p.early_state_uploads) * layout.layer.len) as f64 * (12.0 + b.grad);
+                ((p.gpu_updated_layers - p.early_state_uploads) * layout.layer.len) as f64 * (s + b.grad);
             let state_gbs = args.pcie_gbs * mt_sched::plan::STATE_UPLOAD_GBS / mt_sched::plan::PCIE_GBS;
             let fwd_h2d_s = (p.pcie_h2d_per_step as f64 - bwd_h2d - state_up) / (args.pcie_gbs * 1e9)
                 + state_up / (state_gbs * 1e9);
@@ -203,6 +207,9 @@ struct HostTraffic {
     /// upload copy); lean mode's fused land + update (`mt_optim::land_and_step`: the landed f32
     /// read once, the stored gradient written, master, m, v).
     update: f64,
+    /// Bytes of a parameter's master and moments (12, 8 or 6 by `--optim-states`): read and
+    /// written by the update, and a GPU-updated layer's state DMA each way.
+    state: f64,
     /// The forward's cast into staging (lean mode; exact mode fuses it into the update).
     fwd_cast: f64,
     /// The backward's re-cast into staging of a layer (master read, upload copy written).
@@ -217,7 +224,7 @@ struct HostTraffic {
 }
 
 impl HostTraffic {
-    fn of(mode: mt_sched::OptimMode, grad: mt_store::GradDtype, e: f64) -> Self {
+    fn of(mode: mt_sched::OptimMode, grad: mt_store::GradDtype, e: f64, s: f64) -> Self {
         let g = match grad {
             mt_store::GradDtype::F32 => 4.0,
             mt_store::GradDtype::Bf16 => 2.0,
@@ -226,7 +233,8 @@ impl HostTraffic {
         let cast = 4.0 + e;
         match mode {
             mt_sched::OptimMode::Exact => HostTraffic {
-                update: g + 24.0 + e,
+                update: g + 2.0 * s + e,
+                state: s,
                 fwd_cast: 0.0,
                 bwd_cast: cast,
                 land: if mt_sched::plan::lands_bf16(mode, grad) { 2.0 + 2.0 } else { 4.0 + g },
@@ -234,7 +242,8 @@ impl HostTraffic {
                 grad: g,
             },
             mt_sched::OptimMode::Lean => HostTraffic {
-                update: 4.0 + g + 24.0,
+                update: 4.0 + g + 2.0 * s,
+                state: s,
                 fwd_cast: cast,
                 bwd_cast: cast,
                 land: 0.0,

@@ -1,4 +1,7 @@
-//! Criterion benchmark of the fused AdamW step and the gradient sum of squares on 64M parameters.
+//! Criterion benchmark of the fused AdamW step and the gradient sum of squares on 64M parameters,
+//! and of the host update pass with each precision of the moments (`--optim-states`: group
+//! `adamw_states_64M`, exact mode's update with a bf16 gradient and bf16 upload copy, and lean
+//! mode's land + update from an f32 gradient; all on the same rayon pool, one after another).
 //!
 //! Throughput is `Elements(n)` with one element per parameter, so criterion's "Gelem/s" is Gparam/s
 //! (the unit of the torch and DeepSpeed CPU AdamW figures in docs/peers.md; torch's fused
@@ -10,7 +13,11 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
 use half::bf16;
-use mt_optim::{cast_into, cast_sum_squares, step_fused, sum_squares, AdamW, Grad, StepArgs, Upload, CHUNK};
+use mt_core::StateDtype;
+use mt_optim::{
+    cast_into, cast_sum_squares, land_and_step, step_fused, sum_squares, AdamW, Grad, Moments, StepArgs,
+    Upload, CHUNK,
+};
 use rayon::prelude::*;
 
 const N: usize = 64 << 20;
@@ -36,17 +43,34 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(N as u64));
     g.bench_function(BenchmarkId::new("step_fused", "f32_grad+bf16_upload"), |b| {
         b.iter(|| {
-            step_fused(&h, &a, Grad::F32(&grad), &mut master, &mut m, &mut v, Upload::Bf16(&mut upload))
-                .unwrap()
+            step_fused(
+                &h,
+                &a,
+                Grad::F32(&grad),
+                &mut master,
+                Moments::f32(&mut m, &mut v),
+                Upload::Bf16(&mut upload),
+            )
+            .unwrap()
         })
     });
     g.bench_function(BenchmarkId::new("step_fused", "f32_grad+no_upload"), |b| {
-        b.iter(|| step_fused(&h, &a, Grad::F32(&grad), &mut master, &mut m, &mut v, Upload::None).unwrap())
+        b.iter(|| {
+            step_fused(&h, &a, Grad::F32(&grad), &mut master, Moments::f32(&mut m, &mut v), Upload::None)
+                .unwrap()
+        })
     });
     g.bench_function(BenchmarkId::new("step_fused", "bf16_grad+bf16_upload"), |b| {
         b.iter(|| {
-            step_fused(&h, &a, Grad::Bf16(&grad_bf16), &mut master, &mut m, &mut v, Upload::Bf16(&mut upload))
-                .unwrap()
+            step_fused(
+                &h,
+                &a,
+                Grad::Bf16(&grad_bf16),
+                &mut master,
+                Moments::f32(&mut m, &mut v),
+                Upload::Bf16(&mut upload),
+            )
+            .unwrap()
         })
     });
     g.bench_function(BenchmarkId::new("cast_into", "bf16"), |b| {
@@ -65,5 +89,40 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// The host update pass with fp32, bf16 and 8-bit moments: exact mode's `step_fused` (bf16
+/// store gradient, bf16 upload copy: the `Stage` of a streamed layer) and lean mode's
+/// `land_and_step` (f32 landed gradient, nothing stored). Each precision's state is warmed by
+/// criterion's warm-up iterations (the moments start at zero).
+fn bench_states(c: &mut Criterion) {
+    let grad = pattern(N, 2e-2, 0.0);
+    let grad_bf16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut upload = vec![bf16::ZERO; N];
+    let h = AdamW::default();
+    let a = StepArgs { step: 100, lr: 1e-4, grad_scale: 0.5 };
+    let mut g = c.benchmark_group("adamw_states_64M");
+    g.sample_size(10).sampling_mode(SamplingMode::Flat).warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(4));
+    g.throughput(Throughput::Elements(N as u64));
+    for states in StateDtype::ALL {
+        // [master | m | v] as a device state slot lays it out (the store's regions are the same
+        // bytes, page-aligned apart).
+        let mut state = vec![0.0f32; states.state_words(N)];
+        state[..N].copy_from_slice(&pattern(N, 2.0, 0.0));
+        g.bench_function(BenchmarkId::new("update_bf16_grad+bf16_upload", states.name()), |b| {
+            b.iter(|| {
+                let (p, mom) = Moments::split_state(states, N, &mut state, 1).unwrap();
+                step_fused(&h, &a, Grad::Bf16(&grad_bf16), p, mom, Upload::Bf16(&mut upload)).unwrap()
+            })
+        });
+        g.bench_function(BenchmarkId::new("land_and_step_f32_grad", states.name()), |b| {
+            b.iter(|| {
+                let (p, mom) = Moments::split_state(states, N, &mut state, 1).unwrap();
+                land_and_step(&h, &a, &grad, Upload::None, p, mom).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench, bench_states);
 criterion_main!(benches);

@@ -41,6 +41,11 @@ struct Ctx<'a> {
     le: u64,
     /// Bytes per element of a stored gradient.
     g: u64,
+    /// Bytes of a decoder layer's and of the outer unit's master and moments (a state slot's,
+    /// a resident unit's optimizer state), and nominal bytes of them a parameter (12, 8, 6).
+    sl: u64,
+    so: u64,
+    s: u64,
     /// The transferred part of the outer unit: none of it when it is resident.
     ol_moved: u64,
     /// What the plan may use of the GPU, and that in words for refusals.
@@ -71,6 +76,9 @@ impl<'a> Ctx<'a> {
             hid: cfg.hidden_size as u64,
             le: if lands_bf16(input.mode, input.grad_dtype) { 2 } else { 4 },
             g: grad_elem_bytes(input.grad_dtype),
+            sl: input.state_dtype.state_bytes(layout.layer.len) as u64,
+            so: input.state_dtype.state_bytes(layout.outer.len) as u64,
+            s: input.state_dtype.nominal_state_bytes(),
             ol_moved: if resident_outer { 0 } else { ol },
             budget,
             budget_line: format!(
@@ -83,13 +91,14 @@ impl<'a> Ctx<'a> {
     }
 
     /// GPU bytes of the GPU-updated layers' state slots with `late` late downloads:
-    /// `ring_depth` slots of fp32 master, m, v and the stored gradient (`g` bytes), one more per
-    /// late download (early uploads take slots free in the backward), and the f32 copy a bf16
-    /// gradient is widened into; late downloads also take two more gradient buffers.
+    /// `ring_depth` slots of master, m, v (`sl` bytes) and the stored gradient (`g` bytes a
+    /// parameter), one more per late download (early uploads take slots free in the backward),
+    /// and the f32 copy a bf16 gradient is widened into; late downloads also take two more
+    /// gradient buffers.
     fn state_cost(&self, late: usize) -> u64 {
-        let Ctx { ring_depth, ll, le, g, .. } = *self;
+        let Ctx { ring_depth, ll, le, g, sl, .. } = *self;
         let grad_buf_bytes = ll * 4 + if le == 2 { ll * 2 } else { 0 };
-        (ring_depth + late) as u64 * (12 + g) * ll
+        (ring_depth + late) as u64 * (sl + g * ll)
             + if g == 2 { 4 * ll } else { 0 }
             + (grad_bufs(late) - N_BUFS as usize) as u64 * grad_buf_bytes
     }
@@ -120,7 +129,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
     let gpu_updated = place_gpu_updated(&c, resident_layers, held_layers, &mut total)?;
     let kept_layers =
         place_kept(&c, (resident_layers, held_layers, chunks.spilled), per_kept_layer, &mut total)?;
-    let Ctx { ll, ol, nl, e, le, g, ol_moved, .. } = c;
+    let Ctx { ll, ol, nl, e, le, g, sl, ol_moved, .. } = c;
     let grad_region = |len: u64| round_page(len * g);
     host.released_by_resident =
         resident_layers as u64 * grad_region(ll) + if resident_outer { grad_region(ol) } else { 0 };
@@ -163,9 +172,9 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         gpu,
         host,
         pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
-            + gu * (12 + g) * ll
+            + gu * (sl + g * ll)
             - early_state_uploads as u64 * g * ll,
-        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4 + gu * 12 * ll,
+        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4 + gu * sl,
         n_params: c.layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(c.cfg, c.batch, c.seq),
     })
@@ -205,7 +214,7 @@ fn check_input(input: &PlanInput) -> Result<usize> {
 fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
     let Ctx { input, ll, e, le, ol_moved, .. } = *c;
     let layout = &c.layout;
-    let store = store_bytes(layout, input.grad_dtype);
+    let store = store_bytes(layout, input.grad_dtype, input.state_dtype);
     let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * le + ol_moved * 4;
     let host =
         HostBytes { store, pinned, spilled_checkpoints: 0, total: store + pinned, released_by_resident: 0 };
@@ -234,13 +243,13 @@ struct Fixed {
 
 /// Phase 3: the fixed GPU buffers fit.
 fn fixed_gpu_bytes(c: &Ctx<'_>) -> Result<Fixed> {
-    let Ctx { input, resident_outer, ring_depth, e, ll, ol, tokens, hid, le, budget, .. } = *c;
+    let Ctx { input, resident_outer, ring_depth, e, ll, ol, tokens, hid, le, sl, so, budget, .. } = *c;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
     // Layer gradient buffers (f32) with their bf16 twins when bf16 lands, and the outer one.
     let narrow = if le == 2 { N_BUFS * ll * 2 } else { 0 };
     let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + narrow + ol * 4);
-    let outer_state = if resident_outer { 12 * ol } else { 0 };
-    let per_resident_layer = ll * (e + 4 + 12);
+    let outer_state = if resident_outer { so } else { 0 };
+    let per_resident_layer = ll * (e + 4) + sl;
     if let Some(k) = input.resident_layers.filter(|&k| k > layout.n_layers) {
         return opt(format!("{k} resident layers asked of a {}-layer model", layout.n_layers));
     }
@@ -455,7 +464,7 @@ fn place_gpu_updated(
     held_layers: usize,
     running: &mut u64,
 ) -> Result<GpuUpdated> {
-    let Ctx { input, cfg, batch, seq, ring_depth, e, ll, le, g, budget, .. } = *c;
+    let Ctx { input, cfg, batch, seq, ring_depth, e, ll, le, g, sl, s, budget, .. } = *c;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
     let state_cost = |late: usize| c.state_cost(late);
     let asked_late = input.late_state_downloads.unwrap_or(0);
@@ -473,6 +482,7 @@ fn place_gpu_updated(
         held_layers,
         ll,
         le,
+        sl,
     );
     let auto_late = |n: usize| {
         let fits = |l: usize| total + state_cost(l) <= budget;
@@ -491,7 +501,8 @@ fn place_gpu_updated(
         if n == 0 || input.mode != OptimMode::Exact {
             return 0;
         }
-        early_upload_capacity(flops, streamed_count, held_layers, late, ll, le).min(early_capable(n, late))
+        early_upload_capacity(flops, streamed_count, held_layers, late, ll, le, sl)
+            .min(early_capable(n, late))
     };
     let gpu_updated_layers = match input.gpu_updated_layers {
         Some(k) if k > streamed_count => {
@@ -523,7 +534,7 @@ fn place_gpu_updated(
                 .filter(|&n| late_of(n) <= late_capable(n) && early_of(n) <= early_capable(n, late_of(n)));
             let cost = |n: usize| {
                 let p = UpdatePlacement { streamed: streamed_count, gpu: n, late: late_of(n), early: early_of(n) };
-                forward_window(p, g, e, HOST_MEMORY_GBS, STATE_UPLOAD_GBS)
+                forward_window(p, g, e, s, HOST_MEMORY_GBS, STATE_UPLOAD_GBS)
             };
             counts.fold(None, |best: Option<usize>, n| match best {
                 Some(b) if cost(b) <= cost(n) => Some(b),

@@ -32,6 +32,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         seq,
         weight_dtype: DType::BF16,
         grad_dtype: GradDtype::Bf16,
+        state_dtype: StateDtype::F32,
         mode: OptimMode::Exact,
         gpu_bytes,
         host_bytes: 128 * GIB,
@@ -63,12 +64,52 @@ fn store_bytes_equal_what_the_host_store_maps() {
     let cfg = ModelConfig::tiny_llama();
     let layout = ModelLayout::new(&cfg);
     for g in [GradDtype::F32, GradDtype::Bf16, GradDtype::None] {
-        let store = HostStore::anonymous(&layout, g).unwrap();
-        assert_eq!(store_bytes(&layout, g), store.bytes() as u64, "{g:?}");
-        let p = plan(&PlanInput { grad_dtype: g, mode: OptimMode::Lean, ..input(cfg.clone(), 2, 16, GIB) })
-            .unwrap();
-        assert_eq!(p.host.store, store.bytes() as u64);
+        for states in StateDtype::ALL {
+            let store = HostStore::anonymous_with(&layout, g, states).unwrap();
+            assert_eq!(store_bytes(&layout, g, states), store.bytes() as u64, "{g:?} {states}");
+            let i = PlanInput {
+                grad_dtype: g,
+                state_dtype: states,
+                mode: OptimMode::Lean,
+                ..input(cfg.clone(), 2, 16, GIB)
+            };
+            assert_eq!(plan(&i).unwrap().host.store, store.bytes() as u64);
+        }
     }
+}
+
+/// The moments' encoding sizes the store (`4 + 2·s + g` B/param), a resident unit's optimizer
+/// state, a GPU-updated layer's state slot and the state bytes that cross PCIe.
+#[test]
+fn optimizer_states_size_the_store_residency_and_state_slots() {
+    let base = PlanInput { gpu_updated_layers: Some(4), ..input(llama3_3b(), 4, 2048, H200) };
+    let layout = ModelLayout::new(&base.cfg);
+    let (ll, ol) = (layout.layer.len as u64, layout.outer.len as u64);
+    let n = layout.n_params() as f64;
+    let plans: Vec<Plan> = StateDtype::ALL
+        .into_iter()
+        .map(|states| {
+            let i = PlanInput {
+                state_dtype: states,
+                resident_outer: Some(true),
+                resident_layers: Some(2),
+                ..base.clone()
+            };
+            plan(&i).unwrap()
+        })
+        .collect();
+    for (p, (states, per_param)) in
+        plans.iter().zip([(StateDtype::F32, 14.0), (StateDtype::Bf16, 10.0), (StateDtype::Int8, 8.0)])
+    {
+        let b = p.host.store as f64 / n;
+        assert!((per_param..per_param + 0.1).contains(&b), "{states}: {b} B/param in the store");
+        let sl = states.state_bytes(layout.layer.len) as u64;
+        assert_eq!(p.gpu.outer_state, states.state_bytes(layout.outer.len) as u64, "{states}");
+        assert_eq!(p.gpu.resident_layers, 2 * (ll * (2 + 4) + sl), "{states}");
+        assert_eq!(p.gpu.state_slots, 2 * (sl + 2 * ll) + 4 * ll, "{states}");
+        assert_eq!(p.pcie_d2h_per_step + 4 * 12 * ll, plans[0].pcie_d2h_per_step + 4 * sl, "{states}");
+    }
+    assert_eq!(plans[0].gpu.outer_state, 12 * ol);
 }
 
 /// The step program of a 2-deep ring for these layers and placement.
@@ -414,6 +455,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             land_bf16: lands_bf16(mode, grad),
             state_slots: if p.gpu_updated_layers > 0 { p.ring_depth + p.late_state_downloads } else { 0 },
             state_grad_dtype: if grad == GradDtype::F32 { DType::F32 } else { DType::BF16 },
+            state_dtype: StateDtype::F32,
         };
         let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
         let what = format!("{mode:?}, {grad:?} gradients, {late} late");
@@ -528,7 +570,7 @@ fn held_layers_take_what_residency_leaves_and_cross_once() {
 
 /// The forward window of 28 streamed layers, `n` GPU-updated, `l` late, `x` early.
 fn window(n: usize, l: usize, x: usize, host_gbs: f64) -> f64 {
-    forward_window(UpdatePlacement { streamed: 28, gpu: n, late: l, early: x }, 2, 2, host_gbs, 40.0)
+    forward_window(UpdatePlacement { streamed: 28, gpu: n, late: l, early: x }, 2, 2, 12, host_gbs, 40.0)
 }
 
 /// The forward window's model: a GPU-updated layer trades host memory traffic (30 B/param of a
@@ -577,10 +619,13 @@ fn gpu_updated_layers_balance_the_host_pass_and_are_served_before_residency() {
     assert_eq!(auto.gpu.state_slots, 2 * 14 * ll + 4 * ll);
     let held = plan(&PlanInput { gpu_updated_layers: None, held_layers: None, ..base.clone() }).unwrap();
     assert_eq!((held.held_layers, held.gpu_updated_layers, held.late_state_downloads), (28, 10, 5), "{held}");
-    assert_eq!(held.late_state_downloads, late_download_capacity(held.flops_per_step, 28, 28, ll, 2));
+    assert_eq!(
+        held.late_state_downloads,
+        late_download_capacity(held.flops_per_step, 28, 28, ll, 2, 12 * ll)
+    );
     // Fewer held layers: the late downloads must go out in their (first) part of the backward.
-    assert_eq!(late_download_capacity(held.flops_per_step, 28, 14, ll, 2), 2);
-    assert_eq!(late_download_capacity(held.flops_per_step, 28, 0, ll, 2), 0);
+    assert_eq!(late_download_capacity(held.flops_per_step, 28, 14, ll, 2, 12 * ll), 2);
+    assert_eq!(late_download_capacity(held.flops_per_step, 28, 0, ll, 2, 12 * ll), 0);
     let half = plan(&PlanInput { gpu_updated_layers: None, held_layers: Some(14), ..base.clone() }).unwrap();
     assert_eq!(half.late_state_downloads, 2, "{half}");
     // Five more state slots and two more gradient buffers (f32 + bf16 twin).
@@ -655,7 +700,7 @@ fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held(
     let placed = (p.held_layers, p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads);
     assert_eq!(placed, (28, 14, 5, 5), "{p}");
     assert!(
-        early_upload_capacity(p.flops_per_step, 28, 28, 5, ll, 2) >= 5,
+        early_upload_capacity(p.flops_per_step, 28, 28, 5, ll, 2, 12 * ll) >= 5,
         "the pairs, not the backward, limit it"
     );
     assert_eq!(p.gpu.state_slots, (2 + 5) * 14 * ll + 4 * ll + 2 * 6 * ll);
@@ -665,6 +710,7 @@ fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held(
             UpdatePlacement { streamed: 28, gpu: 17, late: 5, early: x },
             2,
             2,
+            12,
             HOST_MEMORY_GBS,
             STATE_UPLOAD_GBS,
         )
@@ -673,7 +719,7 @@ fn early_state_uploads_fill_the_backwards_idle_uploads_when_every_layer_is_held(
     // Not every layer held: none.
     let half = plan(&PlanInput { held_layers: Some(14), ..all_auto.clone() }).unwrap();
     assert_eq!(half.early_state_uploads, 0, "{half}");
-    assert_eq!(early_upload_capacity(p.flops_per_step, 28, 27, 0, ll, 2), 0);
+    assert_eq!(early_upload_capacity(p.flops_per_step, 28, 27, 0, ll, 2, 12 * ll), 0);
     // Early, the same bytes cross a step but the gradient's (copied on the device), and the
     // state slots are the same.
     let fixed = PlanInput { gpu_updated_layers: Some(17), late_state_downloads: Some(5), ..all_auto.clone() };

@@ -2,7 +2,7 @@
 //! bitwise into another store, takes no disk blocks for gradients, and is refused when it does
 //! not belong to the store or an update is pending.
 
-use mt_core::{ModelConfig, ModelLayout, Unit};
+use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
 use mt_store::{GradDtype, GradMut, HostStore, StoreState};
 
 fn layout() -> ModelLayout {
@@ -18,11 +18,12 @@ fn fill(store: &HostStore, salt: f32) {
         for (i, x) in p.master.iter_mut().enumerate() {
             *x = salt + k + i as f32 * 1e-3;
         }
+        // The moments are bytes of their encoding, whatever it is.
         for (i, x) in p.m.iter_mut().enumerate() {
-            *x = -(salt + k) - i as f32 * 1e-4;
+            *x = (salt as usize + 3 * i + u.index()) as u8;
         }
         for (i, x) in p.v.iter_mut().enumerate() {
-            *x = (salt + k) * 1e-2 + i as f32 * 1e-6;
+            *x = (salt as usize * 7 + i + 5 * u.index()) as u8;
         }
         if let Some(GradMut::Bf16(g)) = r.grad_mut() {
             g.fill(half::bf16::from_f32(salt + 1.0));
@@ -72,6 +73,34 @@ fn a_snapshot_restores_the_training_state_bitwise() {
     // A snapshot is a valid store file.
     let opened = HostStore::open(&path, &layout()).unwrap();
     same(&src, &opened);
+}
+
+/// With bf16 or 8-bit moments a snapshot holds `4 + 2·s` bytes a parameter (8, 6 and the 8-bit
+/// scales), restores bitwise, and is refused by a store keeping another encoding, naming both.
+#[test]
+fn snapshots_of_every_state_dtype_round_trip_and_refuse_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let len = |u| l.unit(u).len;
+    for states in StateDtype::ALL {
+        let src = HostStore::anonymous_with(&l, GradDtype::Bf16, states).unwrap();
+        assert_eq!(src.state_dtype(), states);
+        fill(&src, 3.0);
+        let path = dir.path().join(format!("{states}.store"));
+        let n = src.write_snapshot(&path).unwrap() as usize;
+        let want: usize = l.units().map(|u| 4 * len(u) + 2 * states.moment_bytes(len(u))).sum();
+        assert_eq!(n, 4096 + want, "{states}");
+        let dst = HostStore::anonymous_with(&l, GradDtype::Bf16, states).unwrap();
+        dst.restore_snapshot(&path).unwrap();
+        same(&src, &dst);
+        assert_eq!(HostStore::open(&path, &l).unwrap().state_dtype(), states, "the header records it");
+        for other in StateDtype::ALL.into_iter().filter(|&o| o != states) {
+            let dst = HostStore::anonymous_with(&l, GradDtype::Bf16, other).unwrap();
+            let e = dst.restore_snapshot(&path).unwrap_err().to_string();
+            let want = format!("keeps {states} optimizer states and this run {other} ones; resume with --optim-states {states}");
+            assert!(e.contains(&want), "{e}");
+        }
+    }
 }
 
 #[test]

@@ -43,6 +43,7 @@ pub use config::{
 pub use error::{Error, Result};
 pub use host::plan_for;
 pub use model::{ModelSource, BUILTIN_MODEL};
+pub use mt_core::StateDtype;
 pub use mt_hf::ExportDtype;
 pub use mt_layers::RopeAngles;
 pub use mt_sched::placement::DeviceKind;

@@ -312,6 +312,7 @@ impl<O: Observer> Trainer<O> {
             wall_s: self.t0.elapsed().as_secs_f64(),
             store_bytes: self.store.bytes(),
             store_bytes_per_param: self.store.bytes_per_param(),
+            optim_states: self.store.state_dtype(),
             rss_bytes: rss_bytes(),
             planned_host_bytes: planned_host_bytes(&self.plan, c.device),
             kept_bytes: (self.totals.kept_bytes(), self.plan.gpu.kept),
@@ -396,7 +397,7 @@ fn plan_run<O: Observer>(
 /// when an existing store was opened.
 fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, bool)> {
     let Some(path) = &c.store else {
-        let s = HostStore::anonymous(layout, c.grad_dtype())
+        let s = HostStore::anonymous_with(layout, c.grad_dtype(), c.optim_states)
             .context_with(|| "allocating the host store".into())?;
         return Ok((s, false));
     };
@@ -404,9 +405,19 @@ fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, bool)
         let s = HostStore::open(path, layout).context_with(|| {
             format!("cannot resume from --store {} (is it for this model?)", path.display())
         })?;
+        if s.state_dtype() != c.optim_states {
+            return Err(Error::Options(format!(
+                "--store {} keeps {} optimizer states and this run asks for {} (--optim-states): \
+                 continue it with --optim-states {}, or start a new store",
+                path.display(),
+                s.state_dtype(),
+                c.optim_states,
+                s.state_dtype()
+            )));
+        }
         Ok((s, true))
     } else {
-        let s = HostStore::create(path, layout, c.grad_dtype())
+        let s = HostStore::create_with(path, layout, c.grad_dtype(), c.optim_states)
             .context_with(|| format!("cannot create --store {}", path.display()))?;
         Ok((s, false))
     }
@@ -476,6 +487,15 @@ fn restore_checkpoint(
     m: &Manifest,
 ) -> Result<()> {
     let refused = |why: String| Error::Checkpoint(format!("cannot resume from {}: {why}", path.display()));
+    // The optimizer states first, in words (a checkpoint from before the option counts as fp32).
+    let theirs = m.defining.get("optim_states").and_then(Value::as_str).unwrap_or("fp32");
+    if theirs != c.optim_states.name() {
+        return Err(refused(format!(
+            "the checkpoint at step {} keeps {theirs} optimizer states and this run asks for {} \
+             (--optim-states); resume with --optim-states {theirs}",
+            m.step, c.optim_states
+        )));
+    }
     checkpoint::check_same_run(m, defining).map_err(|e| refused(e.to_string()))?;
     let snap = path.with_file_name(&m.store_file);
     store.restore_snapshot(&snap).context_with(|| format!("restoring {}", snap.display()))?;
@@ -551,7 +571,7 @@ fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
         DataSource::File(p) => (p.file_name().map(|n| n.to_string_lossy().into_owned()), None),
         other => (Some(describe_source(other)), None),
     };
-    Ok(serde_json::json!({
+    let mut defining = serde_json::json!({
         "model_config": model.cfg.to_hf_json(),
         "batch_size": c.batch_size,
         "seq_len": c.seq_len,
@@ -576,5 +596,10 @@ fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
         "beta1": c.beta1,
         "beta2": c.beta2,
         "eps": c.eps,
-    }))
+    });
+    // Only when not the default, so that checkpoints from before the option still hash the same.
+    if c.optim_states != mt_core::StateDtype::F32 {
+        defining["optim_states"] = Value::from(c.optim_states.name());
+    }
+    Ok(defining)
 }

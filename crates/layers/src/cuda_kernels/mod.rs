@@ -171,7 +171,7 @@ pub(crate) use gemm::{accumulate_matmul_t, gemm_applies};
 mod norm;
 pub(crate) use norm::{rms_norm, rms_norm_backward};
 mod optim;
-pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials};
+pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials, Moments};
 mod softmax;
 pub(crate) use softmax::{causal_softmax, softmax_backward};
 mod flash;

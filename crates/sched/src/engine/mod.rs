@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::DType;
 use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, LayerOptions, Outer, Positions, Rope};
-use mt_optim::{AdamW, Grad, StepArgs, Upload};
+use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
 use mt_store::{
     GradDtype, GradMut, GradRef, HostStore, PinnedRecords, RecordGuard, Staging, StoreState, UploadDtype,
@@ -28,6 +28,7 @@ mod resident;
 mod spill;
 
 pub use options::EngineOptions;
+pub(crate) use resident::state_words;
 pub(crate) use spill::RELOAD_SLOTS;
 
 /// What one step did.
@@ -137,10 +138,27 @@ fn grad_view(g: GradRef<'_>) -> Grad<'_> {
     }
 }
 
-/// Applies optimizer step `args.step` to one unit from the record's gradient buffer — once: if
+/// The moments of `unit`'s record in their encoding, rounding with the unit's draws.
+fn moments_of<'r>(
+    unit: Unit,
+    n: usize,
+    states: mt_core::StateDtype,
+    m: &'r mut [u8],
+    v: &'r mut [u8],
+) -> Result<Moments<'r>> {
+    Ok(Moments::from_bytes(states, n, m, v, unit.index() as u64)?)
+}
+
+/// Applies optimizer step `args.step` to `unit` from the record's gradient buffer — once: if
 /// the record says the update was already applied (a failed step is being retried), only the
 /// upload copy is refreshed. (Lean mode updates as it lands: `mt_optim::land_and_step`.)
-fn update_unit(r: &mut RecordGuard<'_>, hyper: &AdamW, args: &StepArgs, upload: Upload<'_>) -> Result<()> {
+fn update_unit(
+    unit: Unit,
+    r: &mut RecordGuard<'_>,
+    hyper: &AdamW,
+    args: &StepArgs,
+    upload: Upload<'_>,
+) -> Result<()> {
     if r.applied_step() >= args.step {
         mt_optim::cast_into(r.master(), upload)?;
         return Ok(());
@@ -149,7 +167,8 @@ fn update_unit(r: &mut RecordGuard<'_>, hyper: &AdamW, args: &StepArgs, upload: 
     let Some(g) = p.grad else {
         return Err(Error::Options("an exact-mode update needs a store with gradient buffers".into()));
     };
-    mt_optim::step_fused(hyper, args, grad_view(g), p.master, p.m, p.v, upload)?;
+    let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
+    mt_optim::step_fused(hyper, args, grad_view(g), p.master, moments, upload)?;
     r.set_applied_step(args.step);
     Ok(())
 }
@@ -200,6 +219,7 @@ impl<B: Backend> Engine<B> {
                     0
                 },
                 state_grad_dtype: if store.grad_dtype() == GradDtype::F32 { DType::F32 } else { DType::BF16 },
+                state_dtype: store.state_dtype(),
             },
             backend.device(),
         )?;
@@ -471,7 +491,7 @@ impl<B: Backend> Engine<B> {
             if self.is_resident(u) {
                 continue;
             }
-            update_unit(&mut self.store.record(u), &self.opts.adamw, &args, Upload::None)?;
+            update_unit(u, &mut self.store.record(u), &self.opts.adamw, &args, Upload::None)?;
         }
         self.sync_store()?;
         self.store.set_state(StoreState { step: state.step + 1, pending_update: false, ..state });
@@ -580,7 +600,7 @@ impl<B: Backend> Engine<B> {
                     let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
                     let up = upload_view(&mut s, r.master().len());
                     if update {
-                        update_unit(&mut r, &hyper, &args, up)
+                        update_unit(unit, &mut r, &hyper, &args, up)
                     } else {
                         Ok(mt_optim::cast_into(r.master(), up)?)
                     }
@@ -677,7 +697,8 @@ impl<B: Backend> Engine<B> {
                             Some(GradMut::Bf16(g)) => Upload::Bf16(g),
                             None => Upload::None,
                         };
-                        let ss = mt_optim::land_and_step(&hyper, &args, src, stored, p.master, p.m, p.v)?;
+                        let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
+                        let ss = mt_optim::land_and_step(&hyper, &args, src, stored, p.master, moments)?;
                         r.set_applied_step(args.step);
                         ss
                     } else {
