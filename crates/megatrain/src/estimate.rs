@@ -58,10 +58,10 @@ pub struct Estimate {
     pub device: mt_train::DeviceKind,
 }
 
-/// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 9.0 or
+/// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 8.0 or
 /// more, as `mt_layers::fused_kernels` requires of a real device).
 fn fused_kernels(args: &EstimateArgs) -> bool {
-    args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 9.0
+    args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 8.0
 }
 
 /// Plans the run and prices it.
@@ -103,7 +103,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         DeviceKind::Cuda => gib_to_bytes(args.gpu_mem.unwrap_or(DEFAULT_GPU_GIB)),
         DeviceKind::Cpu => host_avail,
     };
-    // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
+    // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
     let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
     let host_bytes = planned_host_bytes(&p, device);
@@ -423,22 +423,23 @@ mod tests {
         assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
     }
 
-    /// A pre-Hopper GPU runs candle's ops, whose transient memory is counted larger: the same
-    /// 3.6B step on an 8.0 device plans more workspace and keeps fewer layers' activations.
+    /// A GPU older than compute capability 8.0 runs candle's ops, whose transient memory is
+    /// counted larger: the same 3.6B step on a 7.5 device plans more workspace and keeps fewer
+    /// layers' activations; 8.0 (A100) and 8.9 (L40S) plan as 9.0.
     #[test]
     fn the_compute_capability_decides_which_workspace_is_counted() {
         let hopper = estimate_3_6b(&[]);
-        let ampere = estimate_3_6b(&["--compute-capability", "8.0"]);
+        let turing = estimate_3_6b(&["--compute-capability", "7.5"]);
         assert!(
-            hopper.plan.gpu.workspace < ampere.plan.gpu.workspace / 2,
+            hopper.plan.gpu.workspace < turing.plan.gpu.workspace / 2,
             "{} vs {}",
             hopper.plan,
-            ampere.plan
+            turing.plan
         );
-        assert!(hopper.plan.kept_layers > ampere.plan.kept_layers, "{} vs {}", hopper.plan, ampere.plan);
-        assert_eq!(
-            estimate_3_6b(&["--compute-capability", "9.0"]).plan.gpu.workspace,
-            hopper.plan.gpu.workspace
-        );
+        assert!(hopper.plan.kept_layers > turing.plan.kept_layers, "{} vs {}", hopper.plan, turing.plan);
+        for cc in ["9.0", "8.9", "8.0"] {
+            let plan = estimate_3_6b(&["--compute-capability", cc]).plan;
+            assert_eq!(plan.gpu.workspace, hopper.plan.gpu.workspace, "{cc}");
+        }
     }
 }

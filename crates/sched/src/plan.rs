@@ -126,7 +126,7 @@ pub struct PlanInput {
     /// layer is held) and have a late partner (`program::slot_pairs_of`).
     pub early_state_uploads: Option<usize>,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
-    /// capability 9.0+), which keep less for the backward than candle's ops.
+    /// capability 8.0+), which keep less for the backward than candle's ops.
     pub fused_kernels: bool,
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide
     /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).

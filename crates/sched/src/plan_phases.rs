@@ -296,7 +296,7 @@ fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<C
     let flash = match input.flash_attention {
         Some(true) if !flash_runs => {
             return opt(format!(
-                "flash attention asked, but it runs only with bf16 weights on a CUDA GPU of compute capability 9.0+ and a head dim of 16, 32, 64 or 128 (this model's is {}); use the materialised attention",
+                "flash attention asked, but it runs only with bf16 weights on a CUDA GPU of compute capability 8.0+ and a head dim of 16, 32, 64 or 128 (this model's is {}); use the materialised attention",
                 cfg.head_dim
             ))
         }

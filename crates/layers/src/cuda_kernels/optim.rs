@@ -27,8 +27,11 @@ fn sumsq_grid() -> LaunchConfig {
     }
 }
 
-fn ptx() -> candle_core::Result<&'static str> {
+/// The module's PTX for `dev`'s architecture (these kernels also run where the fused ones do
+/// not: a resident unit's AdamW with f32 weights).
+fn ptx(dev: &candle_core::CudaDevice) -> candle_core::Result<&'static str> {
     static PTX: Compiled = OnceLock::new();
+    super::note_device(dev);
     compile(&PTX, SOURCE, "adamw.cu")
 }
 
@@ -103,7 +106,7 @@ fn launch_adamw(
             },
         ),
     };
-    let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
+    let func = dev.get_or_load_custom_func(kernel, MODULE, ptx(&dev)?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
     let mut ss = st.as_cuda_slice_mut::<f32>()?.slice_mut(ls.start_offset()..);
     let (n64, lerp_small) = (n as i64, i32::from(c.lerp_small));
@@ -153,7 +156,7 @@ impl CustomOp1 for SumSq {
         match g.dtype() {
             candle_core::DType::F32 => {
                 let gs = g.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
-                let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx()?)?;
+                let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx(dev)?)?;
                 let mut b = func.builder();
                 b.arg(&gs);
                 b.arg(&out);
@@ -165,7 +168,7 @@ impl CustomOp1 for SumSq {
             }
             candle_core::DType::BF16 => {
                 let gs = g.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..);
-                let func = dev.get_or_load_custom_func("mt_sumsq_bf16", MODULE, ptx()?)?;
+                let func = dev.get_or_load_custom_func("mt_sumsq_bf16", MODULE, ptx(dev)?)?;
                 let mut b = func.builder();
                 b.arg(&gs);
                 b.arg(&out);
@@ -196,7 +199,7 @@ pub(crate) fn narrow_bf16(
         return Err(msg("gradient narrowing: needs contiguous bf16 out and f32 gradient of one length"));
     }
     let dev = g.device().clone();
-    let func = dev.get_or_load_custom_func("mt_narrow_bf16", MODULE, ptx()?)?;
+    let func = dev.get_or_load_custom_func("mt_narrow_bf16", MODULE, ptx(&dev)?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
     let mut os = out.as_cuda_slice_mut::<half::bf16>()?.slice_mut(lo.start_offset()..);
     let n64 = n as i64;

@@ -114,7 +114,7 @@ pub struct EstimateArgs {
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub host_mem: Option<f64>,
     /// Compute capability of the GPU the estimate is for (`major.minor`, e.g. `8.0` for an A100).
-    /// At 9.0 and above bf16 runs through the fused kernels, whose transient memory the planner
+    /// At 8.0 and above bf16 runs through the fused kernels, whose transient memory the planner
     /// counts smaller than candle's ops' (bf16 scores and logits); `megatrain train` reads the
     /// real device instead.
     #[arg(long, default_value_t = 9.0, value_name = "MAJOR.MINOR", value_parser = positive_f64)]
