@@ -407,10 +407,9 @@ fn main() {
             if *regime == "golden batch" {
                 for (step, m, v) in &snaps {
                     println!("### states after step {step}: quantisation error (round to nearest)");
-                    for fmt in fmts
-                        .iter()
-                        .filter(|f| !matches!(f, Fmt::Q8 { sr: true, .. } | Fmt::Bf16 { sr: true }))
-                    {
+                    for fmt in fmts.iter().filter(|f| {
+                        !matches!(f, Fmt::Q8 { sr: true, .. } | Fmt::Bf16 { sr: true } | Fmt::Shipped(_))
+                    }) {
                         println!("{:<28} {}", fmt.name(), static_error(*fmt, &t, &units, *step, m, v));
                     }
                 }

@@ -33,6 +33,7 @@ mod model;
 mod observer;
 mod oom;
 pub mod schedule;
+mod states;
 mod summary;
 mod trainer;
 

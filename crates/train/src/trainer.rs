@@ -405,16 +405,7 @@ fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, bool)
         let s = HostStore::open(path, layout).context_with(|| {
             format!("cannot resume from --store {} (is it for this model?)", path.display())
         })?;
-        if s.state_dtype() != c.optim_states {
-            return Err(Error::Options(format!(
-                "--store {} keeps {} optimizer states and this run asks for {} (--optim-states): \
-                 continue it with --optim-states {}, or start a new store",
-                path.display(),
-                s.state_dtype(),
-                c.optim_states,
-                s.state_dtype()
-            )));
-        }
+        crate::states::check_store(path, &s, c.optim_states)?;
         Ok((s, true))
     } else {
         let s = HostStore::create_with(path, layout, c.grad_dtype(), c.optim_states)
@@ -487,14 +478,9 @@ fn restore_checkpoint(
     m: &Manifest,
 ) -> Result<()> {
     let refused = |why: String| Error::Checkpoint(format!("cannot resume from {}: {why}", path.display()));
-    // The optimizer states first, in words (a checkpoint from before the option counts as fp32).
-    let theirs = m.defining.get("optim_states").and_then(Value::as_str).unwrap_or("fp32");
-    if theirs != c.optim_states.name() {
-        return Err(refused(format!(
-            "the checkpoint at step {} keeps {theirs} optimizer states and this run asks for {} \
-             (--optim-states); resume with --optim-states {theirs}",
-            m.step, c.optim_states
-        )));
+    // The optimizer states first, in words.
+    if let Some(why) = crate::states::checkpoint_refusal(m, c.optim_states) {
+        return Err(refused(why));
     }
     checkpoint::check_same_run(m, defining).map_err(|e| refused(e.to_string()))?;
     let snap = path.with_file_name(&m.store_file);
@@ -597,9 +583,6 @@ fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
         "beta2": c.beta2,
         "eps": c.eps,
     });
-    // Only when not the default, so that checkpoints from before the option still hash the same.
-    if c.optim_states != mt_core::StateDtype::F32 {
-        defining["optim_states"] = Value::from(c.optim_states.name());
-    }
+    crate::states::define(&mut defining, c.optim_states);
     Ok(defining)
 }
