@@ -1,7 +1,8 @@
-//! `--optim-states` through the `megatrain` binary: with bf16 and int8 moments a run killed after a
-//! checkpoint resumes bitwise where the uninterrupted run ends; a checkpoint or a `--store` of one
-//! precision is refused by a run asking for another, in a sentence naming both; the summary and
-//! `estimate` count the smaller states (8 and 6 B/param of master weights and moments).
+//! `--optim-states` through the `megatrain` binary: with bf16 and int8 moments (int8 in lean
+//! mode too) a run killed after a checkpoint resumes bitwise where the uninterrupted run ends; a
+//! checkpoint or a `--store` of one precision is refused by a run asking for another, in a
+//! sentence naming both; the summary and `estimate` count the smaller states (8 and 6 B/param of
+//! master weights and moments).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -31,26 +32,27 @@ fn run(out: &Path, extra: &[&str]) -> Output {
 #[test]
 fn bf16_and_int8_states_resume_bitwise_and_refuse_another_precision() {
     let t = tempfile::tempdir().unwrap();
-    for states in ["bf16", "int8"] {
+    for (states, mode) in [("bf16", "exact"), ("int8", "exact"), ("int8", "lean")] {
         let (a, b): (PathBuf, PathBuf) =
-            (t.path().join(format!("{states}-a")), t.path().join(format!("{states}-b")));
-        let whole = run(&a, &["--optim-states", states]);
+            (t.path().join(format!("{states}-{mode}-a")), t.path().join(format!("{states}-{mode}-b")));
+        let opts = ["--optim-states", states, "--optim-mode", mode];
+        let whole = run(&a, &opts);
         assert!(whole.status.success(), "{}", stderr(&whole));
         let out = String::from_utf8_lossy(&whole.stdout);
         assert!(out.contains(&format!("{states} optimizer states")), "the summary names them:\n{out}");
 
-        let crashed = run(&b, &["--optim-states", states, "--save-every", "2", "--abort-after-step", "3"]);
+        let crashed = run(&b, &[&opts[..], &["--save-every", "2", "--abort-after-step", "3"]].concat());
         assert!(!crashed.status.success(), "the hook must abort");
-        let resumed = run(&b, &["--optim-states", states, "--save-every", "2", "--resume"]);
+        let resumed = run(&b, &[&opts[..], &["--save-every", "2", "--resume"]].concat());
         assert!(resumed.status.success(), "{}", stderr(&resumed));
         assert_eq!(
             std::fs::read(a.join("model.safetensors")).unwrap(),
             std::fs::read(b.join("model.safetensors")).unwrap(),
-            "{states}: the resumed run's weights must equal the uninterrupted run's bit for bit"
+            "{states} {mode}: the resumed run's weights must equal the uninterrupted run's bit for bit"
         );
 
         // Another precision (fp32: the default) is refused, naming both.
-        let other = run(&b, &["--save-every", "2", "--resume"]);
+        let other = run(&b, &["--optim-mode", mode, "--save-every", "2", "--resume"]);
         assert!(!other.status.success());
         let want = format!("keeps {states} optimizer states and this run asks for fp32 (--optim-states)");
         assert!(stderr(&other).contains(&want), "{}", stderr(&other));

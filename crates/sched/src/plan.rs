@@ -315,3 +315,7 @@ mod tests;
 #[cfg(test)]
 #[path = "plan_long_tests.rs"]
 mod long_tests;
+
+#[cfg(test)]
+#[path = "plan_states_tests.rs"]
+mod states_tests;
