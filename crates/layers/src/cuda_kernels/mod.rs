@@ -53,11 +53,17 @@ pub(crate) fn nvrtc_arch(major: i32, minor: i32) -> &'static str {
 }
 
 /// Records the process's GPU for NVRTC ([`ARCH`]; the first device noted wins) and returns its
-/// architecture.
+/// architecture. `MEGATRAIN_NVRTC_CC=80` (or 86, 89) compiles for that older capability instead:
+/// the A100's PTX on an H100, so one Hopper machine checks the portable build's kernels.
 pub(crate) fn note_device(dev: &candle_core::CudaDevice) -> &'static str {
     ARCH.get_or_init(|| {
-        let cc = dev.cuda_stream().context().compute_capability();
-        cc.map_or("compute_80", |(major, minor)| nvrtc_arch(major, minor))
+        let found = dev.cuda_stream().context().compute_capability().map(|(major, minor)| major * 10 + minor);
+        let forced = std::env::var("MEGATRAIN_NVRTC_CC").ok().and_then(|s| s.trim().parse::<i32>().ok());
+        let cc = match (found, forced) {
+            (Some(d), Some(f)) => Some(d.min(f)),
+            (d, f) => d.or(f),
+        };
+        cc.map_or("compute_80", |cc| nvrtc_arch(cc / 10, cc % 10))
     })
 }
 
@@ -344,7 +350,7 @@ impl CustomOp3 for Rope {
 /// capability 8.0 or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). They use nothing newer
 /// than sm_80 (flash attention's `cp.async`, `ldmatrix` and bf16 `mma.sync`; the rest plain CUDA
 /// C), and every file compiles for sm_80, 86, 89 and 90 without spills beyond sm_90's
-/// (`docs/decisions/0028-gpu-portability.md`); older GPUs use the candle path.
+/// (`docs/decisions/0034-gpu-portability.md`); older GPUs use the candle path.
 pub(crate) fn applies(x: &Tensor) -> bool {
     applies_on(x.device(), x.dtype())
 }
