@@ -9,7 +9,7 @@
 # scripts), CUDA_COMPUTE_CAP (default 80: candle's kernels as PTX for compute_80, which the driver
 # compiles for any GPU of compute capability 8.0 or later, so one binary runs on A100, RTX 30xx,
 # RTX 40xx / L40S and H100 / H200; 90 builds `sm_90a` PTX that loads on Hopper only:
-# docs/decisions/0028-gpu-portability.md) and
+# docs/decisions/0034-gpu-portability.md) and
 # LIBRARY_PATH (link-time libcuda/libcudart/libcublas/libcublasLt/libcurand/libnvrtc).
 # LD_LIBRARY_PATH is left alone: binaries run on the GPU machine against its own CUDA libraries.
 # Returns 1 with a message, changing nothing, when the toolchain is not installed.

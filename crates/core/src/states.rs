@@ -5,7 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// Elements of one block of an 8-bit moment: one f32 scale per block (`docs/decisions/0027`).
+/// Elements of one block of an 8-bit moment: one f32 scale per block (`docs/decisions/0033`).
 pub const Q8_BLOCK: usize = 256;
 
 /// How the AdamW moments `m` and `v` are stored.

@@ -13,7 +13,7 @@
 //! arithmetic) with the moments quantised after every step, blockwise over each unit's flat
 //! record as the store lays it out. `shipped bf16` and `shipped int8` are mt-optim's own fused
 //! update over its encodings (what `--optim-states` runs): the chosen formats, to compare with
-//! their simulation above them. This is what `docs/decisions/0027-optimizer-state-precision.md`
+//! their simulation above them. This is what `docs/decisions/0033-optimizer-state-precision.md`
 //! quotes.
 //!
 //! `cargo run --release -p mt-optim --example state_codes [-- STEPS]`

@@ -7,7 +7,7 @@
 //!   low 16 bits plus a uniform 16-bit draw carry into the kept half with probability equal to
 //!   the dropped fraction (unbiased). Round to nearest would lose `v`'s per-step decay (0.1% at
 //!   `beta2 = 0.999`, below half a bf16 ulp): `v` then never falls and training drifts
-//!   (`docs/decisions/0027-optimizer-state-precision.md`).
+//!   (`docs/decisions/0033-optimizer-state-precision.md`).
 //! - **int8**: blocks of [`Q8_BLOCK`] elements, each with one f32 step `s` and one byte per
 //!   element. `m` (signed) uses a square-root code: byte `q` in −127..=127 means
 //!   `sign(q)·q²·s`, `s = max|m| / 127²`; `v` (non-negative) a fourth-root code: byte `c` in

@@ -1,5 +1,5 @@
 //! Tests of the moment encodings: error bounds of the 8-bit codes and bf16 stochastic rounding
-//! (named below, quoted by `docs/decisions/0027-optimizer-state-precision.md`), unbiasedness,
+//! (named below, quoted by `docs/decisions/0033-optimizer-state-precision.md`), unbiasedness,
 //! special values, layouts, and the fused update over coded moments against the scalar
 //! reference on the decoded moments.
 

@@ -1,4 +1,4 @@
-//! Optimizer-state precision (`--optim-states`, `docs/decisions/0027-optimizer-state-precision.md`):
+//! Optimizer-state precision (`--optim-states`, `docs/decisions/0033-optimizer-state-precision.md`):
 //! every golden model trains with bf16 and 8-bit moments within a stated bound of the fp32-moment
 //! run; the device's update (resident units, GPU-updated layers with late downloads and early
 //! uploads) is bitwise the host's in every precision; a store reopened mid-run continues bitwise.

@@ -205,7 +205,7 @@ pub struct TrainConfig {
     pub grad_dtype: Option<GradDtype>,
     /// Precision of the AdamW moments (`--optim-states`): fp32 (the update is torch's, 12 B/param
     /// of master and moments), bf16 (8) or int8 (6), both rounded stochastically
-    /// (`docs/decisions/0027-optimizer-state-precision.md`). The store records it; a resume with
+    /// (`docs/decisions/0033-optimizer-state-precision.md`). The store records it; a resume with
     /// another is refused.
     pub optim_states: StateDtype,
     /// Device memory the plan may assume, GiB; `None`: the GPU's (on the CPU: host memory).
