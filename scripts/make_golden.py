@@ -20,6 +20,23 @@ Models (all: vocab 128, hidden 64, intermediate 96, 2 layers, 4 query heads, SiL
   qwen2_bias    Qwen2Config, 2 KV heads, untied, bias on q/k/v.
   qwen3_qknorm  Qwen3Config, 2 KV heads, head_dim 32 (!= hidden/heads = 16), untied, q_norm/k_norm.
 
+Mixture-of-experts models (smaller, to keep the fixtures a few hundred KB: vocab 64, hidden 32,
+2 layers, 4 query heads, 2 KV heads, experts of width 16, top-2 routing):
+  qwen3_moe     Qwen3MoeConfig, 8 experts, head_dim 16 (!= hidden/heads = 8), norm_topk_prob,
+                output_router_logits with router_aux_loss_coef 0.1 (the load-balancing loss added).
+  mixtral       MixtralConfig, 4 experts (top-k always renormalised), output_router_logits with
+                router_aux_loss_coef 0.05, rope_theta 1e6.
+  olmoe         OlmoeConfig, 8 experts, q/k norm over the whole projections, no norm_topk_prob,
+                no load-balancing loss. Layer 0's router is set so that expert 0 receives no token
+                at step 0: its row is zero and rows 2 and 4 are minus rows 1 and 3, so every token
+                has a logit >= 0 among experts {1, 2} and another among {3, 4}, and top-2 never
+                picks expert 0 (logit 0); its gate_up/down gradients are exactly zero.
+  The router weights are transformers' init times 10 (sharper routing). The router softmax, the
+  top-k weights and the load-balancing loss's sums are float32 islands of transformers' code too
+  (kept). Every row's k-th and (k+1)-th router probabilities must differ by more than 1e-5
+  relative at every step (checked), so that float32 rounding cannot change which experts a
+  token reaches.
+
 Initialisation (deterministic, seeded per model): `torch.manual_seed(seed)`, then the model is
 built in float32 by transformers' own init (normal(0, 0.02) for Linear/Embedding, ones for norms,
 zeros for biases). Then, from a generator seeded with `seed + 1`, in named_parameters() order,
@@ -86,7 +103,15 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 FORMAT = "megatrain-golden-v1"
 B, T = 4, 16
@@ -123,6 +148,21 @@ COMMON = dict(
 )
 
 
+MOE_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_act="silu",
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
+
+
 @dataclass
 class Spec:
     """One tiny model: its config and seed."""
@@ -131,9 +171,13 @@ class Spec:
     config_cls: type
     seed: int
     kwargs: dict = field(default_factory=dict)
+    common: dict = field(default_factory=lambda: COMMON)
 
     def config(self):
-        return self.config_cls(**COMMON, **self.kwargs)
+        return self.config_cls(**self.common, **self.kwargs)
+
+    def is_moe(self) -> bool:
+        return self.common is MOE_COMMON
 
 
 SPECS = [
@@ -187,7 +231,52 @@ SPECS = [
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    Spec(
+        "qwen3_moe",
+        Qwen3MoeConfig,
+        1005,
+        dict(
+            head_dim=16,
+            moe_intermediate_size=16,
+            num_experts=8,
+            norm_topk_prob=True,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        MOE_COMMON,
+    ),
+    Spec(
+        "mixtral",
+        MixtralConfig,
+        1006,
+        dict(
+            num_local_experts=4,
+            output_router_logits=True,
+            router_aux_loss_coef=0.05,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        MOE_COMMON,
+    ),
+    Spec(
+        "olmoe",
+        OlmoeConfig,
+        1007,
+        dict(
+            num_experts=8,
+            norm_topk_prob=False,
+            output_router_logits=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        MOE_COMMON,
+    ),
 ]
+IDLE_EXPERT = {"olmoe": (0, 0)}  # (layer, expert) that receives no token at step 0
+MIN_ROUTING_MARGIN = 1e-5
+ROUTER_SCALE = 10.0  # router weights: transformers' normal(0, 0.02) init times this
 
 
 def check_saved_config(spec: Spec, path: Path, verbose: bool) -> None:
@@ -195,9 +284,12 @@ def check_saved_config(spec: Spec, path: Path, verbose: bool) -> None:
     saved = json.loads(path.read_text())
     if verbose:
         print(f"--- {path.name}\n{json.dumps(saved, indent=2, sort_keys=True)}")
-    expected = {**COMMON, **spec.kwargs}
+    expected = {**spec.common, **spec.kwargs}
     expected.pop("rope_parameters")
     expected.pop("use_sliding_window", None)
+    if "num_experts" in expected and spec.name == "qwen3_moe":
+        # transformers 5 writes qwen3_moe's expert count as num_local_experts.
+        expected["num_local_experts"] = expected.pop("num_experts")
     for key, value in expected.items():
         if key == "tie_word_embeddings" and not value:
             assert saved.get(key, False) is False, (path, key)
@@ -216,10 +308,15 @@ def check_saved_config(spec: Spec, path: Path, verbose: bool) -> None:
 def build_model(spec: Spec):
     """The float32 model from transformers' init, with norms and biases perturbed."""
     torch.manual_seed(spec.seed)
+    # MoE: the "eager" experts loop (the per-expert Python loop of the modelling file); the
+    # default grouped GEMM has no float64 kernel.
+    extra = dict(experts_implementation="eager") if spec.is_moe() else {}
     model = AutoModelForCausalLM.from_config(
-        spec.config(), attn_implementation="eager", dtype=torch.float32
+        spec.config(), attn_implementation="eager", dtype=torch.float32, **extra
     )
     assert model.config._attn_implementation == "eager"
+    if spec.is_moe():
+        assert model.config._experts_implementation == "eager"
     assert model.config.attention_dropout == 0.0
     gen = torch.Generator().manual_seed(spec.seed + 1)
     norm_weights = {
@@ -234,6 +331,17 @@ def build_model(spec: Spec):
                 p.copy_(1.0 + NORM_JITTER * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(BIAS_STD * torch.randn(p.shape, generator=gen))
+        if spec.is_moe():
+            # Sharper routing (router logits of order 1 rather than 0.1): wider routing margins.
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(ROUTER_SCALE)
+        if spec.name in IDLE_EXPERT:
+            layer, expert = IDLE_EXPERT[spec.name]
+            assert expert == 0
+            w = model.model.layers[layer].mlp.gate.weight
+            w[0].zero_()
+            w[2].copy_(-w[1])
+            w[4].copy_(-w[3])
     names = [n for n, _ in model.named_parameters()]
     if model.config.tie_word_embeddings:
         assert "lm_head.weight" not in names, names
@@ -276,13 +384,34 @@ def make_batch(spec: Spec, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def forward_loss(model, input_ids, targets):
+    """Logits, loss and (MoE) each layer's router logits. A MoE model's loss adds
+    router_aux_loss_coef * aux_loss when its config says output_router_logits, as transformers
+    does when it is given labels (here, as for the dense models, the loss is computed outside)."""
     position_ids = torch.arange(T, dtype=torch.int64).expand(B, T)
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    moe = hasattr(model.config, "router_aux_loss_coef")
+    extra = dict(output_router_logits=True) if moe else {}
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+    logits = out.logits
     vocab = logits.shape[-1]
     loss = F.cross_entropy(
         logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE, reduction="mean"
     )
-    return logits, loss
+    router = None
+    if moe:
+        router = [r.detach().clone() for r in out.router_logits]
+        check_routing(model, router)
+        if model.config.output_router_logits:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    return logits, loss, router
+
+
+def check_routing(model, router_logits) -> None:
+    """Asserts every row's k-th and (k+1)-th router probabilities are far apart (see above)."""
+    k = model.config.num_experts_per_tok
+    for r in router_logits:
+        p = torch.softmax(r.double(), dim=-1).sort(dim=-1, descending=True).values
+        margin = float(((p[:, k - 1] - p[:, k]) / p[:, k - 1]).min())
+        assert margin > MIN_ROUTING_MARGIN, f"routing margin {margin:.2e}: pick another seed"
 
 
 def train(model, input_ids, targets) -> dict[str, torch.Tensor]:
@@ -293,7 +422,7 @@ def train(model, input_ids, targets) -> dict[str, torch.Tensor]:
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        logits, loss = forward_loss(model, input_ids, targets)
+        logits, loss, router = forward_loss(model, input_ids, targets)
         loss.backward()
         if step == 0:
             out["logits"] = logits.detach().clone()
@@ -301,6 +430,9 @@ def train(model, input_ids, targets) -> dict[str, torch.Tensor]:
             for name, p in params.items():
                 assert p.grad is not None and bool(p.grad.abs().max() > 0), f"no gradient: {name}"
                 out[f"grad.{name}"] = p.grad.detach().clone()
+            for layer, r in enumerate(router or []):
+                out[f"router_logits.{layer}"] = r
+            check_idle_expert(model, router)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         losses.append(loss.detach())
         norms.append(norm.detach())
@@ -310,6 +442,20 @@ def train(model, input_ids, targets) -> dict[str, torch.Tensor]:
     for name, p in params.items():
         out[f"step3.{name}"] = p.detach().clone()
     return out
+
+
+def check_idle_expert(model, router) -> None:
+    """The IDLE_EXPERT of the model (if any) is in nobody's top-k and has zero gradients."""
+    name = model.config.model_type
+    if name not in IDLE_EXPERT:
+        return
+    layer, expert = IDLE_EXPERT[name]
+    k = model.config.num_experts_per_tok
+    picked = torch.topk(router[layer], k, dim=-1).indices
+    assert not bool((picked == expert).any()), "the idle expert was routed a token"
+    experts = model.model.layers[layer].mlp.experts
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert bool((p.grad[expert] == 0).all()), "the idle expert has a gradient"
 
 
 def metadata(spec: Spec) -> dict[str, str]:
@@ -571,7 +717,8 @@ def main() -> int:
 
     if args.precision_report:
         for spec in SPECS:
-            precision_report(spec)
+            if not spec.is_moe():  # its float64 patches cover the dense families only
+                precision_report(spec)
     return 0
 
 

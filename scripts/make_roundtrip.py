@@ -7,7 +7,8 @@ Run from the repository root (versions pinned in scripts/requirements-golden.txt
     /opt/golden-venv/bin/python scripts/make_roundtrip.py --check    # ... twice, byte-identical
     /opt/golden-venv/bin/python scripts/make_roundtrip.py --verify NAME=EXPORT_DIR ...
 
-The fixtures live in crates/megatrain/tests/fixtures/roundtrip/NAME/ for NAME in (llama, qwen2):
+The fixtures live in crates/megatrain/tests/fixtures/roundtrip/NAME/ for NAME in (llama, qwen2,
+qwen3_moe, mixtral):
 
   model/config.json, model/model.safetensors   a tiny random model as `save_pretrained` writes it
   data.jsonl                                   N_LINES lines {"input_ids": [...]} of exactly SEQ tokens
@@ -40,6 +41,16 @@ biased the comparison towards PyTorch; `--report` prints the islands' effect. Th
 trains the same model in float32 with stock PyTorch (float32.safetensors) and prints how far that
 run lands from the reference.
 
+Mixtures of experts (qwen3_moe: 4 experts, top-2, head_dim 16 != hidden/heads, norm_topk_prob, the load-balancing loss with
+coefficient 0.05 added to the loss; mixtral: 4 experts, top-2, no load-balancing loss; both smaller:
+hidden 32, experts of width 16, router weights transformers' init x 10 for wide routing margins):
+the reference also evaluates the router's softmax, top-k renormalisation and the load-balancing
+loss in float64 (transformers' float32 islands there). Their expected.safetensors and
+float32.safetensors hold the weights under the names `save_pretrained` writes (each expert apart:
+`mlp.experts.{e}.gate_proj.weight`, `block_sparse_moe.experts.{e}.w1.weight`, ...), which is what
+the export must write too. Every step's k-th and (k+1)-th router probabilities of every token
+differ by more than 1e-5 relative (checked).
+
 --verify loads each EXPORT_DIR (what `megatrain train --out` wrote) with
 `transformers.AutoModelForCausalLM.from_pretrained`, checks that every parameter equals
 expected.safetensors within the same bound as the Rust test (relative L2 per tensor), and runs a forward pass.
@@ -59,9 +70,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 from transformers.models.llama import modeling_llama
+from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 OUT = Path("crates/megatrain/tests/fixtures/roundtrip")
 SEQ, BATCH, STEPS, N_LINES = 16, 2, 4, 9  # 9 lines: the last one is never used (a partial batch)
@@ -84,10 +97,21 @@ COMMON = dict(
     tie_word_embeddings=False,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0),
 )
+MOE = dict(COMMON, hidden_size=32, intermediate_size=16, num_experts_per_tok=2)
+ROUTER_SCALE = 10.0
+MIN_ROUTING_MARGIN = 1e-5
 MODELS = {
     "llama": (LlamaConfig, 2001, {}),
     "qwen2": (Qwen2Config, 2002, dict(use_sliding_window=False)),
+    "qwen3_moe": (Qwen3MoeConfig, 2003, dict(
+        moe_intermediate_size=16, num_experts=4, norm_topk_prob=True, output_router_logits=True,
+        router_aux_loss_coef=0.05, use_sliding_window=False, head_dim=16)),
+    "mixtral": (MixtralConfig, 2004, dict(num_local_experts=4, output_router_logits=False)),
 }
+
+
+def is_moe(name: str) -> bool:
+    return name in ("qwen3_moe", "mixtral")
 
 
 def build(name: str, out: Path) -> None:
@@ -95,9 +119,13 @@ def build(name: str, out: Path) -> None:
     d = out / name
     (d / "model").mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = cls(**COMMON, **extra)
+    cfg = cls(**(MOE if is_moe(name) else COMMON), **extra)
     cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if is_moe(name):
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(ROUTER_SCALE)
     # Non-trivial norms and biases, so every parameter has its own gradient.
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -127,7 +155,8 @@ def build(name: str, out: Path) -> None:
           f"PyTorch float32 vs float64: worst tensor {worst:.2e} relative L2 (bound {REL_TOL:.0e}), "
           f"{worst_max:.2e} max-norm; step-0 gradients: worst {max(g_rel.values()):.2e}")
     for file, run in (("expected.safetensors", ref), ("float32.safetensors", f32)):
-        tensors = {k: v.to(torch.float32).contiguous() for k, v in run["weights"].items()}
+        tensors = run["saved"] if is_moe(name) else {}
+        tensors = tensors or {k: v.to(torch.float32).contiguous() for k, v in run["weights"].items()}
         tensors["losses"] = torch.tensor(run["losses"], dtype=torch.float32)
         save_file(tensors, d / file)
     (d / "expected.json").write_text(json.dumps(dict(
@@ -172,13 +201,36 @@ def float64_reference():
         emb = torch.cat((freqs, freqs), dim=-1).double()
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
+    def router_forward(self, hidden_states):
+        # transformers' router with its softmax and renormalisation in the model's dtype.
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        if getattr(self, "norm_topk_prob", True):  # Mixtral's router always renormalises
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    def load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        assert attention_mask is None
+        logits = torch.cat(gate_logits, dim=0)
+        p = torch.softmax(logits, dim=-1)
+        picked = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
+        counts = torch.zeros(num_experts, dtype=p.dtype).scatter_add_(0, picked, torch.ones_like(picked, dtype=p.dtype))
+        n = logits.shape[0]
+        return num_experts * torch.sum(counts / n * (p.sum(dim=0) / n))
+
     patches = []
-    for mod, prefix in ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2")):
+    for mod, prefix in ((modeling_llama, "Llama"), (modeling_qwen2, "Qwen2"), (modeling_qwen3_moe, "Qwen3Moe"),
+                        (modeling_mixtral, "Mixtral")):
         patches += [
             (getattr(mod, f"{prefix}RMSNorm"), "forward", norm_forward),
             (getattr(mod, f"{prefix}RotaryEmbedding"), "forward", rotary_forward),
             (mod, "eager_attention_forward", eager),
         ]
+        if hasattr(mod, f"{prefix}TopKRouter"):
+            patches += [
+                (getattr(mod, f"{prefix}TopKRouter"), "forward", router_forward),
+                (mod, "load_balancing_loss_func", load_balancing_loss),
+            ]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     try:
         for obj, attr, new in patches:
@@ -193,7 +245,9 @@ def train(model_dir: Path, lines: torch.Tensor, dtype: torch.dtype) -> dict:
     """STEPS steps; returns the final weights, each step's loss and pre-clip gradient norm, and
     the step-0 gradients."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    moe = json.loads((model_dir / "config.json").read_text()).get("num_experts_per_tok") is not None
+    extra = dict(experts_implementation="eager") if moe else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager", **extra)
     model = model.to(dtype)
     model.train()
     named = list(model.named_parameters())
@@ -202,9 +256,14 @@ def train(model_dir: Path, lines: torch.Tensor, dtype: torch.dtype) -> dict:
     losses, norms, grad0 = [], [], {}
     for k in range(STEPS):
         ids = lines[k * BATCH:(k + 1) * BATCH]
-        logits = model(input_ids=ids).logits
+        out = model(input_ids=ids, **(dict(output_router_logits=True) if moe else {}))
+        logits = out.logits
         V = logits.shape[-1]
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="mean")
+        if moe:
+            check_margins(out.router_logits, model.config.num_experts_per_tok)
+            if model.config.output_router_logits:
+                loss = loss + model.config.router_aux_loss_coef * out.aux_loss
         opt.zero_grad()
         loss.backward()
         if k == 0:
@@ -213,7 +272,23 @@ def train(model_dir: Path, lines: torch.Tensor, dtype: torch.dtype) -> dict:
         opt.step()
         losses.append(loss.item())
     weights = {n: p.detach().clone() for n, p in named}
-    return dict(weights=weights, losses=losses, grad_norms=norms, grad0=grad0)
+    saved = saved_state(model) if moe else {}
+    return dict(weights=weights, losses=losses, grad_norms=norms, grad0=grad0, saved=saved)
+
+
+def check_margins(router_logits, k: int) -> None:
+    for r in router_logits:
+        p = torch.softmax(r.double(), dim=-1).sort(dim=-1, descending=True).values
+        margin = float(((p[:, k - 1] - p[:, k]) / p[:, k - 1]).min())
+        assert margin > MIN_ROUTING_MARGIN, f"routing margin {margin:.2e}: pick another seed"
+
+
+def saved_state(model) -> dict:
+    """The model's weights in float32 under the names save_pretrained writes (a MoE's experts
+    one by one), read back from a save."""
+    with tempfile.TemporaryDirectory() as t:
+        model.to(torch.float32).save_pretrained(t)
+        return {k: v.contiguous() for k, v in load_file(Path(t) / "model.safetensors").items()}
 
 
 def report(name: str) -> None:
@@ -252,6 +327,9 @@ def verify(pairs: list[str]) -> int:
         expected = load_file(OUT / name / "expected.safetensors")
         model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, local_files_only=True)
         got = dict(model.named_parameters())
+        if is_moe(name):
+            # Compare under the names save_pretrained writes, as expected.safetensors holds them.
+            got = saved_state(model)
         names = set(expected) - {"losses"}
         if set(got) != names:
             print(f"{name}: parameter names differ: {sorted(set(got) ^ names)}")

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use crate::moe::{parse_moe, MoeConfig};
 use crate::{Error, Result};
 
 /// Decoder family. Each differs only in which optional parameters a layer has.
@@ -16,6 +17,12 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: RMSNorm over the head dimension of q and k, before RoPE.
     Qwen3,
+    /// Qwen3-MoE (`qwen3_moe`): Qwen3's attention, a mixture-of-experts MLP in every layer.
+    Qwen3Moe,
+    /// Mixtral: Mistral's attention, a mixture-of-experts MLP (top-k renormalised).
+    Mixtral,
+    /// OLMoE (`olmoe`): RMSNorm over the whole q and k projections, a mixture-of-experts MLP.
+    Olmoe,
 }
 
 /// RoPE frequency scaling, as `rope_scaling` / `rope_parameters` in config.json.
@@ -72,18 +79,24 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Bias on the output projection.
     pub o_bias: bool,
-    /// RMSNorm on q and k over the head dimension (Qwen3).
+    /// RMSNorm on q and k (Qwen3, Qwen3-MoE: over each head; OLMoE: over the whole projection).
     pub qk_norm: bool,
+    /// The q/k RMSNorm spans the whole projection (`[nh·hd]`, `[nkv·hd]` weights, OLMoE) rather
+    /// than each head (`[hd]`, Qwen3).
+    pub qk_norm_full: bool,
+    /// The mixture-of-experts MLP of every layer (Qwen3-MoE, Mixtral, OLMoE); `None`: the dense
+    /// SwiGLU MLP of `intermediate_size`.
+    pub moe: Option<MoeConfig>,
     /// Sliding-window attention width, if the model uses one (Mistral); the engine refuses
     /// sequences longer than this rather than silently attending further.
     pub sliding_window: Option<usize>,
 }
 
-fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     obj.get(key).filter(|v| !v.is_null())
 }
 
-fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+pub(crate) fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
     let v = get(obj, key).ok_or_else(|| Error::config(key, "missing (required)"))?;
     let n = v
         .as_u64()
@@ -94,14 +107,14 @@ fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
     usize::try_from(n).map_err(|_| Error::config(key, "too large"))
 }
 
-fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
+pub(crate) fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
     match get(obj, key) {
         None => Ok(None),
         Some(_) => req_usize(obj, key).map(Some),
     }
 }
 
-fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
+pub(crate) fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     match get(obj, key) {
         None => Ok(None),
         Some(v) => {
@@ -114,7 +127,7 @@ fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     }
 }
 
-fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
+pub(crate) fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
     match get(obj, key) {
         None => Ok(None),
         Some(v) => v
@@ -196,9 +209,12 @@ impl ModelConfig {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "mixtral" => Arch::Mixtral,
+            "olmoe" => Arch::Olmoe,
             other => {
                 return Err(Error::Unsupported(format!(
-                    "model_type {other:?}; supported: llama, mistral, qwen2, qwen3"
+                    "model_type {other:?}; supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe"
                 )))
             }
         };
@@ -237,7 +253,9 @@ impl ModelConfig {
         // transformers 5 moved rope_theta and rope_scaling into `rope_parameters`.
         let (theta5, scaling5) = parse_rope(obj, "rope_parameters")?;
         let (theta4, scaling4) = parse_rope(obj, "rope_scaling")?;
-        let rope_theta = opt_f64(obj, "rope_theta")?.or(theta5).or(theta4).unwrap_or(10_000.0);
+        // Mixtral's transformers default is 1e6 (transformers writes it into config.json anyway).
+        let default_theta = if arch == Arch::Mixtral { 1e6 } else { 10_000.0 };
+        let rope_theta = opt_f64(obj, "rope_theta")?.or(theta5).or(theta4).unwrap_or(default_theta);
         if rope_theta <= 0.0 {
             return Err(Error::config("rope_theta", "must be positive"));
         }
@@ -247,25 +265,35 @@ impl ModelConfig {
         }
         let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(false);
         let (qkv_bias, o_bias, qk_norm) = match arch {
-            Arch::Llama => (attention_bias, attention_bias, false),
+            Arch::Llama | Arch::Mixtral => (attention_bias, attention_bias, false),
             Arch::Qwen2 => (true, false, false),
-            Arch::Qwen3 => (attention_bias, attention_bias, true),
+            Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe => (attention_bias, attention_bias, true),
         };
         let sliding_window = match arch {
-            Arch::Qwen2 | Arch::Qwen3 => {
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
                 if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
                     return Err(Error::Unsupported("use_sliding_window = true".into()));
                 }
                 None
             }
-            Arch::Llama => opt_usize(obj, "sliding_window")?,
+            Arch::Llama | Arch::Mixtral => opt_usize(obj, "sliding_window")?,
+            Arch::Olmoe => None,
         };
+        let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
+        let moe = parse_moe(obj, arch, num_hidden_layers)?;
+        if arch == Arch::Olmoe && head_dim * num_attention_heads != hidden_size {
+            // transformers sizes OLMoE's q/k norms from hidden_size / num_attention_heads.
+            return Err(Error::Unsupported(format!(
+                "olmoe with head_dim {head_dim} != hidden_size / num_attention_heads = {}",
+                hidden_size / num_attention_heads
+            )));
+        }
         let cfg = ModelConfig {
             arch,
             vocab_size: req_usize(obj, "vocab_size")?,
             hidden_size,
             intermediate_size: req_usize(obj, "intermediate_size")?,
-            num_hidden_layers: req_usize(obj, "num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -277,6 +305,8 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             qk_norm,
+            qk_norm_full: arch == Arch::Olmoe,
+            moe,
             sliding_window,
         };
         Ok(cfg)
@@ -302,6 +332,8 @@ impl ModelConfig {
             qkv_bias: false,
             o_bias: false,
             qk_norm: false,
+            qk_norm_full: false,
+            moe: None,
             sliding_window: None,
         }
     }
@@ -315,6 +347,9 @@ impl ModelConfig {
             Arch::Llama => ("llama", "LlamaForCausalLM"),
             Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
             Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+            Arch::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
+            Arch::Mixtral => ("mixtral", "MixtralForCausalLM"),
+            Arch::Olmoe => ("olmoe", "OlmoeForCausalLM"),
         };
         let mut rope = serde_json::json!({ "rope_type": "default", "rope_theta": self.rope_theta });
         match &self.rope_scaling {
@@ -358,13 +393,16 @@ impl ModelConfig {
             v["rope_scaling"] = rope;
         }
         match self.arch {
-            Arch::Llama => v["attention_bias"] = self.qkv_bias.into(),
-            Arch::Qwen2 | Arch::Qwen3 => {
+            Arch::Llama | Arch::Mixtral | Arch::Olmoe => v["attention_bias"] = self.qkv_bias.into(),
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
                 v["use_sliding_window"] = false.into();
-                if self.arch == Arch::Qwen3 {
+                if self.arch != Arch::Qwen2 {
                     v["attention_bias"] = self.qkv_bias.into();
                 }
             }
+        }
+        if let Some(moe) = &self.moe {
+            moe.write_hf_json(self.arch, &mut v);
         }
         if let Some(w) = self.sliding_window {
             v["sliding_window"] = w.into();
@@ -420,7 +458,7 @@ mod tests {
                 n += 1;
             }
         }
-        assert_eq!(n, 4);
+        assert_eq!(n, 7);
         let t = ModelConfig::tiny_llama();
         assert_eq!(ModelConfig::from_json(&t.to_hf_json()).unwrap(), t);
     }

@@ -2,8 +2,9 @@
 //! shapes and element offsets of its tensors inside one flat record. Host store records, device
 //! slots and gradient buffers all share this layout, so binding is a matter of making views.
 
+use crate::hf_names::MoeLayout;
 use crate::names::*;
-use crate::{Arch, Error, ModelConfig, Result};
+use crate::{Error, ModelConfig, Result};
 
 /// Every tensor in a flat record starts at a multiple of this many elements (256 bytes in f32),
 /// so views handed to GEMM libraries are well aligned.
@@ -89,6 +90,9 @@ pub struct ModelLayout {
     pub layer: UnitLayout,
     /// Number of decoder layers.
     pub n_layers: usize,
+    /// The experts of a mixture-of-experts layer (their packed tensors and how checkpoints name
+    /// each expert); `None` for dense layers.
+    pub moe: Option<MoeLayout>,
 }
 
 impl ModelLayout {
@@ -120,18 +124,31 @@ impl ModelLayout {
             p(O_BIAS, vec![h]);
         }
         if cfg.qk_norm {
-            p(Q_NORM, vec![hd]);
-            p(K_NORM, vec![hd]);
+            // Per head (Qwen3) or over the whole projection (OLMoE).
+            let (qn, kn) = if cfg.qk_norm_full { (q, kv) } else { (hd, hd) };
+            p(Q_NORM, vec![qn]);
+            p(K_NORM, vec![kn]);
         }
         p(POST_NORM, vec![h]);
-        p(GATE, vec![f, h]);
-        p(UP, vec![f, h]);
-        p(DOWN, vec![h, f]);
-        debug_assert!(cfg.arch == Arch::Qwen3 || !cfg.qk_norm);
+        let moe = cfg.moe.as_ref().map(|m| MoeLayout::new(cfg.arch, m, h));
+        match &moe {
+            None => {
+                p(GATE, vec![f, h]);
+                p(UP, vec![f, h]);
+                p(DOWN, vec![h, f]);
+            }
+            // One unit: the router and every expert, packed (all experts stream with the layer).
+            Some(m) => {
+                p(ROUTER, vec![m.n_experts, h]);
+                p(EXPERTS_GATE_UP, vec![m.n_experts, 2 * m.inter, h]);
+                p(EXPERTS_DOWN, vec![m.n_experts, h, m.inter]);
+            }
+        }
         ModelLayout {
             outer: UnitLayout::build(outer),
             layer: UnitLayout::build(layer),
             n_layers: cfg.num_hidden_layers,
+            moe,
         }
     }
 
@@ -190,13 +207,29 @@ impl ModelLayout {
     }
 }
 
+/// Parameters one token's forward uses: every parameter of a dense model; for a mixture of
+/// experts, all but the experts it is not routed to (`(E - k)` experts' `3·h·f_e` per layer
+/// excluded; the router counts in full).
+pub fn active_params(cfg: &ModelConfig) -> usize {
+    let n = ModelLayout::new(cfg).n_params();
+    match &cfg.moe {
+        None => n,
+        Some(m) => {
+            let idle = m.num_experts - m.num_experts_per_tok;
+            n - cfg.num_hidden_layers * idle * 3 * cfg.hidden_size * m.moe_intermediate_size
+        }
+    }
+}
+
 /// Model FLOPs of one training step of `batch` sequences of `seq` tokens — the one convention
 /// every figure in this project uses (the peers' in `docs/peers.md`):
-/// `6·N·T + 6·L·seq·hidden·T`, `N` all parameters (the input embedding, a lookup, included: +11%
-/// on the `6·N·T` term at the 3.6B Llama-3 shape), `T = batch·seq`, `L` decoder layers. The
-/// attention term is the causal half of the full `12·L·seq·hidden·T`; recompute is not counted.
+/// `6·N·T + 6·L·seq·hidden·T`, `N` the active parameters ([`active_params`]: all parameters of a
+/// dense model, the input embedding, a lookup, included: +11% on the `6·N·T` term at the 3.6B
+/// Llama-3 shape; a mixture of experts counts the router and the `k` experts a token is routed
+/// to, not the other `E - k`), `T = batch·seq`, `L` decoder layers. The attention term is the
+/// causal half of the full `12·L·seq·hidden·T`; recompute is not counted.
 pub fn model_flops_per_step(cfg: &ModelConfig, batch: usize, seq: usize) -> f64 {
-    let n = ModelLayout::new(cfg).n_params() as f64;
+    let n = active_params(cfg) as f64;
     let t = (batch * seq) as f64;
     6.0 * n * t + 6.0 * cfg.num_hidden_layers as f64 * seq as f64 * cfg.hidden_size as f64 * t
 }

@@ -8,11 +8,17 @@
 
 mod config;
 mod error;
+mod hf_names;
 mod layout;
+mod moe;
 pub mod names;
 mod states;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
-pub use layout::{model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS};
+pub use hf_names::{ExpertNames, HfPiece, MoeLayout};
+pub use layout::{
+    active_params, model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS,
+};
+pub use moe::MoeConfig;
 pub use states::{StateDtype, Q8_BLOCK};

@@ -38,3 +38,11 @@ pub const EMBED: &str = "model.embed_tokens.weight";
 pub const FINAL_NORM: &str = "model.norm.weight";
 /// `lm_head.weight` `[V, h]` (absent when the embeddings are tied).
 pub const LM_HEAD: &str = "lm_head.weight";
+/// `mlp.gate.weight` `[E, h]`: the router of a mixture-of-experts layer (transformers' name
+/// for Qwen3-MoE, OLMoE and, in transformers 5, Mixtral).
+pub const ROUTER: &str = "mlp.gate.weight";
+/// `mlp.experts.gate_up_proj` `[E, 2·f_e, h]`: every expert's gate rows then up rows, expert by
+/// expert (transformers 5's packed expert parameter).
+pub const EXPERTS_GATE_UP: &str = "mlp.experts.gate_up_proj";
+/// `mlp.experts.down_proj` `[E, h, f_e]`: every expert's down projection.
+pub const EXPERTS_DOWN: &str = "mlp.experts.down_proj";

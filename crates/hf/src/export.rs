@@ -281,9 +281,9 @@ fn tmp_name(name: &str) -> String {
 /// Writes a Hugging Face model directory at `out` (created if missing) from the store's master
 /// weights: `config.json` (`config_json` with `torch_dtype` — and `dtype`, if present — set to
 /// the export dtype), `model.safetensors` or `model-0000i-of-0000N.safetensors` shards plus
-/// `model.safetensors.index.json`, tensors in [`ModelLayout::all_params`] order (a tied model has
-/// no `lm_head.weight`, as transformers saves it), and the [`COPIED_FILES`] found in
-/// `opts.copy_files_from`.
+/// `model.safetensors.index.json`, tensors in [`ModelLayout::hf_tensors`] order (a tied model has
+/// no `lm_head.weight`, as transformers saves it; a mixture of experts' experts one by one, under
+/// the family's per-expert names), and the [`COPIED_FILES`] found in `opts.copy_files_from`.
 ///
 /// `config_json` must describe the store's model ([`Error::ConfigMismatch`] otherwise). Files of
 /// the same names in `out` are replaced; shards of an earlier export that the new one does not
@@ -320,14 +320,11 @@ pub fn export(
         }
     }
 
+    // A MoE layer's experts expert by expert, as transformers' save_pretrained writes them.
     let planned = layout
-        .all_params()
+        .hf_tensors()
         .into_iter()
-        .map(|(name, _, spec)| Planned {
-            name,
-            shape: spec.shape.clone(),
-            bytes: spec.numel() as u64 * opts.dtype.size(),
-        })
+        .map(|p| Planned { bytes: p.numel() as u64 * opts.dtype.size(), name: p.name, shape: p.shape })
         .collect();
     let shards = plan_shards(planned, opts.max_shard_bytes);
     let n_shards = shards.len();

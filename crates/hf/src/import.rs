@@ -50,7 +50,7 @@ enum Kind {
 fn classify(cfg: &ModelConfig, layout: &ModelLayout, name: &str) -> Kind {
     if name.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && name == names::LM_HEAD) {
         Kind::Ignored
-    } else if layout.resolve(name).is_ok() {
+    } else if layout.resolve_piece(name).is_ok() {
         Kind::Param
     } else {
         Kind::Unexpected
@@ -240,6 +240,11 @@ impl SrcDtype {
 ///
 /// Ignored: tensors named `*rotary_emb.inv_freq`, and `lm_head.weight` when the config ties the
 /// embeddings (with a warning).
+///
+/// A mixture-of-experts layer's experts may be stored packed (transformers 5's
+/// `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) or expert by expert (what
+/// `save_pretrained` writes: `mlp.experts.{e}.gate_proj.weight`, ..., Mixtral's
+/// `block_sparse_moe.experts.{e}.w1.weight`, ...; [`ModelLayout::hf_pieces`]), not both.
 pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportReport> {
     let _span = tracing::info_span!("hf_import", dir = %src.dir.display()).entered();
     let layout = ModelLayout::new(&src.config);
@@ -254,28 +259,39 @@ pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportRepor
         )));
     }
 
-    // Pass 1: headers only.
+    // Pass 1: headers only. Each layout tensor whole, or else as its checkpoint pieces.
     let mut plan = Vec::new();
-    for (name, _, spec) in layout.all_params() {
-        let (s, t) = src
-            .find(&name)
-            .ok_or_else(|| Error::MissingTensor { name: name.clone(), dir: src.dir.clone() })?;
-        let shard = &src.shards[s].path;
-        if t.shape != spec.shape {
-            return Err(Error::Shape {
-                name,
-                shard: shard.clone(),
-                expected: spec.shape.clone(),
-                found: t.shape.clone(),
-            });
-        }
-        let Some(dtype) = SrcDtype::of(t.dtype) else {
-            return Err(Error::Dtype { name, shard: shard.clone(), dtype: t.dtype.to_string() });
+    for (name, unit, spec) in layout.all_params() {
+        let pieces = match src.find(&name) {
+            Some(_) => vec![(name, spec.shape.clone())],
+            None => layout.hf_pieces(unit, spec).into_iter().map(|p| (p.name, p.shape)).collect(),
         };
-        plan.push((s, t, dtype));
+        for (name, shape) in pieces {
+            let (s, t) = src
+                .find(&name)
+                .ok_or_else(|| Error::MissingTensor { name: name.clone(), dir: src.dir.clone() })?;
+            let shard = &src.shards[s].path;
+            if t.shape != shape {
+                return Err(Error::Shape {
+                    name,
+                    shard: shard.clone(),
+                    expected: shape,
+                    found: t.shape.clone(),
+                });
+            }
+            let Some(dtype) = SrcDtype::of(t.dtype) else {
+                return Err(Error::Dtype { name, shard: shard.clone(), dtype: t.dtype.to_string() });
+            };
+            plan.push((s, t, dtype));
+        }
     }
+    let planned: BTreeSet<&str> = plan.iter().map(|(_, t, _)| t.name.as_str()).collect();
     for (shard, t) in src.tensors() {
         match classify(&src.config, &layout, &t.name) {
+            // An expert stored both packed and expert by expert: one of them would be ignored.
+            Kind::Param if !planned.contains(t.name.as_str()) => {
+                return Err(Error::UnexpectedTensor { name: t.name.clone(), shard: shard.path.clone() })
+            }
             Kind::Param => {}
             Kind::Ignored if t.name == names::LM_HEAD => tracing::warn!(
                 shard = %shard.path.display(),

@@ -13,14 +13,17 @@ use candle_core::Tensor;
 use mt_core::ModelConfig;
 
 use crate::attention::{self, AttnCache, Dims};
-use crate::ops::{add, linear, linear_backward, rms_norm, rms_norm_backward, silu_grad, RmsCache};
+use crate::mlp::{self, MlpSaved};
+use crate::moe::{RouterGrad, RouterStats};
+use crate::ops::{add, linear, linear_backward, rms_norm, rms_norm_backward, RmsCache};
 use crate::positions::{Docs, Positions};
 use crate::profile::{mark, start as prof_start};
 use crate::rope::{self, Rope};
 use crate::weights::{names, LayerWeights};
 use crate::{Error, GradSink, Result};
 
-/// Template for one decoder layer (Llama / Mistral / Qwen2 / Qwen3). Stateless: it holds only
+/// Template for one decoder layer (Llama / Mistral / Qwen2 / Qwen3, and the mixture-of-experts
+/// Qwen3-MoE / Mixtral / OLMoE, whose MLP is [`crate::moe`]'s). Stateless: it holds only
 /// the configuration and how to run it; weights are passed in as views on every call.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
@@ -63,13 +66,7 @@ impl LayerState {
         let norm = |c: &RmsCache| c.bytes();
         let qk = s.q_norm.as_ref().map_or(0, norm) + s.k_norm.as_ref().map_or(0, norm);
         let input_shared = if s.norm1.shares_input() { t(s.norm1.input()) } else { 0 };
-        let mlp: u64 = s
-            .mlp
-            .iter()
-            .map(|m| {
-                norm(&m.norm2) + t(&m.c) + t(&m.gate) + t(&m.up) + m.act.as_ref().map_or(0, t) + t(&m.mid)
-            })
-            .sum();
+        let mlp: u64 = s.mlp.iter().map(MlpSaved::bytes).sum();
         norm(&s.norm1) - input_shared
             + t(&s.a)
             + qk
@@ -109,19 +106,6 @@ struct Saved {
     mlp: Vec<MlpSaved>,
 }
 
-/// What the backward needs of one MLP tile.
-struct MlpSaved {
-    norm2: RmsCache,
-    /// Post-attention-norm output `[rows, h]`.
-    c: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    /// `silu(gate)`; `None` on the fused CUDA path (recomputed by the backward kernel).
-    act: Option<Tensor>,
-    /// `silu(gate) ⊙ up`, the input of `down_proj`.
-    mid: Tensor,
-}
-
 impl DecoderLayer {
     /// A template for layers of this model, materialised attention, no MLP tiles.
     pub fn new(cfg: &ModelConfig) -> Self {
@@ -155,8 +139,34 @@ impl DecoderLayer {
 
     /// Forward at the tokens' [`Positions`] (per-token positions, packed documents).
     pub fn forward_pos(&self, w: &LayerWeights, x: &Tensor, pos: &Positions) -> Result<Tensor> {
-        let (out, _) = self.run(w, x, pos, Output::Keep)?;
+        let (out, _) = self.run(w, x, pos, Output::Keep, None)?;
         Ok(out.expect("the forward keeps its output"))
+    }
+
+    /// [`DecoderLayer::forward_pos`] (`keep`: [`DecoderLayer::forward_keep_pos`]) that adds a
+    /// MoE layer's router statistics to `stats`, for the load-balancing loss of the step
+    /// ([`RouterStats::aux_loss`]). A dense layer adds nothing.
+    pub fn forward_routed(
+        &self,
+        w: &LayerWeights,
+        x: &Tensor,
+        pos: &Positions,
+        keep: bool,
+        stats: &mut RouterStats,
+    ) -> Result<(Tensor, Option<LayerState>)> {
+        let output = if keep { Output::KeepAll } else { Output::Keep };
+        let (out, saved) = self.run(w, x, pos, output, Some(stats))?;
+        Ok((out.expect("the forward keeps its output"), keep.then_some(LayerState(saved))))
+    }
+
+    /// A MoE layer's router logits `[b·t, E]` (the compute dtype) for the input `x`, what
+    /// transformers returns as the layer's `router_logits`; `None` for a dense layer.
+    pub fn router_logits(&self, w: &LayerWeights, x: &Tensor, pos: &Positions) -> Result<Option<Tensor>> {
+        let crate::MlpWeights::Moe { router, .. } = &w.mlp else { return Ok(None) };
+        let (_, s) = self.run(w, x, pos, Output::Skip, None)?;
+        let x1 = s.x1.expect("the recompute keeps x1");
+        let (c, _) = rms_norm(&x1, &w.post_norm, self.cfg.rms_norm_eps)?;
+        Ok(Some(linear(&c, router, None)?))
     }
 
     /// Forward that keeps what the backward needs ([`LayerState`]), so that
@@ -174,7 +184,7 @@ impl DecoderLayer {
         x: &Tensor,
         pos: &Positions,
     ) -> Result<(Tensor, LayerState)> {
-        let (out, saved) = self.run(w, x, pos, Output::KeepAll)?;
+        let (out, saved) = self.run(w, x, pos, Output::KeepAll, None)?;
         Ok((out.expect("the forward keeps its output"), LayerState(saved)))
     }
 
@@ -187,6 +197,19 @@ impl DecoderLayer {
         dy: &Tensor,
         grads: &GradSink,
     ) -> Result<Tensor> {
+        self.backward_kept_routed(w, state, dy, grads, None)
+    }
+
+    /// [`DecoderLayer::backward_kept`] with the load-balancing loss's gradient `aux` added at a
+    /// MoE layer's router probabilities.
+    pub fn backward_kept_routed(
+        &self,
+        w: &LayerWeights,
+        state: LayerState,
+        dy: &Tensor,
+        grads: &GradSink,
+        aux: Option<&RouterGrad>,
+    ) -> Result<Tensor> {
         let s = state.0;
         let Dims { b, t, .. } = s.dims;
         let want = [b, t, self.cfg.hidden_size];
@@ -197,12 +220,12 @@ impl DecoderLayer {
                 dy.dims(),
             ));
         }
-        self.backward_saved(w, s, dy, grads)
+        self.backward_saved(w, s, dy, grads, aux)
     }
 
     /// Bytes a [`LayerState`] of `b` sequences of `s` tokens holds (weights and activations of
     /// `e` bytes), beyond the layer's input checkpoint when it shares it: exactly
-    /// [`LayerState::bytes`]. `fused`: the CUDA bf16 kernels of compute capability 9.0+
+    /// [`LayerState::bytes`]. `fused`: the CUDA bf16 kernels of compute capability 8.0+
     /// ([`fused_kernels`]): the input-norm output, q (and Qwen3's pre-norm q, k), k, v, the raw
     /// scores and bf16 probabilities (`2 × b·heads·s²`) with f32 row statistics, the attention
     /// output, `x1`, the post-norm output, gate, up and their product, the norms' f32 reciprocal
@@ -217,10 +240,21 @@ impl DecoderLayer {
         let (h, f, hd) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.head_dim as u64);
         let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
         let heads = (b * cfg.num_attention_heads) as u64;
-        // a, c, q, k, v, o, gate, up, mid; the norms' f32 reciprocal RMS per row.
-        let common = n * e * (2 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * n * 4;
-        // Qwen3: the q and k norms keep their pre-norm input and an f32 reciprocal RMS per head.
-        let qk_rows = n * ((qd + kvd) / hd) * 4;
+        // The MLP's gate, up and mid, and (unfused) silu(gate): per token for a dense MLP; per
+        // routed (token, expert) pair for a mixture of experts, which also keeps each pair's
+        // u32 row index (its router probabilities and routing stay on the host).
+        let (mlp, act) = match &cfg.moe {
+            None => (n * e * 3 * f, n * f * e),
+            Some(m) => {
+                let (pairs, fe) = (n * m.num_experts_per_tok as u64, m.moe_intermediate_size as u64);
+                (pairs * (3 * fe * e + 4), pairs * fe * e)
+            }
+        };
+        // a, c, q, k, v, o, the MLP's; the norms' f32 reciprocal RMS per row.
+        let common = n * e * (2 * h + 2 * qd + 2 * kvd) + mlp + 2 * n * 4;
+        // Qwen3: the q and k norms keep their pre-norm input and an f32 reciprocal RMS per head
+        // (OLMoE: per row).
+        let qk_rows = if cfg.qk_norm_full { n * 2 * 4 } else { n * ((qd + kvd) / hd) * 4 };
         if fused {
             // x1 (the post-norm's input); raw scores and bf16 probabilities, (max, sum) per row,
             // or, flash, each row's log-sum-exp.
@@ -239,7 +273,7 @@ impl DecoderLayer {
         let scores = heads * sq * sd;
         // Qwen3: the norms' inputs in the statistics dtype and x·r in the weights' dtype.
         let qk = if cfg.qk_norm { n * (qd + kvd) * (sd + e) + qk_rows } else { 0 };
-        common + norm1 + norm2 + n * f * e + scores + qk
+        common + norm1 + norm2 + act + scores + qk
     }
 
     /// Recomputes the forward from the checkpointed input `x`, back-propagates `dy: [b, t, h]`,
@@ -277,6 +311,20 @@ impl DecoderLayer {
         pos: &Positions,
         grads: &GradSink,
     ) -> Result<Tensor> {
+        self.backward_routed(w, x, dy, pos, grads, None)
+    }
+
+    /// [`DecoderLayer::backward_pos`] with the load-balancing loss's gradient `aux` added at a
+    /// MoE layer's router probabilities (none: the loss without it).
+    pub fn backward_routed(
+        &self,
+        w: &LayerWeights,
+        x: &Tensor,
+        dy: &Tensor,
+        pos: &Positions,
+        grads: &GradSink,
+        aux: Option<&RouterGrad>,
+    ) -> Result<Tensor> {
         if dy.dims() != x.dims() || dy.dtype() != x.dtype() {
             return Err(Error::shape(
                 "dy",
@@ -286,8 +334,8 @@ impl DecoderLayer {
         }
         // The recompute stops at the attention block: each MLP tile is recomputed in the
         // backward, and the layer's output is not needed backwards.
-        let (_, s) = self.run(w, x, pos, Output::Skip)?;
-        self.backward_saved(w, s, dy, grads)
+        let (_, s) = self.run(w, x, pos, Output::Skip, None)?;
+        self.backward_saved(w, s, dy, grads, aux)
     }
 
     /// The MLP tiles of `n` rows: `[0, n)` in pieces of [`LayerOptions::mlp_rows`].
@@ -298,7 +346,14 @@ impl DecoderLayer {
 
     /// The backward proper, from what the forward saved; each saved tensor is dropped as soon as
     /// nothing later needs it (a long sequence's `[t, hidden]` tensors are gigabytes).
-    fn backward_saved(&self, w: &LayerWeights, s: Saved, dy: &Tensor, grads: &GradSink) -> Result<Tensor> {
+    fn backward_saved(
+        &self,
+        w: &LayerWeights,
+        s: Saved,
+        dy: &Tensor,
+        grads: &GradSink,
+        aux: Option<&RouterGrad>,
+    ) -> Result<Tensor> {
         let dev = dy.device();
         let h = self.cfg.hidden_size;
         let Dims { b, t, nh, nkv, hd } = s.dims;
@@ -316,23 +371,11 @@ impl DecoderLayer {
                 Some(m) => m,
                 None => {
                     let x1 = x1.as_ref().expect("x1 is kept when the MLP is recomputed");
-                    self.mlp_forward(w, &x1.narrow(0, r.start, r.len())?, Output::Skip)?.1
+                    mlp::forward(&self.cfg, w, &x1.narrow(0, r.start, r.len())?, false, None)?.1
                 }
             };
             let dy_t = dy.narrow(0, r.start, r.len())?;
-            let d_mid = linear_backward(&dy_t, &m.mid, &w.down, grads, names::DOWN, None)?;
-            mark(dev, "bwd 9 down proj (2 GEMMs + accumulate)");
-            let (d_gate, d_up) = swiglu_backward(&d_mid, &m.gate, &m.up, m.act.as_ref())?;
-            mark(dev, "bwd 8 silu * up");
-            let dc_gate = linear_backward(&d_gate, &m.c, &w.gate, grads, names::GATE, None)?;
-            let dc_up = linear_backward(&d_up, &m.c, &w.up, grads, names::UP, None)?;
-            let dc = add(&dc_gate, &dc_up)?;
-            mark(dev, "bwd 7 gate/up proj (4 GEMMs + accumulate)");
-            let (dx1_norm, d_post) = rms_norm_backward(&dc, &w.post_norm, &m.norm2)?;
-            grads.accumulate(names::POST_NORM, &d_post)?;
-            // Residual: x1 feeds both the MLP branch and the output.
-            dx1_parts.push(add(&dy_t, &dx1_norm)?);
-            mark(dev, "bwd 6 post norm");
+            dx1_parts.push(mlp::backward(w, m, &dy_t, grads, aux)?);
         }
         drop(x1);
         let dx1 = join_rows(dx1_parts, n, &tiles)?;
@@ -346,15 +389,16 @@ impl DecoderLayer {
         mark(dev, "bwd 4 attention");
         let unrotate = |x: Tensor| rope::apply_backward(&x, &cos, &sin);
         let (mut dq, mut dk) = (unrotate(dq)?, unrotate(dk)?);
+        let full = self.cfg.qk_norm_full;
         if let (Some(cache), Some(wn)) = (&q_norm, &w.q_norm) {
-            let (d, dw) = rms_norm_backward(&dq, wn, cache)?;
+            let (d, dw) = rms_norm_backward(&norm_shape(dq, full)?, wn, cache)?;
             grads.accumulate(names::Q_NORM, &dw)?;
-            dq = d;
+            dq = d.reshape((b, t, nh, hd))?;
         }
         if let (Some(cache), Some(wn)) = (&k_norm, &w.k_norm) {
-            let (d, dw) = rms_norm_backward(&dk, wn, cache)?;
+            let (d, dw) = rms_norm_backward(&norm_shape(dk, full)?, wn, cache)?;
             grads.accumulate(names::K_NORM, &dw)?;
-            dk = d;
+            dk = d.reshape((b, t, nkv, hd))?;
         }
         mark(dev, "bwd 3 qk norm + rope");
         let dq = dq.reshape((n, nh * hd))?;
@@ -409,13 +453,14 @@ impl DecoderLayer {
     }
 
     /// The forward, keeping what the backward needs; the MLP (its output, and what the backward
-    /// needs of it) as `output` says.
+    /// needs of it) as `output` says; a MoE layer's router statistics added to `stats`.
     fn run(
         &self,
         w: &LayerWeights,
         x: &Tensor,
         pos: &Positions,
         output: Output,
+        mut stats: Option<&mut RouterStats>,
     ) -> Result<(Option<Tensor>, Saved)> {
         let cfg = &self.cfg;
         let (b, t) = self.check_input(w, x, pos)?;
@@ -437,8 +482,10 @@ impl DecoderLayer {
         let k = linear(&a, &w.k, w.k_bias.as_ref())?.reshape((b, t, nkv, hd))?;
         let v = linear(&a, &w.v, w.v_bias.as_ref())?.reshape((b, t, nkv, hd))?;
         mark(dev, "fwd 2 qkv proj (GEMM)");
-        let (q, q_norm) = norm_opt(q, w.q_norm.as_ref(), eps)?;
-        let (k, k_norm) = norm_opt(k, w.k_norm.as_ref(), eps)?;
+        let full = cfg.qk_norm_full;
+        let (q, q_norm) = norm_opt(norm_shape(q, full)?, w.q_norm.as_ref(), eps)?;
+        let (k, k_norm) = norm_opt(norm_shape(k, full)?, w.k_norm.as_ref(), eps)?;
+        let (q, k) = (q.reshape((b, t, nh, hd))?, k.reshape((b, t, nkv, hd))?);
         // By value, so that the unrotated tensor is freed as soon as its rotation exists.
         let rotate = |x: Tensor| rope::apply(&x, &cos, &sin);
         let (q, k) = (rotate(q)?, rotate(k)?);
@@ -458,7 +505,8 @@ impl DecoderLayer {
                 let mut outs = Vec::with_capacity(tiles.len());
                 let mut mlp = Vec::new();
                 for r in &tiles {
-                    let (y, m) = self.mlp_forward(w, &x1.narrow(0, r.start, r.len())?, Output::Keep)?;
+                    let x1_t = x1.narrow(0, r.start, r.len())?;
+                    let (y, m) = mlp::forward(cfg, w, &x1_t, true, stats.as_deref_mut())?;
                     outs.push(y.expect("the tile's output was asked for"));
                     if output == Output::KeepAll {
                         mlp.push(m);
@@ -470,30 +518,6 @@ impl DecoderLayer {
         };
         let saved = Saved { rows: n, dims, cos, sin, docs, norm1, a, q_norm, k_norm, attn, o, x1, mlp };
         Ok((out, saved))
-    }
-
-    /// One MLP tile of `x1: [rows, h]`: what its backward needs and, for [`Output::Keep`], its
-    /// output `x1 + down(silu(gate(c)) ⊙ up(c))`.
-    fn mlp_forward(
-        &self,
-        w: &LayerWeights,
-        x1: &Tensor,
-        output: Output,
-    ) -> Result<(Option<Tensor>, MlpSaved)> {
-        let dev = x1.device();
-        let (c, norm2) = rms_norm(x1, &w.post_norm, self.cfg.rms_norm_eps)?;
-        mark(dev, "fwd 6 post norm");
-        let gate = linear(&c, &w.gate, None)?;
-        let up = linear(&c, &w.up, None)?;
-        mark(dev, "fwd 7 gate/up proj (GEMM)");
-        let (act, mid) = swiglu(&gate, &up)?;
-        mark(dev, "fwd 8 silu * up");
-        let out = match output {
-            Output::Keep | Output::KeepAll => Some(add(x1, &linear(&mid, &w.down, None)?)?),
-            Output::Skip => None,
-        };
-        mark(dev, "fwd 9 down proj (GEMM) + residual");
-        Ok((out, MlpSaved { norm2, c, gate, up, act, mid }))
     }
 }
 
@@ -521,33 +545,18 @@ enum Output {
     Skip,
 }
 
-/// `(silu(gate), silu(gate) ⊙ up)`; on CUDA in bf16 one fused kernel that keeps no `silu(gate)`.
-fn swiglu(gate: &Tensor, up: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
-    #[cfg(feature = "cuda")]
-    if crate::cuda_kernels::applies(gate) {
-        return Ok((None, crate::cuda_kernels::swiglu(gate, up)?));
+/// `x: [b, t, heads, hd]` as the q/k norm sees it: unchanged for a norm per head (Qwen3),
+/// `[b, t, 1, heads·hd]` for one over the whole projection (OLMoE). No copy.
+fn norm_shape(x: Tensor, full: bool) -> Result<Tensor> {
+    if !full {
+        return Ok(x);
     }
-    let act = gate.silu()?;
-    let mid = (&act * up)?;
-    Ok((Some(act), mid))
+    let (b, t, heads, hd) = x.dims4()?;
+    Ok(x.reshape((b, t, 1, heads * hd))?)
 }
 
-/// `(d_gate, d_up)` from `d = dL/d(mid)`.
-fn swiglu_backward(d: &Tensor, gate: &Tensor, up: &Tensor, act: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-    match act {
-        Some(act) => {
-            let d_act = (d * up)?;
-            let d_up = (d * act)?;
-            Ok(((d_act * silu_grad(gate)?)?, d_up))
-        }
-        #[cfg(feature = "cuda")]
-        None => Ok(crate::cuda_kernels::swiglu_backward(d, gate, up)?),
-        #[cfg(not(feature = "cuda"))]
-        None => unreachable!("silu(gate) is only dropped by the cuda feature's fused path"),
-    }
-}
-
-/// Per-head RMSNorm over the head dimension (Qwen3's q/k norm), when the layer has one.
+/// RMSNorm over the last dimension of q or k (Qwen3's per head, OLMoE's over the projection),
+/// when the layer has one.
 fn norm_opt(x: Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Option<RmsCache>)> {
     match w {
         Some(w) => {

@@ -46,15 +46,19 @@ impl<'a> GradSink<'a> {
         if g.dims() != spec.shape.as_slice() {
             return Err(Error::shape(format!("gradient of {name}"), format!("{:?}", spec.shape), g.dims()));
         }
-        let n = spec.numel();
-        let dst = self.buf.narrow(0, spec.offset, n)?;
+        self.add_at(spec.offset, spec.numel(), g)
+    }
+
+    /// `buf[offset .. offset + n] += g` (`g` of `n` elements, any float dtype).
+    fn add_at(&self, offset: usize, n: usize, g: &Tensor) -> Result<()> {
+        let dst = self.buf.narrow(0, offset, n)?;
         let sum = if g.dtype() == DType::F64 && dst.dtype() == DType::F32 {
             // An f64 gradient (f32 layers on the CPU) is added in f64 and rounded once.
             (dst.to_dtype(DType::F64)? + g.flatten_all()?)?.to_dtype(DType::F32)?
         } else {
             (dst + g.to_dtype(self.buf.dtype())?.flatten_all()?)?.contiguous()?
         };
-        self.buf.slice_set(&sum, 0, spec.offset)?;
+        self.buf.slice_set(&sum, 0, offset)?;
         Ok(())
     }
 
@@ -70,6 +74,34 @@ impl<'a> GradSink<'a> {
             [o, i] => (*o, *i),
             s => return Err(Error::shape(format!("layout entry {name}"), "a matrix", s)),
         };
+        self.matmul_at(name, spec.offset, out, inp, dy, x)
+    }
+
+    /// `buf[name][e] += dyᵀ x` for expert `e` of a packed `[E, out, in]` tensor `name` (a mixture
+    /// of experts' `mlp.experts.*`), `dy: [N, out]`, `x: [N, in]`: as
+    /// [`GradSink::accumulate_matmul`] on that expert's matrix.
+    pub fn accumulate_matmul_expert(&self, name: &str, e: usize, dy: &Tensor, x: &Tensor) -> Result<()> {
+        let spec = self.layout.get(name)?;
+        let (n_e, out, inp) = match spec.shape.as_slice() {
+            [n_e, o, i] => (*n_e, *o, *i),
+            s => return Err(Error::shape(format!("layout entry {name}"), "[experts, out, in]", s)),
+        };
+        if e >= n_e {
+            return Err(Error::shape(format!("expert {e} of {name}"), format!("< {n_e}"), &[e]));
+        }
+        self.matmul_at(name, spec.offset + e * out * inp, out, inp, dy, x)
+    }
+
+    /// `buf[offset ..][out × inp] += dyᵀ x`, checked against the shapes.
+    fn matmul_at(
+        &self,
+        name: &str,
+        offset: usize,
+        out: usize,
+        inp: usize,
+        dy: &Tensor,
+        x: &Tensor,
+    ) -> Result<()> {
         if !matches!((dy.dims(), x.dims()), ([n, o], [nx, i]) if n == nx && *o == out && *i == inp) {
             return Err(Error::shape(
                 format!("dy of the gradient of {name} (with x {:?})", x.dims()),
@@ -79,15 +111,15 @@ impl<'a> GradSink<'a> {
         }
         #[cfg(feature = "cuda")]
         {
-            let dst = self.buf.narrow(0, spec.offset, out * inp)?;
+            let dst = self.buf.narrow(0, offset, out * inp)?;
             if crate::cuda_kernels::gemm_applies(&dst, dy, x) {
                 return Ok(crate::cuda_kernels::accumulate_matmul_t(&dst, dy, x)?);
             }
         }
         if crate::ops::is_wide(dy) {
-            return self.accumulate(name, &crate::ops::matmul_wide(&dy.t()?, x)?);
+            return self.add_at(offset, out * inp, &crate::ops::matmul_wide(&dy.t()?, x)?);
         }
-        self.accumulate(name, &dy.t()?.matmul(x)?)
+        self.add_at(offset, out * inp, &dy.t()?.matmul(x)?)
     }
 
     /// `buf[name] += Σ_rows dy` (in the statistics dtype) for a bias `name` of shape `[out]` and

@@ -27,6 +27,9 @@ mod decoder;
 pub mod device_optim;
 mod error;
 mod grads;
+mod mlp;
+mod moe;
+mod moe_backward;
 mod ops;
 mod outer;
 mod positions;
@@ -35,6 +38,7 @@ mod rope;
 mod weights;
 
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
+pub use moe::{RouterGrad, RouterStats};
 
 /// Whether the fused CUDA kernels (`kernels/*.cu`, compiled by NVRTC for the device's compute
 /// capability) run for tensors of `dtype` on `device`: bf16 on a GPU of compute capability 8.0
@@ -60,4 +64,4 @@ pub use grads::GradSink;
 pub use outer::Outer;
 pub use positions::Positions;
 pub use rope::{Rope, RopeAngles};
-pub use weights::{names, LayerWeights, OuterWeights};
+pub use weights::{names, LayerWeights, MlpWeights, OuterWeights};

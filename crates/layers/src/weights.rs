@@ -65,18 +65,37 @@ pub struct LayerWeights {
     pub o: Tensor,
     /// `o_proj.bias` `[h]`, when `cfg.o_bias`.
     pub o_bias: Option<Tensor>,
-    /// `q_norm.weight` `[hd]`, when `cfg.qk_norm`.
+    /// `q_norm.weight` `[hd]` (`[nh * hd]` when `cfg.qk_norm_full`), when `cfg.qk_norm`.
     pub q_norm: Option<Tensor>,
-    /// `k_norm.weight` `[hd]`, when `cfg.qk_norm`.
+    /// `k_norm.weight` `[hd]` (`[nkv * hd]` when `cfg.qk_norm_full`), when `cfg.qk_norm`.
     pub k_norm: Option<Tensor>,
     /// `post_attention_layernorm.weight` `[h]`.
     pub post_norm: Tensor,
-    /// `gate_proj.weight` `[f, h]`.
-    pub gate: Tensor,
-    /// `up_proj.weight` `[f, h]`.
-    pub up: Tensor,
-    /// `down_proj.weight` `[h, f]`.
-    pub down: Tensor,
+    /// The MLP's weights.
+    pub mlp: MlpWeights,
+}
+
+/// Views of a decoder layer's MLP weights.
+#[derive(Debug, Clone)]
+pub enum MlpWeights {
+    /// The dense SwiGLU MLP.
+    Dense {
+        /// `gate_proj.weight` `[f, h]`.
+        gate: Tensor,
+        /// `up_proj.weight` `[f, h]`.
+        up: Tensor,
+        /// `down_proj.weight` `[h, f]`.
+        down: Tensor,
+    },
+    /// A mixture of `E` SwiGLU experts of width `f_e` behind a linear router.
+    Moe {
+        /// `mlp.gate.weight` `[E, h]`.
+        router: Tensor,
+        /// `mlp.experts.gate_up_proj` `[E, 2·f_e, h]` (expert `e`'s gate rows, then its up rows).
+        gate_up: Tensor,
+        /// `mlp.experts.down_proj` `[E, h, f_e]`.
+        down: Tensor,
+    },
 }
 
 impl LayerWeights {
@@ -86,6 +105,7 @@ impl LayerWeights {
         check_slot(layout, slot)?;
         let (h, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
         let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+        let (qn, kn) = if cfg.qk_norm_full { (q, kv) } else { (hd, hd) };
         let v = |name: &str, shape: &[usize]| view(layout, slot, name, shape);
         let v_if = |on: bool, name: &str, shape: &[usize]| view_if(on, layout, slot, name, shape);
         Ok(LayerWeights {
@@ -98,12 +118,24 @@ impl LayerWeights {
             v_bias: v_if(cfg.qkv_bias, V_BIAS, &[kv])?,
             o: v(O, &[h, q])?,
             o_bias: v_if(cfg.o_bias, O_BIAS, &[h])?,
-            q_norm: v_if(cfg.qk_norm, Q_NORM, &[hd])?,
-            k_norm: v_if(cfg.qk_norm, K_NORM, &[hd])?,
+            q_norm: v_if(cfg.qk_norm, Q_NORM, &[qn])?,
+            k_norm: v_if(cfg.qk_norm, K_NORM, &[kn])?,
             post_norm: v(POST_NORM, &[h])?,
-            gate: v(GATE, &[f, h])?,
-            up: v(UP, &[f, h])?,
-            down: v(DOWN, &[h, f])?,
+            mlp: match &cfg.moe {
+                None => MlpWeights::Dense {
+                    gate: v(GATE, &[f, h])?,
+                    up: v(UP, &[f, h])?,
+                    down: v(DOWN, &[h, f])?,
+                },
+                Some(m) => {
+                    let (e, fe) = (m.num_experts, m.moe_intermediate_size);
+                    MlpWeights::Moe {
+                        router: v(ROUTER, &[e, h])?,
+                        gate_up: v(EXPERTS_GATE_UP, &[e, 2 * fe, h])?,
+                        down: v(EXPERTS_DOWN, &[e, h, fe])?,
+                    }
+                }
+            },
         })
     }
 

@@ -83,8 +83,9 @@ fn binding_makes_views_not_copies() {
     let spec = layout.get(names::DOWN).unwrap();
     let ones = Tensor::ones(spec.numel(), DType::F32, &Device::Cpu).unwrap();
     slot.slice_set(&ones, 0, spec.offset).unwrap();
-    assert_eq!(w.down.dims(), &[cfg.hidden_size, cfg.intermediate_size]);
-    assert_eq!(w.down.sum_all().unwrap().to_scalar::<f32>().unwrap(), spec.numel() as f32);
+    let mt_layers::MlpWeights::Dense { down, .. } = &w.mlp else { panic!("a dense layer's weights") };
+    assert_eq!(down.dims(), &[cfg.hidden_size, cfg.intermediate_size]);
+    assert_eq!(down.sum_all().unwrap().to_scalar::<f32>().unwrap(), spec.numel() as f32);
 
     let outer_layout = ModelLayout::new(&cfg).outer;
     let outer_slot = zeros(outer_layout.len + 10, DType::F32); // a longer slot is fine
@@ -358,7 +359,7 @@ fn decoder_inputs_with_wrong_shapes_or_types_are_refused() {
 /// from it is bitwise the recomputing backward, for every layer kind, in f32 and bf16.
 #[test]
 fn a_kept_forward_holds_what_the_planner_counts_and_backs_up_as_the_recompute() {
-    for (name, cfg) in all_configs() {
+    for (name, cfg) in all_configs().into_iter().chain(moe_configs()) {
         let layout = ModelLayout::new(&cfg).layer;
         let mut rng = rng(7);
         let slot = random_slot(&mut rng, &layout);

@@ -21,12 +21,13 @@ fn tokens(x: &Tensor, lo: usize, hi: usize) -> Tensor {
 
 /// One row packing three samples (5, 4 and 3 tokens, position ids restarting at each) gives
 /// every token the output, and the layer the weight gradient, that the three samples give run as
-/// sequences of their own (f64: to rounding), for every family.
+/// sequences of their own (f64: to rounding), for every family (mixtures of experts: the tokens
+/// route alike wherever they sit).
 #[test]
 fn packed_documents_equal_separate_sequences() {
     let lens = [5usize, 4, 3];
     let t: usize = lens.iter().sum();
-    for (name, cfg) in all_configs() {
+    for (name, cfg) in all_configs().into_iter().chain(moe_configs()) {
         let layout = ModelLayout::new(&cfg).layer;
         let mut rng = rng(41);
         let slot = random_slot(&mut rng, &layout);
@@ -62,10 +63,11 @@ fn packed_documents_equal_separate_sequences() {
 }
 
 /// MLP tiles of 3 rows (over two sequences of 7 tokens: tiles straddle the sequences) give the
-/// untiled output, input gradient and weight gradients to f64 rounding, kept or recomputed.
+/// untiled output, input gradient and weight gradients to f64 rounding, kept or recomputed (a
+/// mixture of experts routes each tile's rows on their own).
 #[test]
 fn mlp_tiles_change_only_rounding() {
-    for (name, cfg) in all_configs() {
+    for (name, cfg) in all_configs().into_iter().chain(moe_configs()) {
         let layout = ModelLayout::new(&cfg).layer;
         let mut rng = rng(42);
         let slot = random_slot(&mut rng, &layout);

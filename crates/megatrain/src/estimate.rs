@@ -10,15 +10,18 @@
 //!
 //! Step time is a bound from three overlapped pipelines, each at a sustained rate the user can
 //! override (defaults measured by this project on the H200 machine):
-//! compute `= (6·N·T + attention + recompute) / tflops`, the recompute being each layer's forward
-//! up to its down projection (`2·(N_layer - N_down)·T` per layer), a third of the model FLOPs in
-//! the forward; PCIe `= max(H2D, D2H) bytes / bandwidth`; the host optimizer `= bytes / host_gbs`,
+//! compute `= (6·N·T + recompute) / tflops + attention`, the recompute being each layer's forward
+//! up to its down projection (`2·(N_layer - N_down)·T` per layer), a third of the GEMM FLOPs in
+//! the forward, and attention priced apart ([`attention_s`]: at long context it is most of the
+//! step, and our flash kernel runs at half the GEMMs' rate); PCIe `= max(H2D, D2H) bytes / bandwidth`; the host optimizer `= bytes / host_gbs`,
 //! its passes priced by the bytes they read and write per streamed parameter ([`HostTraffic`]).
 //! Lean mode overlaps all three. Exact mode cannot start an update before the step's norm is
 //! known, so its forward waits for the update pass and its backward for the re-casts and lands:
 //! `max(forward, update) + max(backward, backward host work, PCIe)`. Either adds the pipeline fill
 //! (one layer's upload and update, which cannot overlap). On the H200 (2026-11-23) this predicted
-//! 0.964 s for the 3.6B at 4 x 2048 with every layer streamed, which ran in 0.952 s.
+//! 0.964 s for the 3.6B at 4 x 2048 with every layer streamed, which ran in 0.952 s; with
+//! attention priced apart (2026-11-26) it predicts the flash runs of
+//! `results/2026-11-26-flash-attention-h200/` within 1-8% (the test below holds it there).
 
 use anyhow::Result;
 use mt_core::ModelLayout;
@@ -109,14 +112,22 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let host_bytes = planned_host_bytes(&p, device);
     let layout = ModelLayout::new(cfg);
     let tokens = (args.batch_size * args.seq_len) as f64;
-    // Model FLOPs plus the recomputed forward of every layer that does not keep its
-    // activations (the recompute stops before down_proj).
-    let down = layout.layer.get(mt_core::names::DOWN).map_or(0, |s| s.numel());
+    // Model FLOPs (on the active parameters: a mixture of experts' tokens each reach k of its
+    // E experts) plus the recomputed forward of every layer that does not keep its activations
+    // (the recompute stops before down_proj, a MoE layer's before its experts' down projections).
+    let active = mt_core::active_params(cfg);
+    let active_layer = (active - layout.outer.n_params()) / layout.n_layers;
+    let down = match &cfg.moe {
+        None => layout.layer.get(mt_core::names::DOWN).map_or(0, |s| s.numel()),
+        Some(m) => m.num_experts_per_tok * cfg.hidden_size * m.moe_intermediate_size,
+    };
     let recomputed = layout.n_layers - p.kept_layers;
-    let recompute = 2.0 * (recomputed * (layout.layer.n_params() - down)) as f64 * tokens;
-    let compute_s = (p.flops_per_step + recompute) / (args.tflops * 1e12);
-    // The forward is a third of the model FLOPs; the backward the rest plus the recompute.
-    let fwd_s = p.flops_per_step / 3.0 / (args.tflops * 1e12);
+    let recompute = 2.0 * (recomputed * (active_layer - down)) as f64 * tokens;
+    let gemm = 6.0 * active as f64 * tokens;
+    let attn = attention_s(cfg, &p, args);
+    let compute_s = (gemm + recompute) / (args.tflops * 1e12) + attn.forward + attn.backward;
+    // The forward is a third of the GEMM FLOPs and attention's forward; the backward the rest.
+    let fwd_s = gemm / 3.0 / (args.tflops * 1e12) + attn.forward;
     let bwd_s = compute_s - fwd_s;
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer works on the streamed units only: resident ones are updated on the GPU.
@@ -200,6 +211,65 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     })
 }
 
+/// Our flash kernel's forward and backward TFLOP/s (causal FLOPs, the backward counted as 2.5x
+/// the forward) by sequence length, measured on an H200 at 28 / 4 heads, head dim 128, one
+/// sequence (`results/2026-11-26-flash-attention-h200/kernel/`); interpolated in log2 of the
+/// length, the ends held beyond.
+pub const FLASH_TFLOPS: [(usize, f64, f64); 4] =
+    [(4096, 175.2, 115.8), (16384, 229.9, 194.3), (65536, 253.3, 193.0), (131072, 256.9, 195.5)];
+
+/// TFLOP/s of the materialised attention (candle's GEMMs and our softmax kernels, the
+/// `6·L·s·hidden·T` FLOPs and the recompute's forward): 80-84 in the H200 runs of the 3.6B at
+/// 4 / 16 x 2048 (`results/2026-11-26-flash-attention-h200/regression/`, the old binary, with the
+/// GEMMs at [`EstimateArgs::tflops`]'s 600).
+pub const MATERIALISED_ATTENTION_TFLOPS: f64 = 80.0;
+
+/// Attention's own seconds of a step, forward and backward.
+struct AttentionTime {
+    forward: f64,
+    backward: f64,
+}
+
+/// The attention core's time (scores, softmax, the weighted sum; its projections are GEMMs):
+/// forward `A = 2·seq·(heads·head_dim)·T·L` FLOPs (causal), run again in the backward's recompute
+/// of every layer that keeps no activations, and the flash backward's `2.5·A` (it recomputes the
+/// probabilities), at `--attention-tflops` or [`FLASH_TFLOPS`] at this length; the materialised
+/// path's `3·A` and recompute at [`MATERIALISED_ATTENTION_TFLOPS`]. Whole sequences (packed
+/// documents attend less).
+fn attention_s(cfg: &mt_core::ModelConfig, p: &Plan, args: &EstimateArgs) -> AttentionTime {
+    let l = cfg.num_hidden_layers as f64;
+    let a =
+        2.0 * p.seq as f64 * (cfg.num_attention_heads * cfg.head_dim) as f64 * (p.batch * p.seq) as f64 * l;
+    let recomputed = (cfg.num_hidden_layers - p.kept_layers) as f64 / l;
+    if !p.flash_attention {
+        let rate = MATERIALISED_ATTENTION_TFLOPS * 1e12;
+        return AttentionTime { forward: a / rate, backward: a * (2.0 + recomputed) / rate };
+    }
+    let (fwd, bwd) = args.attention_tflops.map_or_else(|| flash_tflops(p.seq), |r| (r.0, r.1));
+    AttentionTime {
+        forward: a / (fwd * 1e12),
+        backward: a * recomputed / (fwd * 1e12) + 2.5 * a / (bwd * 1e12),
+    }
+}
+
+/// [`FLASH_TFLOPS`] at `seq` tokens.
+fn flash_tflops(seq: usize) -> (f64, f64) {
+    let t = FLASH_TFLOPS;
+    let x = (seq.max(1) as f64).log2();
+    let (first, last) = (t[0], t[t.len() - 1]);
+    if x <= (first.0 as f64).log2() {
+        return (first.1, first.2);
+    }
+    for w in t.windows(2) {
+        let (x0, x1) = ((w[0].0 as f64).log2(), (w[1].0 as f64).log2());
+        if x <= x1 {
+            let f = (x - x0) / (x1 - x0);
+            return (w[0].1 + f * (w[1].1 - w[0].1), w[0].2 + f * (w[1].2 - w[0].2));
+        }
+    }
+    (last.1, last.2)
+}
+
 /// Host memory traffic per streamed parameter per step, bytes read + written by each host pass
 /// (what the step time's host side is priced by).
 struct HostTraffic {
@@ -271,7 +341,8 @@ impl Estimate {
             "step_s": self.step_s,
             "tokens_per_s": (p.batch * p.seq) as f64 / self.step_s,
             "model_tflops": p.flops_per_step / self.step_s / 1e12,
-            "assumed": {"tflops": args.tflops, "pcie_gbs": args.pcie_gbs, "host_gbs": args.host_gbs,
+            "assumed": {"tflops": args.tflops, "attention_tflops": args.attention_tflops.map(|r| [r.0, r.1]),
+                        "pcie_gbs": args.pcie_gbs, "host_gbs": args.host_gbs,
                         "compute_capability": args.compute_capability, "fused_kernels": fused_kernels(args)},
         })
     }
@@ -421,6 +492,58 @@ mod tests {
         let outer = estimate_3_6b(&[&ring[..], &["--resident-outer", "off"]].concat());
         let o = 788_007_936.0;
         assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
+    }
+
+    /// The step times measured on one H200 (every layer resident or held, so compute-bound;
+    /// `results/2026-11-26-flash-attention-h200/`: `engine/`, `long/`, `regression/`) against
+    /// the estimate of the same command: within 10% each (0.3-7.6% when written), where pricing
+    /// attention at the GEMMs' rate put the 7B at 128k 2.2x too fast.
+    #[test]
+    fn the_step_time_follows_the_measured_flash_runs() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/");
+        // (config, batch, seq, attention, measured seconds a step)
+        let runs = [
+            ("llama3-3.6b.json", 4, 2048, "flash", 0.3733),
+            ("llama3-3.6b.json", 16, 2048, "flash", 1.450),
+            ("llama3-3.6b.json", 4, 2048, "materialized", 0.3985),
+            ("llama3-3.6b.json", 16, 2048, "materialized", 1.827),
+            ("qwen2.5-7b.json", 1, 32768, "auto", 7.52),
+            ("qwen2.5-7b.json", 1, 131072, "auto", 82.46),
+            ("qwen2.5-7b.json", 1, 262144, "auto", 304.46),
+        ];
+        for (config, batch, seq, attention, measured) in runs {
+            let config = format!("{root}{config}");
+            let (b, s) = (batch.to_string(), seq.to_string());
+            let argv = [
+                "megatrain",
+                "estimate",
+                "--config",
+                &config,
+                "--device",
+                "cuda",
+                "--precision",
+                "bf16",
+                "--batch-size",
+                &b,
+                "--seq-len",
+                &s,
+                "--gpu-mem",
+                "139.8",
+                "--host-mem",
+                "125",
+                "--attention",
+                attention,
+            ];
+            let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
+            let e = super::estimate(&args).unwrap();
+            assert_eq!(e.plan.flash_attention, attention != "materialized", "{config} {batch}x{seq}");
+            let ratio = e.step_s / measured;
+            assert!(
+                (0.9..1.1).contains(&ratio),
+                "{config} {batch}x{seq}: {:.3} s vs {measured} s measured",
+                e.step_s
+            );
+        }
     }
 
     /// A GPU older than compute capability 8.0 runs candle's ops, whose transient memory is

@@ -12,7 +12,8 @@
 //! - `options`: every `megatrain train` option as given (defaults filled in)
 //! - `n_params`, `start_step`, `resumed`, `tokens_per_step`
 //! - `store_bytes`, `store_bytes_per_param`, `store_path` (null for an anonymous store)
-//! - `model_flops_per_step` and `flops_formula`: `6*N*T + 6*L*S*H*T` (N parameters, T
+//! - `model_flops_per_step` and `flops_formula`: `6*N*T + 6*L*S*H*T` (N active parameters: all
+//!   of a dense model, a mixture of experts' router and the k experts a token reaches; T
 //!   tokens per step, L layers, S sequence length, H hidden size; recompute not counted, causal
 //!   mask ignored; `mt_core::model_flops_per_step`)
 //!

@@ -1,10 +1,11 @@
-//! The REAL-USE round trip through the fixed command line: a tiny Llama and a tiny Qwen2 saved
-//! by transformers (`scripts/make_roundtrip.py`) -> `megatrain train --model DIR --data FILE
-//! --out DIR ... --no-shuffle` -> the exported safetensors equal PyTorch's float64 training of
-//! the same model on the same lines (transformers' float32 islands removed), tensor by tensor,
-//! within the fixture's `rel_tol` (1e-5, relative L2 norm per tensor; PyTorch's own float32 run is
-//! at 1.1e-5 on one tensor: `tests/numerics.rs` compares the two stage by stage); the per-step
-//! losses agree too. `make_roundtrip.py --verify` loads the same exports with transformers.
+//! The REAL-USE round trip through the fixed command line: a tiny Llama, Qwen2, Qwen3-MoE (with
+//! its load-balancing loss) and Mixtral saved by transformers (`scripts/make_roundtrip.py`) ->
+//! `megatrain train --model DIR --data FILE --out DIR ... --no-shuffle` -> the exported
+//! safetensors (a MoE's experts one by one, as `save_pretrained` writes them) equal PyTorch's
+//! float64 training of the same model on the same lines (transformers' float32 islands removed),
+//! tensor by tensor, within the fixture's `rel_tol` (1e-5, relative L2 norm per tensor; PyTorch's
+//! own float32 run is at 1.1e-5 on one tensor: `tests/numerics.rs` compares the two stage by
+//! stage); the per-step losses agree too. `make_roundtrip.py --verify` loads the same exports with transformers.
 
 use std::path::{Path, PathBuf};
 
@@ -148,4 +149,14 @@ fn llama_round_trip_matches_pytorch() {
 #[test]
 fn qwen2_round_trip_matches_pytorch() {
     check("qwen2");
+}
+
+#[test]
+fn qwen3_moe_round_trip_matches_pytorch() {
+    check("qwen3_moe");
+}
+
+#[test]
+fn mixtral_round_trip_matches_pytorch() {
+    check("mixtral");
 }

@@ -270,8 +270,9 @@ pub struct Plan {
     pub pcie_d2h_per_step: u64,
     /// Model parameters (padding excluded).
     pub n_params: u64,
-    /// Model FLOPs per step ([`mt_core::model_flops_per_step`]: `6·N·T + 6·L·s·hidden·T`, all
-    /// parameters, attention with the causal half, recompute not counted).
+    /// Model FLOPs per step ([`mt_core::model_flops_per_step`]: `6·N·T + 6·L·s·hidden·T`, `N`
+    /// the active parameters (all of a dense model; a mixture of experts' router and routed
+    /// experts), attention with the causal half, recompute not counted).
     pub flops_per_step: f64,
 }
 

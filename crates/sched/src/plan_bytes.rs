@@ -81,6 +81,10 @@ pub struct LayerPath {
 /// against the device memory pool's high-water mark (3.6B on an H200, 2026-11-23): the
 /// candle-path count left 9 GiB (4 x 2048) and 21 GiB (16 x 2048) of the planned workspace
 /// unused on the fused path.
+///
+/// A mixture of experts: `ffn` is the routed width `k·f_e` per token (each token's rows reach
+/// `k` experts of width `f_e`), plus the router's `[t, E]` probabilities; the largest weight
+/// gradient formed at once is one expert's matrix, not the packed tensor.
 pub fn layer_workspace(
     cfg: &ModelConfig,
     layout: &ModelLayout,
@@ -91,19 +95,30 @@ pub fn layer_workspace(
 ) -> u64 {
     let t = (b * s) as u64;
     let rows = if path.mlp_rows == 0 { t } else { t.min(path.mlp_rows as u64) };
-    let (h, f) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let h = cfg.hidden_size as u64;
+    let (f, router) = match &cfg.moe {
+        None => (cfg.intermediate_size as u64, 0),
+        Some(m) => {
+            ((m.num_experts_per_tok * m.moe_intermediate_size) as u64, rows * m.num_experts as u64 * 4)
+        }
+    };
     let qkv = (cfg.q_dim() + 2 * cfg.kv_dim()) as u64;
-    let acts = e * (t * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv) + rows * FFN_TENSORS * f);
+    let acts = e * (t * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv) + rows * FFN_TENSORS * f) + router;
     let heads = cfg.num_attention_heads as u64;
     let score_elems = b as u64 * heads * (s * s) as u64;
     if path.fused && path.flash {
-        return flash_acts(cfg, t, e) + e * rows * FFN_TENSORS * f + FLASH_ROW_F32 * 4 * t * heads;
+        return flash_acts(cfg, t, e) + e * rows * FFN_TENSORS * f + router + FLASH_ROW_F32 * 4 * t * heads;
     }
     if path.fused {
         return acts + FUSED_SCORE_BYTES * score_elems;
     }
     let scores = SCORE_TENSORS * score_elems * 4;
-    let dw = layout.layer.tensors.iter().map(|t| t.numel() as u64).max().unwrap_or(0) * (e + 8);
+    let experts = layout.moe.as_ref().map_or(1, |m| m.n_experts);
+    let matrix = |t: &mt_core::TensorSpec| match t.shape.len() {
+        3 => t.numel() / experts,
+        _ => t.numel(),
+    };
+    let dw = layout.layer.tensors.iter().map(|t| matrix(t) as u64).max().unwrap_or(0) * (e + 8);
     acts + scores + dw
 }
 

@@ -303,3 +303,41 @@ fn a_missing_wait_shows_up_as_a_wrong_gradient() {
         }
     }
 }
+
+/// A mixture of experts with the load-balancing loss (the golden Mixtral, 3 layers): ring depth,
+/// kept activations, held and (exact mode) resident layers change nothing, bit for bit,
+/// over two chunks and three steps (each step's router statistics are the step's own, and every
+/// placement's backward adds the same load-balancing gradient).
+#[test]
+fn moe_placements_and_ring_depths_train_bitwise_alike() {
+    let mut cfg = golden::load("mixtral").unwrap().cfg;
+    cfg.num_hidden_layers = 3;
+    assert!(cfg.moe.as_ref().is_some_and(|m| m.aux_coef().is_some()));
+    let batches: Vec<Batch> = (0..3).map(|s| batch(&cfg, 3, 40 + s)).collect();
+    for mode in [OptimMode::Exact, OptimMode::Lean] {
+        let opts = EngineOptions { n_chunks: 2, mode, ..golden_opts() };
+        let (l0, p0, g0, m0) = run(&cfg, EngineOptions { ring_depth: 1, ..opts.clone() }, &batches, 100);
+        // (ring depth, kept, resident, held)
+        for (depth, kept, resident, held) in
+            [(2, 0, 0, 0), (3, 0, 0, 0), (2, 3, 0, 0), (2, 1, 1, 1), (2, 0, 0, 3)]
+        {
+            if mode == OptimMode::Lean && resident > 0 {
+                // A resident layer's lean-mode gradient is not written back to the store.
+                continue;
+            }
+            let what = format!("{mode:?}, depth {depth}, {kept} kept, {resident} resident, {held} held");
+            let o = EngineOptions {
+                ring_depth: depth,
+                kept_layers: kept,
+                resident_layers: resident,
+                held_layers: held,
+                ..opts.clone()
+            };
+            let (l, p, g, m) = run(&cfg, o, &batches, 100);
+            assert_eq!(l, l0, "{what}: losses differ");
+            assert_bitwise_eq(&p, &p0, &format!("{what}: params"));
+            assert_bitwise_eq(&g, &g0, &format!("{what}: grads"));
+            assert!(m == m0, "{what}: moments differ");
+        }
+    }
+}

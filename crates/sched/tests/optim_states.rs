@@ -1,7 +1,8 @@
 //! Optimizer-state precision (`--optim-states`, `docs/decisions/0033-optimizer-state-precision.md`):
 //! every golden model trains with bf16 and 8-bit moments within a stated bound of the fp32-moment
 //! run; the device's update (resident units, GPU-updated layers with late downloads and early
-//! uploads) is bitwise the host's in every precision; a store reopened mid-run continues bitwise.
+//! uploads) is bitwise the host's in every precision; a store reopened mid-run continues bitwise;
+//! mixtures of experts (all of a layer's experts packed in its record) do all of this too.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
 use mt_sched::{Batch, EngineOptions, OptimMode};
 use mt_store::{GradDtype, HostStore};
-use mt_testkit::golden::{self, GOLDEN_NAMES};
+use mt_testkit::golden::{self, GOLDEN_MOE_NAMES, GOLDEN_NAMES};
 use mt_testkit::init::random_params;
 use mt_testkit::tol::assert_bitwise_eq;
 
@@ -165,6 +166,64 @@ fn a_reopened_store_continues_bitwise_in_every_precision() {
             assert_eq!(losses, want, "{what}: losses after the restart");
             assert_bitwise_eq(&params_of(&store), &params_of(&straight), &format!("{what}: params"));
             assert!(moments(&store) == moments(&straight), "{what}: moments differ");
+        }
+    }
+}
+
+/// Mixtures of experts keep every expert of a layer packed in its record, so their moments take
+/// the same encodings: the three MoE golden models train 30 golden-batch steps with bf16 and
+/// 8-bit moments within the dense models' bounds of fp32 moments, and a layer updated on the
+/// device (GPU-updated and held with a late download, GPU-updated and streamed, resident) gives
+/// the host's update bit for bit with 8-bit moments.
+#[test]
+fn moe_models_train_with_every_moment_precision() {
+    const MOE_STEPS: usize = 30;
+    for name in GOLDEN_MOE_NAMES {
+        let g = golden::load(name).unwrap();
+        let batch = golden_batch(&g);
+        let run = |states: StateDtype, opts: EngineOptions, steps: usize| {
+            let store = HostStore::anonymous_with(&ModelLayout::new(&g.cfg), GradDtype::F32, states).unwrap();
+            fill_store(&store, &g.params);
+            let store = Arc::new(store);
+            let mut e = engine(&g.cfg, store.clone(), opts, 0);
+            let losses: Vec<f64> = (0..steps).map(|_| e.step(&batch, 1e-3).unwrap().loss).collect();
+            e.flush_pending().unwrap();
+            drop(e);
+            (losses, params_of(&store), moments(&store))
+        };
+        let base = run(StateDtype::F32, golden_opts(), MOE_STEPS).0;
+        assert!(base[MOE_STEPS - 1] < 0.85 * base[0], "{name}: fp32 moments learn the batch: {base:?}");
+        for (states, bound) in [(StateDtype::Bf16, BF16_LOSS_BOUND), (StateDtype::Int8, INT8_LOSS_BOUND)] {
+            let l = run(states, golden_opts(), MOE_STEPS).0;
+            let worst = l.iter().zip(&base).map(|(a, b)| (a - b).abs() / b).fold(0.0f64, f64::max);
+            eprintln!(
+                "SUMMARY {name}: {states} moments, {MOE_STEPS} steps: loss {:.4} -> {:.4} (fp32 {:.4} -> {:.4}), worst relative difference {worst:.2e}",
+                l[0],
+                l[MOE_STEPS - 1],
+                base[0],
+                base[MOE_STEPS - 1]
+            );
+            assert!(worst <= bound, "{name}: {states} moments differ from fp32 by {worst:.2e} > {bound:e}");
+        }
+
+        let host = run(StateDtype::Int8, golden_opts(), 3);
+        let layers = g.cfg.num_hidden_layers;
+        let placements = [
+            EngineOptions {
+                gpu_updated_layers: layers,
+                held_layers: layers,
+                late_state_downloads: 1,
+                ..golden_opts()
+            },
+            EngineOptions { gpu_updated_layers: 1, ..golden_opts() },
+            EngineOptions { resident_outer: true, resident_layers: 1, ..golden_opts() },
+        ];
+        for opts in placements {
+            let what = format!("{name}, int8 moments, {opts:?}");
+            let (losses, params, moms) = run(StateDtype::Int8, opts, 3);
+            assert_eq!(losses, host.0, "{what}: losses");
+            assert_bitwise_eq(&params, &host.1, &format!("{what}: params"));
+            assert!(moms == host.2, "{what}: moments or applied steps differ from the host's");
         }
     }
 }

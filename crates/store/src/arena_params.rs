@@ -8,9 +8,11 @@ use mt_core::{Error, Result, StateDtype};
 use super::HostStore;
 
 impl HostStore {
-    /// Writes a parameter's master value (by HF name) and zeroes its moments.
+    /// Writes a parameter's master value (by HF name: a layout tensor, or one expert's matrix
+    /// under its checkpoint name, [`mt_core::ModelLayout::resolve_piece`]) and zeroes its moments.
     pub fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
-        let (u, spec) = self.layout.resolve(hf_name)?;
+        let spec = self.layout.resolve_piece(hf_name)?;
+        let u = spec.unit;
         if data.len() != spec.numel() {
             return Err(Error::Shape {
                 what: hf_name.to_owned(),
@@ -49,15 +51,15 @@ impl HostStore {
 
     /// Reads a parameter's master value (by HF name).
     pub fn read_param(&self, hf_name: &str) -> Result<Vec<f32>> {
-        let (u, spec) = self.layout.resolve(hf_name)?;
-        let r = self.record(u);
+        let spec = self.layout.resolve_piece(hf_name)?;
+        let r = self.record(spec.unit);
         Ok(r.master()[spec.offset..spec.offset + spec.numel()].to_vec())
     }
 
     /// Reads a parameter's landed gradient (by HF name), widened to f32.
     pub fn read_grad(&self, hf_name: &str) -> Result<Vec<f32>> {
-        let (u, spec) = self.layout.resolve(hf_name)?;
-        let r = self.record(u);
+        let spec = self.layout.resolve_piece(hf_name)?;
+        let r = self.record(spec.unit);
         let g = r.grad().ok_or_else(|| Error::Store {
             path: self.path.clone().unwrap_or_else(|| PathBuf::from("<anonymous store>")),
             msg: "this store keeps no gradient buffers (lean mode, 12 B/param)".into(),

@@ -5,7 +5,8 @@
 //! ignored); `logits` F32 `[B, T, V]`; `loss` F32 `[]`; `losses` F32 `[S]` and `grad_norms` F32
 //! `[S]` (one per optimizer step); and for every HF parameter name `n` of the layout:
 //! `param.n` (initial weights), `grad.n` (gradient of `loss`), `step3.n` (weights after the
-//! steps), all F32. Loading checks all of it against the config's [`ModelLayout`].
+//! steps), all F32; a mixture-of-experts model also `router_logits.{l}` F32 `[B·T, E]` of each
+//! layer `l`. Loading checks all of it against the config's [`ModelLayout`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,8 +17,12 @@ use mt_core::{ModelConfig, ModelLayout};
 use crate::reference::IGNORE_INDEX;
 use crate::{Error, Result};
 
-/// Names of the committed fixtures.
+/// Names of the committed fixtures of dense models.
 pub const GOLDEN_NAMES: [&str; 4] = ["llama_gqa", "llama_tied", "qwen2_bias", "qwen3_qknorm"];
+
+/// Names of the committed fixtures of mixture-of-experts models (`olmoe`: expert 0 of layer 0
+/// receives no token at step 0).
+pub const GOLDEN_MOE_NAMES: [&str; 3] = ["qwen3_moe", "mixtral", "olmoe"];
 
 /// Key prefixes of the per-parameter tensors.
 const PARAM_PREFIXES: [&str; 3] = ["param.", "grad.", "step3."];
@@ -60,6 +65,9 @@ pub struct Golden {
     pub grads: BTreeMap<String, Tensor>,
     /// Weights after the optimizer steps by HF name.
     pub step3: BTreeMap<String, Tensor>,
+    /// A MoE model's router logits `[B·T, E]` at the initial weights, one per layer (empty for
+    /// a dense model).
+    pub router_logits: Vec<Tensor>,
 }
 
 impl Golden {
@@ -190,6 +198,14 @@ impl Reader {
             )));
         }
 
+        let router_logits = match &cfg.moe {
+            None => Vec::new(),
+            Some(m) => (0..cfg.num_hidden_layers)
+                .map(|l| {
+                    self.take(&format!("router_logits.{l}"), DType::F32, Some(&[batch * seq, m.num_experts]))
+                })
+                .collect::<Result<_>>()?,
+        };
         let layout = ModelLayout::new(&cfg);
         let mut maps: [BTreeMap<String, Tensor>; 3] = Default::default();
         for (pname, _, spec) in layout.all_params() {
@@ -225,6 +241,7 @@ impl Reader {
             params,
             grads,
             step3,
+            router_logits,
         })
     }
 }

@@ -12,6 +12,7 @@ mod error;
 pub mod golden;
 pub mod init;
 pub mod reference;
+mod reference_moe;
 pub mod tol;
 
 pub use error::{Error, Result};

@@ -1,4 +1,5 @@
-//! The resident reference model: a plain Llama/Mistral/Qwen2/Qwen3 causal LM written with candle
+//! The resident reference model: a plain Llama/Mistral/Qwen2/Qwen3 causal LM (and the
+//! mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, in `reference_moe.rs`) written with candle
 //! ops in the most obvious way (no streaming, no fused kernels, no explicit backward), trained by
 //! candle autograd. It is the oracle the streamed engine's loss and gradients are checked against.
 //!
@@ -11,6 +12,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor, Var, D};
 use mt_core::{ModelConfig, ModelLayout, RopeScaling};
 
+use crate::reference_moe::{load_balancing_loss, Routing};
 use crate::{Error, Result};
 
 const EMBED: &str = "model.embed_tokens.weight";
@@ -149,7 +151,7 @@ impl ReferenceModel {
         self.vars.get(name).map(Var::as_tensor).ok_or_else(|| Error::MissingParam(name.to_owned()))
     }
 
-    fn layer_w(&self, i: usize, local: &str) -> Result<&Tensor> {
+    pub(crate) fn layer_w(&self, i: usize, local: &str) -> Result<&Tensor> {
         self.w(&format!("model.layers.{i}.{local}"))
     }
 
@@ -211,17 +213,20 @@ impl ReferenceModel {
         Ok(Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(self.dtype)?)
     }
 
-    /// Final-normed hidden states `[b * t, hidden]`.
-    fn hidden(&self, input_ids: &Tensor) -> Result<(Tensor, usize, usize)> {
+    /// Final-normed hidden states `[b * t, hidden]`, and a MoE model's routing of each layer.
+    fn hidden(&self, input_ids: &Tensor) -> Result<(Tensor, usize, usize, Vec<Routing>)> {
         let (b, t) = self.check_ids(input_ids)?;
         let mut x = self.w(EMBED)?.index_select(&input_ids.flatten_all()?, 0)?;
         let (cos, sin) = self.rope_tables(t)?;
         let mask = self.causal_mask(t)?;
+        let mut routing = Vec::new();
         for i in 0..self.cfg.num_hidden_layers {
-            x = self.decoder_layer(i, &x, b, t, &cos, &sin, &mask)?;
+            let (y, r) = self.decoder_layer(i, &x, b, t, &cos, &sin, &mask)?;
+            x = y;
+            routing.extend(r);
         }
         let x = rms_norm(&x, self.w(FINAL_NORM)?, self.cfg.rms_norm_eps)?;
-        Ok((x, b, t))
+        Ok((x, b, t, routing))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -234,7 +239,7 @@ impl ReferenceModel {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Option<Routing>)> {
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let eps = cfg.rms_norm_eps;
@@ -256,10 +261,19 @@ impl ReferenceModel {
             self.layer_w(i, "self_attn.v_proj.weight")?,
             self.layer_b(i, "self_attn.v_proj.bias", cfg.qkv_bias)?,
         )?;
-        // [b*t, n*hd] -> [b, t, n, hd]; Qwen3 normalises each head before RoPE.
+        // OLMoE normalises the whole projections, then [b*t, n*hd] -> [b, t, n, hd]; Qwen3
+        // normalises each head, both before RoPE.
+        let (q, k) = if cfg.qk_norm && cfg.qk_norm_full {
+            (
+                rms_norm(&q, self.layer_w(i, "self_attn.q_norm.weight")?, eps)?,
+                rms_norm(&k, self.layer_w(i, "self_attn.k_norm.weight")?, eps)?,
+            )
+        } else {
+            (q, k)
+        };
         let mut q = q.reshape((b, t, nh, hd))?;
         let mut k = k.reshape((b, t, nkv, hd))?;
-        if cfg.qk_norm {
+        if cfg.qk_norm && !cfg.qk_norm_full {
             q = rms_norm(&q, self.layer_w(i, "self_attn.q_norm.weight")?, eps)?;
             k = rms_norm(&k, self.layer_w(i, "self_attn.k_norm.weight")?, eps)?;
         }
@@ -284,19 +298,32 @@ impl ReferenceModel {
         )?;
         let x = (x + o)?;
 
-        // SwiGLU MLP block.
+        // SwiGLU MLP block, or a mixture of SwiGLU experts.
         let c = rms_norm(&x, self.layer_w(i, "post_attention_layernorm.weight")?, eps)?;
+        if let Some(moe) = &cfg.moe {
+            let (m, routing) = self.moe_block(i, &c, moe)?;
+            return Ok(((x + m)?, Some(routing)));
+        }
         let gate = linear(&c, self.layer_w(i, "mlp.gate_proj.weight")?, None)?;
         let up = linear(&c, self.layer_w(i, "mlp.up_proj.weight")?, None)?;
         let m = linear(&(silu(&gate)? * up)?, self.layer_w(i, "mlp.down_proj.weight")?, None)?;
-        Ok((x + m)?)
+        Ok(((x + m)?, None))
     }
 
     /// Logits `[b, t, vocab]` for `[b, t]` u32 token ids.
     pub fn logits(&self, input_ids: &Tensor) -> Result<Tensor> {
-        let (h, b, t) = self.hidden(input_ids)?;
+        Ok(self.logits_routing(input_ids)?.0)
+    }
+
+    /// A MoE model's router logits `[b·t, E]` of every layer (none for a dense model).
+    pub fn router_logits(&self, input_ids: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(self.logits_routing(input_ids)?.1.into_iter().map(|r| r.logits).collect())
+    }
+
+    fn logits_routing(&self, input_ids: &Tensor) -> Result<(Tensor, Vec<Routing>)> {
+        let (h, b, t, routing) = self.hidden(input_ids)?;
         let head = if self.cfg.tie_word_embeddings { self.w(EMBED)? } else { self.w(LM_HEAD)? };
-        Ok(linear(&h, head, None)?.reshape((b, t, self.cfg.vocab_size))?)
+        Ok((linear(&h, head, None)?.reshape((b, t, self.cfg.vocab_size))?, routing))
     }
 
     /// Mean cross-entropy over the targets that are not [`IGNORE_INDEX`]; `targets` holds one
@@ -330,12 +357,17 @@ impl ReferenceModel {
             return Err(Error::NoTargetTokens);
         }
         let count = rows.len();
-        let logits = self.logits(input_ids)?.reshape((n, vocab))?;
+        let (logits, routing) = self.logits_routing(input_ids)?;
+        let logits = logits.reshape((n, vocab))?;
         let rows = Tensor::from_vec(rows, count, &Device::Cpu)?;
         let labels = Tensor::from_vec(labels, (count, 1), &Device::Cpu)?;
         let logp = log_softmax_last_dim(&logits.index_select(&rows, 0)?)?;
         let picked = logp.gather(&labels, 1)?; // [count, 1]
-        Ok((picked.sum_all()?.neg()? / count as f64)?)
+        let ce = (picked.sum_all()?.neg()? / count as f64)?;
+        match self.cfg.moe.as_ref().and_then(|m| m.aux_coef()) {
+            Some(coef) => Ok((ce + (load_balancing_loss(&routing)? * coef)?)?),
+            None => Ok(ce),
+        }
     }
 
     /// The loss (as f64) and the gradient of every parameter by HF name (model dtype). For a
@@ -360,7 +392,7 @@ impl ReferenceModel {
 }
 
 /// `y = x W^T (+ b)` for `x: [n, in]`, `W: [out, in]` (PyTorch `Linear`).
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let y = x.matmul(&w.t()?)?;
     match b {
         Some(b) => y.broadcast_add(b),
@@ -376,7 +408,7 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
 }
 
 /// `x * sigmoid(x)` with `sigmoid(x) = 1 / (1 + exp(-x))`.
-fn silu(x: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn silu(x: &Tensor) -> candle_core::Result<Tensor> {
     let denom = (x.neg()?.exp()? + 1.0)?;
     x.div(&denom)
 }
@@ -400,7 +432,7 @@ fn repeat_kv(x: &Tensor, rep: usize) -> candle_core::Result<Tensor> {
 }
 
 /// Softmax over the last dimension: `exp(x - max) / sum(exp(x - max))`, the max held constant.
-fn softmax_last_dim(x: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn softmax_last_dim(x: &Tensor) -> candle_core::Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&max)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)

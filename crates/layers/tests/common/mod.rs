@@ -4,8 +4,8 @@
 #![allow(dead_code, unreachable_pub)]
 
 use candle_core::{DType, Device, Tensor, D};
-use mt_core::{Arch, ModelConfig, RopeScaling};
-use mt_layers::{LayerWeights, Rope};
+use mt_core::{Arch, ModelConfig, MoeConfig, RopeScaling};
+use mt_layers::{LayerWeights, MlpWeights, Rope};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -34,6 +34,8 @@ pub fn llama_gqa() -> ModelConfig {
         qkv_bias: false,
         o_bias: false,
         qk_norm: false,
+        qk_norm_full: false,
+        moe: None,
         sliding_window: None,
     }
 }
@@ -80,6 +82,32 @@ pub fn qwen3() -> ModelConfig {
 /// Every family, with a name for messages.
 pub fn all_configs() -> Vec<(&'static str, ModelConfig)> {
     vec![("llama_gqa", llama_gqa()), ("llama_bias", llama_bias()), ("qwen2", qwen2()), ("qwen3", qwen3())]
+}
+
+/// Tiny mixtures of experts of each family (4 experts, top-2): Qwen3-MoE (renormalised top-k),
+/// Mixtral, OLMoE (q/k norm over the projections).
+pub fn moe_configs() -> Vec<(&'static str, ModelConfig)> {
+    let moe = |norm_topk_prob| {
+        Some(MoeConfig {
+            num_experts: 4,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 12,
+            norm_topk_prob,
+            router_aux_loss_coef: 0.01,
+            output_router_logits: true,
+        })
+    };
+    let qwen3_moe = ModelConfig { arch: Arch::Qwen3Moe, moe: moe(true), ..qwen3() };
+    let mixtral = ModelConfig { arch: Arch::Mixtral, moe: moe(true), ..llama_gqa() };
+    let olmoe = ModelConfig {
+        arch: Arch::Olmoe,
+        moe: moe(false),
+        qk_norm: true,
+        qk_norm_full: true,
+        rope_scaling: None,
+        ..llama_gqa()
+    };
+    vec![("qwen3_moe", qwen3_moe), ("mixtral", mixtral), ("olmoe", olmoe)]
 }
 
 pub fn rng(seed: u64) -> StdRng {
@@ -254,8 +282,9 @@ pub fn reference_layer(cfg: &ModelConfig, w: &LayerWeights, x: &Tensor) -> Tenso
         let o = Tensor::cat(&head_outs, 1).unwrap();
         let x1 = (&xs + lin_ref(&o, &w.o, w.o_bias.as_ref())).unwrap();
         let c = rms_ref(&x1, &w.post_norm, eps);
-        let mid = (lin_ref(&c, &w.gate, None).silu().unwrap() * lin_ref(&c, &w.up, None)).unwrap();
-        outs.push((&x1 + lin_ref(&mid, &w.down, None)).unwrap());
+        let MlpWeights::Dense { gate, up, down } = &w.mlp else { panic!("the naive layer is dense only") };
+        let mid = (lin_ref(&c, gate, None).silu().unwrap() * lin_ref(&c, up, None)).unwrap();
+        outs.push((&x1 + lin_ref(&mid, down, None)).unwrap());
     }
     Tensor::stack(&outs, 0).unwrap()
 }

@@ -11,7 +11,7 @@ mod values;
 pub use config_file::{config_file_options, parse_args, ArgsError};
 pub use mt_train::{DataKind, DataSource};
 pub use train_args::{default_grad_dtype, TrainArgs};
-use values::{at_least_one, layer_count, mlp_rows, positive_f64};
+use values::{at_least_one, layer_count, mlp_rows, positive_f64, tflops_pair};
 pub use values::{
     AttentionArg, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg,
     OptimStatesArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
@@ -119,12 +119,17 @@ pub struct EstimateArgs {
     /// real device instead.
     #[arg(long, default_value_t = 9.0, value_name = "MAJOR.MINOR", value_parser = positive_f64)]
     pub compute_capability: f64,
-    /// Sustained TFLOP/s of the device's compute stream alone, recompute included (measured on an
-    /// H200 with every layer resident, build 1b473bc: 467 at 4 x 2048 tokens per step with every
-    /// layer's activations kept, 474 at 16 x 2048 counting the 24 layers' recompute; 2026-11-23).
-    /// On the CPU, measure your own.
-    #[arg(long, default_value_t = 465.0, value_parser = positive_f64)]
+    /// Sustained TFLOP/s of the device's compute stream for everything but the attention core
+    /// (the GEMMs, norms, activations, the loss; recompute included). 600 fits the H200 runs of
+    /// 2026-11-26 with the attention priced apart (3.6B at 4 x 2048, the 7B at 32k-256k). On the
+    /// CPU, measure your own.
+    #[arg(long, default_value_t = 600.0, value_parser = positive_f64)]
     pub tflops: f64,
+    /// The flash attention kernel's forward and backward TFLOP/s (causal FLOPs, the backward as
+    /// 2.5x the forward), e.g. `250,195` [default: our kernel's H200 rates at the sequence length,
+    /// 175,116 at 4k to 257,196 at 128k].
+    #[arg(long, value_name = "FWD,BWD", value_parser = tflops_pair)]
+    pub attention_tflops: Option<(f64, f64)>,
     /// PCIe bandwidth per direction in GB/s with both directions busy (H200 machine: 50.9).
     #[arg(long, default_value_t = 50.0, value_parser = positive_f64)]
     pub pcie_gbs: f64,

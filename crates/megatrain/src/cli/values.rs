@@ -324,3 +324,9 @@ pub(super) fn positive_f64(s: &str) -> Result<f64, String> {
     }
     Ok(x)
 }
+
+/// Two positive numbers `A,B` (`--attention-tflops FWD,BWD`).
+pub(super) fn tflops_pair(s: &str) -> Result<(f64, f64), String> {
+    let (a, b) = s.split_once(',').ok_or_else(|| format!("expected two numbers FWD,BWD, found {s:?}"))?;
+    Ok((positive_f64(a.trim())?, positive_f64(b.trim())?))
+}

@@ -40,13 +40,21 @@ impl<B: Backend> Engine<B> {
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
                     let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
-                    let y = if keep {
+                    let y = if let Some(stats) = self.router_stats.as_mut() {
+                        // A MoE model: the router statistics of the load-balancing loss too.
+                        let (y, state) = self.layer_t.forward_routed(&w, &x, pos, keep, stats)?;
+                        if let Some(state) = state {
+                            self.kept_bytes += state.bytes();
+                            *self
+                                .kept
+                                .get_mut(layer * chunks.len() + c)
+                                .ok_or_else(|| no_kept(layer, c))? = Some(state);
+                        }
+                        y
+                    } else if keep {
                         let (y, state) = self.layer_t.forward_keep_pos(&w, &x, pos)?;
-                        let entry = self.kept.get_mut(layer * chunks.len() + c).ok_or_else(|| {
-                            CoreError::Plan(format!(
-                                "no place to keep layer {layer}, chunk {c} (scheduling bug)"
-                            ))
-                        })?;
+                        let entry =
+                            self.kept.get_mut(layer * chunks.len() + c).ok_or_else(|| no_kept(layer, c))?;
                         self.kept_bytes += state.bytes();
                         *entry = Some(state);
                         y
@@ -61,6 +69,15 @@ impl<B: Backend> Engine<B> {
                 let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
                 let gbuf = self.pool.outer_grad.clone();
                 let sink = GradSink::new(&layout.outer, &gbuf)?;
+                // The load-balancing loss (transformers': over every layer's router rows) and
+                // its gradient at the router probabilities, which every layer's backward adds.
+                if let (Some(stats), Some(coef)) =
+                    (&self.router_stats, cfg.moe.as_ref().and_then(|m| m.aux_coef()))
+                {
+                    losses
+                        .push(candle_core::Tensor::new(coef * stats.aux_loss(), &candle_core::Device::Cpu)?);
+                    self.router_grad = Some(stats.grad(coef));
+                }
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.pool.checkpoint(n_layers, c)?.clone();
                     // Read at the step's end: a scalar read here would wait for the downloads
@@ -84,11 +101,12 @@ impl<B: Backend> Engine<B> {
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.backward_input(layer, c, ch)?;
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
+                    let aux = self.router_grad.as_ref();
                     let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
-                        Some(state) => self.layer_t.backward_kept(&w, state, &dy, &sink)?,
+                        Some(state) => self.layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?,
                         None => {
                             let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
-                            self.layer_t.backward_pos(&w, &x, &dy, pos, &sink)?
+                            self.layer_t.backward_routed(&w, &x, &dy, pos, &sink, aux)?
                         }
                     };
                     self.pool.put_act_grad(c, dx);
@@ -201,6 +219,10 @@ impl<B: Backend> Engine<B> {
 
 fn no_state(buf: usize) -> Error {
     CoreError::Plan(format!("state slot {buf} does not exist (scheduling bug)")).into()
+}
+
+fn no_kept(layer: usize, chunk: usize) -> Error {
+    CoreError::Plan(format!("no place to keep layer {layer}, chunk {chunk} (scheduling bug)")).into()
 }
 
 fn missing_positions(chunk: usize) -> Error {

@@ -14,6 +14,18 @@ impl<B: Backend> Engine<B> {
     /// Logits `[b, t, V]` (f32) of the store's current master weights, computed layer by layer
     /// without training (pending updates are not applied: flush first to see them).
     pub fn logits(&mut self, batch: &Batch) -> Result<Tensor> {
+        Ok(self.evaluate(batch, false)?.0)
+    }
+
+    /// A mixture of experts' router logits `[b·t, E]` (the weights' dtype) of every layer under
+    /// the store's current master weights, as [`Engine::logits`] computes them; none for a
+    /// dense model.
+    pub fn router_logits(&mut self, batch: &Batch) -> Result<Vec<Tensor>> {
+        Ok(self.evaluate(batch, true)?.1)
+    }
+
+    /// The logits and, when `router`, each MoE layer's router logits.
+    fn evaluate(&mut self, batch: &Batch, router: bool) -> Result<(Tensor, Vec<Tensor>)> {
         batch.validate(&self.cfg)?;
         self.ensure_rope(batch.seq)?;
         let device = self.backend.device().clone();
@@ -35,6 +47,7 @@ impl<B: Backend> Engine<B> {
             Some(p) => Positions::from_ids(rope, batch.batch, batch.seq, p)?,
             None => Positions::range(rope, 0, batch.seq)?,
         };
+        let mut routers = Vec::new();
         for l in 0..self.layout.n_layers {
             // Likewise a resident layer's.
             let slot = match self.pool.resident.get(l) {
@@ -45,12 +58,15 @@ impl<B: Backend> Engine<B> {
                 }
             };
             let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &slot)?;
+            if router {
+                routers.extend(self.layer_t.router_logits(&w, &x, &pos)?);
+            }
             x = self.layer_t.forward_pos(&w, &x, &pos)?;
         }
         let logits = self.outer_t.logits(&ow, &x)?;
         // The slots are read on the compute stream; the next step's uploads must not overtake.
         self.backend.synchronize()?;
-        Ok(logits)
+        Ok((logits, routers))
     }
 
     /// Sum of the cross-entropy over the batch's targets (nats) and their count, under the

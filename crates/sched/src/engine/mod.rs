@@ -34,7 +34,9 @@ pub(crate) use spill::RELOAD_SLOTS;
 /// What one step did.
 #[derive(Debug, Clone)]
 pub struct StepReport {
-    /// Mean cross-entropy over the batch's non-masked targets.
+    /// Mean cross-entropy over the batch's non-masked targets, plus, for a mixture of experts
+    /// with `output_router_logits`, `router_aux_loss_coef` times the load-balancing loss (the
+    /// loss transformers trains on).
     pub loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
@@ -91,6 +93,11 @@ pub struct Engine<B: Backend> {
     kept: Vec<Option<mt_layers::LayerState>>,
     /// Bytes kept this step (see [`StepReport::kept_bytes`]).
     kept_bytes: u64,
+    /// A MoE model's router statistics over this step's forwards (`None` for a dense model).
+    router_stats: Option<mt_layers::RouterStats>,
+    /// The load-balancing loss's gradient at the router probabilities, set at the loss when the
+    /// model adds that loss (`output_router_logits`); every MoE layer's backward adds it.
+    router_grad: Option<mt_layers::RouterGrad>,
     opts: EngineOptions,
     /// Resident units: the optimizer step each one's device state has applied (by unit index),
     /// and whether any device state is newer than the host store's records.
@@ -251,6 +258,8 @@ impl<B: Backend> Engine<B> {
             device_sumsq: Vec::new(),
             kept: Vec::new(),
             kept_bytes: 0,
+            router_stats: None,
+            router_grad: None,
             layer_t: DecoderLayer::with_options(
                 cfg,
                 LayerOptions { flash: opts.flash_attention, mlp_rows: opts.mlp_rows },
@@ -421,7 +430,10 @@ impl<B: Backend> Engine<B> {
         self.device_sumsq.clear();
         self.kept = std::iter::repeat_with(|| None).take(self.layout.n_layers * chunks.len()).collect();
         self.kept_bytes = 0;
+        self.router_stats = self.cfg.moe.as_ref().map(|m| mt_layers::RouterStats::new(m.num_experts));
+        self.router_grad = None;
         let loss = self.execute(&program, &chunks, update_args);
+        self.router_grad = None;
         // Whatever a failed step left kept is freed with it.
         self.kept.clear();
         self.positions.clear();
