@@ -57,7 +57,8 @@ pub(crate) fn nvrtc_arch(major: i32, minor: i32) -> &'static str {
 /// the A100's PTX on an H100, so one Hopper machine checks the portable build's kernels.
 pub(crate) fn note_device(dev: &candle_core::CudaDevice) -> &'static str {
     ARCH.get_or_init(|| {
-        let found = dev.cuda_stream().context().compute_capability().map(|(major, minor)| major * 10 + minor);
+        let found =
+            dev.cuda_stream().context().compute_capability().ok().map(|(major, minor)| major * 10 + minor);
         let forced = std::env::var("MEGATRAIN_NVRTC_CC").ok().and_then(|s| s.trim().parse::<i32>().ok());
         let cc = match (found, forced) {
             (Some(d), Some(f)) => Some(d.min(f)),
