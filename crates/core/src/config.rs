@@ -156,7 +156,16 @@ fn parse_rope(obj: &Map<String, Value>, field: &str) -> Result<(Option<f64>, Opt
             factor: need("factor")?,
             low_freq_factor: need("low_freq_factor")?,
             high_freq_factor: need("high_freq_factor")?,
-            original_max_position_embeddings: need("original_max_position_embeddings")?,
+            original_max_position_embeddings: {
+                // An integer (a length), also written back as one: a fraction or a value past
+                // 2^53 would export a config other than the one trained.
+                let k = format!("{field}.original_max_position_embeddings");
+                let x = need("original_max_position_embeddings")?;
+                if x.fract() != 0.0 || x > 9_007_199_254_740_992.0 {
+                    return Err(Error::config(k, format!("{x} is not an integer of at most 2^53")));
+                }
+                x
+            },
         }),
         other => {
             return Err(Error::Unsupported(format!(
@@ -281,7 +290,7 @@ impl ModelConfig {
         };
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
         let moe = parse_moe(obj, arch, num_hidden_layers)?;
-        if arch == Arch::Olmoe && head_dim * num_attention_heads != hidden_size {
+        if arch == Arch::Olmoe && head_dim.checked_mul(num_attention_heads) != Some(hidden_size) {
             // transformers sizes OLMoE's q/k norms from hidden_size / num_attention_heads.
             return Err(Error::Unsupported(format!(
                 "olmoe with head_dim {head_dim} != hidden_size / num_attention_heads = {}",
@@ -309,6 +318,7 @@ impl ModelConfig {
             moe,
             sliding_window,
         };
+        crate::layout::check_magnitudes(&cfg)?;
         Ok(cfg)
     }
 

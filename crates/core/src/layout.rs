@@ -207,6 +207,63 @@ impl ModelLayout {
     }
 }
 
+/// Most parameters a config may describe: 2^48 (281 T). Every size derived from it (a unit's
+/// elements, a store's bytes at 16 B/param, offsets) then fits in 64 bits.
+const MAX_PARAMS: u128 = 1 << 48;
+
+/// Refuses sizes whose parameter counts would overflow the layout's arithmetic (found by the
+/// `config_json` fuzz target: a `hidden_size` of 6.4e17 wrapped around). An upper bound, in
+/// saturating 128-bit arithmetic: every tensor a layer may have, biases, norms and experts
+/// included.
+pub(crate) fn check_magnitudes(c: &ModelConfig) -> Result<()> {
+    let [v, h, f, l, heads, kvh, hd] = [
+        c.vocab_size,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    ]
+    .map(|x| x as u128);
+    let (q, kv) = (heads.saturating_mul(hd), kvh.saturating_mul(hd));
+    let sum = |xs: &[u128]| xs.iter().fold(0u128, |a, &x| a.saturating_add(x));
+    let mlp = match &c.moe {
+        None => f.saturating_mul(h).saturating_mul(3),
+        Some(m) => {
+            let (e, fe) = (m.num_experts as u128, m.moe_intermediate_size as u128);
+            // The router and every expert's gate, up and down projections.
+            e.saturating_mul(h).saturating_add(e.saturating_mul(fe).saturating_mul(h).saturating_mul(3))
+        }
+    };
+    let layer = sum(&[
+        2 * h,
+        q.saturating_mul(h).saturating_mul(2),
+        kv.saturating_mul(h).saturating_mul(2),
+        mlp,
+        q,
+        2 * kv,
+        h,
+        2 * hd,
+        q.saturating_add(kv),
+    ]);
+    let total = sum(&[v.saturating_mul(h).saturating_mul(2), h, l.saturating_mul(layer)]);
+    if total > MAX_PARAMS {
+        return Err(Error::config(
+            "<sizes>",
+            format!(
+                "vocab_size {v}, hidden_size {h}, intermediate_size {f}, num_hidden_layers {l}, {heads} x {hd} \
+                 attention heads{} make more than 2^48 parameters",
+                c.moe.as_ref().map_or(String::new(), |m| format!(
+                    ", {} experts of width {}",
+                    m.num_experts, m.moe_intermediate_size
+                ))
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Parameters one token's forward uses: every parameter of a dense model; for a mixture of
 /// experts, all but the experts it is not routed to (`(E - k)` experts' `3·h·f_e` per layer
 /// excluded; the router counts in full).

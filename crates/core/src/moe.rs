@@ -156,13 +156,23 @@ fn check_all_sparse(obj: &Map<String, Value>, n_layers: usize) -> Result<()> {
             .ok_or_else(|| Error::config("mlp_only_layers", "expected a list of layer indices"))?,
         Some(v) => return Err(Error::config("mlp_only_layers", format!("expected a list, found {v}"))),
     };
-    let dense: Vec<usize> =
-        (0..n_layers).filter(|i| only.contains(i) || step == 0 || (i + 1) % step != 0).collect();
+    // The first dense layers, found without walking every layer index: `num_hidden_layers` comes
+    // from the same untrusted file (a count of 10^18 would loop for years).
+    let dense: Vec<usize> = if step == 1 {
+        let mut d: Vec<usize> = only.iter().copied().filter(|&i| i < n_layers).collect();
+        d.sort_unstable();
+        d.dedup();
+        d.truncate(16);
+        d
+    } else {
+        // Layer 0 is dense for any step but 1, so this stops after at most 2·16 indices.
+        (0..n_layers).filter(|i| only.contains(i) || step == 0 || (i + 1) % step != 0).take(16).collect()
+    };
     if dense.is_empty() {
         return Ok(());
     }
     Err(Error::Unsupported(format!(
-        "qwen3_moe with dense MLP layers {dense:?} among the MoE ones (decoder_sparse_step {step}, \
+        "qwen3_moe with dense MLP layers {dense:?} (the first 16 at most) among the MoE ones (decoder_sparse_step {step}, \
          mlp_only_layers {only:?}); every layer must be a MoE layer"
     )))
 }
@@ -248,5 +258,30 @@ mod tests {
         v["mlp_only_layers"] = json!([]);
         v["decoder_sparse_step"] = json!(1);
         assert!(ModelConfig::from_json(&v).is_ok());
+    }
+
+    /// Sizes from an untrusted file: no overflow, no walk over every layer index, and a model
+    /// past 2^48 parameters through its experts alone is refused like a dense one.
+    #[test]
+    fn huge_sizes_are_refused_without_overflow_or_a_long_loop() {
+        let cases = [
+            ("qwen3_moe", "num_hidden_layers", json!(1u64 << 60), "2^48 parameters"),
+            ("qwen3_moe", "num_experts", json!(1u64 << 40), "experts of width"),
+            ("mixtral", "intermediate_size", json!(1u64 << 62), "2^48 parameters"),
+            ("olmoe", "head_dim", json!(1u64 << 62), "head_dim"),
+        ];
+        for (family, key, value, needle) in cases {
+            let mut v = base(family);
+            v["moe_intermediate_size"] = json!(12);
+            v[key] = value;
+            let err = ModelConfig::from_json(&v).unwrap_err().to_string();
+            assert!(err.contains(needle), "{family} {key}: {err}");
+        }
+        let mut v = base("qwen3_moe");
+        v["moe_intermediate_size"] = json!(12);
+        v["num_hidden_layers"] = json!(1u64 << 60);
+        v["decoder_sparse_step"] = json!(3);
+        let err = ModelConfig::from_json(&v).unwrap_err().to_string();
+        assert!(err.contains("dense MLP layers [0, 1, 3, 4,"), "{err}");
     }
 }

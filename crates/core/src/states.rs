@@ -79,6 +79,32 @@ impl StateDtype {
         }
     }
 
+    /// The first element of a moment of `n` elements (`bytes`: its encoding, in memory order)
+    /// that is not finite, and its value: an fp32 or bf16 element that is NaN or infinite, or
+    /// the first element of an 8-bit block whose step is (the codes themselves are always
+    /// finite). The checkpoint writer's last check before a state goes to disk.
+    pub fn first_non_finite(self, n: usize, bytes: &[u8]) -> Option<(usize, f32)> {
+        let word = |b: &[u8]| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+        match self {
+            StateDtype::F32 => {
+                bytes.chunks_exact(4).take(n).map(word).enumerate().find(|(_, x)| !x.is_finite())
+            }
+            StateDtype::Bf16 => bytes
+                .chunks_exact(2)
+                .take(n)
+                .map(|b| f32::from_bits(u32::from(u16::from_ne_bytes([b[0], b[1]])) << 16))
+                .enumerate()
+                .find(|(_, x)| !x.is_finite()),
+            StateDtype::Int8 => bytes[Self::scales_offset(n)..]
+                .chunks_exact(4)
+                .take(n.div_ceil(Q8_BLOCK))
+                .map(word)
+                .enumerate()
+                .find(|(_, s)| !s.is_finite())
+                .map(|(k, s)| (k * Q8_BLOCK, s)),
+        }
+    }
+
     /// The dtype of a header code, `None` for an unknown one.
     pub fn from_code(c: u32) -> Option<Self> {
         match c {
@@ -137,5 +163,26 @@ mod tests {
         assert_eq!(StateDtype::from_code(0), Some(StateDtype::F32));
         assert_eq!(StateDtype::from_code(9), None);
         assert!("fp8".parse::<StateDtype>().unwrap_err().contains("fp32, bf16 or int8"));
+    }
+
+    #[test]
+    fn non_finite_elements_are_found_in_every_encoding() {
+        let n = 600;
+        for d in StateDtype::ALL {
+            let clean = vec![0u8; d.moment_bytes(n)];
+            assert_eq!(d.first_non_finite(n, &clean), None, "{d}");
+        }
+        let mut f = vec![0u8; StateDtype::F32.moment_bytes(n)];
+        f[4 * 7..4 * 8].copy_from_slice(&f32::NAN.to_ne_bytes());
+        assert!(StateDtype::F32.first_non_finite(n, &f).is_some_and(|(at, x)| at == 7 && x.is_nan()));
+        let mut b = vec![0u8; StateDtype::Bf16.moment_bytes(n)];
+        b[2 * 9..2 * 10].copy_from_slice(&0xFF80u16.to_ne_bytes());
+        assert_eq!(StateDtype::Bf16.first_non_finite(n, &b), Some((9, f32::NEG_INFINITY)));
+        let mut q = vec![0xFFu8; StateDtype::Int8.moment_bytes(n)];
+        let scales = StateDtype::scales_offset(n);
+        q[scales..].fill(0);
+        assert_eq!(StateDtype::Int8.first_non_finite(n, &q), None, "codes are never non-finite");
+        q[scales + 8..scales + 12].copy_from_slice(&f32::INFINITY.to_ne_bytes());
+        assert_eq!(StateDtype::Int8.first_non_finite(n, &q), Some((2 * Q8_BLOCK, f32::INFINITY)));
     }
 }

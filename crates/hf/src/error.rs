@@ -147,6 +147,18 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A weight is NaN or infinite: training from it could only skip every step.
+    #[error("{shard}: tensor `{name}` holds {value} at element {index}; the weights are corrupt")]
+    NonFinite {
+        /// The tensor's name.
+        name: String,
+        /// The shard holding it.
+        shard: PathBuf,
+        /// The first non-finite element (flat index).
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
     /// The model config and the host store describe different models (the store was built for
     /// another config.json).
     #[error("config.json does not describe the host store's model: {0}")]

@@ -62,14 +62,39 @@ impl ShardHeader {
 /// overlapping or inconsistent `data_offsets`) and with [`Error::ShardSize`] if the file is not
 /// exactly as long as the header implies.
 pub fn read_header(path: &Path) -> Result<ShardHeader> {
-    let bad = |msg: String| Error::BadHeader { shard: path.to_owned(), msg };
     let mut file = File::open(path).map_err(Error::io(path))?;
     let file_len = file.metadata().map_err(Error::io(path))?.len();
+    let n = header_len(path, file_len, |b| file.read_exact(b))?;
+    // n <= MAX_HEADER_BYTES, so it fits in usize.
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(Error::io(path))?;
+    parse(path, &header, file_len)
+}
+
+/// [`read_header`] of a file whose bytes are `bytes` (named `path` in errors): the same checks,
+/// from memory (what the fuzz targets run).
+pub fn header_from_bytes(path: &Path, bytes: &[u8]) -> Result<ShardHeader> {
+    let file_len = bytes.len() as u64;
+    let n = header_len(path, file_len, |b| {
+        b.copy_from_slice(&bytes[..8]);
+        Ok(())
+    })?;
+    // Checked against the length: 8 + n <= bytes.len().
+    parse(path, &bytes[8..8 + n as usize], file_len)
+}
+
+/// The header length a file of `file_len` bytes starts with (read by `read8`), checked to fit.
+fn header_len(
+    path: &Path,
+    file_len: u64,
+    read8: impl FnOnce(&mut [u8; 8]) -> std::io::Result<()>,
+) -> Result<u64> {
+    let bad = |msg: String| Error::BadHeader { shard: path.to_owned(), msg };
     if file_len < 8 {
         return Err(bad(format!("the file is {file_len} bytes, shorter than the 8-byte header length")));
     }
     let mut len_bytes = [0u8; 8];
-    file.read_exact(&mut len_bytes).map_err(Error::io(path))?;
+    read8(&mut len_bytes).map_err(Error::io(path))?;
     let n = u64::from_le_bytes(len_bytes);
     if n > MAX_HEADER_BYTES {
         return Err(bad(format!("header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")));
@@ -79,11 +104,14 @@ pub fn read_header(path: &Path) -> Result<ShardHeader> {
             "header length {n} runs past the end of the {file_len}-byte file (truncated?)"
         )));
     }
-    // n <= MAX_HEADER_BYTES, so it fits in usize.
-    let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header).map_err(Error::io(path))?;
-    let text =
-        std::str::from_utf8(&header).map_err(|e| bad(format!("header is not UTF-8 ({e})")))?.trim_end();
+    Ok(n)
+}
+
+/// The JSON header `header` of a `file_len`-byte file, checked against that length.
+fn parse(path: &Path, header: &[u8], file_len: u64) -> Result<ShardHeader> {
+    let bad = |msg: String| Error::BadHeader { shard: path.to_owned(), msg };
+    let n = header.len() as u64;
+    let text = std::str::from_utf8(header).map_err(|e| bad(format!("header is not UTF-8 ({e})")))?.trim_end();
     if !text.starts_with('{') {
         return Err(bad("header does not start with a JSON object".into()));
     }

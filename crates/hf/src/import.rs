@@ -309,6 +309,7 @@ pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportRepor
     let mut files: Vec<Option<File>> = src.shards.iter().map(|_| None).collect();
     let mut buf = vec![0u8; 0];
     let mut report = ImportReport::default();
+    let mut written: Vec<(String, usize)> = Vec::new();
     for (s, t, dtype) in plan {
         let shard = &src.shards[s].path;
         let read_err = |source| Error::ReadTensor { name: t.name.clone(), shard: shard.clone(), source };
@@ -327,7 +328,17 @@ pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportRepor
             dtype.decode(&buf[..k], &mut values);
             left -= k;
         }
+        if let Some(index) = values.iter().position(|x| !x.is_finite()) {
+            // Refused: what was written (whole tensors or a MoE layer's expert pieces) goes
+            // back to zero (the store is as it was).
+            for (name, numel) in &written {
+                store.write_param(name, &vec![0.0; *numel])?;
+            }
+            let value = values[index];
+            return Err(Error::NonFinite { name: t.name.clone(), shard: shard.clone(), index, value });
+        }
         store.write_param(&t.name, &values)?;
+        written.push((t.name.clone(), values.len()));
         report.n_tensors += 1;
         report.n_params += values.len();
         report.bytes_read += t.len;

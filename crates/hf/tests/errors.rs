@@ -288,3 +288,20 @@ fn a_shard_cut_after_open_is_a_short_read_naming_it() {
     assert!(matches!(err, Error::ReadTensor { .. }), "{err:?}");
     assert_mentions(&err, &["model.safetensors"]);
 }
+
+#[test]
+fn a_non_finite_weight_is_named_and_nothing_is_imported() {
+    let tmp = tempfile::tempdir().unwrap();
+    good_dir(tmp.path());
+    let path = tmp.path().join("model.safetensors");
+    // The last tensor in file order, which the import reads after every other one.
+    let h = mt_hf::read_header(&path).unwrap();
+    let last = h.tensors.iter().max_by_key(|t| t.start).unwrap().clone();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = last.start as usize + 4 * 3;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let err = import_err(tmp.path());
+    assert!(matches!(err, Error::NonFinite { index: 3, .. }), "{err:?}");
+    assert_mentions(&err, &["model.safetensors", &last.name, "NaN at element 3"]);
+}

@@ -86,3 +86,28 @@ fn both_forms_or_a_missing_expert_are_refused() {
     let err = import_weights(&HfModelDir::open(&out).unwrap(), &empty_store(&cfg)).unwrap_err();
     assert!(err.to_string().contains("experts.2.w3.weight"), "{err}");
 }
+
+/// A NaN in an expert-by-expert checkpoint is refused like one in a dense model's, and every
+/// piece imported before it (other experts of the same packed tensor included) goes back to zero.
+#[test]
+fn a_non_finite_expert_weight_is_refused_and_nothing_stays_imported() {
+    let cfg = config_json("mixtral");
+    let store = filled_store(&cfg, 9);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    export(&store, &cfg, &out, &ExportOptions::default()).unwrap();
+    let path = out.join("model.safetensors");
+    // The last tensor in file order, read after every other one.
+    let last = read_header(&path).unwrap().tensors.into_iter().max_by_key(|t| t.start).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = last.start as usize + last.len as usize - 4;
+    bytes[at..at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let back = empty_store(&cfg);
+    let err = import_weights(&HfModelDir::open(&out).unwrap(), &back).unwrap_err();
+    assert!(matches!(&err, Error::NonFinite { name, .. } if *name == last.name), "{err}");
+    for p in back.layout().hf_tensors() {
+        let v = back.read_param(&p.name).unwrap();
+        assert!(v.iter().all(|&x| x.to_bits() == 0), "{} kept imported values", p.name);
+    }
+}

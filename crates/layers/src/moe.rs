@@ -261,6 +261,16 @@ mod tests {
         assert!((w[0] - 4.0 / 7.0).abs() < 1e-7 && (w[2] - 0.3 / 0.55).abs() < 1e-7);
     }
 
+    /// A non-finite router logit (a step the engine will skip) must not panic the routing: the
+    /// step has to reach its end, where the skip is decided.
+    #[test]
+    fn a_nan_or_infinite_row_routes_without_a_panic() {
+        let probs = softmax_rows(&[f32::NAN, 0.0, 1.0, 2.0, f32::INFINITY, 0.0, 1.0, 2.0], 4);
+        let (top, w) = top_k(&probs, 4, 2, true);
+        assert_eq!(top.len(), 4);
+        assert!(w.iter().any(|x| !x.is_finite()));
+    }
+
     #[test]
     fn aux_loss_is_transformers_formula() {
         // 2 experts, 2 rows, top-1: both rows pick expert 0.

@@ -24,7 +24,9 @@
 //! `{"type": "step", ...}`
 //! - `step`: global step number after this step (1-based); `loss` (mean cross-entropy over the
 //!   step's targets, nats, f64 written in shortest round-trip form: equal strings = equal bits);
-//!   `lr` (the rate of this step's gradient); `grad_norm` (global L2 norm before clipping)
+//!   `lr` (the rate of this step's gradient); `grad_norm` (global L2 norm before clipping);
+//!   `skipped`: null, or why the step applied no update (a non-finite loss or gradient norm);
+//!   `skipped_steps`: steps skipped so far in the run (resumed runs included)
 //! - `tokens`, `step_ms`, `tokens_per_s`, `model_tflops`, `h2d_bytes`, `d2h_bytes`,
 //!   `rss_bytes` (host resident set after the step; null where it cannot be read)
 //! - per stream `S` in `host` (the CPU optimizer: staging casts, AdamW updates, gradient
@@ -131,6 +133,7 @@ pub fn run_record(a: &TrainArgs, info: &RunStart<'_>) -> Value {
             "lr": info.lr,
             "weight_decay": a.weight_decay,
             "clip": a.clip,
+            "max_skipped_steps": a.max_skipped_steps,
             "warmup": a.warmup,
             "schedule": name_of(&a.schedule),
             "schedule_steps": a.schedule_steps,
@@ -174,6 +177,8 @@ pub fn step_record(s: &StepEvent<'_>, rss_bytes: Option<u64>) -> Value {
     m.insert("loss".into(), json!(r.loss));
     m.insert("lr".into(), json!(lr));
     m.insert("grad_norm".into(), json!(r.grad_norm));
+    m.insert("skipped".into(), json!(r.skipped.as_ref().map(|s| s.cause.to_string())));
+    m.insert("skipped_steps".into(), json!(s.skipped_steps));
     m.insert("tokens".into(), json!(r.n_tokens));
     m.insert("step_ms".into(), json!(r.step_s * 1e3));
     m.insert("tokens_per_s".into(), json!(s.tokens_per_s()));

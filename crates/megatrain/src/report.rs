@@ -159,6 +159,21 @@ impl Observer for CliObserver<'_> {
                 tokens_per_s: s.tokens_per_s(),
             });
         }
+        if let Some(k) = &r.skipped {
+            let lean = if k.units_updated > 0 {
+                format!(
+                    "; lean mode: the {} units with a finite gradient were updated as it landed, the {} others not",
+                    k.units_updated,
+                    k.not_finite.len()
+                )
+            } else {
+                " (no update applied)".to_owned()
+            };
+            self.note(format_args!(
+                "step {} skipped: {}{lean}; {} in a row (--max-skipped-steps {}), {} in the run",
+                s.step, k.cause, s.skipped_in_row, self.args.max_skipped_steps, s.skipped_steps
+            ));
+        }
         if let Some(e) = &s.eval {
             self.note(e);
             self.log(&metrics::eval_record(e))?;

@@ -151,6 +151,7 @@ mod tests {
             device_peak: None,
             streams: stream_stats(&spans, step_s),
             spans,
+            skipped: None,
         }
     }
 

@@ -28,7 +28,9 @@ pub use batch::{Batch, IGNORE_INDEX};
 pub use cpu::{CpuBackend, CpuOptions};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
-pub use engine::{load_params, Engine, EngineOptions, StepReport};
+#[doc(hidden)]
+pub use engine::Fault;
+pub use engine::{load_params, Engine, EngineOptions, SkipCause, Skipped, StepReport};
 pub use error::{Error, Result};
 pub use program::{OptimMode, Program};
 

@@ -12,6 +12,8 @@ use crate::grad::{GradDtype, GradMut, GradRef};
 use crate::header::{self, off};
 use crate::PAGE;
 
+#[path = "arena_header.rs"]
+mod header_fields;
 #[path = "arena_pages.rs"]
 mod pages;
 #[path = "arena_params.rs"]
@@ -410,41 +412,6 @@ impl HostStore {
             header::put_u64(p, off::TOTAL_LEN, total as u64);
         });
         self.set_state(StoreState { pending_grad_scale: 1.0, ..StoreState::default() });
-    }
-
-    /// The training state recorded in the header.
-    pub fn state(&self) -> StoreState {
-        self.with_header(|p| StoreState {
-            step: header::get_u64(p, off::STEP),
-            pending_update: header::get_u64(p, off::PENDING) != 0,
-            pending_grad_scale: f32::from_bits(header::get_u32(p, off::PENDING_GRAD_SCALE)),
-            pending_lr: f64::from_bits(header::get_u64(p, off::PENDING_LR)),
-            grad_norm: f64::from_bits(header::get_u64(p, off::GRAD_NORM)),
-        })
-    }
-
-    /// Records the training state in the header.
-    pub fn set_state(&self, s: StoreState) {
-        self.with_header(|p| {
-            header::put_u64(p, off::STEP, s.step);
-            header::put_u64(p, off::PENDING, u64::from(s.pending_update));
-            header::put_u32(p, off::PENDING_GRAD_SCALE, s.pending_grad_scale.to_bits());
-            header::put_u64(p, off::PENDING_LR, s.pending_lr.to_bits());
-            header::put_u64(p, off::GRAD_NORM, s.grad_norm.to_bits());
-        })
-    }
-
-    /// Whether an engine has marked the store as not current: some units' newest state (weights,
-    /// moments, a pending update's gradient) lives on its device until it writes them back. A
-    /// store still marked when a new engine opens it was left by one that stopped without
-    /// writing back (a crash); its records must not be trained on.
-    pub fn device_owned(&self) -> bool {
-        self.with_header(|p| header::get_u64(p, off::DEVICE_OWNED) != 0)
-    }
-
-    /// Sets or clears the mark of [`HostStore::device_owned`].
-    pub fn set_device_owned(&self, owned: bool) {
-        self.with_header(|p| header::put_u64(p, off::DEVICE_OWNED, u64::from(owned)))
     }
 
     /// Locks one unit's record for exclusive access.

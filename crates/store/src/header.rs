@@ -48,6 +48,12 @@ pub(crate) mod off {
     /// The moments' encoding (`mt_core::StateDtype::code`; 0, in stores written before it was
     /// recorded, reads as fp32).
     pub(crate) const STATE_DTYPE: usize = 80;
+    /// Steps that applied no update (a non-finite loss or gradient): the run's global step is
+    /// `STEP + SKIPPED` (+1 while an update is pending). Apart from the optimizer's fields.
+    pub(crate) const SKIPPED: usize = 128;
+    /// Non-zero from a run's start until its orderly end: a file-backed store still marked when
+    /// it is opened was left by a run that was killed mid-step.
+    pub(crate) const RUN_OPEN: usize = 136;
 }
 
 pub(crate) fn put_u64(page: &mut [u8], at: usize, v: u64) {

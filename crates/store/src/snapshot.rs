@@ -48,6 +48,8 @@ impl HostStore {
             file.set_len(self.total_len as u64).map_err(io(&tmp))?;
             let mut page = vec![0u8; PAGE];
             self.with_header(|h| page.copy_from_slice(h));
+            // A snapshot is no run's live state.
+            header::put_u64(&mut page, off::RUN_OPEN, 0);
             file.write_all_at(&page, 0).map_err(io(&tmp))?;
             let mut written = PAGE as u64;
             for (i, loc) in self.records.iter().enumerate() {
@@ -55,12 +57,26 @@ impl HostStore {
                 let mut meta = [0u8; 8];
                 meta.copy_from_slice(&r.applied_step().to_le_bytes());
                 file.write_all_at(&meta, loc.base as u64).map_err(io(&tmp))?;
-                let regions: [(&[u8], usize); 3] = [
-                    (bytemuck::cast_slice(r.master()), loc.master_off()),
-                    (r.m(), loc.m_off()),
-                    (r.v(), loc.v_off()),
+                let n = r.master().len();
+                let regions: [(&[u8], usize, StateDtype); 3] = [
+                    (bytemuck::cast_slice(r.master()), loc.master_off(), StateDtype::F32),
+                    (r.m(), loc.m_off(), self.state_dtype()),
+                    (r.v(), loc.v_off(), self.state_dtype()),
                 ];
-                for (region, off) in regions {
+                for (k, (region, off, dtype)) in regions.into_iter().enumerate() {
+                    // Never a checkpoint of a poisoned state (the engine skips non-finite steps, so
+                    // this is a last line of defence: one more read of data on its way to disk).
+                    if let Some((at, x)) = dtype.first_non_finite(n, region) {
+                        return Err(Error::Store {
+                            path: path.to_owned(),
+                            msg: format!(
+                                "{:?}'s {} holds {x} at element {at}: no checkpoint is written from a \
+                                 non-finite state",
+                                self.unit_at(i),
+                                ["master weights", "first moment", "second moment"][k],
+                            ),
+                        });
+                    }
                     file.write_all_at(region, (loc.base + off) as u64).map_err(io(&tmp))?;
                     written += region.len() as u64;
                 }
@@ -162,6 +178,7 @@ impl HostStore {
             grad_norm: f64::from_bits(header::get_u64(&page, off::GRAD_NORM)),
         };
         self.set_state(state);
+        self.set_skipped_steps(header::get_u64(&page, off::SKIPPED));
         Ok(state)
     }
 

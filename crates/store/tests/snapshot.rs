@@ -18,12 +18,13 @@ fn fill(store: &HostStore, salt: f32) {
         for (i, x) in p.master.iter_mut().enumerate() {
             *x = salt + k + i as f32 * 1e-3;
         }
-        // The moments are bytes of their encoding, whatever it is.
+        // The moments are bytes of their encoding, whatever it is; below 0x40 each, so every
+        // f32 or bf16 they make is finite (snapshots refuse non-finite states).
         for (i, x) in p.m.iter_mut().enumerate() {
-            *x = (salt as usize + 3 * i + u.index()) as u8;
+            *x = (salt as usize + 3 * i + u.index()) as u8 & 0x3F;
         }
         for (i, x) in p.v.iter_mut().enumerate() {
-            *x = (salt as usize * 7 + i + 5 * u.index()) as u8;
+            *x = (salt as usize * 7 + i + 5 * u.index()) as u8 & 0x3F;
         }
         if let Some(GradMut::Bf16(g)) = r.grad_mut() {
             g.fill(half::bf16::from_f32(salt + 1.0));
@@ -153,4 +154,37 @@ fn snapshots_are_refused_when_they_do_not_belong() {
     let dst = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
     let e = dst.restore_snapshot(&cut).unwrap_err().to_string();
     assert!(e.contains("truncated"), "{e}");
+}
+
+#[test]
+fn no_snapshot_is_written_from_a_non_finite_state() {
+    // (encoding, the first moment's bytes to poison, the element the refusal names)
+    let poison: [(StateDtype, std::ops::Range<usize>, [u8; 4], usize); 3] = [
+        (StateDtype::F32, 20..24, f32::INFINITY.to_ne_bytes(), 5),
+        (StateDtype::Bf16, 10..12, [0x80, 0x7F, 0, 0], 5),
+        // The second 8-bit block's step (the codes themselves are always finite).
+        (StateDtype::Int8, 0..0, f32::INFINITY.to_ne_bytes(), 256),
+    ];
+    for (states, bytes, value, at) in poison {
+        let store = HostStore::anonymous_with(&layout(), GradDtype::Bf16, states).unwrap();
+        fill(&store, 1.0);
+        {
+            let mut r = store.record(Unit::Layer(1));
+            let n = r.master().len();
+            let p = r.parts();
+            let range = if states == StateDtype::Int8 {
+                let s = StateDtype::scales_offset(n) + 4;
+                s..s + 4
+            } else {
+                bytes
+            };
+            let k = range.len();
+            p.m[range].copy_from_slice(&value[..k]);
+        }
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("s.store");
+        let e = store.write_snapshot(&path).unwrap_err().to_string();
+        assert!(e.contains(&format!("Layer(1)'s first moment holds inf at element {at}")), "{states}: {e}");
+        assert!(std::fs::read_dir(d.path()).unwrap().next().is_none(), "no file, not even a .tmp");
+    }
 }

@@ -41,8 +41,12 @@ pub struct DataCursor {
 pub struct Manifest {
     /// [`MANIFEST_SCHEMA`].
     pub schema_version: u32,
-    /// Global optimizer steps completed (all applied to the snapshot).
+    /// Global steps completed: the optimizer updates applied to the snapshot, plus the steps
+    /// skipped for a non-finite loss or gradient ([`Manifest::skipped_steps`]).
     pub step: u64,
+    /// Of those, the steps skipped (no update applied); absent in manifests from before.
+    #[serde(default)]
+    pub skipped_steps: u64,
     /// File name of the snapshot, in the same directory.
     pub store_file: String,
     /// Its size in bytes (a shorter file is not a checkpoint).
@@ -104,7 +108,8 @@ pub fn save(
 ) -> Result<PathBuf> {
     fs::create_dir_all(dir)
         .context_with(|| format!("cannot create checkpoint directory {}", dir.display()))?;
-    let step = store.state().step;
+    let skipped_steps = store.skipped_steps();
+    let step = store.state().step + skipped_steps;
     let store_file = format!("{}.store", stem(step));
     let store_path = dir.join(&store_file);
     let manifest_path = dir.join(format!("{}.json", stem(step)));
@@ -120,6 +125,7 @@ pub fn save(
     let manifest = Manifest {
         schema_version: MANIFEST_SCHEMA,
         step,
+        skipped_steps,
         store_file,
         store_bytes: fs::metadata(&store_path)
             .context_with(|| format!("cannot stat {}", store_path.display()))?

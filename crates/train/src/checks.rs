@@ -1,7 +1,12 @@
 //! The checks of a run's options against the model and the file system, made before any memory
-//! is allocated or any step runs: each refusal names the option to change.
+//! is allocated or any step runs: each refusal names the option to change. Everything a run
+//! writes at its end (the export) or along the way (checkpoints, a new --store file) is checked
+//! here too: its directory takes a file, its file system has room.
 
-use mt_core::ModelConfig;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use mt_core::{ModelConfig, ModelLayout};
 use mt_sched::OptimMode;
 use mt_store::GradDtype;
 
@@ -20,6 +25,11 @@ pub(crate) fn check_outputs(args: &TrainConfig) -> Result<()> {
         if out.exists() && !out.is_dir() {
             refuse!("--out {} exists and is not a directory", out.display());
         }
+        existing_ancestor(out).map_err(|e| Error::Options(format!("--out {}: {e}", out.display())))?;
+    }
+    if let Some(dir) = &args.checkpoint_dir {
+        existing_ancestor(dir)
+            .map_err(|e| Error::Options(format!("--checkpoint-dir {}: {e}", dir.display())))?;
     }
     if let (Some(out), crate::ModelChoice::HfDir(model)) = (&args.out, &args.model) {
         let same = match (out.canonicalize(), model.canonicalize()) {
@@ -43,9 +53,6 @@ pub(crate) fn check_outputs(args: &TrainConfig) -> Result<()> {
                 path.display()
             );
         }
-    }
-    if args.resume && args.store.is_some() {
-        refuse!("--resume restores a checkpoint into the store; with --store, rerun with the same --store instead");
     }
     Ok(())
 }
@@ -73,4 +80,186 @@ pub(crate) fn check_sizes(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One thing a run will write into a directory: what, and how many bytes at most.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Output {
+    /// The directory (it may not exist yet).
+    pub(crate) dir: PathBuf,
+    /// What goes there, as the refusal names it.
+    pub(crate) what: String,
+    /// Bytes it takes on disk at its largest.
+    pub(crate) bytes: u64,
+}
+
+/// Everything a run will write, with its size: the export into `--out` (the weights in the export
+/// dtype), the checkpoints (`--keep-checkpoints` + 1 snapshots of 12, 8 or 6 B/param at once, less those
+/// already there) and a new `--store` file.
+pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
+    let mut out = Vec::new();
+    if let Some(dir) = &c.out {
+        let per = match c.export_dtype {
+            mt_hf::ExportDtype::F32 => 4,
+            mt_hf::ExportDtype::Bf16 => 2,
+        };
+        out.push(Output {
+            dir: dir.clone(),
+            what: "the export (--out)".into(),
+            bytes: per * layout.n_params() as u64,
+        });
+    }
+    if let (Some(dir), true) = (c.checkpoint_dir(), c.save_every > 0) {
+        let snapshot = mt_sched::plan::store_bytes(layout, GradDtype::None, c.optim_states);
+        let there: u64 = std::fs::read_dir(&dir)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
+        let n = c.keep_checkpoints as u64 + 1;
+        out.push(Output {
+            dir,
+            what: format!(
+                "{n} checkpoints (--keep-checkpoints {} and the one being written)",
+                c.keep_checkpoints
+            ),
+            bytes: (n * snapshot).saturating_sub(there),
+        });
+    }
+    if let Some(store) = c.store.as_ref().filter(|p| !p.exists()) {
+        let dir = match store.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+            _ => PathBuf::from("."),
+        };
+        out.push(Output {
+            dir,
+            what: "the --store file".into(),
+            bytes: mt_sched::plan::store_bytes(layout, c.grad_dtype(), c.optim_states),
+        });
+    }
+    out
+}
+
+/// The nearest existing directory at or above `dir`, where it will be created.
+fn existing_ancestor(dir: &Path) -> Result<PathBuf> {
+    let mut d = dir;
+    loop {
+        if d.exists() {
+            if !d.is_dir() {
+                refuse!("{} is not a directory, so {} cannot be made in it", d.display(), dir.display());
+            }
+            return Ok(d.to_owned());
+        }
+        d = match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+    }
+}
+
+/// Refuses a run whose outputs cannot be written, before anything is done, rather than after its
+/// last step: each output's directory (or the one it will be created in) must take a new file,
+/// and each file system must have room for everything that goes onto it.
+pub(crate) fn check_room(outputs: &[Output]) -> Result<()> {
+    // (file system, free bytes, its outputs)
+    let mut per_fs: Vec<(u64, u64, Vec<&Output>)> = Vec::new();
+    for o in outputs {
+        let at = existing_ancestor(&o.dir)?;
+        let probe = at.join(format!(".megatrain-probe-{}", std::process::id()));
+        if let Err(e) = std::fs::File::create(&probe) {
+            refuse!("{} cannot be written in {} ({e})", o.what, at.display());
+        }
+        let _ = std::fs::remove_file(&probe);
+        let dev = std::fs::metadata(&at).context_with(|| format!("cannot stat {}", at.display()))?.dev();
+        let free = fs2::available_space(&at)
+            .context_with(|| format!("cannot read the free space of {}", at.display()))?;
+        match per_fs.iter_mut().find(|(d, _, _)| *d == dev) {
+            Some((_, _, v)) => v.push(o),
+            None => per_fs.push((dev, free, vec![o])),
+        }
+    }
+    for (_, free, outs) in per_fs {
+        if let Some(why) = room_refusal(&outs, free) {
+            refuse!("{why}");
+        }
+    }
+    Ok(())
+}
+
+/// Why `outs`, all on one file system with `free` bytes available, do not fit (`None` if they do).
+pub(crate) fn room_refusal(outs: &[&Output], free: u64) -> Option<String> {
+    let need: u64 = outs.iter().map(|o| o.bytes).sum();
+    if need <= free {
+        return None;
+    }
+    let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
+    let parts: Vec<String> =
+        outs.iter().map(|o| format!("{} {} in {}", o.what, gb(o.bytes), o.dir.display())).collect();
+    Some(format!(
+        "not enough free space: {} need {} on one file system, which has {} free; free some, or write \
+         elsewhere (--out, --checkpoint-dir, --store), fewer --keep-checkpoints or --export-dtype bf16",
+        parts.join(", "),
+        gb(need),
+        gb(free)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mt_core::StateDtype;
+
+    fn o(what: &str, bytes: u64) -> Output {
+        Output { dir: PathBuf::from("/x"), what: what.into(), bytes }
+    }
+
+    #[test]
+    fn outputs_that_do_not_fit_are_named_with_their_sizes() {
+        let (a, b) = (o("the export (--out)", 3_000_000_000), o("the --store file", 2_000_000_000));
+        assert_eq!(room_refusal(&[&a, &b], 5_000_000_000), None);
+        let why = room_refusal(&[&a, &b], 4_000_000_000).unwrap();
+        assert!(why.contains("the export (--out) 3.00 GB in /x, the --store file 2.00 GB in /x"), "{why}");
+        assert!(why.contains("need 5.00 GB on one file system, which has 4.00 GB free"), "{why}");
+    }
+
+    #[test]
+    fn an_unwritable_place_is_refused_before_anything_runs() {
+        let t = tempfile::tempdir().unwrap();
+        let file = t.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        let under_file = Output { dir: file.join("out"), what: "the export (--out)".into(), bytes: 1 };
+        let e = check_room(&[under_file]).unwrap_err().to_string();
+        assert!(e.contains("is not a directory"), "{e}");
+        let fine = Output { dir: t.path().join("a/b"), what: "the export (--out)".into(), bytes: 1 };
+        check_room(&[fine]).unwrap();
+        assert!(!t.path().join("a").exists(), "the check creates nothing");
+    }
+
+    #[test]
+    fn checkpoints_count_the_snapshots_kept_plus_the_one_being_written() {
+        let c = TrainConfig {
+            out: Some(PathBuf::from("/nonexistent/out")),
+            save_every: 10,
+            keep_checkpoints: 2,
+            ..TrainConfig::default()
+        };
+        let layout = ModelLayout::new(&ModelConfig::tiny_llama());
+        let outs = outputs(&c, &layout);
+        let snapshot = mt_sched::plan::store_bytes(&layout, GradDtype::None, StateDtype::F32);
+        assert_eq!(outs.len(), 2);
+        assert_eq!(outs[0].bytes, 4 * layout.n_params() as u64);
+        assert_eq!(outs[1].bytes, 3 * snapshot);
+        assert_eq!(outs[1].dir, PathBuf::from("/nonexistent/out/checkpoints"));
+        // With 8-bit moments each snapshot is the smaller store's.
+        let int8 = outputs(&TrainConfig { optim_states: StateDtype::Int8, ..c }, &layout);
+        assert_eq!(
+            int8[1].bytes,
+            3 * mt_sched::plan::store_bytes(&layout, GradDtype::None, StateDtype::Int8)
+        );
+        assert!(int8[1].bytes < outs[1].bytes / 2 + outs[1].bytes / 8);
+    }
 }

@@ -187,6 +187,9 @@ pub struct TrainConfig {
     pub eps: f64,
     /// Global gradient-norm clipping threshold (0: off).
     pub clip: f64,
+    /// Stop the run at this many skipped steps in a row (a step with a non-finite loss or
+    /// gradient norm applies no update and is skipped); at least 1.
+    pub max_skipped_steps: usize,
     /// Steps of linear warmup.
     pub warmup: usize,
     /// Schedule after warmup.
@@ -250,6 +253,9 @@ pub struct TrainConfig {
     // Diagnostics
     /// Random delay of up to this many microseconds before every CPU copy-stream job.
     pub delay_us: u64,
+    /// NaN or infinities injected into global steps (tests only).
+    #[doc(hidden)]
+    pub inject_faults: Vec<(u64, mt_sched::Fault)>,
 }
 
 impl Default for TrainConfig {
@@ -274,6 +280,7 @@ impl Default for TrainConfig {
             beta2: 0.999,
             eps: 1e-8,
             clip: 1.0,
+            max_skipped_steps: 5,
             warmup: 5,
             schedule: ScheduleKind::Cosine,
             schedule_steps: None,
@@ -299,6 +306,7 @@ impl Default for TrainConfig {
             rope_angles: mt_layers::RopeAngles::Transformers,
             rows_per_block: 4096,
             delay_us: 0,
+            inject_faults: Vec::new(),
         }
     }
 }

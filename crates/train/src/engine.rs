@@ -118,6 +118,11 @@ impl DeviceEngine {
         on_engine!(self, e => e.step(batch, lr))
     }
 
+    /// Injects a NaN or infinity into the next step (tests only).
+    pub(crate) fn inject(&mut self, fault: mt_sched::Fault) {
+        on_engine!(self, e => e.inject(fault))
+    }
+
     /// Applies a pending exact-mode update and writes resident units back into the store.
     pub(crate) fn flush_pending(&mut self) -> mt_sched::Result<()> {
         on_engine!(self, e => e.flush_pending())

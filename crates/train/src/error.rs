@@ -1,5 +1,5 @@
 //! Errors of a training run: a refused option, the error of a layer below with what was being
-//! done when it happened, a diverged loss, or an observer's own error.
+//! done when it happened, too many skipped steps in a row, or an observer's own error.
 
 /// Everything a [`crate::Trainer`] can fail with. Messages name the option to change (by its
 /// `megatrain train` flag: the fields of [`crate::TrainConfig`] have the same names).
@@ -16,13 +16,20 @@ pub enum Error {
     /// counted, and what to change, as one paragraph.
     #[error("{0}")]
     OutOfMemory(String),
-    /// The loss became NaN or infinite.
-    #[error("training diverged at step {step}: loss is {loss} (try a lower --lr)")]
-    Diverged {
-        /// Global step (1-based).
+    /// `--max-skipped-steps` steps in a row had a non-finite loss or gradient norm (each was
+    /// skipped, no update applied).
+    #[error(
+        "training stopped at step {step}: {in_row} steps in a row were skipped, the last because {cause} \
+         (no update was applied; the store holds the last good state): lower --lr, check the data, \
+         or raise --max-skipped-steps"
+    )]
+    TooManySkipped {
+        /// Global step (1-based) of the last skipped step.
         step: u64,
-        /// Its loss.
-        loss: f64,
+        /// Skipped steps in a row.
+        in_row: u64,
+        /// Why the last one was skipped.
+        cause: String,
     },
     /// Model configuration, parameter layout or host store.
     #[error("{context}: {source}")]

@@ -32,6 +32,7 @@ pub mod init;
 mod model;
 mod observer;
 mod oom;
+mod restore;
 pub mod schedule;
 mod states;
 mod summary;

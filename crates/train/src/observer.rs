@@ -78,8 +78,13 @@ pub struct StepEvent<'a> {
     pub lr: f64,
     /// Model FLOPs per step (the planner's `6·N·T + attention`).
     pub flops_per_step: f64,
-    /// What the engine measured: loss, gradient norm, time, bytes, stream statistics, spans.
+    /// What the engine measured: loss, gradient norm, time, bytes, stream statistics, spans;
+    /// whether the step was skipped (`report.skipped`: a non-finite loss or gradient norm).
     pub report: &'a StepReport,
+    /// Skipped steps in a row, this one included (0 when it was not skipped).
+    pub skipped_in_row: u64,
+    /// Steps skipped since the run began (resumed runs included: the store counts them).
+    pub skipped_steps: u64,
     /// The evaluation due after this step, if any.
     pub eval: Option<EvalResult>,
     /// The checkpoint due after this step, if any.

@@ -32,7 +32,7 @@ pub struct TrainSummary {
     pub start_step: u64,
     /// Global step the run ended at (after the final pending update).
     pub end_step: u64,
-    /// Loss of the first step of this run.
+    /// Loss of the first step of this run that was not skipped.
     pub first_loss: f64,
     /// Loss of the last step of this run.
     pub last_loss: f64,
@@ -80,6 +80,8 @@ pub struct TrainSummary {
     pub device_peak: (Option<DevicePeak>, u64),
     /// Held-out losses `(global step, loss)`, in order.
     pub evals: Vec<(u64, f64)>,
+    /// Steps of this run skipped for a non-finite loss or gradient norm (no update applied).
+    pub skipped_steps: u64,
     /// Where the model was exported (`--out`).
     pub exported: Option<PathBuf>,
     /// The device it ran on (the summary's wording).
@@ -227,6 +229,13 @@ impl fmt::Display for TrainSummary {
             self.wall_s
         )?;
         writeln!(f, "loss: first {:.6} last {:.6}", self.first_loss, self.last_loss)?;
+        if self.skipped_steps > 0 {
+            writeln!(
+                f,
+                "skipped steps: {} (a non-finite loss or gradient norm; no update applied)",
+                self.skipped_steps
+            )?;
+        }
         writeln!(
             f,
             "throughput: {:.0} tokens/s mean ({} tokens/step, {:.1} ms/step)",
@@ -363,6 +372,7 @@ mod tests {
             device_peak: Some(DevicePeak { used: h2d_bytes, reserved: 2 * h2d_bytes }),
             streams: stream_stats(&spans, step_s),
             spans,
+            skipped: None,
         }
     }
 
@@ -417,6 +427,7 @@ mod tests {
             kept_bytes: (3_000_000, 3_000_000),
             device_peak: (t.device_peak(), 8_000_000),
             evals: vec![(1, 3.0), (2, 2.5)],
+            skipped_steps: 2,
             exported: Some(PathBuf::from("/tmp/out")),
             device: DeviceKind::Gpu,
         }
@@ -424,6 +435,7 @@ mod tests {
         assert!(s.contains("counted 0.00 MB: RSS is 111.1% of it"), "{s}");
         assert!(s.contains("eval loss: 3.000000 at step 1 -> 2.500000 at step 2 (2 evaluations)"), "{s}");
         assert!(s.contains("model exported to /tmp/out"), "{s}");
+        assert!(s.contains("skipped steps: 2 (a non-finite loss or gradient norm"), "{s}");
         assert!(
             s.contains("kept activations (no recompute): 3.00 MB at the loss; the plan counted 3.00 MB"),
             "{s}"

@@ -16,13 +16,13 @@ use mt_sched::{Batch, EngineOptions, StepReport};
 use mt_store::HostStore;
 use serde_json::Value;
 
-use crate::checkpoint::{self, Manifest};
+use crate::checkpoint;
 use crate::data::TrainData;
 use crate::engine::{Backend, DeviceEngine};
 use crate::error::{Context, Error, Result};
 use crate::host::{available_bytes, gib_to_bytes, planned_host_bytes, rss_bytes};
-use crate::init::init_store;
 use crate::observer::{CheckpointWritten, EvalResult, Event, Observer, RunStart, StepEvent};
+use crate::restore::{open_store, prefault, restore_or_initialise};
 use crate::schedule::LrSchedule;
 use crate::summary::{StepTotals, TrainSummary};
 use crate::{checks, plan_for, ModelSource, TrainConfig};
@@ -42,8 +42,13 @@ pub struct Trainer<O: Observer> {
     defining: Value,
     eval_batches: Vec<Batch>,
     start_step: u64,
-    /// Global steps completed (the store's header counts them once their update is applied).
+    /// Global steps completed, skipped ones included (the store's header counts the updates
+    /// applied and the steps skipped).
     step: u64,
+    /// Skipped steps in a row, up to the last step ([`TrainConfig::max_skipped_steps`]).
+    skipped_in_row: u64,
+    /// Skipped steps of this run.
+    skipped: u64,
     end_step: u64,
     t0: Instant,
     // What the run has done so far.
@@ -65,13 +70,6 @@ impl<O: Observer> std::fmt::Debug for Trainer<O> {
     }
 }
 
-/// How the run's first step was reached.
-struct Restored {
-    resumed: bool,
-    note: Option<String>,
-    no_checkpoint_yet: bool,
-}
-
 impl<O: Observer> Trainer<O> {
     /// Sets up the run `config` describes, telling `observer` each stage; refuses options that
     /// cannot work before anything large is allocated.
@@ -80,19 +78,23 @@ impl<O: Observer> Trainer<O> {
         let model = ModelSource::load(&config.model)?;
         checks::check_sizes(&config, &model.cfg)?;
         checks::check_outputs(&config)?;
+        checks::check_room(&checks::outputs(&config, &ModelLayout::new(&model.cfg)))?;
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
         let backend = Backend::open(&config)?;
         let plan = plan_run(&config, &model, &backend, &mut observer)?;
         let layout = ModelLayout::new(&model.cfg);
         let defining = defining_options(&config, &model)?;
-        let (store, resumed_store) = open_store(&config, &layout)?;
+        let (store, opened) = open_store(&config, &layout)?;
         let store = Arc::new(store);
         prefault(&store, &mut observer)?;
         let restored =
-            restore_or_initialise(&config, &model, &store, &data, &defining, resumed_store, &mut observer)?;
+            restore_or_initialise(&config, &model, &store, &data, &defining, opened, &mut observer)?;
+        // Until the run's orderly end (`Drop`): a kill leaves the mark in a --store file.
+        store.set_run_open(true);
         let engine = start_engine(&config, &model, &plan, backend, &store, &mut observer)?;
-        let start_step = store.state().step;
+        // Updates applied and steps skipped (no update is pending once the engine has started).
+        let start_step = store.state().step + store.skipped_steps();
         let end_step = if config.resume {
             (config.steps as u64).max(start_step)
         } else {
@@ -140,6 +142,8 @@ impl<O: Observer> Trainer<O> {
             eval_batches,
             start_step,
             step: start_step,
+            skipped_in_row: 0,
+            skipped: 0,
             end_step,
             t0,
             totals: StepTotals::default(),
@@ -167,19 +171,40 @@ impl<O: Observer> Trainer<O> {
 
     /// One optimizer step, then the evaluation and checkpoint due after it; the observer hears
     /// of all three at once. Returns the step's loss.
+    ///
+    /// A step whose loss or gradient norm is not finite applies no update (the engine skips it;
+    /// in lean mode, no update to the units whose gradient is not finite) and is reported in its
+    /// [`StepEvent`]; the run stops with [`Error::TooManySkipped`] at the
+    /// [`TrainConfig::max_skipped_steps`]-th skipped step in a row.
     pub fn step(&mut self) -> Result<f64> {
         let k = self.global_step();
         let _span = tracing::info_span!("step", step = k + 1).entered();
         let c = &self.config;
         let batch = self.data.batch(c.seed, k, c.batch_size, c.seq_len);
         let lr = self.schedule.lr(k);
-        let r = self.engine.step(&batch, lr).map_err(|e| crate::oom::step_error(e, k + 1, &self.plan))?;
-        if !r.loss.is_finite() {
-            return Err(Error::Diverged { step: k + 1, loss: r.loss });
+        for &(_, fault) in c.inject_faults.iter().filter(|(s, _)| *s == k + 1) {
+            self.engine.inject(fault);
         }
+        let r = self.engine.step(&batch, lr).map_err(|e| crate::oom::step_error(e, k + 1, &self.plan))?;
         self.record(&r, k);
         self.step = k + 1;
         let done = self.step;
+        if let Some(s) = &r.skipped {
+            self.skipped += 1;
+            self.skipped_in_row += 1;
+            tracing::warn!(step = done, "step skipped: {}", s.cause);
+            if self.skipped_in_row >= self.config.max_skipped_steps as u64 {
+                let event = self.step_event(done, lr, &r, None, None);
+                notify_step(&mut self.observer, &event)?;
+                return Err(Error::TooManySkipped {
+                    step: done,
+                    in_row: self.skipped_in_row,
+                    cause: s.cause.to_string(),
+                });
+            }
+        } else {
+            self.skipped_in_row = 0;
+        }
         let c = &self.config;
         let eval_due = c.eval_every > 0 && done.is_multiple_of(c.eval_every as u64) && done < self.end_step;
         let eval = if !self.eval_batches.is_empty() && eval_due { Some(self.evaluate()?) } else { None };
@@ -187,22 +212,37 @@ impl<O: Observer> Trainer<O> {
             k if k > 0 && done.is_multiple_of(k as u64) => Some(self.save_checkpoint()?),
             _ => None,
         };
-        let event = StepEvent {
-            step: done,
-            steps_done: done - self.start_step,
-            lr,
-            flops_per_step: self.plan.flops_per_step,
-            report: &r,
-            eval,
-            checkpoint,
-        };
+        let event = self.step_event(done, lr, &r, eval, checkpoint);
         notify_step(&mut self.observer, &event)?;
         Ok(r.loss)
     }
 
+    fn step_event<'r>(
+        &self,
+        done: u64,
+        lr: f64,
+        report: &'r StepReport,
+        eval: Option<EvalResult>,
+        checkpoint: Option<CheckpointWritten>,
+    ) -> StepEvent<'r> {
+        StepEvent {
+            step: done,
+            steps_done: done - self.start_step,
+            lr,
+            flops_per_step: self.plan.flops_per_step,
+            report,
+            skipped_in_row: self.skipped_in_row,
+            skipped_steps: self.store.skipped_steps(),
+            eval,
+            checkpoint,
+        }
+    }
+
     fn record(&mut self, r: &StepReport, k: u64) {
-        self.first_loss.get_or_insert(r.loss);
-        self.last_loss = Some(r.loss);
+        if r.skipped.is_none() {
+            self.first_loss.get_or_insert(r.loss);
+            self.last_loss = Some(r.loss);
+        }
         self.train_s += r.step_s;
         if k > self.start_step {
             self.later_s.push(r.step_s);
@@ -325,6 +365,7 @@ impl<O: Observer> Trainer<O> {
             d2h_bytes_per_step: self.totals.d2h_bytes_per_step(),
             streams: self.totals.stream_means(),
             evals: self.evals.clone(),
+            skipped_steps: self.skipped,
             exported,
             device: c.device.kind(),
         }
@@ -367,7 +408,19 @@ impl<O: Observer> Trainer<O> {
     }
 }
 
-fn notify<O: Observer>(observer: &mut O, event: &Event<'_>) -> Result<()> {
+impl<O: Observer> Drop for Trainer<O> {
+    /// An orderly end (finished, or stopped by an error): the store is consistent (a failed step
+    /// is retried without applying an update twice), so a --store file loses the mark of a run
+    /// in progress. Only a kill (or a crash of the machine) leaves it.
+    fn drop(&mut self) {
+        self.store.set_run_open(false);
+        if let Err(e) = self.store.flush() {
+            tracing::error!("could not flush the host store: {e}");
+        }
+    }
+}
+
+pub(crate) fn notify<O: Observer>(observer: &mut O, event: &Event<'_>) -> Result<()> {
     observer.event(event).map_err(Error::Observer)
 }
 
@@ -391,108 +444,6 @@ fn plan_run<O: Observer>(
     let p = plan_for(c, &model.cfg, device, host, backend.fused_kernels(c.precision.dtype()))?;
     notify(observer, &Event::Planned { plan: &p, device: c.device.kind() })?;
     Ok(p)
-}
-
-/// Phase: the `store` file (opened if it exists, else created) or an anonymous store; `true`
-/// when an existing store was opened.
-fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, bool)> {
-    let Some(path) = &c.store else {
-        let s = HostStore::anonymous_with(layout, c.grad_dtype(), c.optim_states)
-            .context_with(|| "allocating the host store".into())?;
-        return Ok((s, false));
-    };
-    if path.exists() {
-        let s = HostStore::open(path, layout).context_with(|| {
-            format!("cannot resume from --store {} (is it for this model?)", path.display())
-        })?;
-        crate::states::check_store(path, &s, c.optim_states)?;
-        Ok((s, true))
-    } else {
-        let s = HostStore::create_with(path, layout, c.grad_dtype(), c.optim_states)
-            .context_with(|| format!("cannot create --store {}", path.display()))?;
-        Ok((s, false))
-    }
-}
-
-/// Phase: the store's pages populated on every core before anything writes it (an import or
-/// initialisation into unpopulated memory would take each page fault on the writing thread).
-fn prefault<O: Observer>(store: &HostStore, observer: &mut O) -> Result<()> {
-    let t = Instant::now();
-    match store.prefault() {
-        Ok(0) => Ok(()),
-        Ok(bytes) => notify(observer, &Event::Prefaulted { bytes, secs: t.elapsed().as_secs_f64() }),
-        Err(e) => notify(observer, &Event::NotPrefaulted(e.to_string())),
-    }
-}
-
-/// Phase: the weights the run starts from: the newest checkpoint (with `resume`), the store
-/// file's own (a reopened `--store`), the model directory's, or a seeded initialisation.
-fn restore_or_initialise<O: Observer>(
-    c: &TrainConfig,
-    model: &ModelSource,
-    store: &HostStore,
-    data: &TrainData,
-    defining: &Value,
-    resumed_store: bool,
-    observer: &mut O,
-) -> Result<Restored> {
-    let latest = match (c.checkpoint_dir(), c.resume) {
-        (Some(dir), true) => checkpoint::latest(&dir)?,
-        _ => None,
-    };
-    if let Some((path, m)) = &latest {
-        restore_checkpoint(c, store, data, defining, path, m)?;
-        let note = format!("resumed from checkpoint {} at step {}", path.display(), m.step);
-        return Ok(Restored { resumed: true, note: Some(note), no_checkpoint_yet: false });
-    }
-    let no_checkpoint_yet = c.resume;
-    if resumed_store {
-        let note =
-            c.store.as_ref().map(|p| format!("resumed from {} at step {}", p.display(), store.state().step));
-        return Ok(Restored { resumed: true, note, no_checkpoint_yet });
-    }
-    match &model.hf {
-        Some(hf) => {
-            let r = mt_hf::import_weights(hf, store)
-                .context_with(|| format!("importing the weights of {}", model.name))?;
-            let event = Event::Imported { n_tensors: r.n_tensors, n_params: r.n_params, from: &model.name };
-            notify(observer, &event)?;
-        }
-        None => {
-            let t = Instant::now();
-            let n = init_store(store, c.seed).context_with(|| "initialising the model".into())?;
-            let event = Event::Initialised { n_tensors: n, seed: c.seed, secs: t.elapsed().as_secs_f64() };
-            notify(observer, &event)?;
-        }
-    }
-    Ok(Restored { resumed: false, note: None, no_checkpoint_yet })
-}
-
-/// A checkpoint's snapshot restored into `store`, once its options and data cursor are this run's.
-fn restore_checkpoint(
-    c: &TrainConfig,
-    store: &HostStore,
-    data: &TrainData,
-    defining: &Value,
-    path: &Path,
-    m: &Manifest,
-) -> Result<()> {
-    let refused = |why: String| Error::Checkpoint(format!("cannot resume from {}: {why}", path.display()));
-    // The optimizer states first, in words.
-    if let Some(why) = crate::states::checkpoint_refusal(m, c.optim_states) {
-        return Err(refused(why));
-    }
-    checkpoint::check_same_run(m, defining).map_err(|e| refused(e.to_string()))?;
-    let snap = path.with_file_name(&m.store_file);
-    store.restore_snapshot(&snap).context_with(|| format!("restoring {}", snap.display()))?;
-    let here = data.cursor(m.step, c.batch_size);
-    if m.data_cursor != here {
-        return Err(refused(format!(
-            "its data cursor {:?} is not where this data puts step {} ({here:?}); was --data changed?",
-            m.data_cursor, m.step
-        )));
-    }
-    Ok(())
 }
 
 /// Phase: the engine started with the plan's placement, and an update a crashed exact-mode run

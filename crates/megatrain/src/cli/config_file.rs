@@ -68,6 +68,12 @@ fn config_file_arg(argv: &[OsString]) -> Option<PathBuf> {
 pub fn config_file_options(path: &Path) -> Result<Vec<OsString>, ArgsError> {
     let err = |m: String| ArgsError::ConfigFile(format!("--config-file {}: {m}", path.display()));
     let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it ({e})")))?;
+    config_text_options(&text, path)
+}
+
+/// [`config_file_options`] of a file's text (`path` names it in errors).
+pub fn config_text_options(text: &str, path: &Path) -> Result<Vec<OsString>, ArgsError> {
+    let err = |m: String| ArgsError::ConfigFile(format!("--config-file {}: {m}", path.display()));
     let table: toml::Table = text.parse().map_err(|e| err(format!("not valid TOML: {e}")))?;
     let cmd = Cli::command();
     let train = cmd.find_subcommand("train").ok_or_else(|| err("no train subcommand".into()))?;

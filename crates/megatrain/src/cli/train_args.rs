@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use clap::Args;
 use mt_train::{ModelChoice, PlacementChoice, TrainConfig};
 
-use super::values::{at_least_one, fraction, layer_count, mlp_rows, non_negative, parse_data, positive_f64};
+use super::values::{
+    at_least_one, fault, fraction, layer_count, mlp_rows, non_negative, parse_data, positive_f64,
+};
 use super::{
     AttentionArg, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg,
     OptimStatesArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
@@ -108,6 +110,10 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1.0, value_parser = non_negative, allow_negative_numbers = true, help_heading = "Optimizer", value_name = "C")]
     pub clip: f64,
 
+    /// Stop at K skipped steps in a row (a non-finite loss or gradient norm skips a step: no update).
+    #[arg(long, default_value_t = 5, value_parser = at_least_one, help_heading = "Optimizer", value_name = "K")]
+    pub max_skipped_steps: usize,
+
     /// Steps of linear warmup from lr/warmup to lr.
     #[arg(long, default_value_t = 5, help_heading = "Optimizer", value_name = "N")]
     pub warmup: usize,
@@ -162,7 +168,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "GIB", value_parser = positive_f64, help_heading = "Device and memory")]
     pub host_mem: Option<f64>,
 
-    /// File-backed host store: created, or continued from the step recorded in it.
+    /// File-backed host store: created, or continued from the step recorded in it. The live state,
+    /// not a checkpoint: a killed run's file is refused; --resume restores a checkpoint into it.
     #[arg(long, value_name = "PATH", help_heading = "Device and memory")]
     pub store: Option<PathBuf>,
 
@@ -270,6 +277,10 @@ pub struct TrainArgs {
     /// Test hook: abort the process (SIGABRT, as a crash) right after global step N and its checkpoint.
     #[arg(long, value_name = "N", hide = true)]
     pub abort_after_step: Option<u64>,
+
+    /// Test hook: a NaN or infinity in global step N (`N:nan-grad`, `N:inf-grad`, `N:nan-loss`; repeatable).
+    #[arg(long, value_name = "N:WHAT", value_parser = fault, hide = true)]
+    pub inject_fault: Vec<(u64, mt_sched::Fault)>,
 }
 
 impl TrainArgs {
@@ -305,6 +316,7 @@ impl TrainArgs {
             beta2: self.beta2,
             eps: self.eps,
             clip: self.clip,
+            max_skipped_steps: self.max_skipped_steps,
             warmup: self.warmup,
             schedule: self.schedule.into(),
             schedule_steps: self.schedule_steps,
@@ -339,6 +351,7 @@ impl TrainArgs {
             rope_angles: self.rope_angles.into(),
             rows_per_block: self.rows_per_block,
             delay_us: self.delay_us,
+            inject_faults: self.inject_fault.clone(),
         }
     }
 }

@@ -301,6 +301,22 @@ pub(super) fn at_least_one(s: &str) -> Result<usize, String> {
     Ok(n)
 }
 
+/// `--inject-fault N:WHAT`: a NaN or infinity in global step `N`'s first decoder layer's
+/// gradient (`nan-grad`, `inf-grad`) or loss (`nan-loss`).
+pub(super) fn fault(s: &str) -> Result<(u64, mt_sched::Fault), String> {
+    use mt_sched::Fault;
+    let (n, what) = s.split_once(':').ok_or_else(|| format!("expected N:WHAT, found {s:?}"))?;
+    let n: u64 = n.parse().map_err(|e| format!("expected a step number, found {n:?} ({e})"))?;
+    let unit = mt_core::Unit::Layer(0);
+    let f = match what {
+        "nan-grad" => Fault::Gradient { unit, value: f32::NAN },
+        "inf-grad" => Fault::Gradient { unit, value: f32::INFINITY },
+        "nan-loss" => Fault::Loss(f64::NAN),
+        other => return Err(format!("{other:?}: expected nan-grad, inf-grad or nan-loss")),
+    };
+    Ok((n, f))
+}
+
 pub(super) fn non_negative(s: &str) -> Result<f64, String> {
     let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
     if !(x.is_finite() && x >= 0.0) {

@@ -10,7 +10,7 @@ use mt_pool::DevicePool;
 use super::Engine;
 use crate::backend::Backend;
 use crate::batch::Chunk;
-use crate::program::{Op, Slot};
+use crate::program::{Op, OptimMode, Slot};
 use crate::{Error, Result};
 
 impl<B: Backend> Engine<B> {
@@ -111,6 +111,7 @@ impl<B: Backend> Engine<B> {
                     };
                     self.pool.put_act_grad(c, dx);
                 }
+                self.inject_gradient(Unit::Layer(layer), &gbuf)?;
                 self.pool.drop_checkpoints(layer);
                 if let Some(narrow) = grad_buf.and_then(|k| self.pool.grad_narrow.get(k)) {
                     // bf16 landing: narrow here; the layer's share of the global norm is that
@@ -133,6 +134,7 @@ impl<B: Backend> Engine<B> {
                     let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
                     self.outer_t.embed_backward(&ch.host_ids, &dx, &sink)?;
                 }
+                self.inject_gradient(Unit::Outer, &gbuf)?;
                 if self.opts.resident_outer {
                     // Likewise the resident outer unit's.
                     let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
@@ -186,6 +188,11 @@ impl<B: Backend> Engine<B> {
             Op::DropCheckpoint { boundary } => {
                 let _s = tracing::debug_span!("drop_checkpoint", boundary).entered();
                 self.pool.drop_checkpoints(boundary);
+            }
+            Op::UpdateResident { unit } if self.opts.mode == OptimMode::Lean => {
+                // Lean mode's update of a resident unit waits for its share of the norm at the
+                // step's end: one with a non-finite gradient is not updated (`faults.rs`).
+                self.deferred_resident.push(unit);
             }
             Op::UpdateResident { unit } => {
                 let _s = tracing::debug_span!("update_resident", ?unit).entered();

@@ -6,27 +6,31 @@ use std::sync::{Arc, Mutex};
 use candle_core::DType;
 use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, LayerOptions, Outer, Positions, Rope};
-use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
+use mt_optim::{StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
-use mt_store::{
-    GradDtype, GradMut, GradRef, HostStore, PinnedRecords, RecordGuard, Staging, StoreState, UploadDtype,
-};
+use mt_store::{GradDtype, HostStore, PinnedRecords, Staging, StoreState, UploadDtype};
 
-use crate::backend::{Backend, DevicePeak, HostJob, Span};
+use crate::backend::{Backend, DevicePeak, Span};
 use crate::batch::{make_chunks, Batch, Chunk};
 use crate::program::{
-    early_upload_layers, is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec,
-    Slot, Stream,
+    early_upload_layers, is_gpu_updated, is_late_download, OptimMode, Program, ProgramSpec, Stream,
 };
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
 mod compute;
 mod eval;
+mod faults;
 mod options;
 mod resident;
 mod spill;
+mod transfer;
 
+use transfer::update_unit;
+
+#[doc(hidden)]
+pub use faults::Fault;
+pub use faults::{SkipCause, Skipped};
 pub use options::EngineOptions;
 pub(crate) use resident::state_words;
 pub(crate) use spill::RELOAD_SLOTS;
@@ -60,6 +64,9 @@ pub struct StepReport {
     pub device_peak: Option<DevicePeak>,
     /// Every operation's span (for traces).
     pub spans: Vec<Span>,
+    /// `Some` when the loss or the gradient norm was not finite: the step applied no update
+    /// (in lean mode: none to the units whose gradient was not finite; `faults.rs`).
+    pub skipped: Option<Skipped>,
 }
 
 /// The streamed training engine.
@@ -107,6 +114,11 @@ pub struct Engine<B: Backend> {
     /// with their records unchanged since ([`ProgramSpec::early_ready`]): set only after a step
     /// that issued them succeeded, cleared by anything that may change a record.
     early_ready: bool,
+    /// Faults injected into the next step, and those of the step running ([`Fault`]).
+    faults: Vec<Fault>,
+    step_faults: Vec<Fault>,
+    /// Lean mode: the resident units whose update waits for the step's end (`faults.rs`).
+    deferred_resident: Vec<Unit>,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -135,56 +147,6 @@ fn upload_dtype(d: DType) -> Result<UploadDtype> {
         DType::BF16 => Ok(UploadDtype::Bf16),
         DType::F16 => Ok(UploadDtype::F16),
         other => Err(Error::Options(format!("weight dtype {other:?}; use f32, bf16 or f16"))),
-    }
-}
-
-fn grad_view(g: GradRef<'_>) -> Grad<'_> {
-    match g {
-        GradRef::F32(g) => Grad::F32(g),
-        GradRef::Bf16(g) => Grad::Bf16(g),
-    }
-}
-
-/// The moments of `unit`'s record in their encoding, rounding with the unit's draws.
-fn moments_of<'r>(
-    unit: Unit,
-    n: usize,
-    states: mt_core::StateDtype,
-    m: &'r mut [u8],
-    v: &'r mut [u8],
-) -> Result<Moments<'r>> {
-    Ok(Moments::from_bytes(states, n, m, v, unit.index() as u64)?)
-}
-
-/// Applies optimizer step `args.step` to `unit` from the record's gradient buffer — once: if
-/// the record says the update was already applied (a failed step is being retried), only the
-/// upload copy is refreshed. (Lean mode updates as it lands: `mt_optim::land_and_step`.)
-fn update_unit(
-    unit: Unit,
-    r: &mut RecordGuard<'_>,
-    hyper: &AdamW,
-    args: &StepArgs,
-    upload: Upload<'_>,
-) -> Result<()> {
-    if r.applied_step() >= args.step {
-        mt_optim::cast_into(r.master(), upload)?;
-        return Ok(());
-    }
-    let p = r.parts();
-    let Some(g) = p.grad else {
-        return Err(Error::Options("an exact-mode update needs a store with gradient buffers".into()));
-    };
-    let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
-    mt_optim::step_fused(hyper, args, grad_view(g), p.master, moments, upload)?;
-    r.set_applied_step(args.step);
-    Ok(())
-}
-
-fn upload_view(s: &mut Staging, n: usize) -> Upload<'_> {
-    match s {
-        Staging::F32(v) => Upload::F32(&mut v[..n]),
-        Staging::Bf16(v) => Upload::Bf16(&mut v[..n]),
-        Staging::F16(v) => Upload::F16(&mut v[..n]),
     }
 }
 
@@ -276,6 +238,9 @@ impl<B: Backend> Engine<B> {
             applied: vec![0; layout_units],
             dirty: false,
             early_ready: false,
+            faults: Vec::new(),
+            step_faults: Vec::new(),
+            deferred_resident: Vec::new(),
         };
         engine.check_records()?;
         engine.load_resident()?;
@@ -428,6 +393,8 @@ impl<B: Backend> Engine<B> {
         }
         self.backend.begin_step();
         self.device_sumsq.clear();
+        self.deferred_resident.clear();
+        self.step_faults = std::mem::take(&mut self.faults);
         self.kept = std::iter::repeat_with(|| None).take(self.layout.n_layers * chunks.len()).collect();
         self.kept_bytes = 0;
         self.router_stats = self.cfg.moe.as_ref().map(|m| mt_layers::RouterStats::new(m.num_experts));
@@ -442,28 +409,14 @@ impl<B: Backend> Engine<B> {
             let ss = ss.value()?;
             self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
         }
-        let step_s = self.backend.now_s();
         let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
-        let coef = self.opts.clip.map_or(1.0, |c| mt_optim::clip_coef(norm, c));
-        let new_state = match self.opts.mode {
-            OptimMode::Exact => StoreState {
-                step: state.step + u64::from(state.pending_update),
-                pending_update: true,
-                pending_grad_scale: coef,
-                pending_lr: lr,
-                grad_norm: norm,
-            },
-            OptimMode::Lean => StoreState {
-                step: state.step + 1,
-                pending_update: false,
-                pending_grad_scale: 1.0,
-                pending_lr: lr,
-                grad_norm: norm,
-            },
-        };
-        self.store.set_state(new_state);
-        // Every stream is drained: the early uploads this step issued are in their slots.
-        self.early_ready = program.spec.early_uploads > 0;
+        let loss = self.inject_loss(loss);
+        self.step_faults.clear();
+        let skipped = self.conclude_step(state, lr, loss, norm, &update_args)?;
+        let step_s = self.backend.now_s();
+        // Every stream is drained: the early uploads this step issued are in their slots (of no
+        // use after a skipped step, which leaves no update pending for them).
+        self.early_ready = program.spec.early_uploads > 0 && skipped.is_none();
         let spans = self.backend.spans();
         let (h2d_bytes, d2h_bytes) = self.backend.transferred();
         Ok(StepReport {
@@ -478,6 +431,7 @@ impl<B: Backend> Engine<B> {
             kept_bytes: self.kept_bytes,
             device_peak: self.backend.device_peak(),
             spans,
+            skipped,
         })
     }
 
@@ -585,154 +539,6 @@ impl<B: Backend> Engine<B> {
             loss += l.to_scalar::<f64>()?;
         }
         Ok(loss)
-    }
-
-    fn staging_of(&self, b: HostBuf) -> Arc<Mutex<Staging>> {
-        match b {
-            HostBuf::Ring(k) => Arc::clone(&self.staging[k]),
-            HostBuf::Outer => Arc::clone(&self.outer_staging),
-        }
-    }
-
-    fn landing_of(&self, b: HostBuf) -> Arc<Mutex<Staging>> {
-        match b {
-            HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
-            HostBuf::Outer => Arc::clone(&self.outer_landing),
-        }
-    }
-
-    fn issue_transfer(&self, op: &Op, waits: &[B::Event], args: StepArgs) -> Result<B::Event> {
-        let name = format!("{op:?}");
-        let hyper = self.opts.adamw;
-        Ok(match *op {
-            Op::Stage { unit, staging, update } => {
-                let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
-                let job: HostJob = Box::new(move || {
-                    let mut r = store.record(unit);
-                    let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
-                    let up = upload_view(&mut s, r.master().len());
-                    if update {
-                        update_unit(unit, &mut r, &hyper, &args, up)
-                    } else {
-                        Ok(mt_optim::cast_into(r.master(), up)?)
-                    }
-                });
-                self.backend.host(waits, job, name)
-            }
-            Op::Upload { staging, slot, .. } => {
-                let dst = match slot {
-                    Slot::Ring(k) => self.pool.slots[k].clone(),
-                    Slot::Outer => self.pool.outer_slot.clone(),
-                    Slot::Held(l) => self.held_slot(l)?,
-                    Slot::Resident(l) => {
-                        return Err(Error::Options(format!("upload into resident layer {l}'s slot")))
-                    }
-                };
-                self.backend.upload(waits, self.staging_of(staging), dst, name)
-            }
-            Op::UploadState { unit, buf } => {
-                let (state, grad) = match (self.pool.state.get(buf), self.pool.state_grad.get(buf)) {
-                    (Some(s), Some(g)) => (s.clone(), g.clone()),
-                    _ => {
-                        return Err(Error::Options(format!(
-                            "state slot {buf} does not exist (scheduling bug)"
-                        )))
-                    }
-                };
-                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, Some(grad), name)
-            }
-            Op::UploadMoments { unit, buf } => {
-                let state = self.pool.state.get(buf).cloned().ok_or_else(|| {
-                    Error::Options(format!("state slot {buf} does not exist (scheduling bug)"))
-                })?;
-                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, None, name)
-            }
-            Op::DownloadState { unit, buf } => {
-                let state = self.pool.state.get(buf).cloned().ok_or_else(|| {
-                    Error::Options(format!("state slot {buf} does not exist (scheduling bug)"))
-                })?;
-                self.backend.download_record(waits, state, Arc::clone(&self.store), unit, args.step, name)
-            }
-            Op::SpillCheckpoint { boundary } => self.issue_spill(boundary, waits, &name)?,
-            Op::ReloadCheckpoint { boundary, slot } => self.issue_reload(boundary, slot, waits, &name)?,
-            Op::Download { grad_buf, landing, .. } => {
-                // A layer gradient narrowed to bf16 by its backward downloads from the twin.
-                let src = match grad_buf {
-                    Some(k) => self.pool.grad_narrow.get(k).unwrap_or(&self.pool.grad_bufs[k]).clone(),
-                    None => self.pool.outer_grad.clone(),
-                };
-                self.backend.download(waits, src, self.landing_of(landing), name)
-            }
-            Op::Land { unit, landing, update } => {
-                let (store, land, sumsq) =
-                    (Arc::clone(&self.store), self.landing_of(landing), Arc::clone(&self.sumsq));
-                let job: HostJob = Box::new(move || {
-                    let src = land.lock().unwrap_or_else(|p| p.into_inner());
-                    let mut r = store.record(unit);
-                    if src.len() != r.master().len() {
-                        return Err(Error::Stream {
-                            stream: "host",
-                            msg: format!(
-                                "landed {} gradient elements for a {}-element record",
-                                src.len(),
-                                r.master().len()
-                            ),
-                        });
-                    }
-                    let src = match &*src {
-                        Staging::F32(v) => v,
-                        Staging::Bf16(v) => {
-                            // Narrowed on the device, which also took its sum of squares: store it.
-                            return match r.grad_mut() {
-                                Some(GradMut::Bf16(g)) if !update => {
-                                    mt_store::par_copy(g, v);
-                                    Ok(())
-                                }
-                                _ => Err(Error::Stream {
-                                    stream: "host",
-                                    msg: "a bf16 landing is for exact mode's bf16 store gradients".into(),
-                                }),
-                            };
-                        }
-                        Staging::F16(_) => {
-                            return Err(Error::Stream { stream: "host", msg: "f16 gradient landing".into() })
-                        }
-                    };
-                    // Store the gradient (parallel cast) and take Σg² of the gradient the
-                    // optimizer will use: the stored (possibly bf16) one, in the same pass; in
-                    // lean mode, which updates from the landed f32 gradient now, of that one,
-                    // with the update in the same pass too (unless a retried step applied it).
-                    let ss = if update && r.applied_step() < args.step {
-                        let p = r.parts_mut();
-                        let stored = match p.grad {
-                            Some(GradMut::F32(g)) => Upload::F32(g),
-                            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
-                            None => Upload::None,
-                        };
-                        let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
-                        let ss = mt_optim::land_and_step(&hyper, &args, src, stored, p.master, moments)?;
-                        r.set_applied_step(args.step);
-                        ss
-                    } else {
-                        let stored = match r.grad_mut() {
-                            Some(GradMut::F32(g)) => Upload::F32(g),
-                            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
-                            None => Upload::None,
-                        };
-                        if update {
-                            mt_optim::cast_into(src, stored)?;
-                            mt_optim::sum_squares(Grad::F32(src))
-                        } else {
-                            mt_optim::cast_sum_squares(src, stored)?
-                        }
-                    };
-                    sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
-                    Ok(())
-                });
-                self.backend.host(waits, job, name)
-            }
-            _ => return Err(Error::Options(format!("{op:?} is not a transfer or host op"))),
-        })
     }
 }
 

@@ -11,7 +11,8 @@ use mt_layers::device_optim::StateKind;
 use mt_optim::{StepArgs, Upload};
 use mt_store::GradMut;
 
-use super::{update_unit, Engine};
+use super::transfer::update_unit;
+use super::Engine;
 use crate::backend::Backend;
 use crate::{Error, Result};
 
