@@ -320,3 +320,7 @@ mod long_tests;
 #[cfg(test)]
 #[path = "plan_states_tests.rs"]
 mod states_tests;
+
+#[cfg(test)]
+#[path = "plan_update_tests.rs"]
+mod update_tests;
