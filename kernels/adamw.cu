@@ -1,11 +1,12 @@
 // AdamW and the gradient's sum of squares for a unit whose optimizer state lives on the GPU (the
-// outer unit and the leading decoder layers the planner keeps resident). Compiled at run time with NVRTC
-// after common.cuh, no CUDA headers.
+// outer unit and the leading decoder layers the planner keeps resident; GPU-updated streamed
+// layers). Compiled at run time with NVRTC after common.cuh, no CUDA headers.
 //
 // mt_adamw evaluates exactly the expressions of mt-optim's fused loop (crates/optim/src/adamw.rs,
 // `update_block`), with the f32 scalars `Coeffs::of` derives on the host; NVRTC runs with
 // --fmad=false and IEEE division and square root, so every element rounds as on the CPU.
-// state = [master | m | v], n elements each. With `w_out` non-zero, the new master weights are
+// state = [master | m | v], n fp32 elements each (fp32 moments; mt_adamw_bf16 and mt_adamw_q8
+// below take the other encodings). With `w_out` non-zero, the new master weights are
 // also written there as bf16 (f2bf: round to nearest even, and a NaN kept quiet with its sign and
 // top payload bits, as the host's cast), the unit's device slot: one pass instead of update + cast
 // + copy.
@@ -73,6 +74,131 @@ extern "C" __global__ void mt_adamw(float* __restrict__ state, const float* __re
         m[i] = mi;
         v[i] = vi;
         if (w) w[i] = f2bf(pi);
+    }
+}
+
+// ---- Moments in bf16 or 8 bits (`--optim-states`, crates/optim/src/moments.rs) ----
+//
+// The update is adamw1 on the decoded moments; the new moments are encoded with stochastic
+// rounding whose draw for element i (its index in the unit, as a 32-bit unsigned) is
+// mix32(i ^ key), key_m and key_v from mt_optim::rounding_keys(step, unit). Every operation is the
+// one mt-optim's encode/decode does, in its order, so the state comes back bitwise the host's.
+// state = [master: n f32 | m | v], each moment moment_bytes(n) long (crates/core/src/states.rs).
+
+__device__ __forceinline__ unsigned mix32(unsigned h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    return h ^ (h >> 16);
+}
+
+// A draw as a uniform in [0, 1): its top 24 bits.
+__device__ __forceinline__ float unit_float(unsigned h) { return (float)(h >> 8) * (1.0f / 16777216.0f); }
+
+// f32 -> bf16 rounded stochastically with the draw r (its low 16 bits); a NaN as f2bf keeps it.
+__device__ __forceinline__ unsigned short bf16_sr(float x, unsigned r) {
+    const unsigned b = __float_as_uint(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+    return (unsigned short)((b + (r & 0xffffu)) >> 16);
+}
+
+extern "C" __global__ void mt_adamw_bf16(float* __restrict__ state, const float* __restrict__ grad, long long n,
+                                         float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
+                                         float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
+                                         unsigned key_m, unsigned key_v, unsigned long long w_out) {
+    const AdamWCoeffs c = {grad_scale, decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size};
+    unsigned short* m = (unsigned short*)(state + n);
+    unsigned short* v = (unsigned short*)((char*)m + ((2 * n + 3) / 4) * 4);
+    unsigned short* w = (unsigned short*)w_out;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float pi = state[i], mi = bf2f(m[i]), vi = bf2f(v[i]);
+        adamw1(pi, mi, vi, grad[i], c);
+        state[i] = pi;
+        m[i] = bf16_sr(mi, mix32((unsigned)i ^ key_m));
+        v[i] = bf16_sr(vi, mix32((unsigned)i ^ key_v));
+        if (w) w[i] = f2bf(pi);
+    }
+}
+
+#define Q8_BLOCK 256
+// 127^2 and 255^4 (the latter rounded to f32, as the host's constant).
+#define M_TOP 16129.0f
+#define V_TOP 4228250625.0f
+
+// The largest of the block's `x` (each thread's own; 0 where it has none), in a fixed tree.
+// fmaxf ignores NaNs, as the host's f32::max does, and max is exact, so any order agrees.
+__device__ __forceinline__ float block_max(float x, float* sh) {
+    sh[threadIdx.x] = x;
+    __syncthreads();
+    for (int s = Q8_BLOCK / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + s]);
+        __syncthreads();
+    }
+    const float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// One block of Q8_BLOCK threads per 8-bit block (grid-stride over blocks): decode, update, the
+// block's maxima, encode (m: square-root code in -127..127, step max|m| / 127^2; v: fourth-root
+// code in 0..255, step max v / 255^4), each element rounded to one of its two neighbouring codes
+// with probability that keeps its value unbiased.
+extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* __restrict__ grad, long long n,
+                                       float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
+                                       float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
+                                       unsigned key_m, unsigned key_v, unsigned long long w_out) {
+    __shared__ float sh[Q8_BLOCK];
+    const AdamWCoeffs c = {grad_scale, decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size};
+    const long long codes = ((n + 3) / 4) * 4, blocks = (n + Q8_BLOCK - 1) / Q8_BLOCK;
+    unsigned char* mc = (unsigned char*)(state + n);
+    float* ms = (float*)(mc + codes);
+    unsigned char* vc = mc + codes + 4 * blocks;
+    float* vs = (float*)(vc + codes);
+    unsigned short* w = (unsigned short*)w_out;
+    for (long long b = blockIdx.x; b < blocks; b += gridDim.x) {
+        const long long i = b * Q8_BLOCK + threadIdx.x;
+        const bool in = i < n;
+        float pi = 0.0f, mi = 0.0f, vi = 0.0f;
+        if (in) {
+            const signed char q = (signed char)mc[i];
+            const float a = (float)(q < 0 ? -(int)q : (int)q);
+            const float xm = (a * a) * ms[b];
+            mi = q < 0 ? -xm : xm;
+            const float av = (float)vc[i];
+            vi = ((av * av) * (av * av)) * vs[b];
+            pi = state[i];
+            adamw1(pi, mi, vi, grad[i], c);
+            state[i] = pi;
+            if (w) w[i] = f2bf(pi);
+        }
+        const float sm = block_max(in ? fabsf(mi) : 0.0f, sh) / M_TOP;
+        const float sv = block_max(in ? vi : 0.0f, sh) / V_TOP;
+        if (in) {
+            unsigned char cm = 0, cv = 0;
+            if (sm != 0.0f) {
+                const float y = fabsf(mi) / sm;
+                const float lo = fminf(floorf(sqrtf(y)), 126.0f), hi = lo + 1.0f;
+                const float p = (y - lo * lo) / (hi * hi - lo * lo);
+                const float u = unit_float(mix32((unsigned)i ^ key_m));
+                const int q = (int)(u < p ? hi : lo);
+                cm = (unsigned char)(signed char)(mi < 0.0f ? -q : q);
+            }
+            if (sv != 0.0f) {
+                const float y = vi / sv;
+                const float lo = fminf(floorf(sqrtf(sqrtf(y))), 254.0f), hi = lo + 1.0f;
+                const float lo4 = (lo * lo) * (lo * lo), hi4 = (hi * hi) * (hi * hi);
+                const float p = (y - lo4) / (hi4 - lo4);
+                const float u = unit_float(mix32((unsigned)i ^ key_v));
+                cv = (unsigned char)(int)(u < p ? hi : lo);
+            }
+            mc[i] = cm;
+            vc[i] = cv;
+        }
+        if (threadIdx.x == 0) {
+            ms[b] = sm;
+            vs[b] = sv;
+        }
     }
 }
 

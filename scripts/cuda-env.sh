@@ -6,7 +6,10 @@
 #
 # Toolchain location: $MEGATRAIN_CUDA_PREFIX, default <repo>/.venv-cuda.
 # Exports PATH (nvcc), CUDA_ROOT/CUDA_PATH/CUDA_HOME (found by cudarc's and candle-kernels' build
-# scripts), CUDA_COMPUTE_CAP (default 90: H100/H200; no nvidia-smi here to detect it) and
+# scripts), CUDA_COMPUTE_CAP (default 80: candle's kernels as PTX for compute_80, which the driver
+# compiles for any GPU of compute capability 8.0 or later, so one binary runs on A100, RTX 30xx,
+# RTX 40xx / L40S and H100 / H200; 90 builds `sm_90a` PTX that loads on Hopper only:
+# docs/decisions/0034-gpu-portability.md) and
 # LIBRARY_PATH (link-time libcuda/libcudart/libcublas/libcublasLt/libcurand/libnvrtc).
 # LD_LIBRARY_PATH is left alone: binaries run on the GPU machine against its own CUDA libraries.
 # Returns 1 with a message, changing nothing, when the toolchain is not installed.
@@ -40,7 +43,7 @@ _mt_cuda_env() {
         *) export LIBRARY_PATH="$cu13/lib${LIBRARY_PATH:+:$LIBRARY_PATH}" ;;
     esac
     export CUDA_ROOT="$cu13" CUDA_PATH="$cu13" CUDA_HOME="$cu13"
-    export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+    export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
 }
 
 _mt_cuda_env_rc=0

@@ -12,6 +12,7 @@ mod hf_names;
 mod layout;
 mod moe;
 pub mod names;
+mod states;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
@@ -20,3 +21,4 @@ pub use layout::{
     active_params, model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS,
 };
 pub use moe::MoeConfig;
+pub use states::{StateDtype, Q8_BLOCK};

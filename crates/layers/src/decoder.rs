@@ -225,7 +225,7 @@ impl DecoderLayer {
 
     /// Bytes a [`LayerState`] of `b` sequences of `s` tokens holds (weights and activations of
     /// `e` bytes), beyond the layer's input checkpoint when it shares it: exactly
-    /// [`LayerState::bytes`]. `fused`: the CUDA bf16 kernels of compute capability 9.0+
+    /// [`LayerState::bytes`]. `fused`: the CUDA bf16 kernels of compute capability 8.0+
     /// ([`fused_kernels`]): the input-norm output, q (and Qwen3's pre-norm q, k), k, v, the raw
     /// scores and bf16 probabilities (`2 × b·heads·s²`) with f32 row statistics, the attention
     /// output, `x1`, the post-norm output, gate, up and their product, the norms' f32 reciprocal

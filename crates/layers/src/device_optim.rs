@@ -2,16 +2,32 @@
 //! (the outer unit, when the planner keeps it resident): the update and the gradient's sum of
 //! squares as in-place candle ops. On the CPU they run mt-optim's own code on the tensors' memory
 //! (so they are bitwise the host optimizer); on CUDA, `kernels/adamw.cu`, which evaluates the same
-//! f32 expressions with the same scalars ([`mt_optim::Coeffs`]).
+//! f32 expressions with the same scalars ([`mt_optim::Coeffs`]), and encodes bf16 or 8-bit moments
+//! as mt-optim does (the same stochastic rounding draws, [`mt_optim::rounding_keys`]).
+//!
+//! A state is `[master | m | v]` in f32 words: the master weights, then each moment as the host
+//! store keeps it ([`StateDtype::moment_bytes`]), [`StateDtype::state_words`] in all.
 
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor};
-use mt_optim::{AdamW, Coeffs, Grad, StepArgs, Upload};
+use mt_core::StateDtype;
+use mt_optim::{AdamW, Coeffs, Grad, Moments, StepArgs, Upload};
 
 use crate::{Error, Result};
+
+/// How a unit's moments are held, and whose they are: the encoding and the unit's stream of
+/// stochastic rounding draws (its store record index), so the device update is the host's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateKind {
+    /// The moments' encoding.
+    pub dtype: StateDtype,
+    /// The unit's record index (`mt_core::Unit::index`).
+    pub stream: u64,
+}
 
 struct AdamWStep {
     h: AdamW,
     a: StepArgs,
+    kind: StateKind,
     /// bf16 weights to write from the new master weights in the same pass (CUDA only).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     weights: Option<Tensor>,
@@ -47,15 +63,17 @@ impl InplaceOp2 for AdamWStep {
         let CpuStorage::F32(v) = st else {
             return Err(candle_core::Error::Msg("device AdamW: the state must be f32".into()));
         };
-        if !ls.is_contiguous() || len != 3 * n {
+        let StateKind { dtype, stream } = self.kind;
+        if !ls.is_contiguous() || len != dtype.state_words(n) {
             return Err(candle_core::Error::Msg(format!(
-                "device AdamW: the state must be a contiguous [master | m | v] of 3 x {n} elements, found {len}"
+                "device AdamW: the state must be a contiguous [master | m | v] of {} words ({dtype} moments of {n}), found {len}",
+                dtype.state_words(n)
             )));
         }
-        let (master, rest) = v[off..off + len].split_at_mut(n);
-        let (m, v) = rest.split_at_mut(n);
-        mt_optim::step_fused(&self.h, &self.a, Grad::F32(g), master, m, v, Upload::None)
-            .map_err(|e| candle_core::Error::Msg(format!("device AdamW: {e}")))
+        let fail = |e: mt_optim::Error| candle_core::Error::Msg(format!("device AdamW: {e}"));
+        let (master, moments) =
+            Moments::split_state(dtype, n, &mut v[off..off + len], stream).map_err(fail)?;
+        mt_optim::step_fused(&self.h, &self.a, Grad::F32(g), master, moments, Upload::None).map_err(fail)
     }
 
     #[cfg(feature = "cuda")]
@@ -66,44 +84,50 @@ impl InplaceOp2 for AdamWStep {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> candle_core::Result<()> {
-        crate::cuda_kernels::adamw(st, ls, g, lg, &self.coeffs, self.weights.as_ref())
+        let mom = crate::cuda_kernels::Moments {
+            dtype: self.kind.dtype,
+            keys: mt_optim::rounding_keys(self.a.step, self.kind.stream),
+        };
+        crate::cuda_kernels::adamw(st, ls, g, lg, &self.coeffs, mom, self.weights.as_ref())
     }
 }
 
-fn check(state: &Tensor, grad: &Tensor) -> Result<usize> {
+fn check(state: &Tensor, grad: &Tensor, dtype: StateDtype) -> Result<usize> {
     let n = grad.elem_count();
     if state.dtype() != DType::F32 || grad.dtype() != DType::F32 {
         return Err(Error::dtype("resident optimizer state and gradient", "f32", state.dtype()));
     }
-    if state.dims() != [3 * n] || !state.is_contiguous() || !grad.is_contiguous() {
+    if state.dims() != [dtype.state_words(n)] || !state.is_contiguous() || !grad.is_contiguous() {
         return Err(Error::shape(
             "resident optimizer state",
-            format!("[3 x {n}] (master | m | v)"),
+            format!("[{}] (master | m | v with {dtype} moments of {n})", dtype.state_words(n)),
             state.dims(),
         ));
     }
     Ok(n)
 }
 
-/// AdamW step `a` on a device-resident unit, in place — `state` is `[master | m | v]` (f32,
-/// `3 × n`), `grad` its f32 gradient (`n`); the same f32 arithmetic as mt-optim's host update —
-/// then the unit's new master weights cast into `weights` (its device slot, `n` elements): on
-/// CUDA with bf16 weights in the same pass (one read of the state instead of three more passes),
-/// elsewhere as a separate cast, bitwise the same.
+/// AdamW step `a` on a device-resident unit, in place — `state` is `[master | m | v]` (f32
+/// words: the master, then the moments as `kind` encodes them), `grad` its f32 gradient (`n`);
+/// the same arithmetic and encoding as mt-optim's host update — then the unit's new master
+/// weights cast into `weights` (its device slot, `n` elements): on CUDA with bf16 weights in the
+/// same pass (one read of the state instead of three more passes), elsewhere as a separate cast,
+/// bitwise the same.
 pub fn adamw_step_into(
     state: &Tensor,
     grad: &Tensor,
     h: &AdamW,
     a: &StepArgs,
+    kind: StateKind,
     weights: &Tensor,
 ) -> Result<()> {
-    let n = check(state, grad)?;
+    let n = check(state, grad, kind.dtype)?;
     if weights.elem_count() != n || !weights.is_contiguous() {
         return Err(Error::shape("resident weights", format!("[{n}] contiguous"), weights.dims()));
     }
     let coeffs = Coeffs::of(h, a)?;
     let fused = weights.device().is_cuda() && weights.dtype() == DType::BF16;
-    let op = AdamWStep { h: *h, a: *a, coeffs, weights: fused.then(|| weights.clone()) };
+    let op = AdamWStep { h: *h, a: *a, kind, coeffs, weights: fused.then(|| weights.clone()) };
     state.inplace_op2(grad, &op)?;
     if !fused {
         cast_master_into(state, weights)?;
@@ -111,7 +135,7 @@ pub fn adamw_step_into(
     Ok(())
 }
 
-/// The master weights of `state` (`[master | m | v]`) cast into `weights`.
+/// The master weights of `state` (`[master | m | v]`, the master first) cast into `weights`.
 pub fn cast_master_into(state: &Tensor, weights: &Tensor) -> Result<()> {
     let n = weights.elem_count();
     weights.slice_set(&state.narrow(0, 0, n)?.to_dtype(weights.dtype())?, 0, 0)?;

@@ -40,9 +40,10 @@ mod weights;
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
 pub use moe::{RouterGrad, RouterStats};
 
-/// Whether the fused CUDA kernels (`kernels/*.cu`, built for compute capability 9.0) run for
-/// tensors of `dtype` on `device`: bf16 on a Hopper or later GPU. Elsewhere candle's ops run,
-/// which keep more for the backward ([`DecoderLayer::kept_state_bytes`]).
+/// Whether the fused CUDA kernels (`kernels/*.cu`, compiled by NVRTC for the device's compute
+/// capability) run for tensors of `dtype` on `device`: bf16 on a GPU of compute capability 8.0
+/// or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). Elsewhere candle's ops run, which
+/// keep more for the backward ([`DecoderLayer::kept_state_bytes`]).
 pub fn fused_kernels(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
     #[cfg(feature = "cuda")]
     return cuda_kernels::applies_on(device, dtype);

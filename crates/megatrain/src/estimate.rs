@@ -61,10 +61,10 @@ pub struct Estimate {
     pub device: mt_train::DeviceKind,
 }
 
-/// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 9.0 or
+/// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 8.0 or
 /// more, as `mt_layers::fused_kernels` requires of a real device).
 fn fused_kernels(args: &EstimateArgs) -> bool {
-    args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 9.0
+    args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 8.0
 }
 
 /// Plans the run and prices it.
@@ -81,6 +81,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         ring_depth: args.ring_depth,
         precision: args.precision.into(),
         grad_dtype: args.grad_dtype.map(Into::into),
+        optim_states: args.optim_states.into(),
         optim_mode: args.optim_mode.into(),
         device: args.device.into(),
         placement: PlacementChoice {
@@ -105,7 +106,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         DeviceKind::Cuda => gib_to_bytes(args.gpu_mem.unwrap_or(DEFAULT_GPU_GIB)),
         DeviceKind::Cpu => host_avail,
     };
-    // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
+    // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
     let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
     let host_bytes = planned_host_bytes(&p, device);
@@ -135,19 +136,22 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let outer_params = if p.resident_outer { 0.0 } else { layout.outer.n_params() as f64 };
     let mode = args.optim_mode.into();
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
-    let b = HostTraffic::of(mode, grad, args.precision.bytes());
+    let states = mt_core::StateDtype::from(args.optim_states);
+    let b = HostTraffic::of(mode, grad, args.precision.bytes(), states.nominal_state_bytes() as f64);
     let secs = |bytes: f64| bytes / (args.host_gbs * 1e9);
     // GPU-updated layers' updates run on the GPU from their streamed state, but the DMA of that
-    // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16)
-    // goes through the same host memory the host's update pass is bound by, in the same window:
-    // priced at the same bandwidth (measured on the 16-core H200: the host's pass per layer
-    // slows from 18.4 to ~24.5 ms beside it, 2026-11-24). Late downloads (12 B/param) come back
-    // in the backward instead, and early uploads' master and moments (12 B/param) go up there
-    // (their gradient is copied on the device).
+    // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16
+    // with fp32 moments; `s` B/param of master and moments each way) goes through the same host
+    // memory the host's update pass is bound by, in the same window: priced at the same
+    // bandwidth (measured on the 16-core H200: the host's pass per layer slows from 18.4 to
+    // ~24.5 ms beside it, 2026-11-24). Late downloads (`s` B/param) come back in the backward
+    // instead, and early uploads' master and moments (`s` B/param) go up there (their gradient is
+    // copied on the device).
+    let s = b.state;
     let gpu_params = (p.gpu_updated_layers * layout.layer.n_params()) as f64;
     let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
     let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
-    let state_dma = gpu_params * (24.0 + b.grad) - late_params * 12.0 - early_params * (12.0 + b.grad);
+    let state_dma = gpu_params * (2.0 * s + b.grad) - late_params * s - early_params * (s + b.grad);
     let host_update_s =
         secs((layer_params - gpu_params + outer_params) * (b.update + b.fwd_cast) + state_dma);
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
@@ -156,8 +160,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         recast_params * b.bwd_cast
             + layer_params * b.land
             + outer_params * b.outer_land
-            + late_params * 12.0
-            + early_params * 12.0,
+            + late_params * s
+            + early_params * s,
     );
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
@@ -174,15 +178,15 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => {
             let bwd_h2d = ((streamed_layers - p.held_layers) * layout.layer.len) as f64
                 * args.precision.bytes()
-                + early_params * 12.0;
+                + early_params * s;
             // GPU-updated layers' master and moments come back during the forward (the late
             // ones' during the backward).
-            let fwd_d2h = (12 * (p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64;
+            let fwd_d2h = ((p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64 * s;
             // Their state goes up beside the host's pass, slower than weights alone (the
             // planner's `STATE_UPLOAD_GBS` of its `PCIE_GBS`): master, m, v and the stored
             // gradient of each not uploaded early.
             let state_up =
-                ((p.gpu_updated_layers - p.early_state_uploads) * layout.layer.len) as f64 * (12.0 + b.grad);
+                ((p.gpu_updated_layers - p.early_state_uploads) * layout.layer.len) as f64 * (s + b.grad);
             let state_gbs = args.pcie_gbs * mt_sched::plan::STATE_UPLOAD_GBS / mt_sched::plan::PCIE_GBS;
             let fwd_h2d_s = (p.pcie_h2d_per_step as f64 - bwd_h2d - state_up) / (args.pcie_gbs * 1e9)
                 + state_up / (state_gbs * 1e9);
@@ -273,6 +277,9 @@ struct HostTraffic {
     /// upload copy); lean mode's fused land + update (`mt_optim::land_and_step`: the landed f32
     /// read once, the stored gradient written, master, m, v).
     update: f64,
+    /// Bytes of a parameter's master and moments (12, 8 or 6 by `--optim-states`): read and
+    /// written by the update, and a GPU-updated layer's state DMA each way.
+    state: f64,
     /// The forward's cast into staging (lean mode; exact mode fuses it into the update).
     fwd_cast: f64,
     /// The backward's re-cast into staging of a layer (master read, upload copy written).
@@ -287,7 +294,7 @@ struct HostTraffic {
 }
 
 impl HostTraffic {
-    fn of(mode: mt_sched::OptimMode, grad: mt_store::GradDtype, e: f64) -> Self {
+    fn of(mode: mt_sched::OptimMode, grad: mt_store::GradDtype, e: f64, s: f64) -> Self {
         let g = match grad {
             mt_store::GradDtype::F32 => 4.0,
             mt_store::GradDtype::Bf16 => 2.0,
@@ -296,7 +303,8 @@ impl HostTraffic {
         let cast = 4.0 + e;
         match mode {
             mt_sched::OptimMode::Exact => HostTraffic {
-                update: g + 24.0 + e,
+                update: g + 2.0 * s + e,
+                state: s,
                 fwd_cast: 0.0,
                 bwd_cast: cast,
                 land: if mt_sched::plan::lands_bf16(mode, grad) { 2.0 + 2.0 } else { 4.0 + g },
@@ -304,7 +312,8 @@ impl HostTraffic {
                 grad: g,
             },
             mt_sched::OptimMode::Lean => HostTraffic {
-                update: 4.0 + g + 24.0,
+                update: 4.0 + g + 2.0 * s,
+                state: s,
                 fwd_cast: cast,
                 bwd_cast: cast,
                 land: 0.0,
@@ -537,22 +546,23 @@ mod tests {
         }
     }
 
-    /// A pre-Hopper GPU runs candle's ops, whose transient memory is counted larger: the same
-    /// 3.6B step on an 8.0 device plans more workspace and keeps fewer layers' activations.
+    /// A GPU older than compute capability 8.0 runs candle's ops, whose transient memory is
+    /// counted larger: the same 3.6B step on a 7.5 device plans more workspace and keeps fewer
+    /// layers' activations; 8.0 (A100) and 8.9 (L40S) plan as 9.0.
     #[test]
     fn the_compute_capability_decides_which_workspace_is_counted() {
         let hopper = estimate_3_6b(&[]);
-        let ampere = estimate_3_6b(&["--compute-capability", "8.0"]);
+        let turing = estimate_3_6b(&["--compute-capability", "7.5"]);
         assert!(
-            hopper.plan.gpu.workspace < ampere.plan.gpu.workspace / 2,
+            hopper.plan.gpu.workspace < turing.plan.gpu.workspace / 2,
             "{} vs {}",
             hopper.plan,
-            ampere.plan
+            turing.plan
         );
-        assert!(hopper.plan.kept_layers > ampere.plan.kept_layers, "{} vs {}", hopper.plan, ampere.plan);
-        assert_eq!(
-            estimate_3_6b(&["--compute-capability", "9.0"]).plan.gpu.workspace,
-            hopper.plan.gpu.workspace
-        );
+        assert!(hopper.plan.kept_layers > turing.plan.kept_layers, "{} vs {}", hopper.plan, turing.plan);
+        for cc in ["9.0", "8.9", "8.0"] {
+            let plan = estimate_3_6b(&["--compute-capability", cc]).plan;
+            assert_eq!(plan.gpu.workspace, hopper.plan.gpu.workspace, "{cc}");
+        }
     }
 }

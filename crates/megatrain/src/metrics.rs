@@ -148,6 +148,7 @@ pub fn run_record(a: &TrainArgs, info: &RunStart<'_>) -> Value {
             "device": name_of(&a.device),
             "store": a.store,
             "grad_dtype": name_of(&a.grad_dtype()),
+            "optim_states": name_of(&a.optim_states),
             "delay_us": a.delay_us,
         },
         "n_params": info.n_params,

@@ -4,7 +4,9 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::coded::run_coded;
 use crate::error::{check_len, Error};
+use crate::moments::Moments;
 use crate::streaming::Writer;
 
 /// Elements per rayon task. Fixed, so the work split (and [`crate::sum_squares`]'s reduction order)
@@ -14,7 +16,7 @@ pub const CHUNK: usize = 16 * 1024;
 
 /// Elements per inner block of a chunk: bf16 grads are widened into a stack buffer of this size, and
 /// the upload cast reads the block of new master values while it is still in L1.
-const BLOCK: usize = 1024;
+pub(crate) const BLOCK: usize = 1024;
 
 /// AdamW hyperparameters, as `torch.optim.AdamW` takes them (`amsgrad`, `maximize` and the
 /// `capturable`/`differentiable` modes are not supported).
@@ -205,7 +207,7 @@ impl Coeffs {
 /// data (`lerp_small` is loop-invariant), so LLVM vectorises it. Rust neither contracts `a * b + c`
 /// into an FMA nor reassociates, so every SIMD lane rounds exactly as [`step_reference`] does.
 #[inline(always)]
-fn update_block(c: &Coeffs, g: &[f32], p: &mut [f32], m: &mut [f32], v: &mut [f32]) {
+pub(crate) fn update_block(c: &Coeffs, g: &[f32], p: &mut [f32], m: &mut [f32], v: &mut [f32]) {
     for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
         let g = g * c.grad_scale;
         let base = if c.lerp_small { *m } else { g };
@@ -356,12 +358,16 @@ fn run<G: GradElem, U: UploadElem>(
     }
 }
 
-fn run_upload<G: GradElem>(c: &Coeffs, g: &[G], p: &mut [f32], m: &mut [f32], v: &mut [f32], up: Upload<'_>) {
-    match up {
-        Upload::None => run::<G, f32>(c, g, p, m, v, None),
-        Upload::F32(u) => run(c, g, p, m, v, Some(u)),
-        Upload::Bf16(u) => run(c, g, p, m, v, Some(u)),
-        Upload::F16(u) => run(c, g, p, m, v, Some(u)),
+fn run_upload<G: GradElem>(c: &Coeffs, step: u64, g: &[G], p: &mut [f32], mom: Moments<'_>, up: Upload<'_>) {
+    match (mom, up) {
+        (Moments::F32 { m, v }, Upload::None) => run::<G, f32>(c, g, p, m, v, None),
+        (Moments::F32 { m, v }, Upload::F32(u)) => run(c, g, p, m, v, Some(u)),
+        (Moments::F32 { m, v }, Upload::Bf16(u)) => run(c, g, p, m, v, Some(u)),
+        (Moments::F32 { m, v }, Upload::F16(u)) => run(c, g, p, m, v, Some(u)),
+        (mom, Upload::None) => run_coded::<G, f32>(c, step, g, p, mom, None),
+        (mom, Upload::F32(u)) => run_coded(c, step, g, p, mom, Some(u)),
+        (mom, Upload::Bf16(u)) => run_coded(c, step, g, p, mom, Some(u)),
+        (mom, Upload::F16(u)) => run_coded(c, step, g, p, mom, Some(u)),
     }
 }
 
@@ -372,13 +378,11 @@ pub(crate) fn checked(
     a: &StepArgs,
     n: usize,
     grad: usize,
-    m: usize,
-    v: usize,
+    moments: &Moments<'_>,
     (extra, extra_len): (&'static str, Option<usize>),
 ) -> Result<Coeffs, Error> {
     check_len("grad", n, grad)?;
-    check_len("m", n, m)?;
-    check_len("v", n, v)?;
+    moments.check(n)?;
     if let Some(len) = extra_len {
         check_len(extra, n, len)?;
     }
@@ -386,13 +390,15 @@ pub(crate) fn checked(
     Ok(Coeffs::new(h, a))
 }
 
-/// One fused AdamW pass over a parameter range: reads `grad`, `master`, `m`, `v`; writes `master`,
-/// `m`, `v` and, if given, the upload copy of the new master. Parallel over fixed [`CHUNK`]s on the
-/// current rayon pool; the result is bitwise identical to [`step_reference`] on the (widened) gradient
-/// and does not depend on the number of threads.
+/// One fused AdamW pass over a parameter range: reads `grad`, `master` and the moments; writes
+/// `master`, the moments and, if given, the upload copy of the new master. Parallel over fixed
+/// [`CHUNK`]s on the current rayon pool; the result does not depend on the number of threads.
+/// With fp32 moments it is bitwise identical to [`step_reference`] on the (widened) gradient;
+/// with bf16 or 8-bit moments it is [`step_reference`] on the decoded moments, whose new values
+/// are then encoded (stochastically, with `a.step` and the moments' stream: [`crate::moments`]).
 ///
 /// # Errors
-/// [`Error::LengthMismatch`] if `grad`, `m`, `v` or `upload` differ in length from `master`;
+/// [`Error::LengthMismatch`] if `grad`, the moments or `upload` differ in length from `master`;
 /// [`Error::ZeroStep`] if `a.step == 0`; [`Error::Hyperparameter`] for a value torch would reject.
 /// Nothing is written when an error is returned.
 pub fn step_fused(
@@ -400,14 +406,13 @@ pub fn step_fused(
     a: &StepArgs,
     grad: Grad<'_>,
     master: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    moments: Moments<'_>,
     upload: Upload<'_>,
 ) -> Result<(), Error> {
-    let c = checked(h, a, master.len(), grad.len(), m.len(), v.len(), ("upload", upload.len()))?;
+    let c = checked(h, a, master.len(), grad.len(), &moments, ("upload", upload.len()))?;
     match grad {
-        Grad::F32(g) => run_upload(&c, g, master, m, v, upload),
-        Grad::Bf16(g) => run_upload(&c, g, master, m, v, upload),
+        Grad::F32(g) => run_upload(&c, a.step, g, master, moments, upload),
+        Grad::Bf16(g) => run_upload(&c, a.step, g, master, moments, upload),
     }
     Ok(())
 }

@@ -67,7 +67,7 @@ fn fused_matches_reference(h: AdamW, grad_scale: f32, first: u64, steps: u64, st
         let g = grads(&mut rng, f.p.len());
         // A schedule: a different lr each step.
         let a = StepArgs { step: t, lr: h.lr * (1.0 + 0.1 * t as f64), grad_scale };
-        step_fused(&h, &a, Grad::F32(&g), &mut f.p, &mut f.m, &mut f.v, Upload::None).unwrap();
+        step_fused(&h, &a, Grad::F32(&g), &mut f.p, Moments::f32(&mut f.m, &mut f.v), Upload::None).unwrap();
         step_reference(&h, &a, &g, &mut r.p, &mut r.m, &mut r.v);
         assert_bitwise(&format!("t={t} master"), &f.p, &r.p);
         assert_bitwise(&format!("t={t} m"), &f.m, &r.m);
@@ -111,7 +111,8 @@ fn bf16_grads_match_reference_on_widened_grads() {
         let g: Vec<bf16> = grads(&mut rng, N).into_iter().map(bf16::from_f32).collect();
         let wide: Vec<f32> = g.iter().map(|x| x.to_f32()).collect();
         let a = StepArgs { step: t, lr: 2e-3, grad_scale: 0.5 };
-        step_fused(&h, &a, Grad::Bf16(&g), &mut f.p, &mut f.m, &mut f.v, Upload::Bf16(&mut up)).unwrap();
+        step_fused(&h, &a, Grad::Bf16(&g), &mut f.p, Moments::f32(&mut f.m, &mut f.v), Upload::Bf16(&mut up))
+            .unwrap();
         step_reference(&h, &a, &wide, &mut rp, &mut rm, &mut rv);
         assert_bitwise("master", &f.p, &rp);
         assert_bitwise("m", &f.m, &rm);
@@ -130,7 +131,8 @@ fn result_does_not_depend_on_thread_count() {
         let (mut p, mut m, mut v) = (s.p.clone(), s.m.clone(), s.v.clone());
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
-            step_fused(&h, &h.args(3), Grad::F32(&g), &mut p, &mut m, &mut v, Upload::None).unwrap()
+            step_fused(&h, &h.args(3), Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::None)
+                .unwrap()
         });
         (p, m, v)
     };
@@ -153,7 +155,7 @@ fn first_step_moves_each_parameter_by_lr_times_sign_of_grad() {
     let mut p = [1.0f32, 1.0, -0.25, 0.0, 0.0, 3.0];
     let (mut m, mut v) = ([0.0f32; 6], [0.0f32; 6]);
     let p0 = p;
-    step_fused(&h, &h.args(1), Grad::F32(&g), &mut p, &mut m, &mut v, Upload::None).unwrap();
+    step_fused(&h, &h.args(1), Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::None).unwrap();
     for i in 0..g.len() {
         let (g, eps) = (f64::from(g[i]), 1e-8);
         let update = 1e-3 * g / (g.abs() + eps);
@@ -171,7 +173,8 @@ fn first_step_moves_each_parameter_by_lr_times_sign_of_grad() {
     // Weight decay: p = 2 (1 - 1e-3 * 0.1) - 1e-3 = 1.9988 for g = 3.
     let h = AdamW { weight_decay: 0.1, ..h };
     let (mut p, mut m, mut v) = ([2.0f32], [0.0f32], [0.0f32]);
-    step_fused(&h, &h.args(1), Grad::F32(&[3.0]), &mut p, &mut m, &mut v, Upload::None).unwrap();
+    step_fused(&h, &h.args(1), Grad::F32(&[3.0]), &mut p, Moments::f32(&mut m, &mut v), Upload::None)
+        .unwrap();
     assert!((f64::from(p[0]) - 1.9988).abs() < 2e-7, "p = {}", p[0]);
 }
 
@@ -184,23 +187,26 @@ fn upload_copies_equal_the_cast_of_the_new_master() {
     let fresh = || (s.p.clone(), s.m.clone(), s.v.clone());
 
     let (mut p, mut m, mut v) = fresh();
-    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, &mut m, &mut v, Upload::None).unwrap();
+    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::None).unwrap();
     let new_master = p;
 
     let mut u32s = vec![0.0f32; N];
     let (mut p, mut m, mut v) = fresh();
-    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, &mut m, &mut v, Upload::F32(&mut u32s)).unwrap();
+    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::F32(&mut u32s))
+        .unwrap();
     assert_bitwise("f32 upload", &u32s, &new_master);
     assert_bitwise("master with f32 upload", &p, &new_master);
 
     let mut ubf = vec![bf16::ZERO; N];
     let (mut p, mut m, mut v) = fresh();
-    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, &mut m, &mut v, Upload::Bf16(&mut ubf)).unwrap();
+    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::Bf16(&mut ubf))
+        .unwrap();
     assert!(ubf.iter().zip(&new_master).all(|(u, x)| u.to_bits() == bf16::from_f32(*x).to_bits()));
 
     let mut uf16 = vec![f16::ZERO; N];
     let (mut p, mut m, mut v) = fresh();
-    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, &mut m, &mut v, Upload::F16(&mut uf16)).unwrap();
+    step_fused(&h, &h.args(2), Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::F16(&mut uf16))
+        .unwrap();
     assert!(uf16.iter().zip(&new_master).all(|(u, x)| u.to_bits() == f16::from_f32(*x).to_bits()));
 }
 
@@ -246,13 +252,17 @@ fn length_mismatch_is_reported_with_the_slice_name_and_nothing_is_written() {
     let mut m3 = [0.0f32; 3];
     let mut up = [bf16::ZERO; 2];
 
-    let e = step_fused(&h, &a, Grad::F32(&g_short), &mut p, &mut m, &mut v, Upload::None).unwrap_err();
+    let e = step_fused(&h, &a, Grad::F32(&g_short), &mut p, Moments::f32(&mut m, &mut v), Upload::None)
+        .unwrap_err();
     assert_eq!(e, Error::LengthMismatch { slice: "grad", expected: 4, found: 3 });
-    let e = step_fused(&h, &a, Grad::F32(&g), &mut p, &mut m3, &mut v, Upload::None).unwrap_err();
+    let e =
+        step_fused(&h, &a, Grad::F32(&g), &mut p, Moments::f32(&mut m3, &mut v), Upload::None).unwrap_err();
     assert_eq!(e, Error::LengthMismatch { slice: "m", expected: 4, found: 3 });
-    let e = step_fused(&h, &a, Grad::F32(&g), &mut p, &mut m, &mut v5, Upload::None).unwrap_err();
+    let e =
+        step_fused(&h, &a, Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v5), Upload::None).unwrap_err();
     assert_eq!(e, Error::LengthMismatch { slice: "v", expected: 4, found: 5 });
-    let e = step_fused(&h, &a, Grad::F32(&g), &mut p, &mut m, &mut v, Upload::Bf16(&mut up)).unwrap_err();
+    let e = step_fused(&h, &a, Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::Bf16(&mut up))
+        .unwrap_err();
     assert_eq!(e, Error::LengthMismatch { slice: "upload", expected: 4, found: 2 });
     let msg = e.to_string();
     assert!(msg.contains("`upload` has 2") && msg.contains("`master` has 4"), "{msg}");
@@ -267,8 +277,9 @@ fn length_mismatch_is_reported_with_the_slice_name_and_nothing_is_written() {
 fn zero_step_and_out_of_range_hyperparameters_are_rejected() {
     let (mut p, mut m, mut v) = ([0.5f32; 2], [0.0f32; 2], [0.0f32; 2]);
     let g = [1.0f32; 2];
-    let mut call =
-        |h: AdamW, a: StepArgs| step_fused(&h, &a, Grad::F32(&g), &mut p, &mut m, &mut v, Upload::None);
+    let mut call = |h: AdamW, a: StepArgs| {
+        step_fused(&h, &a, Grad::F32(&g), &mut p, Moments::f32(&mut m, &mut v), Upload::None)
+    };
     let h = AdamW::default();
     assert_eq!(call(h, h.args(0)), Err(Error::ZeroStep));
     let bad = [
@@ -353,7 +364,7 @@ fn three_steps_match_pytorch_adamw() {
     let (mut m, mut v) = ([0.0f32; 8], [0.0f32; 8]);
     for (i, g) in grads.iter().enumerate() {
         let a = StepArgs { step: i as u64 + 1, lr: 1e-3, grad_scale: 0.5 };
-        step_fused(&h, &a, Grad::F32(g), &mut p, &mut m, &mut v, Upload::None).unwrap();
+        step_fused(&h, &a, Grad::F32(g), &mut p, Moments::f32(&mut m, &mut v), Upload::None).unwrap();
     }
     for (name, got, want) in [("p", p, want_p), ("m", m, want_m), ("v", v, want_v)] {
         for (i, (&got, want)) in got.iter().zip(want).enumerate() {
@@ -410,7 +421,7 @@ fn land_and_step_is_bitwise_the_separate_passes() {
             "bf16" => cast_into(&g, Upload::Bf16(&mut w16)).unwrap(),
             _ => {}
         }
-        step_fused(&h, &a, Grad::F32(&g), &mut p1, &mut m1, &mut v1, Upload::None).unwrap();
+        step_fused(&h, &a, Grad::F32(&g), &mut p1, Moments::f32(&mut m1, &mut v1), Upload::None).unwrap();
         for threads in [1, 3] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
@@ -420,7 +431,7 @@ fn land_and_step_is_bitwise_the_separate_passes() {
                     "bf16" => Upload::Bf16(&mut s16),
                     _ => Upload::None,
                 };
-                land_and_step(&h, &a, &g, st, &mut p2, &mut m2, &mut v2).unwrap()
+                land_and_step(&h, &a, &g, st, &mut p2, Moments::f32(&mut m2, &mut v2)).unwrap()
             });
             let what = format!("stored {stored}, {threads} threads");
             assert_eq!(ss.to_bits(), want_ss.to_bits(), "{what}: sum of squares");
@@ -433,6 +444,6 @@ fn land_and_step_is_bitwise_the_separate_passes() {
     }
     let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
     let zero = StepArgs { step: 0, ..a };
-    assert!(land_and_step(&h, &zero, &g, Upload::None, &mut p, &mut m, &mut v).is_err());
+    assert!(land_and_step(&h, &zero, &g, Upload::None, &mut p, Moments::f32(&mut m, &mut v)).is_err());
     assert_bitwise("untouched master", &p, &p0);
 }

@@ -18,6 +18,23 @@ pub enum Error {
         /// The length of the offending slice.
         found: usize,
     },
+    /// A moment buffer is too short or misaligned for its encoding.
+    #[error(
+        "the {moment} buffer holds {found} bytes where {dtype} moments of {n} parameters need {needed} \
+         (4-byte aligned)"
+    )]
+    MomentBytes {
+        /// Which buffer: `m`, `v` or `state slot`.
+        moment: &'static str,
+        /// The encoding (`fp32`, `bf16`, `int8`).
+        dtype: &'static str,
+        /// Parameters covered.
+        n: usize,
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes found.
+        found: usize,
+    },
     /// `StepArgs::step` was 0; AdamW steps are 1-based.
     #[error(
         "AdamW step must be 1-based (t >= 1) but got 0: the bias correction 1 - beta^0 is zero; \

@@ -50,8 +50,10 @@
 #![deny(unsafe_code)]
 
 mod adamw;
+mod coded;
 mod error;
 mod land;
+mod moments;
 mod norm;
 #[allow(unsafe_code)]
 mod streaming;
@@ -59,4 +61,5 @@ mod streaming;
 pub use adamw::{cast_into, step_fused, step_reference, AdamW, Coeffs, Grad, StepArgs, Upload, CHUNK};
 pub use error::Error;
 pub use land::land_and_step;
+pub use moments::{decode_moments, rounding_keys, Moments, Q8Moment};
 pub use norm::{cast_sum_squares, clip_coef, sum_squares};

@@ -4,7 +4,8 @@
 //!   the layer [`mt_core::UnitLayout`] (templates bind views into it, no copy);
 //! - the outer slot (embedding, final norm, LM head), resident for a whole step;
 //! - for each resident decoder layer (the first `resident_layers`, when the planner keeps them
-//!   on the GPU): its own weight slot, fp32 gradient buffer and `[master | m | v]` state;
+//!   on the GPU): its own weight slot, fp32 gradient buffer and `[master | m | v]` state (fp32
+//!   master, the moments as the store encodes them: `mt_core::StateDtype`; f32 words);
 //! - a ring of layer gradient buffers (fp32 accumulation; two let one download while the next
 //!   layer's backward accumulates) and the outer gradient buffer;
 //! - the checkpoint store: the input of every layer for every token chunk (plus the head's
@@ -12,8 +13,8 @@
 //! - the activation-gradient store: dL/dx at the current layer boundary for every chunk;
 //! - state slots for the GPU-updated streamed layers (`ring_depth`, plus one per late state
 //!   download; the step program takes them from a free list): a layer's `[master | m | v]`
-//!   (fp32) and its stored gradient, uploaded from the host store, updated on the device and
-//!   downloaded again.
+//!   (as a resident layer's) and its stored gradient, uploaded from the host store, updated on
+//!   the device and downloaded again.
 //!
 //! On the CPU backend all of it is plain memory behind the same interface.
 //!
@@ -22,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 use candle_core::{DType, Device, Tensor};
+use mt_core::StateDtype;
 
 /// Errors of the pool.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +85,9 @@ pub struct PoolSpec {
     /// The dtype of the host store's gradient buffers, which a state slot's gradient keeps
     /// ([`DevicePool::state_grad`]; f32 or bf16).
     pub state_grad_dtype: DType,
+    /// The moments' encoding, which every `[master | m | v]` keeps (the store's): a unit of `n`
+    /// parameters takes [`StateDtype::state_words`]`(n)` f32 words.
+    pub state_dtype: StateDtype,
 }
 
 /// The device buffers of one resident decoder layer.
@@ -92,7 +97,7 @@ pub struct ResidentLayer {
     pub slot: Tensor,
     /// Its fp32 gradient accumulator.
     pub grad: Tensor,
-    /// Its fp32 `[master | m | v]` (`3 × layer_len`).
+    /// Its `[master | m | v]` (f32 words, [`StateDtype::state_words`] of `layer_len`).
     pub state: Tensor,
 }
 
@@ -147,15 +152,16 @@ pub struct DevicePool {
     pub grad_narrow: Vec<Tensor>,
     /// Outer gradient buffer.
     pub outer_grad: Tensor,
-    /// The resident outer unit's `[master | m | v]` (f32, `3 × outer_len`), when
-    /// [`PoolSpec::resident_outer`].
+    /// The resident outer unit's `[master | m | v]` (f32 words, [`StateDtype::state_words`] of
+    /// `outer_len`), when [`PoolSpec::resident_outer`].
     pub outer_state: Option<Tensor>,
     /// Resident decoder layers `0..spec.resident_layers`.
     pub resident: Vec<ResidentLayer>,
     /// Weight slots of the held layers `n_layers - held_layers..n_layers`, in layer order.
     pub held: Vec<Tensor>,
-    /// State slots: a GPU-updated streamed layer's fp32 `[master | m | v]` (`3 × layer_len`),
-    /// uploaded from its host record, updated in place and downloaded back.
+    /// State slots: a GPU-updated streamed layer's `[master | m | v]` (f32 words,
+    /// [`StateDtype::state_words`] of `layer_len`), uploaded from its host record, updated in
+    /// place and downloaded back.
     pub state: Vec<Tensor>,
     /// The stored gradient of the layer in `state[k]` (`layer_len`, the store's dtype).
     pub state_grad: Vec<Tensor>,
@@ -215,7 +221,7 @@ impl DevicePool {
             grad_narrow,
             outer_grad: Tensor::zeros(spec.outer_len, spec.grad_dtype, device)?,
             outer_state: if spec.resident_outer {
-                Some(Tensor::zeros(3 * spec.outer_len, DType::F32, device)?)
+                Some(Tensor::zeros(spec.state_dtype.state_words(spec.outer_len), DType::F32, device)?)
             } else {
                 None
             },
@@ -224,7 +230,11 @@ impl DevicePool {
                     Ok(ResidentLayer {
                         slot: Tensor::zeros(spec.layer_len, spec.weight_dtype, device)?,
                         grad: Tensor::zeros(spec.layer_len, spec.grad_dtype, device)?,
-                        state: Tensor::zeros(3 * spec.layer_len, DType::F32, device)?,
+                        state: Tensor::zeros(
+                            spec.state_dtype.state_words(spec.layer_len),
+                            DType::F32,
+                            device,
+                        )?,
                     })
                 })
                 .collect::<candle_core::Result<_>>()?,
@@ -232,7 +242,7 @@ impl DevicePool {
                 .map(|_| Tensor::zeros(spec.layer_len, spec.weight_dtype, device))
                 .collect::<candle_core::Result<_>>()?,
             state: (0..spec.state_slots)
-                .map(|_| Tensor::zeros(3 * spec.layer_len, DType::F32, device))
+                .map(|_| Tensor::zeros(spec.state_dtype.state_words(spec.layer_len), DType::F32, device))
                 .collect::<candle_core::Result<_>>()?,
             state_grad: (0..spec.state_slots)
                 .map(|_| Tensor::zeros(spec.layer_len, spec.state_grad_dtype, device))
@@ -342,6 +352,7 @@ mod tests {
             land_bf16: false,
             state_slots: 0,
             state_grad_dtype: DType::BF16,
+            state_dtype: StateDtype::F32,
         }
     }
 
@@ -412,6 +423,26 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("f32 or bf16, not F16"), "{err}");
+    }
+
+    #[test]
+    fn state_buffers_follow_the_moments_encoding() {
+        for (states, bytes) in [(StateDtype::F32, 12), (StateDtype::Bf16, 8)] {
+            let spec = PoolSpec {
+                state_slots: 1,
+                resident_layers: 1,
+                resident_outer: true,
+                state_dtype: states,
+                ..spec()
+            };
+            let p = DevicePool::new(&spec, &Device::Cpu).unwrap();
+            assert_eq!(p.state[0].elem_count() * 4, bytes * 128, "{states}");
+            assert_eq!(p.resident[0].state.elem_count() * 4, bytes * 128, "{states}");
+            assert_eq!(p.outer_state.as_ref().unwrap().elem_count() * 4, bytes * 64, "{states}");
+        }
+        let spec = PoolSpec { state_slots: 1, state_dtype: StateDtype::Int8, ..spec() };
+        let p = DevicePool::new(&spec, &Device::Cpu).unwrap();
+        assert_eq!(p.state[0].elem_count() * 4, 4 * 128 + 2 * (128 + 4), "master, codes, one scale each");
     }
 
     #[test]

@@ -112,21 +112,26 @@ impl Backend for CpuBackend {
             let n = r.master().len();
             let device = state.device().clone();
             let grad_len = grad.as_ref().map_or(n, Tensor::elem_count);
-            if state.elem_count() != 3 * n || grad_len != n {
+            let words = r.states().state_words(n);
+            if state.elem_count() != words || grad_len != n {
                 return Err(Error::Stream {
                     stream: "h2d",
                     msg: format!(
-                        "state slot of {} and gradient of {grad_len} elements for a {n}-element record",
+                        "state slot of {} words and gradient of {grad_len} elements for a {n}-element record ({words} words of master and {} moments)",
                         state.elem_count(),
+                        r.states(),
                     ),
                 });
             }
-            for (k, part) in [r.master(), r.m(), r.v()].into_iter().enumerate() {
-                state.slice_set(&Tensor::from_slice(part, n, &device)?, 0, k * n)?;
+            let mut at = 0;
+            for part in crate::engine::state_words(&r) {
+                state.slice_set(&Tensor::from_slice(part, part.len(), &device)?, 0, at)?;
+                at += part.len();
             }
+            let state_bytes = 4 * words as u64;
             let Some(grad) = grad else {
                 // Master and moments only (an early upload: the gradient is copied on the device).
-                clock.h2d_bytes.fetch_add(12 * n as u64, Ordering::Relaxed);
+                clock.h2d_bytes.fetch_add(state_bytes, Ordering::Relaxed);
                 return Ok(());
             };
             let g = match r.grad() {
@@ -140,8 +145,8 @@ impl Backend for CpuBackend {
                 }
             };
             grad.slice_set(&g, 0, 0)?;
-            let bytes = 12 * n + n * g.dtype().size_in_bytes();
-            clock.h2d_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+            let bytes = state_bytes + (n * g.dtype().size_in_bytes()) as u64;
+            clock.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
             Ok(())
         });
         self.workers.submit(Stream::H2D, waits.to_vec(), job, name)
@@ -161,18 +166,25 @@ impl Backend for CpuBackend {
             let v = state.flatten_all()?.to_vec1::<f32>()?;
             let mut r = store.record(unit);
             let n = r.master().len();
-            if v.len() != 3 * n {
+            let words = r.states().state_words(n);
+            if v.len() != words {
                 return Err(Error::Stream {
                     stream: "d2h",
-                    msg: format!("a {}-element state slot into a {n}-element record", v.len()),
+                    msg: format!(
+                        "a {}-word state slot into a {n}-element record ({words} words with {} moments)",
+                        v.len(),
+                        r.states()
+                    ),
                 });
             }
             let p = r.parts();
-            p.master.copy_from_slice(&v[..n]);
-            p.m.copy_from_slice(&v[n..2 * n]);
-            p.v.copy_from_slice(&v[2 * n..]);
+            let mut at = 0;
+            for dst in [p.master, bytemuck::cast_slice_mut(p.m), bytemuck::cast_slice_mut(p.v)] {
+                dst.copy_from_slice(&v[at..at + dst.len()]);
+                at += dst.len();
+            }
             r.set_applied_step(applied);
-            clock.d2h_bytes.fetch_add(12 * n as u64, Ordering::Relaxed);
+            clock.d2h_bytes.fetch_add(4 * words as u64, Ordering::Relaxed);
             Ok(())
         });
         self.workers.submit(Stream::D2H, waits.to_vec(), job, name)

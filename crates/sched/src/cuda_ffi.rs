@@ -155,8 +155,8 @@ struct StateCopy {
     grad: Option<(sys::CUdeviceptr, usize)>,
 }
 
-/// Checks a state slot (`[master | m | v]`, f32) and, if given, a gradient buffer against `unit`'s
-/// record.
+/// Checks a state slot (`[master | m | v]` in f32 words: the fp32 master and the moments as the
+/// record encodes them) and, if given, a gradient buffer against `unit`'s record.
 fn state_copy_plan(
     store: &HostStore,
     unit: Unit,
@@ -167,10 +167,12 @@ fn state_copy_plan(
     let a = store.record_addrs(unit);
     let n = a.len;
     let (sptr, sbytes) = device_ptr(state, stream)?;
-    if state.dtype() != DType::F32 || sbytes != 12 * n {
+    if state.dtype() != DType::F32 || sbytes != a.states.state_bytes(n) {
         return Err(Error::Cuda(format!(
-            "a {sbytes}-byte {:?} state slot for {unit:?}'s {n}-element record (needs 3 x {n} f32)",
-            state.dtype()
+            "a {sbytes}-byte {:?} state slot for {unit:?}'s {n}-element record (needs {} bytes: f32 master and {} moments)",
+            state.dtype(),
+            a.states.state_bytes(n),
+            a.states
         )));
     }
     let grad = match grad {
@@ -191,7 +193,14 @@ fn state_copy_plan(
     Ok(StateCopy { record: a, state: sptr, grad })
 }
 
-/// Enqueues the upload of `unit`'s fp32 master, m and v (into `state` at elements 0, n, 2n) and
+/// The record's master, m and v as (host address, byte offset in the state slot, bytes): the
+/// slot is `[master | m | v]` back to back, the record's regions page-aligned apart.
+fn state_parts(a: &mt_store::RecordAddrs) -> [(usize, u64, usize); 3] {
+    let (master, mb) = (4 * a.len, a.moment_bytes);
+    [(a.master, 0, master), (a.m, master as u64, mb), (a.v, (master + mb) as u64, mb)]
+}
+
+/// Enqueues the upload of `unit`'s fp32 master and its moments (into `state` back to back) and
 /// its stored gradient (into `grad`) straight from its host record (page-locked in place by the
 /// engine: `mt_store::PinnedRecords`); returns the bytes copied. Sound under the module invariant.
 pub(crate) fn enqueue_record_upload(
@@ -202,25 +211,26 @@ pub(crate) fn enqueue_record_upload(
     stream: &CudaStream,
 ) -> Result<u64> {
     let StateCopy { record: a, state: sptr, grad: g } = state_copy_plan(store, unit, state, grad, stream)?;
-    let n = a.len;
-    for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
-        // SAFETY: `host` is the start of the record's n-element f32 region (`record_addrs`), inside
-        // the store's mapping, which the engine keeps alive past every copy; the host writes none
-        // of the record's master, m and v until this copy has completed (module invariant); the
-        // device range is the k-th third of the 12n-byte state slot checked above.
-        unsafe { htod_raw(sptr + (4 * k * n) as u64, host as *const u8, 4 * n, stream)? };
+    let state_bytes = a.states.state_bytes(a.len) as u64;
+    for (host, at, bytes) in state_parts(&a) {
+        // SAFETY: `host` is the start of the record's master (4n bytes) or moment region
+        // (`moment_bytes`; `record_addrs`), inside the store's mapping, which the engine keeps
+        // alive past every copy; the host writes none of the record's master, m and v until this
+        // copy has completed (module invariant); the device range `at..at + bytes` lies in the
+        // state slot, whose size (`state_bytes(n)`, the three parts' sum) is checked above.
+        unsafe { htod_raw(sptr + at, host as *const u8, bytes, stream)? };
     }
     let Some((gptr, gbytes)) = g else {
         // Master and moments only (an early upload: the gradient is copied on the device).
-        return Ok((12 * n) as u64);
+        return Ok(state_bytes);
     };
     // SAFETY: as above, for the record's gradient region of gbytes bytes and the whole gradient
     // buffer of the same size.
     unsafe { htod_raw(gptr, a.grad as *const u8, gbytes, stream)? };
-    Ok((12 * n + gbytes) as u64)
+    Ok(state_bytes + gbytes as u64)
 }
 
-/// Enqueues the download of `state`'s master, m and v into `unit`'s host record; returns the
+/// Enqueues the download of `state`'s master and moments into `unit`'s host record; returns the
 /// bytes copied. Sound under the module invariant.
 pub(crate) fn enqueue_record_download(
     state: &Tensor,
@@ -229,15 +239,14 @@ pub(crate) fn enqueue_record_download(
     stream: &CudaStream,
 ) -> Result<u64> {
     let StateCopy { record: a, state: sptr, .. } = state_copy_plan(store, unit, state, None, stream)?;
-    let n = a.len;
-    for (k, host) in [a.master, a.m, a.v].into_iter().enumerate() {
-        // SAFETY: `host` addresses the record's n-element f32 region (`record_addrs`), inside the
-        // store's mapping, which the engine keeps alive past every copy, and which nothing reads
-        // or writes until this copy has completed (module invariant); the source is the k-th
-        // third of the 12n-byte state slot checked above.
-        unsafe { dtoh_async(host as *mut u8, 4 * n, sptr + (4 * k * n) as u64, stream)? };
+    for (host, at, bytes) in state_parts(&a) {
+        // SAFETY: `host` addresses the record's master or moment region of `bytes` bytes
+        // (`record_addrs`), inside the store's mapping, which the engine keeps alive past every
+        // copy, and which nothing reads or writes until this copy has completed (module
+        // invariant); the source `at..at + bytes` lies in the state slot checked above.
+        unsafe { dtoh_async(host as *mut u8, bytes, sptr + at, stream)? };
     }
-    Ok((12 * n) as u64)
+    Ok(a.states.state_bytes(a.len) as u64)
 }
 
 /// Device address and size in bytes of a whole, contiguous CUDA tensor.

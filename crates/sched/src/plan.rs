@@ -7,8 +7,9 @@
 //! - weight ring: `ring_depth × layer.len × e`; outer slot: `outer.len × e`; held layers' slots:
 //!   `held_layers × layer.len × e`;
 //! - gradients (fp32): `2 × layer.len × 4 + outer.len × 4`;
-//! - a resident outer unit's optimizer state: `12 × outer.len` (fp32 master, m, v);
-//! - each resident decoder layer: `(e + 4 + 12) × layer.len` (its weights, fp32 gradient,
+//! - a resident outer unit's optimizer state: `s × outer.len` (fp32 master, m, v; `s` = 12 with
+//!   fp32 moments, 8 with bf16, 6 with 8-bit, `--optim-states`, plus the 8-bit blocks' scales);
+//! - each resident decoder layer: `(e + 4 + s) × layer.len` (its weights, fp32 gradient,
 //!   master, m and v);
 //! - checkpoints: `(n_layers + 1) × batch × seq × hidden × e`; activation gradients:
 //!   `batch × seq × hidden × e` (both grow with the batch, not with the chunking);
@@ -19,13 +20,14 @@
 //!   [`loss_workspace`].
 //!
 //! Host bytes: exactly the arena of [`mt_store::HostStore`] (header page, per unit a meta page
-//! and page-rounded master, m, v and gradient regions) plus the staging and landing buffers
+//! and page-rounded master, m, v and gradient regions: `4 + 2·m + g` B/param with moments of `m`
+//! bytes and gradients of `g`) plus the staging and landing buffers
 //! (page-locked on CUDA): `2 × layer.len × e + outer.len × e` and `2 × layer.len × 4 + outer.len × 4`.
 //! All of it must fit (the store is populated before the engine starts); while training, the
 //! resident units' gradient regions are given back (`HostBytes::released_by_resident`).
 
 use candle_core::DType;
-use mt_core::ModelConfig;
+use mt_core::{ModelConfig, StateDtype};
 use mt_store::GradDtype;
 
 use crate::{OptimMode, Result};
@@ -78,6 +80,9 @@ pub struct PlanInput {
     pub weight_dtype: DType,
     /// Gradient dtype of the host store.
     pub grad_dtype: GradDtype,
+    /// The AdamW moments' encoding (`--optim-states`): the store's, the resident units' and the
+    /// state slots' bytes.
+    pub state_dtype: StateDtype,
     /// Optimizer placement (exact mode needs store gradient buffers).
     pub mode: OptimMode,
     /// Total GPU memory in bytes.
@@ -121,7 +126,7 @@ pub struct PlanInput {
     /// layer is held) and have a late partner (`program::slot_pairs_of`).
     pub early_state_uploads: Option<usize>,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
-    /// capability 9.0+), which keep less for the backward than candle's ops.
+    /// capability 8.0+), which keep less for the backward than candle's ops.
     pub fused_kernels: bool,
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide
     /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).
@@ -168,16 +173,17 @@ pub struct GpuBytes {
     pub act_grads: u64,
     /// Transient workspace of the largest chunk.
     pub workspace: u64,
-    /// A resident outer unit's fp32 master weights and AdamW moments (`12 × outer.len`).
+    /// A resident outer unit's fp32 master weights and AdamW moments (`s × outer.len`: 12, 8 or
+    /// 6 bytes a parameter, by `--optim-states`).
     pub outer_state: u64,
     /// Resident decoder layers: weights, fp32 gradients, master weights and moments
-    /// (`(e + 16) × layer.len` each).
+    /// (`(e + 4 + s) × layer.len` each).
     pub resident_layers: u64,
     /// Forward activations kept by layers `0..kept_layers` for their backward, the whole
     /// batch (`DecoderLayer::kept_state_bytes` each).
     pub kept: u64,
     /// State slots of the GPU-updated layers: `(ring_depth + late downloads) ×
-    /// (12 + g) × layer.len` (fp32 `[master | m | v]` and the stored gradient of `g` bytes), plus the f32
+    /// (s + g) × layer.len` (`[master | m | v]` and the stored gradient of `g` bytes), plus the f32
     /// copy a bf16 stored gradient is widened into (`4 × layer.len`), plus, with late downloads,
     /// the two more layer gradient buffers they need ([`grad_bufs`]).
     pub state_slots: u64,
@@ -255,12 +261,12 @@ pub struct Plan {
     pub host: HostBytes,
     /// Bytes uploaded per step: `(outer.len + (2 × streamed layers - held layers) × layer.len)
     /// × e`, without the `outer.len` term when the outer unit is resident; each GPU-updated
-    /// layer's forward upload (`layer.len × e`) is replaced by its state (`(12 + g) ×
-    /// layer.len`), an early-upload one's by `12 × layer.len` (its gradient is copied on the
+    /// layer's forward upload (`layer.len × e`) is replaced by its state (`(s + g) ×
+    /// layer.len`), an early-upload one's by `s × layer.len` (its gradient is copied on the
     /// device).
     pub pcie_h2d_per_step: u64,
     /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise
-    /// (layer gradients in bf16 where they land so), plus `12 × layer.len` per GPU-updated layer.
+    /// (layer gradients in bf16 where they land so), plus `s × layer.len` per GPU-updated layer.
     pub pcie_d2h_per_step: u64,
     /// Model parameters (padding excluded).
     pub n_params: u64,
@@ -310,3 +316,11 @@ mod tests;
 #[cfg(test)]
 #[path = "plan_long_tests.rs"]
 mod long_tests;
+
+#[cfg(test)]
+#[path = "plan_states_tests.rs"]
+mod states_tests;
+
+#[cfg(test)]
+#[path = "plan_update_tests.rs"]
+mod update_tests;

@@ -2,7 +2,7 @@
 //! workspace of a layer's backward and of the loss (counted tensor by tensor, measured against
 //! the device pool's high-water mark).
 
-use mt_core::{ModelConfig, ModelLayout};
+use mt_core::{ModelConfig, ModelLayout, StateDtype};
 use mt_store::{GradDtype, PAGE};
 
 /// `[t, hidden]` tensors alive at the peak of a layer's backward (a, x1, c, output, dy, dx1,
@@ -48,10 +48,15 @@ pub(super) fn round_page(n: u64) -> u64 {
     n.div_ceil(PAGE as u64) * PAGE as u64
 }
 
-/// Exactly the bytes [`mt_store::HostStore`] maps for `layout` with `grad` gradients.
-pub fn store_bytes(layout: &ModelLayout, grad: GradDtype) -> u64 {
+/// Exactly the bytes [`mt_store::HostStore`] maps for `layout` with `grad` gradients and
+/// `states` moments: per record a meta page, the fp32 master and the two moments and the gradient,
+/// each page-rounded (`4 + 2·s + g` B/param and padding).
+pub fn store_bytes(layout: &ModelLayout, grad: GradDtype, states: StateDtype) -> u64 {
     let g = grad_elem_bytes(grad);
-    let record = |len: u64| PAGE as u64 + 3 * round_page(len * 4) + round_page(len * g);
+    let record = |len: u64| {
+        let moment = round_page(states.moment_bytes(len as usize) as u64);
+        PAGE as u64 + round_page(len * 4) + 2 * moment + round_page(len * g)
+    };
     PAGE as u64 + record(layout.outer.len as u64) + layout.n_layers as u64 * record(layout.layer.len as u64)
 }
 

@@ -34,6 +34,7 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
         seq,
         weight_dtype: DType::BF16,
         grad_dtype: if mode == OptimMode::Lean { GradDtype::None } else { GradDtype::Bf16 },
+        state_dtype: mt_core::StateDtype::F32,
         mode,
         gpu_bytes,
         host_bytes: host_gib * GIB,

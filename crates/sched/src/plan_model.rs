@@ -4,9 +4,11 @@
 //! bandwidths. A run prints what it measured beside the plan.
 
 /// Host memory traffic of one parameter's fused AdamW update on the host, in bytes: gradient
-/// (`g`), master, m and v read and written (24), the upload copy written (`e`).
-pub fn host_update_bytes(g: u64, e: u64) -> u64 {
-    g + 24 + e
+/// (`g`), master, m and v read and written (`2·s`, with `s` bytes of them a parameter: 12 with
+/// fp32 moments, 8 bf16, 6 8-bit: `mt_core::StateDtype::nominal_state_bytes`), the upload copy
+/// written (`e`).
+pub fn host_update_bytes(g: u64, e: u64, s: u64) -> u64 {
+    g + 2 * s + e
 }
 
 /// How a streamed step's optimizer work is placed: of `streamed` layers, `gpu` are updated on the
@@ -27,24 +29,23 @@ pub struct UpdatePlacement {
 /// The exact-mode forward window of a placement (bytes per parameter of a layer over GB/s:
 /// nanoseconds per parameter): the longer of its host memory traffic at `host_gbs` and its
 /// uploads at `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the
-/// `e` its upload's DMA reads; a GPU-updated one's state DMA, `12 + g` up unless early (master
-/// and moments up in the step before's backward, the gradient copied on the device) and 12 down
-/// unless late. Uploads: `e` per host-updated parameter, `12 + g` per GPU-updated one not
-/// early. (The forward's compute is not counted: at 4 x 2048 it is a fifth of the window.)
-pub fn forward_window(p: UpdatePlacement, g: u64, e: u64, host_gbs: f64, upload_gbs: f64) -> f64 {
+/// `e` its upload's DMA reads; a GPU-updated one's state DMA, `s + g` up unless early (master
+/// and moments, `s` bytes, up in the step before's backward, the gradient copied on the device)
+/// and `s` down unless late. Uploads: `e` per host-updated parameter, `s + g` per GPU-updated one
+/// not early. (The forward's compute is not counted: at 4 x 2048 it is a fifth of the window.)
+pub fn forward_window(p: UpdatePlacement, g: u64, e: u64, s: u64, host_gbs: f64, upload_gbs: f64) -> f64 {
     let h = p.streamed.saturating_sub(p.gpu) as f64;
     let n = p.gpu.min(p.streamed) as f64;
     let l = p.late.min(p.gpu) as f64;
     let early = (p.early.min(p.gpu.saturating_sub(p.late))) as f64;
-    let (g, e) = (g as f64, e as f64);
     let host =
-        h * (host_update_bytes(g as u64, e as u64) as f64 + e) + (n - early) * (12.0 + g) + (n - l) * 12.0;
-    let up = h * e + (n - early) * (12.0 + g);
+        h * (host_update_bytes(g, e, s) + e) as f64 + (n - early) * (s + g) as f64 + (n - l) * s as f64;
+    let up = h * e as f64 + (n - early) * (s + g) as f64;
     (host / host_gbs).max(up / upload_gbs)
 }
 
-/// How many late state downloads (`12 × layer_len` bytes each) the backward's D2H has time for
-/// beside the gradients (`grad_elem` bytes a parameter): the backward computes two thirds of
+/// How many late state downloads (`state` bytes each: a layer's master and moments) the
+/// backward's D2H has time for beside the gradients (`grad_elem` bytes a parameter): the backward computes two thirds of
 /// `flops` at [`BACKWARD_TFLOPS`], and its D2H may fill [`BACKWARD_D2H_SHARE`] of that at
 /// [`PCIE_GBS`]. Only the part of the backward up to the last held layer counts (`held` of the
 /// `streamed` layers' backward positions, with their gradients): a late download goes out no
@@ -55,6 +56,7 @@ pub fn late_download_capacity(
     held: usize,
     layer_len: u64,
     grad_elem: u64,
+    state: u64,
 ) -> usize {
     if streamed == 0 {
         return 0;
@@ -63,11 +65,11 @@ pub fn late_download_capacity(
     let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12) * share;
     let grads = (held.min(streamed) as u64 * layer_len * grad_elem) as f64;
     let room = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE - grads;
-    (room / (12 * layer_len.max(1)) as f64).max(0.0) as usize
+    (room / state.max(1) as f64).max(0.0) as usize
 }
 
-/// How many early uploads (master and moments, `12 × layer_len` bytes each) the backward has room
-/// for after `late` late downloads: as many as its H2D fills in [`BACKWARD_D2H_SHARE`] of it at
+/// How many early uploads (master and moments, `state` bytes each) the backward has room for
+/// after `late` late downloads: as many as its H2D fills in [`BACKWARD_D2H_SHARE`] of it at
 /// [`PCIE_GBS`], and its host memory at [`HOST_MEMORY_GBS`] beside the gradients' DMA and land
 /// (`4 × grad_elem` a parameter: the DMA's write, the land's read, write and the write's read
 /// for ownership) and the late downloads. The backward computes two thirds of `flops` at
@@ -80,14 +82,15 @@ pub fn early_upload_capacity(
     late: usize,
     layer_len: u64,
     grad_elem: u64,
+    state: u64,
 ) -> usize {
     if streamed == 0 || held < streamed {
         return 0;
     }
     let backward_s = flops * 2.0 / 3.0 / (BACKWARD_TFLOPS * 1e12);
-    let each = (12 * layer_len.max(1)) as f64;
+    let each = state.max(1) as f64;
     let h2d = backward_s * PCIE_GBS * 1e9 * BACKWARD_D2H_SHARE / each;
-    let busy = (streamed as u64 * layer_len * 4 * grad_elem + late as u64 * 12 * layer_len) as f64;
+    let busy = (streamed as u64 * layer_len * 4 * grad_elem + late as u64 * state) as f64;
     let host = (backward_s * HOST_MEMORY_GBS * 1e9 - busy) / each;
     h2d.min(host).max(0.0) as usize
 }

@@ -20,6 +20,10 @@ use crate::batch::chunk_ranges;
 use crate::engine::RELOAD_SLOTS;
 use crate::{Error, OptimMode, Result};
 
+#[path = "plan_phases_gpu.rs"]
+mod gpu;
+use gpu::{place_gpu_updated, GpuUpdated};
+
 /// What every phase of [`plan_placed`] reads: the request, the model's sizes and the GPU's budget.
 struct Ctx<'a> {
     input: &'a PlanInput,
@@ -41,6 +45,11 @@ struct Ctx<'a> {
     le: u64,
     /// Bytes per element of a stored gradient.
     g: u64,
+    /// Bytes of a decoder layer's and of the outer unit's master and moments (a state slot's,
+    /// a resident unit's optimizer state), and nominal bytes of them a parameter (12, 8, 6).
+    sl: u64,
+    so: u64,
+    s: u64,
     /// The transferred part of the outer unit: none of it when it is resident.
     ol_moved: u64,
     /// What the plan may use of the GPU, and that in words for refusals.
@@ -71,6 +80,9 @@ impl<'a> Ctx<'a> {
             hid: cfg.hidden_size as u64,
             le: if lands_bf16(input.mode, input.grad_dtype) { 2 } else { 4 },
             g: grad_elem_bytes(input.grad_dtype),
+            sl: input.state_dtype.state_bytes(layout.layer.len) as u64,
+            so: input.state_dtype.state_bytes(layout.outer.len) as u64,
+            s: input.state_dtype.nominal_state_bytes(),
             ol_moved: if resident_outer { 0 } else { ol },
             budget,
             budget_line: format!(
@@ -83,13 +95,14 @@ impl<'a> Ctx<'a> {
     }
 
     /// GPU bytes of the GPU-updated layers' state slots with `late` late downloads:
-    /// `ring_depth` slots of fp32 master, m, v and the stored gradient (`g` bytes), one more per
-    /// late download (early uploads take slots free in the backward), and the f32 copy a bf16
-    /// gradient is widened into; late downloads also take two more gradient buffers.
+    /// `ring_depth` slots of master, m, v (`sl` bytes) and the stored gradient (`g` bytes a
+    /// parameter), one more per late download (early uploads take slots free in the backward),
+    /// and the f32 copy a bf16 gradient is widened into; late downloads also take two more
+    /// gradient buffers.
     fn state_cost(&self, late: usize) -> u64 {
-        let Ctx { ring_depth, ll, le, g, .. } = *self;
+        let Ctx { ring_depth, ll, le, g, sl, .. } = *self;
         let grad_buf_bytes = ll * 4 + if le == 2 { ll * 2 } else { 0 };
-        (ring_depth + late) as u64 * (12 + g) * ll
+        (ring_depth + late) as u64 * (sl + g * ll)
             + if g == 2 { 4 * ll } else { 0 }
             + (grad_bufs(late) - N_BUFS as usize) as u64 * grad_buf_bytes
     }
@@ -120,7 +133,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
     let gpu_updated = place_gpu_updated(&c, resident_layers, held_layers, &mut total)?;
     let kept_layers =
         place_kept(&c, (resident_layers, held_layers, chunks.spilled), per_kept_layer, &mut total)?;
-    let Ctx { ll, ol, nl, e, le, g, ol_moved, .. } = c;
+    let Ctx { ll, ol, nl, e, le, g, sl, ol_moved, .. } = c;
     let grad_region = |len: u64| round_page(len * g);
     host.released_by_resident =
         resident_layers as u64 * grad_region(ll) + if resident_outer { grad_region(ol) } else { 0 };
@@ -163,9 +176,9 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         gpu,
         host,
         pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
-            + gu * (12 + g) * ll
+            + gu * (sl + g * ll)
             - early_state_uploads as u64 * g * ll,
-        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4 + gu * 12 * ll,
+        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4 + gu * sl,
         n_params: c.layout.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(c.cfg, c.batch, c.seq),
     })
@@ -205,7 +218,7 @@ fn check_input(input: &PlanInput) -> Result<usize> {
 fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
     let Ctx { input, ll, e, le, ol_moved, .. } = *c;
     let layout = &c.layout;
-    let store = store_bytes(layout, input.grad_dtype);
+    let store = store_bytes(layout, input.grad_dtype, input.state_dtype);
     let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * le + ol_moved * 4;
     let host =
         HostBytes { store, pinned, spilled_checkpoints: 0, total: store + pinned, released_by_resident: 0 };
@@ -234,13 +247,13 @@ struct Fixed {
 
 /// Phase 3: the fixed GPU buffers fit.
 fn fixed_gpu_bytes(c: &Ctx<'_>) -> Result<Fixed> {
-    let Ctx { input, resident_outer, ring_depth, e, ll, ol, tokens, hid, le, budget, .. } = *c;
+    let Ctx { input, resident_outer, ring_depth, e, ll, ol, tokens, hid, le, sl, so, budget, .. } = *c;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
     // Layer gradient buffers (f32) with their bf16 twins when bf16 lands, and the outer one.
     let narrow = if le == 2 { N_BUFS * ll * 2 } else { 0 };
     let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + narrow + ol * 4);
-    let outer_state = if resident_outer { 12 * ol } else { 0 };
-    let per_resident_layer = ll * (e + 4 + 12);
+    let outer_state = if resident_outer { so } else { 0 };
+    let per_resident_layer = ll * (e + 4) + sl;
     if let Some(k) = input.resident_layers.filter(|&k| k > layout.n_layers) {
         return opt(format!("{k} resident layers asked of a {}-layer model", layout.n_layers));
     }
@@ -287,7 +300,7 @@ fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<C
     let flash = match input.flash_attention {
         Some(true) if !flash_runs => {
             return opt(format!(
-                "flash attention asked, but it runs only with bf16 weights on a CUDA GPU of compute capability 9.0+ and a head dim of 16, 32, 64 or 128 (this model's is {}); use the materialised attention",
+                "flash attention asked, but it runs only with bf16 weights on a CUDA GPU of compute capability 8.0+ and a head dim of 16, 32, 64 or 128 (this model's is {}); use the materialised attention",
                 cfg.head_dim
             ))
         }
@@ -436,154 +449,6 @@ fn place_resident_and_held(
     total += held;
     *running = total;
     Ok((resident_layers, held_layers))
-}
-
-/// The GPU-updated layers and their late downloads and early uploads, with their state slots' bytes.
-struct GpuUpdated {
-    gpu_updated_layers: usize,
-    late_state_downloads: usize,
-    early_state_uploads: usize,
-    state_slots: u64,
-}
-
-/// Phase 6: GPU-updated layers (their state slots take what holding leaves, before kept
-/// activations: they take host work off a streamed step, which is what limits it), their late
-/// downloads and early uploads. Adds the state slots' bytes to `total`.
-fn place_gpu_updated(
-    c: &Ctx<'_>,
-    resident_layers: usize,
-    held_layers: usize,
-    running: &mut u64,
-) -> Result<GpuUpdated> {
-    let Ctx { input, cfg, batch, seq, ring_depth, e, ll, le, g, budget, .. } = *c;
-    let (layout, budget_line) = (&c.layout, &c.budget_line);
-    let state_cost = |late: usize| c.state_cost(late);
-    let asked_late = input.late_state_downloads.unwrap_or(0);
-    let streamed_count = layout.n_layers - resident_layers;
-    let mut total = *running;
-    // GPU-updated layers: their state slots take what holding leaves (before kept activations:
-    // they take host work off a streamed step, which is what limits it). Late downloads: those
-    // of the held ones the backward's D2H has time for and the GPU room for.
-    let late_capable = |n: usize| {
-        crate::program::held_gpu_updated_of(layout.n_layers, resident_layers, held_layers, n).len()
-    };
-    let late_cap = late_download_capacity(
-        mt_core::model_flops_per_step(cfg, batch, seq),
-        streamed_count,
-        held_layers,
-        ll,
-        le,
-    );
-    let auto_late = |n: usize| {
-        let fits = |l: usize| total + state_cost(l) <= budget;
-        if n == 0 || input.mode != OptimMode::Exact {
-            return 0;
-        }
-        (0..=late_cap.min(late_capable(n))).rev().find(|&l| fits(l)).unwrap_or(0)
-    };
-    let flops = mt_core::model_flops_per_step(cfg, batch, seq);
-    // Early uploads: as many as the backward has room for, each paired with a late download.
-    let early_capable = |n: usize, late: usize| {
-        crate::program::slot_pairs_of(layout.n_layers, resident_layers, held_layers, n, late, ring_depth)
-            .len()
-    };
-    let auto_early = |n: usize, late: usize| {
-        if n == 0 || input.mode != OptimMode::Exact {
-            return 0;
-        }
-        early_upload_capacity(flops, streamed_count, held_layers, late, ll, le).min(early_capable(n, late))
-    };
-    let gpu_updated_layers = match input.gpu_updated_layers {
-        Some(k) if k > streamed_count => {
-            return opt(format!(
-                "{k} GPU-updated layers asked, but only {streamed_count} of {} layers stream ({resident_layers} resident); GPU-updated layers are streamed ones",
-                layout.n_layers
-            ))
-        }
-        Some(k) if k > 0 && input.mode != OptimMode::Exact => {
-            return opt(format!(
-                "{k} GPU-updated layers asked in lean mode: they apply exact mode's pending update on the GPU (lean mode updates each layer as its gradient lands); use 0"
-            ))
-        }
-        Some(k) if k > 0 && total + state_cost(asked_late) > budget => {
-            let also = if asked_late > 0 { format!(" ({asked_late} of them downloading late)") } else { String::new() };
-            return opt(format!(
-                "the state slots of GPU-updated layers{also} need {:.2} GiB, the GPU has {:.2} GiB left of its {budget_line}; use {}--gpu-updated-layers 0",
-                gib(state_cost(asked_late)), gib(budget.saturating_sub(total)),
-                if asked_late > 0 { "fewer --late-state-downloads or " } else { "" }
-            ))
-        }
-        Some(k) => k,
-        None if input.mode == OptimMode::Exact && total + state_cost(asked_late) <= budget => {
-            // The count with the shortest forward, each with the late downloads and early uploads
-            // it would get; with either asked, among the counts that have room for that many.
-            let late_of = |n: usize| input.late_state_downloads.unwrap_or_else(|| auto_late(n));
-            let early_of = |n: usize| input.early_state_uploads.unwrap_or_else(|| auto_early(n, late_of(n)));
-            let counts = (0..=streamed_count)
-                .filter(|&n| late_of(n) <= late_capable(n) && early_of(n) <= early_capable(n, late_of(n)));
-            let cost = |n: usize| {
-                let p = UpdatePlacement { streamed: streamed_count, gpu: n, late: late_of(n), early: early_of(n) };
-                forward_window(p, g, e, HOST_MEMORY_GBS, STATE_UPLOAD_GBS)
-            };
-            counts.fold(None, |best: Option<usize>, n| match best {
-                Some(b) if cost(b) <= cost(n) => Some(b),
-                _ => Some(n),
-            })
-            .unwrap_or(0)
-        }
-        None => 0,
-    };
-    let late_capable = late_capable(gpu_updated_layers);
-    let late_state_downloads = match input.late_state_downloads {
-        Some(k) if k > 0 && input.mode != OptimMode::Exact => {
-            return opt(format!(
-                "{k} late state downloads asked in lean mode: they are GPU-updated layers' downloads, and lean mode has none; use 0"
-            ))
-        }
-        Some(k) if k > 0 && total + state_cost(k) > budget => {
-            return opt(format!(
-                "{k} late state downloads need {:.2} GiB of state slots and gradient buffers (with the GPU-updated layers' own), the GPU has {:.2} GiB left of its {budget_line}; use fewer (--late-state-downloads)",
-                gib(state_cost(k)), gib(budget.saturating_sub(total))
-            ))
-        }
-        Some(k) if k > late_capable => {
-            return opt(format!(
-                "{k} late state downloads asked, but only {late_capable} of the {gpu_updated_layers} GPU-updated layers are held ({held_layers} held layers): a late download keeps a held layer's state on the device until its backward"
-            ))
-        }
-        Some(k) => k,
-        None => auto_late(gpu_updated_layers),
-    };
-    let early_state_uploads = match input.early_state_uploads {
-        Some(k) if k > 0 && input.mode != OptimMode::Exact => {
-            return opt(format!(
-                "{k} early state uploads asked in lean mode: they are GPU-updated layers' uploads, and lean mode has none; use 0"
-            ))
-        }
-        Some(k) if k > 0 && gpu_updated_layers == 0 && total + state_cost(late_state_downloads) > budget => {
-            return opt(format!(
-                "{k} early state uploads need GPU-updated layers, whose state slots need {:.2} GiB; the GPU has {:.2} GiB left of its {budget_line}; use --early-state-uploads 0",
-                gib(state_cost(late_state_downloads)), gib(budget.saturating_sub(total))
-            ))
-        }
-        Some(k) if k > early_capable(gpu_updated_layers, late_state_downloads) => {
-            let capable = early_capable(gpu_updated_layers, late_state_downloads);
-            let mut why = crate::placement::early_refusal(k, capable, late_state_downloads, ring_depth);
-            if input.late_state_downloads.is_none() && total + state_cost(late_state_downloads + 1) > budget {
-                why += &format!(
-                    " (the planner's {late_state_downloads} late downloads are all the state slots the GPU has room for: {:.2} GiB left of its {budget_line})",
-                    gib(budget.saturating_sub(total + state_cost(late_state_downloads)))
-                );
-            }
-            return opt(why);
-        }
-        Some(k) => k,
-        None => auto_early(gpu_updated_layers, late_state_downloads),
-    };
-    let state_slots = if gpu_updated_layers > 0 { state_cost(late_state_downloads) } else { 0 };
-    total += state_slots;
-    *running = total;
-    Ok(GpuUpdated { gpu_updated_layers, late_state_downloads, early_state_uploads, state_slots })
 }
 
 /// Phase 7: the layers that keep their forward activations for the backward, in what is left.

@@ -1,14 +1,14 @@
 //! Non-finite steps (`engine/faults.rs`): a NaN or infinity injected into a gradient or the loss
 //! skips the step. In exact mode the store then equals, bitwise (master weights, moments, update
 //! marks, step), that of the run without the bad step, whatever the placement (streamed,
-//! resident, held, kept, GPU-updated with late downloads and early uploads), holds no
-//! non-finite value, and training goes on as that run does. In lean mode a unit with a
+//! resident, held, kept, GPU-updated with late downloads and early uploads; 8-bit moments in one
+//! case and for Mixtral), holds no non-finite value, and training goes on as that run does. In lean mode a unit with a
 //! non-finite gradient is not updated, the others are; a step where none was is skipped as in
 //! exact mode.
 
 mod common;
 
-use mt_core::{ModelConfig, Unit};
+use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
 use mt_sched::{Batch, EngineOptions, Fault, OptimMode, SkipCause};
 use mt_store::{GradDtype, GradRef, HostStore};
 use mt_testkit::golden;
@@ -25,7 +25,7 @@ fn cfg5() -> ModelConfig {
 /// update mark; the header's step and pending flag.
 #[derive(PartialEq)]
 struct State {
-    records: Vec<(Vec<u32>, u64)>,
+    records: Vec<(Vec<u8>, u64)>,
     step: u64,
     pending: bool,
 }
@@ -36,8 +36,14 @@ fn state_of(store: &HostStore) -> State {
         .units()
         .map(|u| {
             let r = store.record(u);
-            let bits = r.master().iter().chain(r.m()).chain(r.v()).map(|x| x.to_bits()).collect();
-            (bits, r.applied_step())
+            // The master's bytes, then the moments' (the bytes of their encoding).
+            let bytes = bytemuck::cast_slice::<f32, u8>(r.master())
+                .iter()
+                .chain(r.m())
+                .chain(r.v())
+                .copied()
+                .collect();
+            (bytes, r.applied_step())
         })
         .collect();
     let s = store.state();
@@ -61,7 +67,11 @@ fn assert_all_finite(store: &HostStore, what: &str) {
             Some(GradRef::Bf16(g)) => g.iter().all(|x| x.is_finite()),
             None => true,
         };
-        let state_ok = r.master().iter().chain(r.m()).chain(r.v()).all(|x| x.is_finite());
+        let n = r.master().len();
+        let states = r.states();
+        let state_ok = r.master().iter().all(|x| x.is_finite())
+            && states.first_non_finite(n, r.m()).is_none()
+            && states.first_non_finite(n, r.v()).is_none();
         assert!(grad_ok && state_ok, "{what}: {u:?} holds a non-finite value");
     }
 }
@@ -69,21 +79,43 @@ fn assert_all_finite(store: &HostStore, what: &str) {
 struct Case {
     name: &'static str,
     grad: GradDtype,
+    states: StateDtype,
     opts: EngineOptions,
+}
+
+/// The case's store with the seeded parameters.
+fn case_store(cfg: &ModelConfig, c: &Case) -> std::sync::Arc<HostStore> {
+    let store = HostStore::anonymous_with(&ModelLayout::new(cfg), c.grad, c.states).unwrap();
+    fill_store(&store, &random_params(cfg, 8));
+    std::sync::Arc::new(store)
 }
 
 fn exact_cases(n: usize) -> Vec<Case> {
     let base = EngineOptions { n_chunks: 2, ..golden_opts() };
+    let gpu_updated = EngineOptions {
+        gpu_updated_layers: n,
+        held_layers: n,
+        late_state_downloads: 2,
+        early_state_uploads: 1,
+        ..base.clone()
+    };
     vec![
-        Case { name: "streamed, f32 gradients", grad: GradDtype::F32, opts: base.clone() },
+        Case {
+            name: "streamed, f32 gradients",
+            grad: GradDtype::F32,
+            states: StateDtype::F32,
+            opts: base.clone(),
+        },
         Case {
             name: "streamed, bf16 gradients narrowed on the device",
             grad: GradDtype::Bf16,
+            states: StateDtype::F32,
             opts: base.clone(),
         },
         Case {
             name: "resident outer and layer 0, held and kept layers",
             grad: GradDtype::Bf16,
+            states: StateDtype::F32,
             opts: EngineOptions {
                 resident_outer: true,
                 resident_layers: 1,
@@ -95,20 +127,21 @@ fn exact_cases(n: usize) -> Vec<Case> {
         Case {
             name: "GPU-updated with late downloads and an early upload",
             grad: GradDtype::Bf16,
-            opts: EngineOptions {
-                gpu_updated_layers: n,
-                held_layers: n,
-                late_state_downloads: 2,
-                early_state_uploads: 1,
-                ..base
-            },
+            states: StateDtype::F32,
+            opts: gpu_updated.clone(),
+        },
+        Case {
+            name: "GPU-updated with late downloads and an early upload, 8-bit moments",
+            grad: GradDtype::Bf16,
+            states: StateDtype::Int8,
+            opts: gpu_updated,
         },
     ]
 }
 
 /// The run without the bad step: `data[..k]` then a flush.
 fn reference(cfg: &ModelConfig, c: &Case, data: &[Batch], k: usize) -> (std::sync::Arc<HostStore>, State) {
-    let store = store_with(cfg, &random_params(cfg, 8), c.grad);
+    let store = case_store(cfg, c);
     let mut e = engine(cfg, store.clone(), c.opts.clone(), 50);
     for b in &data[..k] {
         e.step(b, 1e-3).unwrap();
@@ -135,7 +168,7 @@ fn an_exact_step_with_a_non_finite_gradient_or_loss_applies_nothing_and_the_run_
         // steps 3, 4 (the bad step's batch 2 is consumed by the skip).
         let (_, before) = reference(&cfg, &c, &data, 2);
         let after = {
-            let store = store_with(&cfg, &random_params(&cfg, 8), c.grad);
+            let store = case_store(&cfg, &c);
             let mut e = engine(&cfg, store.clone(), c.opts.clone(), 50);
             for b in &data[..2] {
                 e.step(b, 1e-3).unwrap();
@@ -150,7 +183,7 @@ fn an_exact_step_with_a_non_finite_gradient_or_loss_applies_nothing_and_the_run_
         };
         for (fault, what) in faults {
             let what = format!("{}: {what}", c.name);
-            let store = store_with(&cfg, &random_params(&cfg, 8), c.grad);
+            let store = case_store(&cfg, &c);
             let mut e = engine(&cfg, store.clone(), c.opts.clone(), 50);
             for b in &data[..2] {
                 assert!(e.step(b, 1e-3).unwrap().skipped.is_none());
@@ -190,7 +223,7 @@ fn consecutive_skips_keep_the_store_and_an_injected_fault_lasts_one_step() {
     let data = small_batches(&cfg, 4, 90);
     let c = &exact_cases(cfg.num_hidden_layers)[2];
     let (_, before) = reference(&cfg, c, &data, 1);
-    let store = store_with(&cfg, &random_params(&cfg, 8), c.grad);
+    let store = case_store(&cfg, c);
     let mut e = engine(&cfg, store.clone(), c.opts.clone(), 50);
     e.step(&data[0], 1e-3).unwrap();
     for (k, b) in data[1..3].iter().enumerate() {
@@ -293,12 +326,14 @@ fn a_moe_step_with_a_non_finite_gradient_or_loss_applies_nothing() {
         let c = Case {
             name,
             grad: GradDtype::Bf16,
+            // Mixtral's moments in 8 bits.
+            states: if name == "mixtral" { StateDtype::Int8 } else { StateDtype::F32 },
             opts: EngineOptions { n_chunks: 2, resident_layers: 1, kept_layers: 1, ..golden_opts() },
         };
         let (_, before) = reference(&cfg, &c, &data, 2);
         for fault in [Fault::Gradient { unit: Unit::Layer(1), value: f32::NAN }, Fault::Loss(f64::INFINITY)] {
             let what = format!("{name}: {fault:?}");
-            let store = store_with(&cfg, &random_params(&cfg, 8), c.grad);
+            let store = case_store(&cfg, &c);
             let mut e = engine(&cfg, store.clone(), c.opts.clone(), 50);
             for b in &data[..2] {
                 assert!(e.step(b, 1e-3).unwrap().skipped.is_none(), "{what}");

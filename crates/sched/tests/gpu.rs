@@ -444,7 +444,8 @@ fn cuda_bias_gradient_column_sums_match_the_cpu() {
 /// (other n, views at an odd offset), and its state agrees with mt-optim's CPU update.
 #[test]
 fn cuda_fused_adamw_writes_the_cast_of_its_master_and_matches_the_cpu() {
-    use mt_layers::device_optim::adamw_step_into;
+    use mt_core::StateDtype;
+    use mt_layers::device_optim::{adamw_step_into, StateKind};
     use mt_optim::{AdamW, StepArgs};
     let gpu = Device::new_cuda(0).unwrap();
     let (h, a) = (AdamW::default(), StepArgs { step: 3, lr: 1e-3, grad_scale: 0.5 });
@@ -462,7 +463,8 @@ fn cuda_fused_adamw_writes_the_cast_of_its_master_and_matches_the_cpu() {
                 let st = if d.is_cpu() { state.copy().unwrap() } else { state.to_device(d).unwrap() };
                 let w = Tensor::zeros(n + off, DType::BF16, d).unwrap();
                 let (st_view, w_view) = (st.narrow(0, off, 3 * n).unwrap(), w.narrow(0, off, n).unwrap());
-                adamw_step_into(&st_view, &grad.to_device(d).unwrap(), &h, &a, &w_view).unwrap();
+                let kind = StateKind { dtype: StateDtype::F32, stream: 0 };
+                adamw_step_into(&st_view, &grad.to_device(d).unwrap(), &h, &a, kind, &w_view).unwrap();
                 let st = st_view.to_device(&Device::Cpu).unwrap().to_vec1::<f32>().unwrap();
                 (st, w_view.to_device(&Device::Cpu).unwrap().to_vec1::<half::bf16>().unwrap())
             };

@@ -28,8 +28,9 @@ fn engine(cfg: &ModelConfig, store: Arc<HostStore>, opts: EngineOptions) -> Engi
     Engine::new(cfg, store, backend, opts).unwrap()
 }
 
-/// Per unit the bits of master, m, v and its update mark; the header's step.
-type State = (Vec<(Vec<u32>, u64)>, u64);
+/// Per unit the bytes of master, m and v (the moments' in their encoding) and its update mark;
+/// the header's step.
+type State = (Vec<(Vec<u8>, u64)>, u64);
 
 /// What [`run`] saw: the state after the bad step (flushed), after the later steps, the bad
 /// step's skip, and whether the store was all finite after it.
@@ -41,7 +42,8 @@ fn state_of(store: &HostStore) -> State {
         .units()
         .map(|u| {
             let r = store.record(u);
-            (r.master().iter().chain(r.m()).chain(r.v()).map(|x| x.to_bits()).collect(), r.applied_step())
+            let master = bytemuck::cast_slice::<f32, u8>(r.master());
+            (master.iter().chain(r.m()).chain(r.v()).copied().collect(), r.applied_step())
         })
         .collect();
     (records, store.state().step)
@@ -55,7 +57,10 @@ fn all_finite(store: &HostStore) -> bool {
             Some(GradRef::Bf16(g)) => g.iter().all(|x| x.is_finite()),
             None => true,
         };
-        grad && r.master().iter().chain(r.m()).chain(r.v()).all(|x| x.is_finite())
+        let (n, states) = (r.master().len(), r.states());
+        grad && r.master().iter().all(|x| x.is_finite())
+            && states.first_non_finite(n, r.m()).is_none()
+            && states.first_non_finite(n, r.v()).is_none()
     })
 }
 

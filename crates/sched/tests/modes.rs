@@ -84,12 +84,12 @@ fn a_gradient_narrowed_on_the_device_lands_bitwise_as_the_hosts_narrowing() {
     }
     assert!(f64::from_bits(device[0].1) > 1.0, "the clip (1.0) is active, so the norm matters");
     assert_bitwise_eq(&params_of(&dstore), &params_of(&hstore), "params");
-    let moments = |st: &HostStore| -> Vec<u32> {
+    let moments = |st: &HostStore| -> Vec<u8> {
         st.layout()
             .units()
             .flat_map(|u| {
                 let r = st.record(u);
-                r.m().iter().chain(r.v().iter()).map(|x| x.to_bits()).collect::<Vec<_>>()
+                r.m().iter().chain(r.v().iter()).copied().collect::<Vec<u8>>()
             })
             .collect()
     };

@@ -18,6 +18,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         seq,
         weight_dtype: DType::BF16,
         grad_dtype: GradDtype::Bf16,
+        state_dtype: mt_core::StateDtype::F32,
         mode: OptimMode::Exact,
         gpu_bytes,
         host_bytes: 128 * GIB,

@@ -53,14 +53,15 @@ fn train_sessions(sessions: [EngineOptions; 2], data: &[Batch], split: usize) ->
     (losses, store)
 }
 
-fn moments(store: &HostStore) -> Vec<f32> {
+/// The outer unit's moments (the bytes of their encoding).
+fn moments(store: &HostStore) -> Vec<u8> {
     let mut r = store.record(Unit::Outer);
     let p = r.parts();
     p.m.iter().chain(p.v.iter()).copied().collect()
 }
 
 /// Every unit's moments and applied-step counter.
-fn all_moments(store: &HostStore) -> Vec<(Vec<f32>, u64)> {
+fn all_moments(store: &HostStore) -> Vec<(Vec<u8>, u64)> {
     store
         .layout()
         .units()

@@ -24,13 +24,13 @@ fn batches(cfg: &ModelConfig) -> Vec<Batch> {
         .collect()
 }
 
-fn moments(store: &HostStore) -> Vec<u32> {
+fn moments(store: &HostStore) -> Vec<u8> {
     store
         .layout()
         .units()
         .flat_map(|u: Unit| {
             let r = store.record(u);
-            r.m().iter().chain(r.v().iter()).map(|x| x.to_bits()).collect::<Vec<_>>()
+            r.m().iter().chain(r.v().iter()).copied().collect::<Vec<u8>>()
         })
         .collect()
 }

@@ -6,8 +6,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use half::bf16;
 use memmap2::{Advice, MmapMut, MmapOptions};
-use mt_core::{Error, ModelLayout, Result, Unit};
+use mt_core::{Error, ModelLayout, Result, StateDtype, Unit};
 
+use crate::grad::{GradDtype, GradMut, GradRef};
 use crate::header::{self, off};
 use crate::PAGE;
 
@@ -17,44 +18,6 @@ mod header_fields;
 mod pages;
 #[path = "arena_params.rs"]
 mod params;
-
-/// Element type of a record's gradient buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GradDtype {
-    /// fp32 gradients (16 B/param records): exact comparisons against references.
-    F32,
-    /// bf16 gradients (14 B/param records): the default for large models.
-    Bf16,
-    /// No gradient buffer (12 B/param records): lean mode updates straight from the landed
-    /// gradient, so the store never holds one.
-    None,
-}
-
-impl GradDtype {
-    /// Bytes per element (0 for `None`).
-    pub fn size(self) -> usize {
-        match self {
-            GradDtype::F32 => 4,
-            GradDtype::Bf16 => 2,
-            GradDtype::None => 0,
-        }
-    }
-    pub(crate) fn code(self) -> u32 {
-        match self {
-            GradDtype::F32 => 1,
-            GradDtype::Bf16 => 2,
-            GradDtype::None => 3,
-        }
-    }
-    pub(crate) fn from_code(c: u32) -> Option<Self> {
-        match c {
-            1 => Some(GradDtype::F32),
-            2 => Some(GradDtype::Bf16),
-            3 => Some(GradDtype::None),
-            _ => None,
-        }
-    }
-}
 
 /// Training state persisted in the header page next to the records.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -72,54 +35,20 @@ pub struct StoreState {
     pub grad_norm: f64,
 }
 
-/// Mutable view of a record's gradient buffer.
-#[derive(Debug)]
-pub enum GradMut<'a> {
-    /// fp32 gradients.
-    F32(&'a mut [f32]),
-    /// bf16 gradients.
-    Bf16(&'a mut [bf16]),
-}
-
-/// Shared view of a record's gradient buffer.
-#[derive(Debug, Clone, Copy)]
-pub enum GradRef<'a> {
-    /// fp32 gradients.
-    F32(&'a [f32]),
-    /// bf16 gradients.
-    Bf16(&'a [bf16]),
-}
-
-impl GradMut<'_> {
-    /// Read-only view.
-    pub fn as_ref(&self) -> GradRef<'_> {
-        match self {
-            GradMut::F32(g) => GradRef::F32(g),
-            GradMut::Bf16(g) => GradRef::Bf16(g),
-        }
-    }
-}
-
-impl GradRef<'_> {
-    /// Copies elements `[start, start+n)` widened to f32.
-    pub fn to_f32(&self, start: usize, n: usize) -> Vec<f32> {
-        match self {
-            GradRef::F32(g) => g[start..start + n].to_vec(),
-            GradRef::Bf16(g) => g[start..start + n].iter().map(|x| x.to_f32()).collect(),
-        }
-    }
-}
-
 /// Exclusive access to one unit's record: typed views of its regions, valid only while the
 /// guard (and so the record's lock) lives. The views are private so that no slice can escape the
 /// guard's lifetime; borrow them through the accessors.
+///
+/// The moments are the bytes of their encoding ([`StateDtype::moment_bytes`] each; the store
+/// knows their sizes, mt-optim their encoding).
 #[derive(Debug)]
 pub struct RecordGuard<'a> {
     master: &'a mut [f32],
-    m: &'a mut [f32],
-    v: &'a mut [f32],
+    m: &'a mut [u8],
+    v: &'a mut [u8],
     grad: Option<GradMut<'a>>,
     applied: &'a mut u64,
+    states: StateDtype,
     _lock: MutexGuard<'a, ()>,
 }
 
@@ -129,10 +58,12 @@ pub struct RecordGuard<'a> {
 pub struct RecordParts<'r> {
     /// fp32 master weights.
     pub master: &'r mut [f32],
-    /// AdamW first moment.
-    pub m: &'r mut [f32],
-    /// AdamW second moment.
-    pub v: &'r mut [f32],
+    /// AdamW first moment, encoded as `states` says (4-byte aligned).
+    pub m: &'r mut [u8],
+    /// AdamW second moment, likewise.
+    pub v: &'r mut [u8],
+    /// The moments' encoding.
+    pub states: StateDtype,
     /// Landed gradient (absent in a store without gradient buffers).
     pub grad: Option<GradRef<'r>>,
 }
@@ -143,10 +74,12 @@ pub struct RecordParts<'r> {
 pub struct RecordPartsMut<'r> {
     /// fp32 master weights.
     pub master: &'r mut [f32],
-    /// AdamW first moment.
-    pub m: &'r mut [f32],
-    /// AdamW second moment.
-    pub v: &'r mut [f32],
+    /// AdamW first moment, encoded as `states` says (4-byte aligned).
+    pub m: &'r mut [u8],
+    /// AdamW second moment, likewise.
+    pub v: &'r mut [u8],
+    /// The moments' encoding.
+    pub states: StateDtype,
     /// Gradient buffer (absent in a store without gradient buffers).
     pub grad: Option<GradMut<'r>>,
 }
@@ -160,13 +93,17 @@ impl RecordGuard<'_> {
     pub fn master_mut(&mut self) -> &mut [f32] {
         self.master
     }
-    /// AdamW first moment.
-    pub fn m(&self) -> &[f32] {
+    /// AdamW first moment: the bytes of its encoding ([`RecordGuard::states`]).
+    pub fn m(&self) -> &[u8] {
         self.m
     }
-    /// AdamW second moment.
-    pub fn v(&self) -> &[f32] {
+    /// AdamW second moment: the bytes of its encoding.
+    pub fn v(&self) -> &[u8] {
         self.v
+    }
+    /// The moments' encoding.
+    pub fn states(&self) -> StateDtype {
+        self.states
     }
     /// Landed gradient, if the store keeps gradient buffers.
     pub fn grad(&self) -> Option<GradRef<'_>> {
@@ -187,6 +124,7 @@ impl RecordGuard<'_> {
             master: self.master,
             m: self.m,
             v: self.v,
+            states: self.states,
             grad: self.grad.as_ref().map(GradMut::as_ref),
         }
     }
@@ -197,7 +135,7 @@ impl RecordGuard<'_> {
             Some(GradMut::Bf16(g)) => Some(GradMut::Bf16(g)),
             None => None,
         };
-        RecordPartsMut { master: self.master, m: self.m, v: self.v, grad }
+        RecordPartsMut { master: self.master, m: self.m, v: self.v, states: self.states, grad }
     }
     /// Number of optimizer updates applied to this unit so far (kept in the record, under its
     /// lock, so an update interrupted by an error is never applied twice).
@@ -211,15 +149,19 @@ impl RecordGuard<'_> {
 }
 
 /// Where one record's regions are in memory ([`HostStore::record_addrs`]): byte addresses of
-/// the fp32 master weights, moments and the gradient buffer, each `len` elements.
+/// the fp32 master weights, moments and the gradient buffer, each of `len` elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecordAddrs {
     /// fp32 master weights.
     pub master: usize,
-    /// AdamW first moment (fp32).
+    /// AdamW first moment (`moment_bytes` bytes, encoded as `states` says).
     pub m: usize,
-    /// AdamW second moment (fp32).
+    /// AdamW second moment (likewise).
     pub v: usize,
+    /// Bytes of each moment ([`StateDtype::moment_bytes`] of `len`).
+    pub moment_bytes: usize,
+    /// The moments' encoding.
+    pub states: StateDtype,
     /// Gradient buffer (of `grad_dtype`; nothing when that is `None`).
     pub grad: usize,
     /// Elements of each region.
@@ -235,13 +177,41 @@ pub(crate) struct RecordLoc {
     pub(crate) base: usize,
     /// Elements per region.
     pub(crate) len: usize,
-    /// Bytes of one fp32 region, page-rounded.
+    /// Bytes of the fp32 master region, page-rounded.
     pub(crate) f32_region: usize,
+    /// Bytes of one moment (unrounded) and of its region (page-rounded).
+    pub(crate) moment_bytes: usize,
+    pub(crate) moment_region: usize,
 }
 
 impl RecordLoc {
+    fn new(base: usize, len: usize, states: StateDtype) -> Self {
+        let moment_bytes = states.moment_bytes(len);
+        RecordLoc {
+            base,
+            len,
+            f32_region: round_page(len * 4),
+            moment_bytes,
+            moment_region: round_page(moment_bytes),
+        }
+    }
+
     fn bytes(&self, grad: GradDtype) -> usize {
-        PAGE + 3 * self.f32_region + round_page(self.len * grad.size())
+        self.grad_off() + round_page(self.len * grad.size())
+    }
+
+    /// Offsets from `base` of the master, the moments and the gradient.
+    pub(crate) fn master_off(&self) -> usize {
+        PAGE
+    }
+    pub(crate) fn m_off(&self) -> usize {
+        PAGE + self.f32_region
+    }
+    pub(crate) fn v_off(&self) -> usize {
+        self.m_off() + self.moment_region
+    }
+    pub(crate) fn grad_off(&self) -> usize {
+        self.v_off() + self.moment_region
     }
 }
 
@@ -261,6 +231,7 @@ pub struct HostStore {
     path: Option<PathBuf>,
     layout: ModelLayout,
     grad: GradDtype,
+    states: StateDtype,
     pub(crate) records: Vec<RecordLoc>,
     locks: Vec<Mutex<()>>,
     header_lock: Mutex<()>,
@@ -279,13 +250,12 @@ unsafe impl Send for HostStore {}
 // SAFETY: as for `Send`: all interior mutation goes through the per-record and header mutexes.
 unsafe impl Sync for HostStore {}
 
-fn plan(layout: &ModelLayout, grad: GradDtype) -> (Vec<RecordLoc>, usize) {
+fn plan(layout: &ModelLayout, grad: GradDtype, states: StateDtype) -> (Vec<RecordLoc>, usize) {
     let mut at = PAGE; // header page
     let records = layout
         .units()
         .map(|u| {
-            let len = layout.unit(u).len;
-            let loc = RecordLoc { base: at, len, f32_region: round_page(len * 4) };
+            let loc = RecordLoc::new(at, layout.unit(u).len, states);
             at += loc.bytes(grad);
             loc
         })
@@ -294,9 +264,14 @@ fn plan(layout: &ModelLayout, grad: GradDtype) -> (Vec<RecordLoc>, usize) {
 }
 
 impl HostStore {
-    /// An anonymous (RAM-backed, zero-filled) store.
+    /// An anonymous (RAM-backed, zero-filled) store with fp32 moments.
     pub fn anonymous(layout: &ModelLayout, grad: GradDtype) -> Result<Self> {
-        let (records, total) = plan(layout, grad);
+        Self::anonymous_with(layout, grad, StateDtype::F32)
+    }
+
+    /// An anonymous (RAM-backed, zero-filled) store with moments in `states`.
+    pub fn anonymous_with(layout: &ModelLayout, grad: GradDtype, states: StateDtype) -> Result<Self> {
+        let (records, total) = plan(layout, grad, states);
         let map = MmapOptions::new()
             .len(total)
             .map_anon()
@@ -305,27 +280,40 @@ impl HostStore {
         // once, and 4 KiB faults made the first AdamW update ~10x slower than later ones on the
         // GPU machine (2026-11-22). Advisory only: a kernel without THP ignores or refuses it.
         let _ = map.advise(Advice::HugePage);
-        let store = Self::assemble(map, None, None, layout, grad, records, total);
+        let store = Self::assemble(map, None, None, layout, (grad, states), records, total);
         store.init_header();
         Ok(store)
     }
 
-    /// Creates a new file-backed store at `path` (zero-filled, sparse). Refuses to overwrite an
-    /// existing file.
+    /// Creates a new file-backed store at `path` (zero-filled, sparse) with fp32 moments.
+    /// Refuses to overwrite an existing file.
     pub fn create(path: &Path, layout: &ModelLayout, grad: GradDtype) -> Result<Self> {
+        Self::create_with(path, layout, grad, StateDtype::F32)
+    }
+
+    /// Creates a new file-backed store at `path` (zero-filled, sparse) with moments in `states`.
+    /// Refuses to overwrite an existing file.
+    pub fn create_with(
+        path: &Path,
+        layout: &ModelLayout,
+        grad: GradDtype,
+        states: StateDtype,
+    ) -> Result<Self> {
         let io = |source| Error::Io { path: path.to_owned(), source };
         let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(io)?;
         Self::lock_file(&file, path)?;
-        let (records, total) = plan(layout, grad);
+        let (records, total) = plan(layout, grad, states);
         file.set_len(total as u64).map_err(io)?;
         let map = Self::map_file(&file, path)?;
-        let store = Self::assemble(map, Some(file), Some(path.to_owned()), layout, grad, records, total);
+        let store =
+            Self::assemble(map, Some(file), Some(path.to_owned()), layout, (grad, states), records, total);
         store.init_header();
         store.flush()?;
         Ok(store)
     }
 
-    /// Opens an existing file-backed store written for the same layout.
+    /// Opens an existing file-backed store written for the same layout (its gradient dtype and
+    /// moments' encoding are the header's: [`HostStore::state_dtype`]).
     pub fn open(path: &Path, layout: &ModelLayout) -> Result<Self> {
         let io = |source| Error::Io { path: path.to_owned(), source };
         let bad = |msg: String| Error::Store { path: path.to_owned(), msg };
@@ -346,17 +334,19 @@ impl HostStore {
         }
         let grad = GradDtype::from_code(header::get_u32(page, off::GRAD_DTYPE))
             .ok_or_else(|| bad("unknown gradient dtype code".into()))?;
+        let states = StateDtype::from_code(header::get_u32(page, off::STATE_DTYPE))
+            .ok_or_else(|| bad("unknown optimizer state dtype code".into()))?;
         if header::get_u64(page, off::FINGERPRINT) != header::fingerprint(layout) {
             return Err(bad("written for a different model layout (config mismatch)".into()));
         }
-        let (records, total) = plan(layout, grad);
+        let (records, total) = plan(layout, grad, states);
         let recorded = header::get_u64(page, off::TOTAL_LEN) as usize;
         if recorded != total || size != total {
             return Err(bad(format!(
                 "size mismatch: layout needs {total} bytes, header says {recorded}, file has {size} (truncated?)"
             )));
         }
-        Ok(Self::assemble(map, Some(file), Some(path.to_owned()), layout, grad, records, total))
+        Ok(Self::assemble(map, Some(file), Some(path.to_owned()), layout, (grad, states), records, total))
     }
 
     fn lock_file(file: &File, path: &Path) -> Result<()> {
@@ -380,7 +370,7 @@ impl HostStore {
         file: Option<File>,
         path: Option<PathBuf>,
         layout: &ModelLayout,
-        grad: GradDtype,
+        (grad, states): (GradDtype, StateDtype),
         records: Vec<RecordLoc>,
         total_len: usize,
     ) -> Self {
@@ -394,6 +384,7 @@ impl HostStore {
             path,
             layout: layout.clone(),
             grad,
+            states,
             records,
             locks,
             header_lock: Mutex::new(()),
@@ -411,11 +402,12 @@ impl HostStore {
 
     fn init_header(&self) {
         let fp = header::fingerprint(&self.layout);
-        let (grad, total) = (self.grad, self.total_len);
+        let (grad, states, total) = (self.grad, self.states, self.total_len);
         self.with_header(|p| {
             p[off::MAGIC..off::MAGIC + 8].copy_from_slice(header::MAGIC);
             header::put_u32(p, off::VERSION, header::VERSION);
             header::put_u32(p, off::GRAD_DTYPE, grad.code());
+            header::put_u32(p, off::STATE_DTYPE, states.code());
             header::put_u64(p, off::FINGERPRINT, fp);
             header::put_u64(p, off::TOTAL_LEN, total as u64);
         });
@@ -435,22 +427,23 @@ impl HostStore {
         let n = loc.len;
         // SAFETY: `loc` was planned inside the mapping (`plan` sums every region into
         // `total_len`, the mapping's size); its metadata page and regions are disjoint,
-        // page-aligned (so the u64/f32/bf16 casts are aligned), and disjoint from every other
-        // record and the header. The record's mutex, held by the returned guard, makes these the
-        // only references, and the guard's fields are private so none outlives the lock.
+        // page-aligned (so the u64/f32/bf16 casts are aligned), each at least as long as the
+        // slice made of it, and disjoint from every other record and the header. The record's
+        // mutex, held by the returned guard, makes these the only references, and the guard's
+        // fields are private so none outlives the lock.
         unsafe {
             let at = |o: usize| self.base.add(loc.base + o);
             let applied = &mut *at(0).cast::<u64>();
-            let master = std::slice::from_raw_parts_mut(at(PAGE).cast::<f32>(), n);
-            let m = std::slice::from_raw_parts_mut(at(PAGE + loc.f32_region).cast::<f32>(), n);
-            let v = std::slice::from_raw_parts_mut(at(PAGE + 2 * loc.f32_region).cast::<f32>(), n);
-            let g = at(PAGE + 3 * loc.f32_region);
+            let master = std::slice::from_raw_parts_mut(at(loc.master_off()).cast::<f32>(), n);
+            let m = std::slice::from_raw_parts_mut(at(loc.m_off()), loc.moment_bytes);
+            let v = std::slice::from_raw_parts_mut(at(loc.v_off()), loc.moment_bytes);
+            let g = at(loc.grad_off());
             let grad = match self.grad {
                 GradDtype::F32 => Some(GradMut::F32(std::slice::from_raw_parts_mut(g.cast::<f32>(), n))),
                 GradDtype::Bf16 => Some(GradMut::Bf16(std::slice::from_raw_parts_mut(g.cast::<bf16>(), n))),
                 GradDtype::None => None,
             };
-            RecordGuard { master, m, v, grad, applied, _lock: lock }
+            RecordGuard { master, m, v, grad, applied, states: self.states, _lock: lock }
         }
     }
 
@@ -503,12 +496,14 @@ impl HostStore {
     /// backend's `unsafe`, under its own invariant.
     pub fn record_addrs(&self, u: Unit) -> RecordAddrs {
         let loc = self.records[u.index()];
-        let at = self.base as usize + loc.base + PAGE;
+        let at = self.base as usize + loc.base;
         RecordAddrs {
-            master: at,
-            m: at + loc.f32_region,
-            v: at + 2 * loc.f32_region,
-            grad: at + 3 * loc.f32_region,
+            master: at + loc.master_off(),
+            m: at + loc.m_off(),
+            v: at + loc.v_off(),
+            moment_bytes: loc.moment_bytes,
+            states: self.states,
+            grad: at + loc.grad_off(),
             len: loc.len,
             grad_dtype: self.grad,
         }
@@ -539,6 +534,11 @@ impl HostStore {
         self.grad
     }
 
+    /// The AdamW moments' encoding (`--optim-states`), recorded in the header.
+    pub fn state_dtype(&self) -> StateDtype {
+        self.states
+    }
+
     /// Backing file, if file-backed.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
@@ -549,7 +549,8 @@ impl HostStore {
         self.total_len
     }
 
-    /// Arena bytes per model parameter (14 for bf16 gradients, 16 for fp32, plus padding).
+    /// Arena bytes per model parameter (with fp32 moments 14 for bf16 gradients, 16 for fp32;
+    /// `4 + 2·s + g` for moments of `s` bytes and gradients of `g`; plus padding).
     pub fn bytes_per_param(&self) -> f64 {
         self.total_len as f64 / self.layout.n_params() as f64
     }

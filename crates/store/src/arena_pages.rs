@@ -7,7 +7,6 @@ use memmap2::Advice;
 use mt_core::{Error, Result, Unit};
 
 use super::{round_page, GradDtype, HostStore};
-use crate::PAGE;
 
 impl HostStore {
     /// Pre-faults an anonymous store's pages for writing (`MADV_POPULATE_WRITE`, in parallel
@@ -45,7 +44,7 @@ impl HostStore {
         // Held so that no guard of this record is alive (none can be: it would be this lock).
         let _lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
         let loc = self.records[idx];
-        let (off, len) = (loc.base + PAGE + 3 * loc.f32_region, round_page(loc.len * self.grad.size()));
+        let (off, len) = (loc.base + loc.grad_off(), round_page(loc.len * self.grad.size()));
         // SAFETY: the range is the record's page-aligned gradient region, inside the private
         // anonymous mapping (`plan`), and the record's lock is held, so no slice of it is alive:
         // every later access goes through a new guard, which reads the zero pages the kernel

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use mt_core::{Error, Result};
+use mt_core::{Error, Result, StateDtype};
 
 use super::HostStore;
 
@@ -30,11 +30,19 @@ impl HostStore {
         crate::par_copy(&mut p.master[range.clone()], data);
         // Zero the moments only where they are not zero already: reading a never-written page
         // of an anonymous or sparse mapping maps the shared zero page, writing would allocate
-        // it, so importing into a fresh store keeps its moments out of RAM until training.
-        for region in [&mut p.m[range.clone()], &mut p.v[range]] {
-            region.par_chunks_mut(BLOCK).for_each(|block| {
-                if block.iter().any(|&x| x.to_bits() != 0) {
-                    block.fill(0.0);
+        // it, so importing into a fresh store keeps its moments out of RAM until training. Zero
+        // bytes are zero moments in every encoding (an 8-bit block's codes 0 decode to 0
+        // whatever its scale).
+        let per = match p.states {
+            StateDtype::F32 => 4,
+            StateDtype::Bf16 => 2,
+            StateDtype::Int8 => 1,
+        };
+        let bytes = per * range.start..per * range.end;
+        for region in [&mut p.m[bytes.clone()], &mut p.v[bytes]] {
+            region.par_chunks_mut(4 * BLOCK).for_each(|block| {
+                if block.iter().any(|&x| x != 0) {
+                    block.fill(0);
                 }
             });
         }

@@ -1,4 +1,5 @@
-//! The store's header page: identity (magic, version, layout fingerprint, gradient dtype) and the
+//! The store's header page: identity (magic, version, layout fingerprint, gradient dtype, the
+//! moments' encoding) and the
 //! small mutable training state that must travel with the records (optimizer step, pending update).
 
 use mt_core::ModelLayout;
@@ -44,6 +45,9 @@ pub(crate) mod off {
     pub(crate) const PENDING_LR: usize = 64;
     /// Non-zero while an engine holds units whose newest state is on its device only.
     pub(crate) const DEVICE_OWNED: usize = 72;
+    /// The moments' encoding (`mt_core::StateDtype::code`; 0, in stores written before it was
+    /// recorded, reads as fp32).
+    pub(crate) const STATE_DTYPE: usize = 80;
     /// Steps that applied no update (a non-finite loss or gradient): the run's global step is
     /// `STEP + SKIPPED` (+1 while an update is pending). Apart from the optimizer's fields.
     pub(crate) const SKIPPED: usize = 128;

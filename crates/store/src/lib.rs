@@ -6,11 +6,13 @@
 //! [`mt_core::UnitLayout`]:
 //!
 //! ```text
-//! [ header page ][ unit 0: meta page | master f32 | m f32 | v f32 | grad (f32|bf16|none) ][ unit 1: ... ]
+//! [ header page ][ unit 0: meta page | master f32 | m | v | grad (f32|bf16|none) ][ unit 1: ... ]
 //! ```
 //!
-//! Exact mode keeps a bf16 gradient buffer: 4 + 4 + 4 + 2 = 14 bytes per parameter; lean mode
-//! keeps none: 12. A record's meta page holds the number of optimizer updates applied to the
+//! The moments are the bytes of their encoding (`mt_core::StateDtype`, recorded in the header;
+//! mt-optim reads and writes it): fp32, bf16 or 8-bit blockwise, `s` = 4, 2 or 1 byte a parameter
+//! each (8-bit adds an f32 scale per 256). Exact mode keeps a bf16 gradient buffer: 4 + 2·s + 2 =
+//! 14, 10 or 8 bytes per parameter; lean mode keeps none: 12, 8 or 6. A record's meta page holds the number of optimizer updates applied to the
 //! unit, so an update is applied exactly once even if a step fails half-way and is retried.
 //!
 //! Architecture Invariant: the store knows nothing about devices, streams or tensors. It hands
@@ -20,15 +22,15 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod arena;
+mod grad;
 mod header;
 mod host_vec;
 mod pinned;
 mod snapshot;
 mod staging;
 
-pub use arena::{
-    GradDtype, GradMut, GradRef, HostStore, RecordAddrs, RecordGuard, RecordParts, RecordPartsMut, StoreState,
-};
+pub use arena::{HostStore, RecordAddrs, RecordGuard, RecordParts, RecordPartsMut, StoreState};
+pub use grad::{GradDtype, GradMut, GradRef};
 pub use host_vec::{par_copy, HostVec, PinError};
 pub use pinned::PinnedRecords;
 pub use staging::{Staging, UploadDtype};

@@ -5,7 +5,9 @@
 //! holding the header page and, per record, the meta page and the master, m and v regions. The
 //! gradient regions are left as holes (sparse, no disk blocks): a snapshot is only taken with no
 //! update pending, when the gradient buffer holds nothing the next step needs. That makes a
-//! checkpoint 12 bytes per parameter on disk whatever the gradient dtype.
+//! checkpoint `4 + 2·s` bytes per parameter on disk whatever the gradient dtype: 12 with fp32
+//! moments, 8 with bf16, 6 with 8-bit (`--optim-states`; the header records it, and a store
+//! keeping another encoding refuses the snapshot).
 //!
 //! Crash consistency: the file is written as `PATH.tmp`, synced, and renamed to `PATH`; a reader
 //! never sees a half-written snapshot under the final name. Writing the manifest that points at
@@ -15,7 +17,7 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use mt_core::{Error, Result, Unit};
+use mt_core::{Error, Result, StateDtype, Unit};
 
 use crate::arena::HostStore;
 use crate::header::{self, off};
@@ -55,24 +57,28 @@ impl HostStore {
                 let mut meta = [0u8; 8];
                 meta.copy_from_slice(&r.applied_step().to_le_bytes());
                 file.write_all_at(&meta, loc.base as u64).map_err(io(&tmp))?;
-                for (k, region) in [r.master(), r.m(), r.v()].into_iter().enumerate() {
+                let n = r.master().len();
+                let regions: [(&[u8], usize, StateDtype); 3] = [
+                    (bytemuck::cast_slice(r.master()), loc.master_off(), StateDtype::F32),
+                    (r.m(), loc.m_off(), self.state_dtype()),
+                    (r.v(), loc.v_off(), self.state_dtype()),
+                ];
+                for (k, (region, off, dtype)) in regions.into_iter().enumerate() {
                     // Never a checkpoint of a poisoned state (the engine skips non-finite steps, so
                     // this is a last line of defence: one more read of data on its way to disk).
-                    if let Some(at) = region.iter().position(|x| !x.is_finite()) {
+                    if let Some((at, x)) = dtype.first_non_finite(n, region) {
                         return Err(Error::Store {
                             path: path.to_owned(),
                             msg: format!(
-                                "{:?}'s {} holds {} at element {at}: no checkpoint is written from a \
+                                "{:?}'s {} holds {x} at element {at}: no checkpoint is written from a \
                                  non-finite state",
                                 self.unit_at(i),
                                 ["master weights", "first moment", "second moment"][k],
-                                region[at]
                             ),
                         });
                     }
-                    let at = (loc.base + PAGE + k * loc.f32_region) as u64;
-                    file.write_all_at(bytemuck::cast_slice(region), at).map_err(io(&tmp))?;
-                    written += (region.len() * 4) as u64;
+                    file.write_all_at(region, (loc.base + off) as u64).map_err(io(&tmp))?;
+                    written += region.len() as u64;
                 }
             }
             file.sync_all().map_err(io(&tmp))?;
@@ -92,10 +98,11 @@ impl HostStore {
     }
 
     /// Replaces this store's training state with the snapshot at `path` (written by
-    /// [`HostStore::write_snapshot`] for the same model layout and gradient dtype) and returns
-    /// the restored header state. The gradient buffer is zeroed. Nothing is changed if the
-    /// snapshot is refused (wrong model or gradient dtype, truncated, pending update); a read
-    /// error part-way leaves the store partly overwritten, so the caller must then discard it.
+    /// [`HostStore::write_snapshot`] for the same model layout, gradient dtype and moments'
+    /// encoding) and returns the restored header state. The gradient buffer is zeroed. Nothing is
+    /// changed if the snapshot is refused (wrong model, gradient dtype or optimizer states,
+    /// truncated, pending update); a read error part-way leaves the store partly overwritten, so
+    /// the caller must then discard it.
     pub fn restore_snapshot(&self, path: &Path) -> Result<StoreState> {
         let io = |source| Error::Io { path: path.to_owned(), source };
         let bad = |msg: String| Error::Store { path: path.to_owned(), msg };
@@ -126,6 +133,14 @@ impl HostStore {
                 self.grad_dtype()
             )));
         }
+        let states = StateDtype::from_code(header::get_u32(&page, off::STATE_DTYPE));
+        if states != Some(self.state_dtype()) {
+            let theirs = states.map_or("an unknown encoding of".to_owned(), |s| s.name().to_owned());
+            return Err(bad(format!(
+                "the snapshot keeps {theirs} optimizer states and this run {} ones; resume with --optim-states {theirs}",
+                self.state_dtype()
+            )));
+        }
         if size != self.total_len as u64 || header::get_u64(&page, off::TOTAL_LEN) != self.total_len as u64 {
             return Err(bad(format!(
                 "file is {size} bytes, the layout needs {} (truncated?)",
@@ -140,9 +155,13 @@ impl HostStore {
             let mut meta = [0u8; 8];
             file.read_exact_at(&mut meta, loc.base as u64).map_err(io)?;
             let p = r.parts();
-            for (k, region) in [p.master, p.m, p.v].into_iter().enumerate() {
-                let at = (loc.base + PAGE + k * loc.f32_region) as u64;
-                file.read_exact_at(bytemuck::cast_slice_mut(region), at).map_err(io)?;
+            let regions: [(&mut [u8], usize); 3] = [
+                (bytemuck::cast_slice_mut(p.master), loc.master_off()),
+                (p.m, loc.m_off()),
+                (p.v, loc.v_off()),
+            ];
+            for (region, off) in regions {
+                file.read_exact_at(region, (loc.base + off) as u64).map_err(io)?;
             }
             match r.grad_mut() {
                 Some(crate::GradMut::F32(g)) => g.fill(0.0),

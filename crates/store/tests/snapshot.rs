@@ -2,7 +2,7 @@
 //! bitwise into another store, takes no disk blocks for gradients, and is refused when it does
 //! not belong to the store or an update is pending.
 
-use mt_core::{ModelConfig, ModelLayout, Unit};
+use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
 use mt_store::{GradDtype, GradMut, HostStore, StoreState};
 
 fn layout() -> ModelLayout {
@@ -18,11 +18,13 @@ fn fill(store: &HostStore, salt: f32) {
         for (i, x) in p.master.iter_mut().enumerate() {
             *x = salt + k + i as f32 * 1e-3;
         }
+        // The moments are bytes of their encoding, whatever it is; below 0x40 each, so every
+        // f32 or bf16 they make is finite (snapshots refuse non-finite states).
         for (i, x) in p.m.iter_mut().enumerate() {
-            *x = -(salt + k) - i as f32 * 1e-4;
+            *x = (salt as usize + 3 * i + u.index()) as u8 & 0x3F;
         }
         for (i, x) in p.v.iter_mut().enumerate() {
-            *x = (salt + k) * 1e-2 + i as f32 * 1e-6;
+            *x = (salt as usize * 7 + i + 5 * u.index()) as u8 & 0x3F;
         }
         if let Some(GradMut::Bf16(g)) = r.grad_mut() {
             g.fill(half::bf16::from_f32(salt + 1.0));
@@ -72,6 +74,34 @@ fn a_snapshot_restores_the_training_state_bitwise() {
     // A snapshot is a valid store file.
     let opened = HostStore::open(&path, &layout()).unwrap();
     same(&src, &opened);
+}
+
+/// With bf16 or 8-bit moments a snapshot holds `4 + 2·s` bytes a parameter (8, 6 and the 8-bit
+/// scales), restores bitwise, and is refused by a store keeping another encoding, naming both.
+#[test]
+fn snapshots_of_every_state_dtype_round_trip_and_refuse_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    let len = |u| l.unit(u).len;
+    for states in StateDtype::ALL {
+        let src = HostStore::anonymous_with(&l, GradDtype::Bf16, states).unwrap();
+        assert_eq!(src.state_dtype(), states);
+        fill(&src, 3.0);
+        let path = dir.path().join(format!("{states}.store"));
+        let n = src.write_snapshot(&path).unwrap() as usize;
+        let want: usize = l.units().map(|u| 4 * len(u) + 2 * states.moment_bytes(len(u))).sum();
+        assert_eq!(n, 4096 + want, "{states}");
+        let dst = HostStore::anonymous_with(&l, GradDtype::Bf16, states).unwrap();
+        dst.restore_snapshot(&path).unwrap();
+        same(&src, &dst);
+        assert_eq!(HostStore::open(&path, &l).unwrap().state_dtype(), states, "the header records it");
+        for other in StateDtype::ALL.into_iter().filter(|&o| o != states) {
+            let dst = HostStore::anonymous_with(&l, GradDtype::Bf16, other).unwrap();
+            let e = dst.restore_snapshot(&path).unwrap_err().to_string();
+            let want = format!("keeps {states} optimizer states and this run {other} ones; resume with --optim-states {states}");
+            assert!(e.contains(&want), "{e}");
+        }
+    }
 }
 
 #[test]
@@ -128,12 +158,33 @@ fn snapshots_are_refused_when_they_do_not_belong() {
 
 #[test]
 fn no_snapshot_is_written_from_a_non_finite_state() {
-    let store = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
-    fill(&store, 1.0);
-    store.record(Unit::Layer(1)).parts().m[5] = f32::INFINITY;
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("s.store");
-    let e = store.write_snapshot(&path).unwrap_err().to_string();
-    assert!(e.contains("Layer(1)'s first moment holds inf at element 5"), "{e}");
-    assert!(std::fs::read_dir(d.path()).unwrap().next().is_none(), "no file, not even a .tmp");
+    // (encoding, the first moment's bytes to poison, the element the refusal names)
+    let poison: [(StateDtype, std::ops::Range<usize>, [u8; 4], usize); 3] = [
+        (StateDtype::F32, 20..24, f32::INFINITY.to_ne_bytes(), 5),
+        (StateDtype::Bf16, 10..12, [0x80, 0x7F, 0, 0], 5),
+        // The second 8-bit block's step (the codes themselves are always finite).
+        (StateDtype::Int8, 0..0, f32::INFINITY.to_ne_bytes(), 256),
+    ];
+    for (states, bytes, value, at) in poison {
+        let store = HostStore::anonymous_with(&layout(), GradDtype::Bf16, states).unwrap();
+        fill(&store, 1.0);
+        {
+            let mut r = store.record(Unit::Layer(1));
+            let n = r.master().len();
+            let p = r.parts();
+            let range = if states == StateDtype::Int8 {
+                let s = StateDtype::scales_offset(n) + 4;
+                s..s + 4
+            } else {
+                bytes
+            };
+            let k = range.len();
+            p.m[range].copy_from_slice(&value[..k]);
+        }
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("s.store");
+        let e = store.write_snapshot(&path).unwrap_err().to_string();
+        assert!(e.contains(&format!("Layer(1)'s first moment holds inf at element {at}")), "{states}: {e}");
+        assert!(std::fs::read_dir(d.path()).unwrap().next().is_none(), "no file, not even a .tmp");
+    }
 }

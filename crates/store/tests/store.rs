@@ -1,6 +1,6 @@
 //! Host store behaviour: layout, persistence across reopen, refusal of foreign or damaged files.
 
-use mt_core::{ModelConfig, ModelLayout, Unit};
+use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
 use mt_store::{GradDtype, GradMut, HostStore, StoreState, PAGE};
 
 fn layout() -> ModelLayout {
@@ -15,6 +15,16 @@ fn bytes_per_param_is_12_without_grads_14_with_bf16_and_16_with_f32() {
     for (g, lo) in [(GradDtype::None, 12.0), (GradDtype::Bf16, 14.0), (GradDtype::F32, 16.0)] {
         let s = HostStore::anonymous(&l, g).unwrap();
         assert!((lo..lo + 0.8).contains(&s.bytes_per_param()), "{g:?}: {}", s.bytes_per_param());
+    }
+    // Moments of 2 and 1 bytes: 4 + 2·s + g (8-bit scales add 8/256).
+    for (states, g, lo) in [
+        (StateDtype::Bf16, GradDtype::Bf16, 10.0),
+        (StateDtype::Bf16, GradDtype::None, 8.0),
+        (StateDtype::Int8, GradDtype::Bf16, 8.03),
+        (StateDtype::Int8, GradDtype::None, 6.03),
+    ] {
+        let s = HostStore::anonymous_with(&l, g, states).unwrap();
+        assert!((lo..lo + 0.8).contains(&s.bytes_per_param()), "{states} {g:?}: {}", s.bytes_per_param());
     }
 }
 
@@ -37,6 +47,7 @@ fn records_are_page_aligned_and_disjoint() {
             assert_eq!(p % PAGE, 0);
             spans.push((p, p + r.master().len() * 4));
         }
+        assert_eq!(r.m().len(), r.master().len() * 4, "fp32 moments");
         let Some(GradMut::Bf16(g)) = r.grad_mut() else { panic!("expected bf16 grads") };
         spans.push((g.as_ptr() as usize, g.as_ptr() as usize + g.len() * 2));
     }
@@ -57,7 +68,7 @@ fn params_survive_reopen_and_state_is_persisted() {
     {
         let s = HostStore::create(&path, &l, GradDtype::F32).unwrap();
         s.write_param(name, &data).unwrap();
-        s.record(Unit::Layer(2)).parts().m[7] = 3.25;
+        s.record(Unit::Layer(2)).parts().m[7] = 0x7e;
         s.record(Unit::Layer(2)).set_applied_step(5);
         s.set_state(StoreState {
             step: 7,
@@ -70,7 +81,7 @@ fn params_survive_reopen_and_state_is_persisted() {
     }
     let s = HostStore::open(&path, &l).unwrap();
     assert_eq!(s.read_param(name).unwrap(), data);
-    assert_eq!(s.record(Unit::Layer(2)).m()[7], 3.25);
+    assert_eq!(s.record(Unit::Layer(2)).m()[7], 0x7e);
     assert_eq!(s.record(Unit::Layer(2)).applied_step(), 5);
     assert_eq!(
         s.state(),
@@ -82,6 +93,29 @@ fn params_survive_reopen_and_state_is_persisted() {
             grad_norm: 2.0
         }
     );
+}
+
+/// A file-backed store records its moments' encoding; reopened, it keeps it, and its records are
+/// laid out for it (reading and writing the whole moments).
+#[test]
+fn the_header_records_the_state_dtype() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = layout();
+    for states in StateDtype::ALL {
+        let path = dir.path().join(format!("{states}.mt"));
+        {
+            let s = HostStore::create_with(&path, &l, GradDtype::Bf16, states).unwrap();
+            let mut r = s.record(Unit::Outer);
+            assert_eq!(r.states(), states);
+            let p = r.parts();
+            assert_eq!(p.m.len(), states.moment_bytes(l.outer.len));
+            p.v.fill(0xab);
+        }
+        let s = HostStore::open(&path, &l).unwrap();
+        assert_eq!(s.state_dtype(), states);
+        assert!(s.record(Unit::Outer).v().iter().all(|&b| b == 0xab));
+        assert_eq!(s.record_addrs(Unit::Layer(0)).moment_bytes, states.moment_bytes(l.layer.len));
+    }
 }
 
 #[test]
@@ -145,8 +179,8 @@ fn release_grad_zeroes_only_that_units_gradient() {
             let p = r.parts();
             let k = u.index() as f32;
             p.master.fill(k + 1.0);
-            p.m.fill(k + 2.0);
-            p.v.fill(k + 3.0);
+            p.m.fill(u.index() as u8 + 2);
+            p.v.fill(u.index() as u8 + 3);
             if let Some(GradMut::F32(g)) = r.grad_mut() {
                 g.fill(k + 4.0);
             }
@@ -159,8 +193,9 @@ fn release_grad_zeroes_only_that_units_gradient() {
     for u in l.units() {
         let r = s.record(u);
         let k = u.index() as f32;
-        assert!(r.master().iter().all(|&x| x == k + 1.0) && r.m().iter().all(|&x| x == k + 2.0));
-        assert!(r.v().iter().all(|&x| x == k + 3.0));
+        let i = u.index() as u8;
+        assert!(r.master().iter().all(|&x| x == k + 1.0) && r.m().iter().all(|&x| x == i + 2));
+        assert!(r.v().iter().all(|&x| x == i + 3));
         let g = r.grad().unwrap().to_f32(0, r.master().len());
         let want = if u == Unit::Layer(1) { 0.0 } else { k + 4.0 };
         assert!(g.iter().all(|&x| x == want), "{u:?}");

@@ -94,7 +94,7 @@ pub(crate) struct Output {
 }
 
 /// Everything a run will write, with its size: the export into `--out` (the weights in the export
-/// dtype), the checkpoints (`--keep-checkpoints` + 1 snapshots of 12 B/param at once, less those
+/// dtype), the checkpoints (`--keep-checkpoints` + 1 snapshots of 12, 8 or 6 B/param at once, less those
 /// already there) and a new `--store` file.
 pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
     let mut out = Vec::new();
@@ -110,7 +110,7 @@ pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
         });
     }
     if let (Some(dir), true) = (c.checkpoint_dir(), c.save_every > 0) {
-        let snapshot = mt_sched::plan::store_bytes(layout, GradDtype::None);
+        let snapshot = mt_sched::plan::store_bytes(layout, GradDtype::None, c.optim_states);
         let there: u64 = std::fs::read_dir(&dir)
             .map(|d| {
                 d.flatten()
@@ -138,7 +138,7 @@ pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
         out.push(Output {
             dir,
             what: "the --store file".into(),
-            bytes: mt_sched::plan::store_bytes(layout, c.grad_dtype()),
+            bytes: mt_sched::plan::store_bytes(layout, c.grad_dtype(), c.optim_states),
         });
     }
     out
@@ -211,6 +211,7 @@ pub(crate) fn room_refusal(outs: &[&Output], free: u64) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mt_core::StateDtype;
 
     fn o(what: &str, bytes: u64) -> Output {
         Output { dir: PathBuf::from("/x"), what: what.into(), bytes }
@@ -248,10 +249,17 @@ mod tests {
         };
         let layout = ModelLayout::new(&ModelConfig::tiny_llama());
         let outs = outputs(&c, &layout);
-        let snapshot = mt_sched::plan::store_bytes(&layout, GradDtype::None);
+        let snapshot = mt_sched::plan::store_bytes(&layout, GradDtype::None, StateDtype::F32);
         assert_eq!(outs.len(), 2);
         assert_eq!(outs[0].bytes, 4 * layout.n_params() as u64);
         assert_eq!(outs[1].bytes, 3 * snapshot);
         assert_eq!(outs[1].dir, PathBuf::from("/nonexistent/out/checkpoints"));
+        // With 8-bit moments each snapshot is the smaller store's.
+        let int8 = outputs(&TrainConfig { optim_states: StateDtype::Int8, ..c }, &layout);
+        assert_eq!(
+            int8[1].bytes,
+            3 * mt_sched::plan::store_bytes(&layout, GradDtype::None, StateDtype::Int8)
+        );
+        assert!(int8[1].bytes < outs[1].bytes / 2 + outs[1].bytes / 8);
     }
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 use mt_core::ModelConfig;
+use mt_core::StateDtype;
 use mt_sched::OptimMode;
 use mt_store::GradDtype;
 
@@ -205,6 +206,11 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// Gradient dtype of a new store; `None`: [`Precision::default_grad_dtype`].
     pub grad_dtype: Option<GradDtype>,
+    /// Precision of the AdamW moments (`--optim-states`): fp32 (the update is torch's, 12 B/param
+    /// of master and moments), bf16 (8) or int8 (6), both rounded stochastically
+    /// (`docs/decisions/0033-optimizer-state-precision.md`). The store records it; a resume with
+    /// another is refused.
+    pub optim_states: StateDtype,
     /// Device memory the plan may assume, GiB; `None`: the GPU's (on the CPU: host memory).
     pub gpu_mem_gib: Option<f64>,
     /// Host memory the plan may assume, GiB; `None`: MemAvailable.
@@ -282,6 +288,7 @@ impl Default for TrainConfig {
             device: Device::Cpu,
             precision: Precision::Fp32,
             grad_dtype: None,
+            optim_states: StateDtype::F32,
             gpu_mem_gib: None,
             host_mem_gib: None,
             store: None,

@@ -69,6 +69,7 @@ pub fn plan_for(
         seq: c.seq_len,
         weight_dtype: c.precision.dtype(),
         grad_dtype: c.grad_dtype(),
+        state_dtype: c.optim_states,
         mode: c.optim_mode,
         gpu_bytes: device_bytes,
         host_bytes,

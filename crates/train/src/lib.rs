@@ -34,6 +34,7 @@ mod observer;
 mod oom;
 mod restore;
 pub mod schedule;
+mod states;
 mod summary;
 mod trainer;
 
@@ -44,6 +45,7 @@ pub use config::{
 pub use error::{Error, Result};
 pub use host::plan_for;
 pub use model::{ModelSource, BUILTIN_MODEL};
+pub use mt_core::StateDtype;
 pub use mt_hf::ExportDtype;
 pub use mt_layers::RopeAngles;
 pub use mt_sched::placement::DeviceKind;

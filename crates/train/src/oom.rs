@@ -45,6 +45,7 @@ mod tests {
             seq: 16,
             weight_dtype: candle_core::DType::BF16,
             grad_dtype: mt_store::GradDtype::Bf16,
+            state_dtype: mt_core::StateDtype::F32,
             mode: mt_sched::OptimMode::Exact,
             gpu_bytes: 80 << 30,
             host_bytes: 64 << 30,

@@ -41,7 +41,7 @@ pub(crate) enum Opened {
 /// file that a killed run left mid-step is refused unless `resume` restores a checkpoint into it.
 pub(crate) fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostStore, Opened)> {
     let Some(path) = &c.store else {
-        let s = HostStore::anonymous(layout, c.grad_dtype())
+        let s = HostStore::anonymous_with(layout, c.grad_dtype(), c.optim_states)
             .context_with(|| "allocating the host store".into())?;
         return Ok((s, Opened::New));
     };
@@ -49,6 +49,7 @@ pub(crate) fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostS
         let s = HostStore::open(path, layout).context_with(|| {
             format!("cannot resume from --store {} (is it for this model?)", path.display())
         })?;
+        crate::states::check_store(path, &s, c.optim_states)?;
         if c.resume {
             return Ok((s, Opened::Reused));
         }
@@ -62,7 +63,7 @@ pub(crate) fn open_store(c: &TrainConfig, layout: &ModelLayout) -> Result<(HostS
         }
         Ok((s, Opened::Continued))
     } else {
-        let s = HostStore::create(path, layout, c.grad_dtype())
+        let s = HostStore::create_with(path, layout, c.grad_dtype(), c.optim_states)
             .context_with(|| format!("cannot create --store {}", path.display()))?;
         Ok((s, Opened::New))
     }
@@ -132,8 +133,8 @@ fn reset_store(store: &HostStore) {
     for u in store.layout().units() {
         let mut r = store.record(u);
         let p = r.parts();
-        p.m.fill(0.0);
-        p.v.fill(0.0);
+        p.m.fill(0);
+        p.v.fill(0);
         match r.grad_mut() {
             Some(mt_store::GradMut::F32(g)) => g.fill(0.0),
             Some(mt_store::GradMut::Bf16(g)) => g.fill(Default::default()),
@@ -156,6 +157,10 @@ fn restore_checkpoint(
     m: &Manifest,
 ) -> Result<()> {
     let refused = |why: String| Error::Checkpoint(format!("cannot resume from {}: {why}", path.display()));
+    // The optimizer states first, in words.
+    if let Some(why) = crate::states::checkpoint_refusal(m, c.optim_states) {
+        return Err(refused(why));
+    }
     checkpoint::check_same_run(m, defining).map_err(|e| refused(e.to_string()))?;
     // A --store file reused under --resume may carry a killed run's marks; the snapshot is whole.
     store.set_device_owned(false);

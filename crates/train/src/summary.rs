@@ -46,6 +46,8 @@ pub struct TrainSummary {
     pub store_bytes: usize,
     /// Host store bytes per parameter.
     pub store_bytes_per_param: f64,
+    /// The precision of the store's AdamW moments.
+    pub optim_states: mt_core::StateDtype,
     /// Resident set size of the process at the end (`None` where it cannot be read).
     pub rss_bytes: Option<u64>,
     /// Model FLOPs per step (the planner's `6·N·T + attention`).
@@ -256,9 +258,10 @@ impl fmt::Display for TrainSummary {
         };
         writeln!(
             f,
-            "host store: {}, {:.2} bytes/param ({place})",
+            "host store: {}, {:.2} bytes/param ({} optimizer states, {place})",
             mb(self.store_bytes as f64),
-            self.store_bytes_per_param
+            self.store_bytes_per_param,
+            self.optim_states
         )?;
         if let Some(rss) = self.rss_bytes {
             writeln!(
@@ -411,6 +414,7 @@ mod tests {
             wall_s: 3.5,
             store_bytes: 140,
             store_bytes_per_param: 14.0,
+            optim_states: mt_core::StateDtype::F32,
             rss_bytes: Some(200),
             flops_per_step: 8e12,
             later_step_s: Some(2.0),

@@ -352,6 +352,7 @@ impl<O: Observer> Trainer<O> {
             wall_s: self.t0.elapsed().as_secs_f64(),
             store_bytes: self.store.bytes(),
             store_bytes_per_param: self.store.bytes_per_param(),
+            optim_states: self.store.state_dtype(),
             rss_bytes: rss_bytes(),
             planned_host_bytes: planned_host_bytes(&self.plan, c.device),
             kept_bytes: (self.totals.kept_bytes(), self.plan.gpu.kept),
@@ -507,7 +508,7 @@ fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
         DataSource::File(p) => (p.file_name().map(|n| n.to_string_lossy().into_owned()), None),
         other => (Some(describe_source(other)), None),
     };
-    Ok(serde_json::json!({
+    let mut defining = serde_json::json!({
         "model_config": model.cfg.to_hf_json(),
         "batch_size": c.batch_size,
         "seq_len": c.seq_len,
@@ -532,5 +533,7 @@ fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
         "beta1": c.beta1,
         "beta2": c.beta2,
         "eps": c.eps,
-    }))
+    });
+    crate::states::define(&mut defining, c.optim_states);
+    Ok(defining)
 }

@@ -1,6 +1,7 @@
 //! Our CUDA kernels (`kernels/*.cu`) as candle custom ops: compiled once per process with NVRTC
 //! for the device's architecture (no nvcc at build time, so the CPU-only CI and the GPU machine
-//! build the same way), loaded through candle's module cache and launched on candle's stream.
+//! build the same way; one release binary serves compute capability 8.0 to 9.0), loaded through
+//! candle's module cache and launched on candle's stream.
 //!
 //! - [`causal_softmax`]: scale + causal mask + softmax of bf16 scores in one pass (bf16 out, and
 //!   each row's max and sum);
@@ -35,12 +36,44 @@ const THREADS: u32 = 256;
 
 type Compiled = OnceLock<std::result::Result<String, String>>;
 
+/// NVRTC's target: the virtual architecture of the process's GPU ([`note_device`]; one GPU per
+/// process), `compute_80` until a device is known (PTX that the driver compiles for any GPU of
+/// compute capability 8.0 or later: right everywhere, if not tuned for newer ones).
+static ARCH: OnceLock<&'static str> = OnceLock::new();
+
+/// The virtual architecture NVRTC targets for a GPU of compute capability `major.minor`: the
+/// newest of those our kernels are built and checked for that is not above it (A100 8.0, RTX 30xx
+/// 8.6, RTX 40xx / L40S 8.9, H100 / H200 9.0); a newer GPU gets `compute_90`, whose PTX its
+/// driver compiles forward.
+pub(crate) fn nvrtc_arch(major: i32, minor: i32) -> &'static str {
+    const ARCHS: [(i32, &str); 5] =
+        [(75, "compute_75"), (80, "compute_80"), (86, "compute_86"), (89, "compute_89"), (90, "compute_90")];
+    let cc = major * 10 + minor;
+    ARCHS.iter().rev().find(|(a, _)| *a <= cc).map_or(ARCHS[0].1, |(_, name)| name)
+}
+
+/// Records the process's GPU for NVRTC ([`ARCH`]; the first device noted wins) and returns its
+/// architecture. `MEGATRAIN_NVRTC_CC=80` (or 86, 89) compiles for that older capability instead:
+/// the A100's PTX on an H100, so one Hopper machine checks the portable build's kernels.
+pub(crate) fn note_device(dev: &candle_core::CudaDevice) -> &'static str {
+    ARCH.get_or_init(|| {
+        let found =
+            dev.cuda_stream().context().compute_capability().ok().map(|(major, minor)| major * 10 + minor);
+        let forced = std::env::var("MEGATRAIN_NVRTC_CC").ok().and_then(|s| s.trim().parse::<i32>().ok());
+        let cc = match (found, forced) {
+            (Some(d), Some(f)) => Some(d.min(f)),
+            (d, f) => d.or(f),
+        };
+        cc.map_or("compute_80", |cc| nvrtc_arch(cc / 10, cc % 10))
+    })
+}
+
 fn compile(cell: &'static Compiled, src: &str, name: &str) -> candle_core::Result<&'static str> {
     let r = cell.get_or_init(|| {
         // No FMA contraction: candle rounds every multiply and add separately, and the kernels
         // promise the same roundings (kernels/fused.cu).
         let opts = CompileOptions {
-            arch: Some("compute_90"),
+            arch: Some(ARCH.get().copied().unwrap_or("compute_80")),
             name: Some(name.into()),
             fmad: Some(false),
             ..Default::default()
@@ -171,7 +204,7 @@ pub(crate) use gemm::{accumulate_matmul_t, gemm_applies};
 mod norm;
 pub(crate) use norm::{rms_norm, rms_norm_backward};
 mod optim;
-pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials};
+pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials, Moments};
 mod softmax;
 pub(crate) use softmax::{causal_softmax, softmax_backward};
 mod flash;
@@ -315,17 +348,21 @@ impl CustomOp3 for Rope {
 }
 
 /// Whether the fused bf16 kernels apply to `x`: a bf16 tensor on a CUDA device of compute
-/// capability 9.0 or later (the PTX targets `compute_90`; older GPUs use the candle path).
+/// capability 8.0 or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). They use nothing newer
+/// than sm_80 (flash attention's `cp.async`, `ldmatrix` and bf16 `mma.sync`; the rest plain CUDA
+/// C), and every file compiles for sm_80, 86, 89 and 90 without spills beyond sm_90's
+/// (`docs/decisions/0034-gpu-portability.md`); older GPUs use the candle path.
 pub(crate) fn applies(x: &Tensor) -> bool {
     applies_on(x.device(), x.dtype())
 }
 
 /// [`applies`] for tensors of `dtype` on `device`.
 pub(crate) fn applies_on(device: &candle_core::Device, dtype: DType) -> bool {
-    static HOPPER: OnceLock<bool> = OnceLock::new();
+    static FUSED: OnceLock<bool> = OnceLock::new();
     match device {
-        candle_core::Device::Cuda(d) if dtype == DType::BF16 => *HOPPER.get_or_init(|| {
-            d.cuda_stream().context().compute_capability().is_ok_and(|(major, _)| major >= 9)
+        candle_core::Device::Cuda(d) if dtype == DType::BF16 => *FUSED.get_or_init(|| {
+            note_device(d);
+            d.cuda_stream().context().compute_capability().is_ok_and(|(major, _)| major >= 8)
         }),
         _ => false,
     }

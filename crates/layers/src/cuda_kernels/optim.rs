@@ -7,6 +7,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
+use mt_core::{StateDtype, Q8_BLOCK};
 use mt_optim::Coeffs;
 
 use super::{compile, grid_for, msg, with_bf16, Compiled};
@@ -26,25 +27,45 @@ fn sumsq_grid() -> LaunchConfig {
     }
 }
 
-fn ptx() -> candle_core::Result<&'static str> {
+/// The module's PTX for `dev`'s architecture (these kernels also run where the fused ones do
+/// not: a resident unit's AdamW with f32 weights).
+fn ptx(dev: &candle_core::CudaDevice) -> candle_core::Result<&'static str> {
     static PTX: Compiled = OnceLock::new();
+    super::note_device(dev);
     compile(&PTX, SOURCE, "adamw.cu")
 }
 
-/// `state = [master | m | v]` updated in place from `grad` (both f32, contiguous); with
-/// `weights` (a contiguous bf16 tensor of n elements, not `state` nor `grad`), the new master
-/// weights are also written there as bf16 in the same pass.
+/// The moments' encoding of a device update and its stochastic rounding's keys
+/// (`mt_optim::rounding_keys`; unused for fp32).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Moments {
+    pub(crate) dtype: StateDtype,
+    pub(crate) keys: [u32; 2],
+}
+
+/// `state = [master | m | v]` (f32 words, `StateDtype::state_words(n)`, the moments encoded as
+/// `mom.dtype` says) updated in place from `grad` (f32, contiguous); with `weights` (a
+/// contiguous bf16 tensor of n elements, not `state` nor `grad`), the new master weights are also
+/// written there as bf16 in the same pass.
 pub(crate) fn adamw(
     st: &mut CudaStorage,
     ls: &Layout,
     g: &CudaStorage,
     lg: &Layout,
     c: &Coeffs,
+    mom: Moments,
     weights: Option<&Tensor>,
 ) -> candle_core::Result<()> {
     let n = lg.shape().elem_count();
-    if !ls.is_contiguous() || !lg.is_contiguous() || ls.shape().elem_count() != 3 * n {
-        return Err(msg("device AdamW: state must be a contiguous [3 x n] and the gradient contiguous [n]"));
+    if !ls.is_contiguous() || !lg.is_contiguous() || ls.shape().elem_count() != mom.dtype.state_words(n) {
+        return Err(msg(format!(
+            "device AdamW: state must be a contiguous [master | m | v] of {} {} words and the gradient contiguous [n]",
+            mom.dtype.state_words(n),
+            mom.dtype
+        )));
+    }
+    if n >= 1 << 32 {
+        return Err(msg(format!("device AdamW: {n} parameters in one unit; the rounding draws index 2^32")));
     }
     match weights {
         Some(w) if w.elem_count() != n => {
@@ -53,23 +74,39 @@ pub(crate) fn adamw(
         Some(w) => with_bf16(w, |wv| {
             let stream = st.device().cuda_stream();
             let (ptr, _guard) = wv.device_ptr(&stream);
-            launch_adamw(st, ls, g, lg, c, n, ptr)
+            launch_adamw(st, ls, g, lg, c, mom, n, ptr)
         }),
-        None => launch_adamw(st, ls, g, lg, c, n, 0),
+        None => launch_adamw(st, ls, g, lg, c, mom, n, 0),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch_adamw(
     st: &mut CudaStorage,
     ls: &Layout,
     g: &CudaStorage,
     lg: &Layout,
     c: &Coeffs,
+    mom: Moments,
     n: usize,
     w_out: u64,
 ) -> candle_core::Result<()> {
     let dev = st.device().clone();
-    let func = dev.get_or_load_custom_func("mt_adamw", MODULE, ptx()?)?;
+    let (kernel, cfg) = match mom.dtype {
+        StateDtype::F32 => ("mt_adamw", grid_for(n)),
+        StateDtype::Bf16 => ("mt_adamw_bf16", grid_for(n)),
+        // One block of Q8_BLOCK threads per 8-bit block (the kernel's shared array and tree
+        // assume that size).
+        StateDtype::Int8 => (
+            "mt_adamw_q8",
+            LaunchConfig {
+                grid_dim: (n.div_ceil(Q8_BLOCK).clamp(1, 1 << 20) as u32, 1, 1),
+                block_dim: (Q8_BLOCK as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        ),
+    };
+    let func = dev.get_or_load_custom_func(kernel, MODULE, ptx(&dev)?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
     let mut ss = st.as_cuda_slice_mut::<f32>()?.slice_mut(ls.start_offset()..);
     let (n64, lerp_small) = (n as i64, i32::from(c.lerp_small));
@@ -86,14 +123,20 @@ fn launch_adamw(
     b.arg(&c.bc2_sqrt);
     b.arg(&c.eps);
     b.arg(&c.step_size);
+    let [key_m, key_v] = mom.keys;
+    if mom.dtype != StateDtype::F32 {
+        b.arg(&key_m);
+        b.arg(&key_v);
+    }
     b.arg(&w_out);
-    // SAFETY: the arguments match mt_adamw's signature (float*, const float*, long long, float,
-    // float, int, six floats, the weights' address as unsigned long long); the state holds 3·n
-    // f32, the gradient n (checked by `adamw`); `w_out` is 0 or the address of n bf16 of a live
-    // buffer distinct from both, under `with_bf16`'s (read) storage lock. Writing through it is
-    // sound because every compute op is issued from one thread onto candle's one stream, which
-    // orders each reader or writer of the slot with this kernel. One thread per element.
-    unsafe { b.launch(grid_for(n)) }.w()?;
+    // SAFETY: the arguments match the kernel's signature (mt_adamw: float*, const float*, long
+    // long, float, float, int, six floats, the weights' address; the bf16/q8 kernels: two unsigned
+    // keys before the address); the state holds `state_words(n)` f32 words laid out as the kernels
+    // derive from n (`StateDtype::moment_bytes`), the gradient n (checked by `adamw`); `w_out` is 0
+    // or n bf16 of a live buffer distinct from both, under `with_bf16`'s storage lock, written in
+    // order with its readers by candle's one stream, onto which one thread issues every compute
+    // op. mt_adamw_q8's blocks are Q8_BLOCK threads, as its shared array and tree assume.
+    unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }
 
@@ -113,7 +156,7 @@ impl CustomOp1 for SumSq {
         match g.dtype() {
             candle_core::DType::F32 => {
                 let gs = g.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
-                let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx()?)?;
+                let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx(dev)?)?;
                 let mut b = func.builder();
                 b.arg(&gs);
                 b.arg(&out);
@@ -125,7 +168,7 @@ impl CustomOp1 for SumSq {
             }
             candle_core::DType::BF16 => {
                 let gs = g.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..);
-                let func = dev.get_or_load_custom_func("mt_sumsq_bf16", MODULE, ptx()?)?;
+                let func = dev.get_or_load_custom_func("mt_sumsq_bf16", MODULE, ptx(dev)?)?;
                 let mut b = func.builder();
                 b.arg(&gs);
                 b.arg(&out);
@@ -156,7 +199,7 @@ pub(crate) fn narrow_bf16(
         return Err(msg("gradient narrowing: needs contiguous bf16 out and f32 gradient of one length"));
     }
     let dev = g.device().clone();
-    let func = dev.get_or_load_custom_func("mt_narrow_bf16", MODULE, ptx()?)?;
+    let func = dev.get_or_load_custom_func("mt_narrow_bf16", MODULE, ptx(&dev)?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
     let mut os = out.as_cuda_slice_mut::<half::bf16>()?.slice_mut(lo.start_offset()..);
     let n64 = n as i64;

@@ -13,8 +13,8 @@ pub use mt_train::{DataKind, DataSource};
 pub use train_args::{default_grad_dtype, TrainArgs};
 use values::{at_least_one, layer_count, mlp_rows, positive_f64, tflops_pair};
 pub use values::{
-    AttentionArg, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg, Precision,
-    ResidentOuter, RopeAnglesArg, ScheduleKind,
+    AttentionArg, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg,
+    OptimStatesArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
 };
 
 /// Train LLMs larger than GPU memory on one GPU by streaming layers through it.
@@ -71,6 +71,9 @@ pub struct EstimateArgs {
     /// fp32, bf16 with bf16].
     #[arg(long, value_enum)]
     pub grad_dtype: Option<GradDtypeArg>,
+    /// As `megatrain train --optim-states`: the AdamW moments in fp32, bf16 or int8.
+    #[arg(long, value_enum, default_value_t = OptimStatesArg::Fp32)]
+    pub optim_states: OptimStatesArg,
     /// The device the run would use: on `cpu` the device buffers are host memory too.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
@@ -111,7 +114,7 @@ pub struct EstimateArgs {
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub host_mem: Option<f64>,
     /// Compute capability of the GPU the estimate is for (`major.minor`, e.g. `8.0` for an A100).
-    /// At 9.0 and above bf16 runs through the fused kernels, whose transient memory the planner
+    /// At 8.0 and above bf16 runs through the fused kernels, whose transient memory the planner
     /// counts smaller than candle's ops' (bf16 scores and logits); `megatrain train` reads the
     /// real device instead.
     #[arg(long, default_value_t = 9.0, value_name = "MAJOR.MINOR", value_parser = positive_f64)]

@@ -13,7 +13,7 @@ use super::values::{
 };
 use super::{
     AttentionArg, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg,
-    Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
+    OptimStatesArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
 };
 
 /// The `--help` heading of the placement overrides.
@@ -147,6 +147,18 @@ pub struct TrainArgs {
         hide_possible_values = true
     )]
     pub grad_dtype: Option<GradDtypeArg>,
+
+    /// AdamW moments: fp32 (torch's update), or bf16 / int8 rounded stochastically; with the fp32
+    /// master weights 12, 8 or 6 B/param (the store's and every checkpoint's).
+    #[arg(
+        long,
+        value_enum,
+        default_value_t = OptimStatesArg::Fp32,
+        help_heading = "Device and memory",
+        value_name = "fp32|bf16|int8",
+        hide_possible_values = true
+    )]
+    pub optim_states: OptimStatesArg,
 
     /// Device memory the plan may assume, GiB [default: the GPU's; on the CPU, host memory].
     #[arg(long, value_name = "GIB", value_parser = positive_f64, help_heading = "Device and memory")]
@@ -312,6 +324,7 @@ impl TrainArgs {
             device: self.device.into(),
             precision: self.precision.into(),
             grad_dtype: self.grad_dtype.map(Into::into),
+            optim_states: self.optim_states.into(),
             gpu_mem_gib: self.gpu_mem,
             host_mem_gib: self.host_mem,
             store: self.store.clone(),

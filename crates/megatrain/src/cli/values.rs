@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use candle_core::DType;
 use clap::ValueEnum;
+use mt_core::StateDtype;
 use mt_sched::OptimMode;
 use mt_store::GradDtype;
 use mt_train::{DataKind, DataSource};
@@ -259,6 +260,27 @@ pub enum GradDtypeArg {
     Bf16,
     /// No gradient buffer (lean mode updates from the landed gradient).
     None,
+}
+
+/// Precision of the AdamW moments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OptimStatesArg {
+    /// fp32 moments: the update is torch's.
+    Fp32,
+    /// bf16 moments, rounded stochastically.
+    Bf16,
+    /// 8-bit blockwise moments, rounded stochastically.
+    Int8,
+}
+
+impl From<OptimStatesArg> for StateDtype {
+    fn from(s: OptimStatesArg) -> Self {
+        match s {
+            OptimStatesArg::Fp32 => StateDtype::F32,
+            OptimStatesArg::Bf16 => StateDtype::Bf16,
+            OptimStatesArg::Int8 => StateDtype::Int8,
+        }
+    }
 }
 
 impl From<GradDtypeArg> for GradDtype {

@@ -153,7 +153,15 @@ impl<B: Backend> Engine<B> {
                     let grad = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
                     // bf16 -> f32 is exact: the same gradient the host's update widens.
                     let grad = grad.to_dtype(candle_core::DType::F32)?;
-                    mt_layers::device_optim::adamw_step_into(&state, &grad, &self.opts.adamw, args, &dst)?;
+                    let kind = self.state_kind(unit);
+                    mt_layers::device_optim::adamw_step_into(
+                        &state,
+                        &grad,
+                        &self.opts.adamw,
+                        args,
+                        kind,
+                        &dst,
+                    )?;
                 }
             }
             Op::CopyGrad { unit, grad_buf, buf } => {

@@ -32,6 +32,7 @@ use transfer::update_unit;
 pub use faults::Fault;
 pub use faults::{SkipCause, Skipped};
 pub use options::EngineOptions;
+pub(crate) use resident::state_words;
 pub(crate) use spill::RELOAD_SLOTS;
 
 /// What one step did.
@@ -187,6 +188,7 @@ impl<B: Backend> Engine<B> {
                     0
                 },
                 state_grad_dtype: if store.grad_dtype() == GradDtype::F32 { DType::F32 } else { DType::BF16 },
+                state_dtype: store.state_dtype(),
             },
             backend.device(),
         )?;
@@ -455,7 +457,7 @@ impl<B: Backend> Engine<B> {
             if self.is_resident(u) {
                 continue;
             }
-            update_unit(&mut self.store.record(u), &self.opts.adamw, &args, Upload::None)?;
+            update_unit(u, &mut self.store.record(u), &self.opts.adamw, &args, Upload::None)?;
         }
         self.sync_store()?;
         self.store.set_state(StoreState { step: state.step + 1, pending_update: false, ..state });

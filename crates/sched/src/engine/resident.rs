@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use mt_core::Unit;
+use mt_layers::device_optim::StateKind;
 use mt_optim::{StepArgs, Upload};
 use mt_store::GradMut;
 
@@ -15,7 +16,8 @@ use super::Engine;
 use crate::backend::Backend;
 use crate::{Error, Result};
 
-/// A resident unit's device buffers: weights slot, fp32 gradient, fp32 `[master | m | v]`.
+/// A resident unit's device buffers: weights slot, fp32 gradient, `[master | m | v]` (f32 words,
+/// the moments in the store's encoding).
 pub(super) struct ResidentBufs {
     pub(super) slot: Tensor,
     pub(super) grad: Tensor,
@@ -27,6 +29,11 @@ impl<B: Backend> Engine<B> {
     pub(super) fn resident_units(&self) -> Vec<Unit> {
         let outer = self.opts.resident_outer.then_some(Unit::Outer);
         outer.into_iter().chain((0..self.opts.resident_layers).map(Unit::Layer)).collect()
+    }
+
+    /// How `unit`'s moments are held and whose draws round them (for a device update).
+    pub(super) fn state_kind(&self, unit: Unit) -> StateKind {
+        StateKind { dtype: self.store.state_dtype(), stream: unit.index() as u64 }
     }
 
     /// Whether `unit` is resident.
@@ -99,12 +106,13 @@ impl<B: Backend> Engine<B> {
                     lr: state.pending_lr,
                     grad_scale: state.pending_grad_scale,
                 };
-                update_unit(&mut r, &self.opts.adamw, &args, Upload::None)?;
+                update_unit(unit, &mut r, &self.opts.adamw, &args, Upload::None)?;
             }
-            let n = r.master().len();
-            let p = r.parts();
-            for (k, part) in [&*p.master, &*p.m, &*p.v].into_iter().enumerate() {
-                bufs.state.slice_set(&Tensor::from_slice(part, n, &device)?, 0, k * n)?;
+            // The record's master, m and v as the f32 words of the device state, in order.
+            let mut at = 0;
+            for part in state_words(&r) {
+                bufs.state.slice_set(&Tensor::from_slice(part, part.len(), &device)?, 0, at)?;
+                at += part.len();
             }
             self.applied[unit.index()] = r.applied_step();
             drop(r);
@@ -128,6 +136,7 @@ impl<B: Backend> Engine<B> {
                 &bufs.grad,
                 &self.opts.adamw,
                 args,
+                self.state_kind(unit),
                 &bufs.slot,
             )?;
             self.applied[unit.index()] = args.step;
@@ -177,13 +186,17 @@ impl<B: Backend> Engine<B> {
             let applied = self.applied[unit.index()];
             // The gradient is needed only by a pending update the device has not applied.
             let need_grad = state.pending_update && applied <= state.step;
-            let pieces = (0..n).step_by(piece).map(|o| (o, piece.min(n - o))).collect::<Vec<_>>();
+            let pieces_of =
+                |n: usize| (0..n).step_by(piece).map(|o| (o, piece.min(n - o))).collect::<Vec<_>>();
+            let pieces = pieces_of(n);
             let mut r = self.store.record(unit);
             let p = r.parts();
-            for (k, dst) in [p.master, p.m, p.v].into_iter().enumerate() {
-                for &(o, len) in &pieces {
-                    fetch(&bufs.state, k * n + o, len, Upload::F32(&mut dst[o..o + len]))?;
+            let mut at = 0;
+            for dst in [p.master, bytemuck::cast_slice_mut(p.m), bytemuck::cast_slice_mut(p.v)] {
+                for (o, len) in pieces_of(dst.len()) {
+                    fetch(&bufs.state, at + o, len, Upload::F32(&mut dst[o..o + len]))?;
                 }
+                at += dst.len();
             }
             if need_grad {
                 for &(o, len) in &pieces {
@@ -201,6 +214,12 @@ impl<B: Backend> Engine<B> {
         self.store.set_device_owned(false);
         Ok(())
     }
+}
+
+/// A record's master, m and v as f32 words (the moments' bytes reinterpreted: page-aligned
+/// regions, a multiple of 4 bytes long): a device state's `[master | m | v]`, in order.
+pub(crate) fn state_words<'r>(r: &'r mt_store::RecordGuard<'_>) -> [&'r [f32]; 3] {
+    [r.master(), bytemuck::cast_slice(r.m()), bytemuck::cast_slice(r.v())]
 }
 
 /// A resident unit's master weights cast into its slot (compute stream).

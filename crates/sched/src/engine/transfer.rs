@@ -4,7 +4,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use mt_optim::{AdamW, Grad, StepArgs, Upload};
+use mt_core::{StateDtype, Unit};
+use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
 use mt_store::{GradMut, GradRef, RecordGuard, Staging};
 
 use super::{faults, Engine};
@@ -19,10 +20,22 @@ fn grad_view(g: GradRef<'_>) -> Grad<'_> {
     }
 }
 
-/// Applies optimizer step `args.step` to one unit from the record's gradient buffer — once: if
+/// The moments of `unit`'s record in their encoding, rounding with the unit's draws.
+fn moments_of<'r>(
+    unit: Unit,
+    n: usize,
+    states: StateDtype,
+    m: &'r mut [u8],
+    v: &'r mut [u8],
+) -> Result<Moments<'r>> {
+    Ok(Moments::from_bytes(states, n, m, v, unit.index() as u64)?)
+}
+
+/// Applies optimizer step `args.step` to `unit` from the record's gradient buffer — once: if
 /// the record says the update was already applied (a failed step is being retried), only the
 /// upload copy is refreshed. (Lean mode updates as it lands: `mt_optim::land_and_step`.)
 pub(super) fn update_unit(
+    unit: Unit,
     r: &mut RecordGuard<'_>,
     hyper: &AdamW,
     args: &StepArgs,
@@ -36,7 +49,8 @@ pub(super) fn update_unit(
     let Some(g) = p.grad else {
         return Err(Error::Options("an exact-mode update needs a store with gradient buffers".into()));
     };
-    mt_optim::step_fused(hyper, args, grad_view(g), p.master, p.m, p.v, upload)?;
+    let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
+    mt_optim::step_fused(hyper, args, grad_view(g), p.master, moments, upload)?;
     r.set_applied_step(args.step);
     Ok(())
 }
@@ -75,7 +89,7 @@ impl<B: Backend> Engine<B> {
                     let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
                     let up = upload_view(&mut s, r.master().len());
                     if update {
-                        update_unit(&mut r, &hyper, &args, up)
+                        update_unit(unit, &mut r, &hyper, &args, up)
                     } else {
                         Ok(mt_optim::cast_into(r.master(), up)?)
                     }
@@ -180,7 +194,8 @@ impl<B: Backend> Engine<B> {
                             Some(GradMut::Bf16(g)) => Upload::Bf16(g),
                             None => Upload::None,
                         };
-                        let ss = mt_optim::land_and_step(&hyper, &args, src, stored, p.master, p.m, p.v)?;
+                        let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
+                        let ss = mt_optim::land_and_step(&hyper, &args, src, stored, p.master, moments)?;
                         r.set_applied_step(args.step);
                         ss
                     } else {
