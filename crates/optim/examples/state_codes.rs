@@ -1,6 +1,6 @@
 //! Measures candidate formats of AdamW's moments on the golden models: bf16 (round to nearest or
 //! stochastic), and blockwise 8-bit codes (per-block absmax scale; linear, sqrt, fourth-root and
-//! bitsandbytes' dynamic-tree codes; block sizes; rounding), by
+//! the dynamic-tree code of 8-bit optimizers; block sizes; rounding), by
 //!
 //! 1. the quantisation error of the real moments of an fp32-states run (the golden models trained
 //!    on their fixture batch: `m`, `v` after 10, 100 and 300 steps), and of the update
@@ -35,7 +35,7 @@ enum Code {
     Sqrt,
     /// `(|x| / absmax)^(1/4)` in even steps.
     Root4,
-    /// bitsandbytes' dynamic tree (`create_dynamic_map`, signed for m, unsigned for v).
+    /// The dynamic tree code of 8-bit optimizers (Dettmers et al. 2022), signed for m, unsigned for v.
     Dyn,
 }
 
@@ -77,7 +77,7 @@ fn table(code: Code, signed: bool) -> Vec<f32> {
         Code::Linear => pos(&|y| y),
         Code::Sqrt => pos(&|y| y * y),
         Code::Root4 => pos(&|y| y * y * y * y),
-        Code::Dyn => return dynamic_map(signed),
+        Code::Dyn => return dynamic_tree(signed),
     };
     let mut t: Vec<f64> = mags.clone();
     if signed {
@@ -87,32 +87,32 @@ fn table(code: Code, signed: bool) -> Vec<f32> {
     t.into_iter().map(|x| x as f32).collect()
 }
 
-/// bitsandbytes' `create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)`.
-fn dynamic_map(signed: bool) -> Vec<f32> {
-    let (total_bits, max_exp) = (8i32, 7i32);
-    let non_sign = total_bits - 1;
-    let mut data: Vec<f64> = Vec::new();
-    for i in 0..max_exp {
-        let items = if signed {
-            2usize.pow((i + non_sign - max_exp) as u32) + 1
-        } else {
-            2usize.pow((i + non_sign - max_exp + 1) as u32) + 1
-        };
-        let b: Vec<f64> = (0..items).map(|k| 0.1 + 0.9 * k as f64 / (items - 1) as f64).collect();
-        for w in b.windows(2) {
-            let mean = (w[0] + w[1]) / 2.0;
-            let x = 10f64.powi(-(max_exp - 1) + i) * mean;
-            data.push(x);
-            if signed {
-                data.push(-x);
-            }
+/// The dynamic tree code of Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (2022),
+/// built from the paper's description of its bit layout (signed for m, unsigned for v).
+fn dynamic_tree(signed: bool) -> Vec<f32> {
+    // Every 8-bit pattern decoded as the paper's format: [sign] zeros* 1 fraction*, where the
+    // run of zeros z is the decimal exponent (magnitude 10^-z) and the bits after the indicator
+    // are a linear fraction in [0.1, 1], taken at the middle of its bin. Unsigned codes spend
+    // the sign bit on the fraction. The all-zero pattern is 0; the code also holds 1.
+    let bits = if signed { 7u32 } else { 8 };
+    let mut values = vec![0.0f64, 1.0];
+    for pattern in 1u32..(1 << bits) {
+        let zeros = pattern.leading_zeros() - (32 - bits);
+        let fraction_bits = bits - zeros - 1;
+        if zeros >= 7 {
+            continue; // the pattern's exponent lies below the code's range (unsigned: 0000_0001)
+        }
+        let fraction = pattern & ((1 << fraction_bits) - 1);
+        let mid = (fraction as f64 + 0.5) / (1u64 << fraction_bits) as f64;
+        let x = 10f64.powi(-(zeros as i32)) * (0.1 + 0.9 * mid);
+        values.push(x);
+        if signed {
+            values.push(-x);
         }
     }
-    data.push(0.0);
-    data.push(1.0);
-    data.sort_by(f64::total_cmp);
-    data.dedup();
-    data.into_iter().map(|x| x as f32).collect()
+    values.sort_by(f64::total_cmp);
+    values.dedup();
+    values.into_iter().map(|x| x as f32).collect()
 }
 
 fn mix32(mut h: u32) -> u32 {
