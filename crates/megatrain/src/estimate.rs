@@ -59,6 +59,13 @@ pub struct Estimate {
     pub step_s: f64,
     /// The device it is for (the words the plan is printed with).
     pub device: mt_train::DeviceKind,
+    /// GPUs of the data-parallel run (1: one engine); the plan is each GPU's.
+    pub gpus: usize,
+    /// Bytes each GPU sends (and receives) in NCCL's ring all-reduce of every f32 gradient per
+    /// step, `2 (N - 1) / N · 4 · params`; priced on the compute stream, where the sums run.
+    pub nccl_bytes_per_gpu: u64,
+    /// Tokens of the global batch per step.
+    pub tokens_per_step: usize,
 }
 
 /// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 9.0 or
@@ -83,6 +90,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         grad_dtype: args.grad_dtype.map(Into::into),
         optim_mode: args.optim_mode.into(),
         device: args.device.into(),
+        gpus: args.gpus,
         placement: PlacementChoice {
             resident_outer: args.resident_outer.choice(),
             resident_layers: args.resident_layers.choice(),
@@ -106,11 +114,15 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         DeviceKind::Cpu => host_avail,
     };
     // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 9.0+.
+    // With --gpus N the plan is each GPU's, for its share of the batch (`plan_for`).
     let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
-    let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
-    let host_bytes = planned_host_bytes(&p, device);
+    let n_gpus = args.gpus as f64;
+    // Each GPU has its own staging and landing rings; the store is one.
+    let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;
+    let pinned = if args.device == DeviceKind::Cuda { p.host.pinned * args.gpus as u64 } else { 0 };
+    let host_bytes = planned_host_bytes(&p, device) + extra_rings;
     let layout = ModelLayout::new(cfg);
-    let tokens = (args.batch_size * args.seq_len) as f64;
+    let tokens = (p.batch * args.seq_len) as f64;
     // Model FLOPs (on the active parameters: a mixture of experts' tokens each reach k of its
     // E experts) plus the recomputed forward of every layer that does not keep its activations
     // (the recompute stops before down_proj, a MoE layer's before its experts' down projections).
@@ -124,7 +136,13 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let recompute = 2.0 * (recomputed * (active_layer - down)) as f64 * tokens;
     let gemm = 6.0 * active as f64 * tokens;
     let attn = attention_s(cfg, &p, args);
-    let compute_s = (gemm + recompute) / (args.tflops * 1e12) + attn.forward + attn.backward;
+    // Data parallel: every gradient summed by NCCL on the compute stream, after its backward.
+    let nccl_bytes =
+        if args.gpus > 1 { 2.0 * (n_gpus - 1.0) / n_gpus * 4.0 * layout.n_params() as f64 } else { 0.0 };
+    let compute_s = (gemm + recompute) / (args.tflops * 1e12)
+        + attn.forward
+        + attn.backward
+        + nccl_bytes / (args.nccl_gbs * 1e9);
     // The forward is a third of the GEMM FLOPs and attention's forward; the backward the rest.
     let fwd_s = gemm / 3.0 / (args.tflops * 1e12) + attn.forward;
     let bwd_s = compute_s - fwd_s;
@@ -148,12 +166,14 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
     let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
     let state_dma = gpu_params * (24.0 + b.grad) - late_params * 12.0 - early_params * (12.0 + b.grad);
+    // Every GPU casts every streamed unit into its own staging ring; the update and the land
+    // (GPU 0's) run once.
     let host_update_s =
-        secs((layer_params - gpu_params + outer_params) * (b.update + b.fwd_cast) + state_dma);
+        secs((layer_params - gpu_params + outer_params) * (b.update + n_gpus * b.fwd_cast) + state_dma);
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
     let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
     let host_backward_s = secs(
-        recast_params * b.bwd_cast
+        n_gpus * recast_params * b.bwd_cast
             + layer_params * b.land
             + outer_params * b.outer_land
             + late_params * 12.0
@@ -204,6 +224,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         host_update_s,
         step_s,
         device: device.kind(),
+        gpus: args.gpus,
+        nccl_bytes_per_gpu: nccl_bytes as u64,
+        tokens_per_step: args.batch_size * args.seq_len,
     })
 }
 
@@ -316,6 +339,12 @@ impl HostTraffic {
 }
 
 impl Estimate {
+    /// Model FLOPs of the global batch's step (the plan's are one GPU's share).
+    fn global_flops(&self) -> f64 {
+        let p = &self.plan;
+        p.flops_per_step * self.tokens_per_step as f64 / (p.batch * p.seq).max(1) as f64
+    }
+
     /// The estimate as JSON (bytes and seconds; the plan's figures included).
     pub fn to_json(&self, args: &EstimateArgs) -> Value {
         let p = &self.plan;
@@ -330,8 +359,9 @@ impl Estimate {
             "compute_s": self.compute_s, "pcie_s": self.pcie_s, "host_optimizer_s": self.host_s,
             "host_update_s": self.host_update_s,
             "step_s": self.step_s,
-            "tokens_per_s": (p.batch * p.seq) as f64 / self.step_s,
-            "model_tflops": p.flops_per_step / self.step_s / 1e12,
+            "tokens_per_s": self.tokens_per_step as f64 / self.step_s,
+            "model_tflops": self.global_flops() / self.step_s / 1e12,
+            "gpus": self.gpus, "nccl_bytes_per_gpu_per_step": self.nccl_bytes_per_gpu,
             "assumed": {"tflops": args.tflops, "attention_tflops": args.attention_tflops.map(|r| [r.0, r.1]),
                         "pcie_gbs": args.pcie_gbs, "host_gbs": args.host_gbs,
                         "compute_capability": args.compute_capability, "fused_kernels": fused_kernels(args)},
@@ -372,9 +402,20 @@ impl std::fmt::Display for Estimate {
             self.pcie_s,
             self.host_s,
             self.host_update_s,
-            (p.batch * p.seq) as f64 / self.step_s,
-            p.flops_per_step / self.step_s / 1e12
-        )
+            self.tokens_per_step as f64 / self.step_s,
+            self.global_flops() / self.step_s / 1e12
+        )?;
+        if self.gpus > 1 {
+            write!(
+                f,
+                "\ndata parallel: {} GPUs, each as planned above (its share of the batch, its own PCIe \
+                 uploads; GPU 0 downloads the summed gradients); NCCL all-reduce {:.2} GiB per GPU per step \
+                 (on the compute stream, in the compute time); host casts once per GPU",
+                self.gpus,
+                gib(self.nccl_bytes_per_gpu)
+            )?;
+        }
+        Ok(())
     }
 }
 

@@ -526,7 +526,8 @@ fn start_engine<O: Observer>(
     opts.adamw.beta2 = c.beta2;
     opts.adamw.eps = c.eps;
     let t = Instant::now();
-    let mut engine = backend.start(&model.cfg, Arc::clone(store), opts)?;
+    let cpu = mt_sched::CpuOptions::uniform(c.delay_us, c.seed);
+    let mut engine = backend.start(&model.cfg, Arc::clone(store), opts, c.gpus, cpu)?;
     let event = Event::EngineReady {
         secs: t.elapsed().as_secs_f64(),
         device: c.device.kind(),

@@ -112,6 +112,10 @@ impl<B: Backend> Engine<B> {
                     self.pool.put_act_grad(c, dx);
                 }
                 self.pool.drop_checkpoints(layer);
+                if let Some(dp) = &self.dp {
+                    // The gradient of the whole global batch, before it is narrowed or downloaded.
+                    dp.reduce.sum(&gbuf)?;
+                }
                 if let Some(narrow) = grad_buf.and_then(|k| self.pool.grad_narrow.get(k)) {
                     // bf16 landing: narrow here; the layer's share of the global norm is that
                     // of the narrowed gradient (what the host would have taken as it landed).
@@ -132,6 +136,9 @@ impl<B: Backend> Engine<B> {
                 for (c, ch) in chunks.iter().enumerate() {
                     let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
                     self.outer_t.embed_backward(&ch.host_ids, &dx, &sink)?;
+                }
+                if let Some(dp) = &self.dp {
+                    dp.reduce.sum(&gbuf)?;
                 }
                 if self.opts.resident_outer {
                     // Likewise the resident outer unit's.

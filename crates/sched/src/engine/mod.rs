@@ -13,7 +13,7 @@ use mt_store::{
 };
 
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
-use crate::batch::{make_chunks, Batch, Chunk};
+use crate::batch::{make_chunks_normalised, Batch, Chunk};
 use crate::program::{
     early_upload_layers, is_gpu_updated, is_late_download, HostBuf, Op, OptimMode, Program, ProgramSpec,
     Slot, Stream,
@@ -22,6 +22,7 @@ use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
 mod compute;
+mod data_parallel;
 mod eval;
 mod options;
 mod resident;
@@ -106,6 +107,8 @@ pub struct Engine<B: Backend> {
     /// with their records unchanged since ([`ProgramSpec::early_ready`]): set only after a step
     /// that issued them succeeded, cleared by anything that may change a record.
     early_ready: bool,
+    /// This engine's place among data-parallel ranks (`None`: it trains alone).
+    dp: Option<crate::data_parallel::DataParallel>,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -256,6 +259,7 @@ impl<B: Backend> Engine<B> {
             applied: vec![0; layout_units],
             dirty: false,
             early_ready: false,
+            dp: None,
         };
         engine.check_records()?;
         engine.load_resident()?;
@@ -366,16 +370,38 @@ impl<B: Backend> Engine<B> {
         lr: f64,
         edit: impl FnOnce(&mut Program),
     ) -> Result<StepReport> {
-        self.check_not_poisoned()?;
+        if self.dp.is_some() {
+            return Err(Error::Options(
+                "a data-parallel rank steps on its share of the batch: use step_rank".into(),
+            ));
+        }
         batch.validate(&self.cfg)?;
+        self.step_inner(batch, batch.n_targets(), lr, edit)
+    }
+
+    /// A step of `batch` whose loss weights are `1 / norm_targets` (the whole batch's target
+    /// count; a data-parallel rank's share is normalised by the global batch's).
+    pub(super) fn step_inner(
+        &mut self,
+        batch: &Batch,
+        norm_targets: usize,
+        lr: f64,
+        edit: impl FnOnce(&mut Program),
+    ) -> Result<StepReport> {
+        self.check_not_poisoned()?;
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::Options(format!("learning rate {lr} must be finite and non-negative")));
         }
         if self.opts.mode == OptimMode::Lean && self.store.state().pending_update {
+            if self.dp.is_some() {
+                return Err(Error::Options(
+                    "a lean-mode step of data-parallel ranks on a store with a pending exact-mode update: apply it first (flush_pending on one engine)".into(),
+                ));
+            }
             // The store was last trained in exact mode: apply its pending update first.
             self.flush_pending()?;
         }
-        let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
+        let chunks = make_chunks_normalised(batch, self.opts.n_chunks, norm_targets, self.backend.device())?;
         self.ensure_rope(batch.seq)?;
         self.positions = self.chunk_positions(&chunks)?;
         self.ensure_spill(&chunks)?;
@@ -441,7 +467,11 @@ impl<B: Backend> Engine<B> {
                 grad_norm: norm,
             },
         };
-        self.store.set_state(new_state);
+        if self.lands() {
+            // The other ranks' Σg² are empty (they land nothing); their steps end only after the
+            // last reduction, which is after every rank read the state this step started from.
+            self.store.set_state(new_state);
+        }
         // Every stream is drained: the early uploads this step issued are in their slots.
         self.early_ready = program.spec.early_uploads > 0;
         let spans = self.backend.spans();
@@ -584,6 +614,11 @@ impl<B: Backend> Engine<B> {
     fn issue_transfer(&self, op: &Op, waits: &[B::Event], args: StepArgs) -> Result<B::Event> {
         let name = format!("{op:?}");
         let hyper = self.opts.adamw;
+        if !self.lands() && matches!(op, Op::Download { .. } | Op::Land { .. }) {
+            // Rank 0 downloads and lands the summed gradient; here the op only keeps the
+            // program's shape (and its waits).
+            return Ok(self.backend.host(waits, Box::new(|| Ok(())), name));
+        }
         Ok(match *op {
             Op::Stage { unit, staging, update } => {
                 let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
