@@ -126,6 +126,9 @@ fn missing() -> Error {
     Error::Options("a rank's gradient is missing from the in-memory reduction (scheduling bug)".into())
 }
 
+/// How long the ranks may take to open their GPUs, join the NCCL group and build their engines.
+const START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 type Job<B> = Box<dyn FnOnce(&mut Engine<B>) + Send>;
 
 /// One engine per rank, each on a thread of its own (where it is built, so a backend bound to its
@@ -179,12 +182,20 @@ impl<B: Backend + 'static> Ranks<B> {
             threads.push(t);
         }
         for _ in 0..world {
-            match ready_rx.recv() {
+            match ready_rx.recv_timeout(START_TIMEOUT) {
                 Ok((_, Ok(()))) => {}
                 Ok((rank, Err(e))) => {
                     return Err(Error::Options(format!("rank {rank} (GPU {rank}) could not start: {e}")))
                 }
-                Err(_) => return Err(Error::Options("a rank thread ended before its engine started".into())),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(Error::Options(format!(
+                        "the {world} ranks did not all start within {} s (a GPU busy, or NCCL unable to connect them: NCCL_DEBUG=INFO says why)",
+                        START_TIMEOUT.as_secs()
+                    )))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Options("a rank thread ended before its engine started".into()))
+                }
             }
         }
         Ok(Ranks { cfg: cfg.clone(), senders, threads, failed: AtomicBool::new(false) })
