@@ -342,6 +342,9 @@ impl Estimate {
     /// Model FLOPs of the global batch's step (the plan's are one GPU's share).
     fn global_flops(&self) -> f64 {
         let p = &self.plan;
+        if self.tokens_per_step == p.batch * p.seq {
+            return p.flops_per_step;
+        }
         p.flops_per_step * self.tokens_per_step as f64 / (p.batch * p.seq).max(1) as f64
     }
 
@@ -434,6 +437,30 @@ mod tests {
         argv.extend(extra);
         let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
         super::estimate(&args).unwrap()
+    }
+
+    /// With --gpus each GPU is planned for its share of the batch with no optimizer state on it,
+    /// pays the ring all-reduce of every f32 gradient, and has rings of its own; the step's tokens
+    /// and FLOPs are the whole batch's.
+    #[test]
+    fn several_gpus_plan_each_for_its_share_and_pay_the_all_reduce() {
+        let one = estimate_3_6b(&[
+            "--resident-outer",
+            "off",
+            "--resident-layers",
+            "0",
+            "--gpu-updated-layers",
+            "0",
+        ]);
+        let two = estimate_3_6b(&["--gpus", "2"]);
+        let p = &two.plan;
+        assert_eq!((p.batch, p.resident_layers, p.resident_outer, p.gpu_updated_layers), (2, 0, false, 0));
+        assert_eq!(two.nccl_bytes_per_gpu, 4 * p.n_params as u64);
+        assert_eq!(two.pinned_bytes, 2 * p.host.pinned);
+        assert_eq!(two.tokens_per_step, 4 * 2048);
+        assert!((two.global_flops() - one.plan.flops_per_step).abs() <= 1e-9 * one.plan.flops_per_step);
+        assert!(two.compute_s < one.compute_s, "{} vs {}", two.compute_s, one.compute_s);
+        assert!(two.to_string().contains("data parallel: 2 GPUs"));
     }
 
     /// Resident units cost the host optimizer nothing: with every layer and the outer unit on

@@ -123,7 +123,7 @@ impl<O: Observer> Trainer<O> {
             store_bytes: store.bytes(),
             store_bytes_per_param: store.bytes_per_param(),
             store_path: store.path(),
-            flops_per_step: plan.flops_per_step,
+            flops_per_step: global_flops(&plan, &config),
         };
         notify(&mut observer, &Event::Started(&start))?;
         Ok(Trainer {
@@ -191,7 +191,7 @@ impl<O: Observer> Trainer<O> {
             step: done,
             steps_done: done - self.start_step,
             lr,
-            flops_per_step: self.plan.flops_per_step,
+            flops_per_step: global_flops(&self.plan, &self.config),
             report: &r,
             eval,
             checkpoint,
@@ -316,7 +316,7 @@ impl<O: Observer> Trainer<O> {
             planned_host_bytes: planned_host_bytes(&self.plan, c.device),
             kept_bytes: (self.totals.kept_bytes(), self.plan.gpu.kept),
             device_peak: (self.totals.device_peak(), self.plan.gpu.total),
-            flops_per_step: self.plan.flops_per_step,
+            flops_per_step: global_flops(&self.plan, &self.config),
             later_step_s: (!later.is_empty()).then(|| later.iter().sum::<f64>() / later.len() as f64),
             store_path: self.store.path().map(Path::to_owned),
             h2d_bytes_per_step: self.totals.h2d_bytes_per_step(),
@@ -487,6 +487,15 @@ fn restore_checkpoint(
         )));
     }
     Ok(())
+}
+
+/// Model FLOPs of a step of the whole batch: the plan's are one GPU's share with `--gpus`.
+fn global_flops(plan: &Plan, c: &TrainConfig) -> f64 {
+    let (whole, share) = (c.batch_size * c.seq_len, plan.batch * plan.seq);
+    if whole == share {
+        return plan.flops_per_step;
+    }
+    plan.flops_per_step * whole as f64 / share.max(1) as f64
 }
 
 /// Phase: the engine started with the plan's placement, and an update a crashed exact-mode run
