@@ -455,7 +455,7 @@ mod tests {
         let two = estimate_3_6b(&["--gpus", "2"]);
         let p = &two.plan;
         assert_eq!((p.batch, p.resident_layers, p.resident_outer, p.gpu_updated_layers), (2, 0, false, 0));
-        assert_eq!(two.nccl_bytes_per_gpu, 4 * p.n_params as u64);
+        assert_eq!(two.nccl_bytes_per_gpu, 4 * p.n_params);
         assert_eq!(two.pinned_bytes, 2 * p.host.pinned);
         assert_eq!(two.tokens_per_step, 4 * 2048);
         assert!((two.global_flops() - one.plan.flops_per_step).abs() <= 1e-9 * one.plan.flops_per_step);
