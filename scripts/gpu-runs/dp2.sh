@@ -17,8 +17,8 @@ python3 - <<'PY'
 import json
 r = json.load(open('/tmp/scale/results.json'))
 for run in r['runs']:
-    m = run['measured']
-    print(run['key'], run['status'], 'tokens/s', m.get('tokens_per_s'), 'step_ms', m.get('step_ms'), 'TFLOP/s', m.get('model_tflops'))
+    print(run['key'], run['status'], 'tokens/s', run.get('tokens_per_s'), 'step_ms', run.get('step_ms'),
+          'TFLOP/s', run.get('model_tflops'), 'host busy', run.get('host_busy_frac'), 'compute busy', run.get('compute_busy_frac'))
 for q in r['ratios']:
     g = int(q['variant'].removeprefix('gpus'))
     print(q['model'], q['variant'], 'x one GPU:', round(q['tokens_per_s_ratio_ours_over_peer'], 3), 'efficiency', round(q['tokens_per_s_ratio_ours_over_peer'] / g, 3))
