@@ -167,9 +167,16 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
     let state_dma = gpu_params * (24.0 + b.grad) - late_params * 12.0 - early_params * (12.0 + b.grad);
     // Every GPU casts every streamed unit into its own staging ring; the update and the land
-    // (GPU 0's) run once.
-    let host_update_s =
-        secs((layer_params - gpu_params + outer_params) * (b.update + n_gpus * b.fwd_cast) + state_dma);
+    // (GPU 0's) run once. In exact mode one GPU's forward cast is fused into the update, the
+    // others' read the master again.
+    let other_casts = match mode {
+        mt_sched::OptimMode::Exact => (n_gpus - 1.0) * (4.0 + args.precision.bytes()),
+        mt_sched::OptimMode::Lean => 0.0,
+    };
+    let host_update_s = secs(
+        (layer_params - gpu_params + outer_params) * (b.update + n_gpus * b.fwd_cast + other_casts)
+            + state_dma,
+    );
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
     let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
     let host_backward_s = secs(
