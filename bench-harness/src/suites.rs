@@ -160,16 +160,13 @@ pub(crate) fn model_label(label: &str) -> String {
     Path::new(label).file_stem().map_or(label.to_owned(), |s| s.to_string_lossy().into_owned())
 }
 
-/// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers; the
-/// planner may still hold streamed layers' weights from forward to backward, keep their
-/// activations and update some of them on the GPU from their streamed state, as it would for a
-/// user).
+/// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers; the planner
+/// may still hold, keep and GPU-update streamed layers, as it would for a user).
 fn streamed_layers() -> Vec<String> {
     vec!["--resident-layers".into(), "0".into()]
 }
 
-/// [`streamed_layers`] with every update on the host (no GPU-updated layers): variant
-/// `streamed_host` (`--ours-streamed-host`).
+/// [`streamed_layers`], every update on the host: variant `streamed_host` (`--ours-streamed-host`).
 fn streamed_host_updates() -> Vec<String> {
     ["--resident-layers", "0", "--gpu-updated-layers", "0"].map(String::from).to_vec()
 }
