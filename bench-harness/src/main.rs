@@ -61,6 +61,9 @@ struct Cli {
     /// measured to extrapolate the full model's step time and host memory; 0: none.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     slices: Vec<usize>,
+    /// Scale: GPU counts to run at the same global batch.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    gpus_list: Vec<usize>,
     /// Layer counts of the depth-scaling part (paper; width of the first model); 0: none.
     #[arg(long, value_delimiter = ',', default_value = "7,14,28")]
     depths: Vec<usize>,
@@ -104,6 +107,8 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         Suite::Smoke => vec![(4, 64)],
         Suite::Paper => vec![(4, 2048), (16, 2048)],
         Suite::Longctx => vec![(1, 32768), (1, 131072), (1, 262144), (1, 524288)],
+        // Four sequences per GPU at 4 GPUs.
+        Suite::Scale => vec![(16, 2048)],
         _ => vec![(4, 2048)],
     };
     let name = format!("{:?}", suite).to_lowercase();
@@ -123,7 +128,7 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         python: cli.python.clone(),
         steps: cli.steps,
         systems: match suite {
-            Suite::Smoke => vec![System::Ours],
+            Suite::Smoke | Suite::Scale => vec![System::Ours],
             // DeepSpeed offload at 7B and 32k+ tokens a sequence is out of scope of this suite.
             Suite::Longctx => cli.systems.iter().copied().filter(|&s| s != System::Deepspeed).collect(),
             _ => cli.systems.clone(),
@@ -141,6 +146,7 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         ours_streamed: cli.ours_streamed,
         ours_streamed_host: cli.ours_streamed_host,
         ours_noclip: cli.ours_noclip,
+        gpus: cli.gpus_list.iter().copied().filter(|&g| g > 0).collect(),
         device: cli
             .device
             .clone()

@@ -201,7 +201,7 @@ pub struct Ratio {
     pub seq_len: usize,
     /// Variant.
     pub variant: String,
-    /// `torch` or `deepspeed`.
+    /// `torch` or `deepspeed`; `ours-gpus1` in the scale suite (our engine on one GPU).
     pub peer: String,
     /// ours tokens/s ÷ peer tokens/s.
     pub tokens_per_s_ratio_ours_over_peer: f64,
@@ -271,6 +271,28 @@ impl Results {
                         seq_len: ours.seq_len,
                         variant: ours.variant.clone(),
                         peer: peer.system.clone(),
+                        tokens_per_s_ratio_ours_over_peer: a / b,
+                    });
+                }
+            }
+        }
+        // Scale: each GPU count against one GPU at the same model and batch (peer `ours-gpus1`;
+        // efficiency is the ratio over the GPU count).
+        for many in self.runs.iter().filter(ok).filter(|r| r.part == "scale" && r.variant != "gpus1") {
+            let one = self.runs.iter().filter(ok).find(|r| {
+                r.part == "scale"
+                    && r.variant == "gpus1"
+                    && (&r.model, r.batch_size, r.seq_len) == (&many.model, many.batch_size, many.seq_len)
+            });
+            if let (Some(one), Some(a)) = (one, many.measured.tokens_per_s) {
+                if let Some(b) = one.measured.tokens_per_s {
+                    self.ratios.push(Ratio {
+                        part: many.part.clone(),
+                        model: many.model.clone(),
+                        batch_size: many.batch_size,
+                        seq_len: many.seq_len,
+                        variant: many.variant.clone(),
+                        peer: "ours-gpus1".into(),
                         tokens_per_s_ratio_ours_over_peer: a / b,
                     });
                 }

@@ -34,6 +34,9 @@ pub enum Suite {
     /// Context lengths 32k-512k against resident PyTorch and MegaTrain's published figures, and
     /// the attention kernel against PyTorch SDPA.
     Longctx,
+    /// Data parallel: our engine on 1, 2, 4 (`--gpus-list`) GPUs of this host at the same global
+    /// batch, in one run; throughput ratios against one GPU (efficiency = ratio / N).
+    Scale,
     /// Compare results with a baseline file.
     Regress,
     /// Redraw the figures of an earlier run from its `results.json` (`--out DIR`).
@@ -107,6 +110,8 @@ pub struct Options {
     pub ours_streamed_host: bool,
     /// Paper: also run ours without gradient clipping (variant `noclip`).
     pub ours_noclip: bool,
+    /// Scale: the GPU counts (`--gpus N`), each a variant `gpusN`.
+    pub gpus: Vec<usize>,
 }
 
 /// The repository root: from the build's manifest directory where it still exists, else `.`.
@@ -155,16 +160,13 @@ pub(crate) fn model_label(label: &str) -> String {
     Path::new(label).file_stem().map_or(label.to_owned(), |s| s.to_string_lossy().into_owned())
 }
 
-/// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers; the
-/// planner may still hold streamed layers' weights from forward to backward, keep their
-/// activations and update some of them on the GPU from their streamed state, as it would for a
-/// user).
+/// `megatrain train` arguments that stream every decoder layer (no GPU-resident layers; the planner
+/// may still hold, keep and GPU-update streamed layers, as it would for a user).
 fn streamed_layers() -> Vec<String> {
     vec!["--resident-layers".into(), "0".into()]
 }
 
-/// [`streamed_layers`] with every update on the host (no GPU-updated layers): variant
-/// `streamed_host` (`--ours-streamed-host`).
+/// [`streamed_layers`], every update on the host: variant `streamed_host` (`--ours-streamed-host`).
 fn streamed_host_updates() -> Vec<String> {
     ["--resident-layers", "0", "--gpu-updated-layers", "0"].map(String::from).to_vec()
 }
@@ -382,6 +384,33 @@ pub fn plan(opts: &Options) -> Result<Plan> {
             ablations(&mut cx, &label, opts.model_config.clone())?;
         }
         Suite::Longctx => crate::longctx::plan(&mut cx)?,
+        Suite::Scale => {
+            for m in &opts.models {
+                let config = model_config_path(m)?;
+                for &tokens in &opts.tokens {
+                    for &g in &opts.gpus {
+                        let variant = format!("gpus{g}");
+                        let s = spec(
+                            "scale",
+                            System::Ours,
+                            &model_label(m),
+                            Some(config.clone()),
+                            tokens,
+                            &variant,
+                        );
+                        // The placements data parallel allows, at every GPU count (so that one
+                        // GPU is the same engine as N): no optimizer state on a GPU.
+                        let mut extra: Vec<String> = ["--resident-outer", "off", "--resident-layers", "0"]
+                            .into_iter()
+                            .chain(["--gpu-updated-layers", "0", "--gpus"])
+                            .map(String::from)
+                            .collect();
+                        extra.push(g.to_string());
+                        cx.add(Spec { extra, ..s });
+                    }
+                }
+            }
+        }
         Suite::Paper => {
             for m in &opts.models {
                 let config = model_config_path(m)?;

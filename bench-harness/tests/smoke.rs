@@ -39,6 +39,7 @@ fn smoke_options(out: &std::path::Path) -> Options {
         ours_streamed: false,
         ours_streamed_host: false,
         ours_noclip: false,
+        gpus: vec![1],
     }
 }
 
@@ -195,4 +196,32 @@ fn longctx_plan_runs_each_length_and_lists_the_published_points() {
         p.fixed.iter().map(|r| (r.seq_len, r.measured.step_ms)).collect();
     assert_eq!(published, [(131072, Some(26100.0)), (524288, Some(871000.0))]);
     assert!(p.fixed.iter().all(|r| r.status == Status::Published && r.system == "megatrain_paper"));
+}
+
+#[test]
+fn scale_plan_runs_each_gpu_count_with_the_same_placement() {
+    let opts = Options {
+        suite: Suite::Scale,
+        steps: 3,
+        models: vec!["3.6b".into()],
+        tokens: vec![(16, 2048)],
+        device: "cuda".into(),
+        gpus: vec![1, 2, 4],
+        ..smoke_options(&std::env::temp_dir().join("bench-harness-scale-plan-only"))
+    };
+    let plan = plan(&opts).expect("scale plan");
+    let keys: Vec<_> = plan.jobs.iter().map(|j| j.run.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "scale/ours/3.6b/b16x2048/gpus1",
+            "scale/ours/3.6b/b16x2048/gpus2",
+            "scale/ours/3.6b/b16x2048/gpus4"
+        ]
+    );
+    for (job, g) in plan.jobs.iter().zip([1, 2, 4]) {
+        let args = job.args.join(" ");
+        assert!(args.contains(&format!("--gpus {g}")), "{args}");
+        assert!(args.contains("--resident-outer off --resident-layers 0 --gpu-updated-layers 0"), "{args}");
+    }
 }

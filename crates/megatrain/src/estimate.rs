@@ -33,6 +33,10 @@ use mt_train::{plan_for, ModelChoice, ModelSource, PlacementChoice, TrainConfig}
 
 use crate::cli::{DeviceKind, EstimateArgs, Precision};
 
+mod attention;
+use attention::attention_s;
+pub use attention::{FLASH_TFLOPS, MATERIALISED_ATTENTION_TFLOPS};
+
 /// Default GPU memory: one H200 as the driver reports it.
 pub const DEFAULT_GPU_GIB: f64 = 139.8;
 
@@ -59,6 +63,13 @@ pub struct Estimate {
     pub step_s: f64,
     /// The device it is for (the words the plan is printed with).
     pub device: mt_train::DeviceKind,
+    /// GPUs of the data-parallel run (1: one engine); the plan is each GPU's.
+    pub gpus: usize,
+    /// Bytes each GPU sends (and receives) in NCCL's ring all-reduce of every f32 gradient per
+    /// step, `2 (N - 1) / N · 4 · params`; priced on the compute stream, where the sums run.
+    pub nccl_bytes_per_gpu: u64,
+    /// Tokens of the global batch per step.
+    pub tokens_per_step: usize,
 }
 
 /// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 8.0 or
@@ -84,6 +95,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         optim_states: args.optim_states.into(),
         optim_mode: args.optim_mode.into(),
         device: args.device.into(),
+        gpus: args.gpus,
         placement: PlacementChoice {
             resident_outer: args.resident_outer.choice(),
             resident_layers: args.resident_layers.choice(),
@@ -107,11 +119,15 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         DeviceKind::Cpu => host_avail,
     };
     // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
+    // With --gpus N the plan is each GPU's, for its share of the batch (`plan_for`).
     let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
-    let pinned = if args.device == DeviceKind::Cuda { p.host.pinned } else { 0 };
-    let host_bytes = planned_host_bytes(&p, device);
+    let n_gpus = args.gpus as f64;
+    // Each GPU has its own staging and landing rings; the store is one.
+    let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;
+    let pinned = if args.device == DeviceKind::Cuda { p.host.pinned * args.gpus as u64 } else { 0 };
+    let host_bytes = planned_host_bytes(&p, device) + extra_rings;
     let layout = ModelLayout::new(cfg);
-    let tokens = (args.batch_size * args.seq_len) as f64;
+    let tokens = (p.batch * args.seq_len) as f64;
     // Model FLOPs (on the active parameters: a mixture of experts' tokens each reach k of its
     // E experts) plus the recomputed forward of every layer that does not keep its activations
     // (the recompute stops before down_proj, a MoE layer's before its experts' down projections).
@@ -125,7 +141,13 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let recompute = 2.0 * (recomputed * (active_layer - down)) as f64 * tokens;
     let gemm = 6.0 * active as f64 * tokens;
     let attn = attention_s(cfg, &p, args);
-    let compute_s = (gemm + recompute) / (args.tflops * 1e12) + attn.forward + attn.backward;
+    // Data parallel: every gradient summed by NCCL on the compute stream, after its backward.
+    let nccl_bytes =
+        if args.gpus > 1 { 2.0 * (n_gpus - 1.0) / n_gpus * 4.0 * layout.n_params() as f64 } else { 0.0 };
+    let compute_s = (gemm + recompute) / (args.tflops * 1e12)
+        + attn.forward
+        + attn.backward
+        + nccl_bytes / (args.nccl_gbs * 1e9);
     // The forward is a third of the GEMM FLOPs and attention's forward; the backward the rest.
     let fwd_s = gemm / 3.0 / (args.tflops * 1e12) + attn.forward;
     let bwd_s = compute_s - fwd_s;
@@ -152,12 +174,21 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
     let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
     let state_dma = gpu_params * (2.0 * s + b.grad) - late_params * s - early_params * (s + b.grad);
-    let host_update_s =
-        secs((layer_params - gpu_params + outer_params) * (b.update + b.fwd_cast) + state_dma);
+    // Every GPU casts every streamed unit into its own staging ring; the update and the land
+    // (GPU 0's) run once. In exact mode one GPU's forward cast is fused into the update, the
+    // others' read the master again.
+    let other_casts = match mode {
+        mt_sched::OptimMode::Exact => (n_gpus - 1.0) * (4.0 + args.precision.bytes()),
+        mt_sched::OptimMode::Lean => 0.0,
+    };
+    let host_update_s = secs(
+        (layer_params - gpu_params + outer_params) * (b.update + n_gpus * b.fwd_cast + other_casts)
+            + state_dma,
+    );
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
     let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
     let host_backward_s = secs(
-        recast_params * b.bwd_cast
+        n_gpus * recast_params * b.bwd_cast
             + layer_params * b.land
             + outer_params * b.outer_land
             + late_params * s
@@ -208,66 +239,10 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         host_update_s,
         step_s,
         device: device.kind(),
+        gpus: args.gpus,
+        nccl_bytes_per_gpu: nccl_bytes as u64,
+        tokens_per_step: args.batch_size * args.seq_len,
     })
-}
-
-/// Our flash kernel's forward and backward TFLOP/s (causal FLOPs, the backward counted as 2.5x
-/// the forward) by sequence length, measured on an H200 at 28 / 4 heads, head dim 128, one
-/// sequence (`results/2026-11-26-flash-attention-h200/kernel/`); interpolated in log2 of the
-/// length, the ends held beyond.
-pub const FLASH_TFLOPS: [(usize, f64, f64); 4] =
-    [(4096, 175.2, 115.8), (16384, 229.9, 194.3), (65536, 253.3, 193.0), (131072, 256.9, 195.5)];
-
-/// TFLOP/s of the materialised attention (candle's GEMMs and our softmax kernels, the
-/// `6·L·s·hidden·T` FLOPs and the recompute's forward): 80-84 in the H200 runs of the 3.6B at
-/// 4 / 16 x 2048 (`results/2026-11-26-flash-attention-h200/regression/`, the old binary, with the
-/// GEMMs at [`EstimateArgs::tflops`]'s 600).
-pub const MATERIALISED_ATTENTION_TFLOPS: f64 = 80.0;
-
-/// Attention's own seconds of a step, forward and backward.
-struct AttentionTime {
-    forward: f64,
-    backward: f64,
-}
-
-/// The attention core's time (scores, softmax, the weighted sum; its projections are GEMMs):
-/// forward `A = 2·seq·(heads·head_dim)·T·L` FLOPs (causal), run again in the backward's recompute
-/// of every layer that keeps no activations, and the flash backward's `2.5·A` (it recomputes the
-/// probabilities), at `--attention-tflops` or [`FLASH_TFLOPS`] at this length; the materialised
-/// path's `3·A` and recompute at [`MATERIALISED_ATTENTION_TFLOPS`]. Whole sequences (packed
-/// documents attend less).
-fn attention_s(cfg: &mt_core::ModelConfig, p: &Plan, args: &EstimateArgs) -> AttentionTime {
-    let l = cfg.num_hidden_layers as f64;
-    let a =
-        2.0 * p.seq as f64 * (cfg.num_attention_heads * cfg.head_dim) as f64 * (p.batch * p.seq) as f64 * l;
-    let recomputed = (cfg.num_hidden_layers - p.kept_layers) as f64 / l;
-    if !p.flash_attention {
-        let rate = MATERIALISED_ATTENTION_TFLOPS * 1e12;
-        return AttentionTime { forward: a / rate, backward: a * (2.0 + recomputed) / rate };
-    }
-    let (fwd, bwd) = args.attention_tflops.map_or_else(|| flash_tflops(p.seq), |r| (r.0, r.1));
-    AttentionTime {
-        forward: a / (fwd * 1e12),
-        backward: a * recomputed / (fwd * 1e12) + 2.5 * a / (bwd * 1e12),
-    }
-}
-
-/// [`FLASH_TFLOPS`] at `seq` tokens.
-fn flash_tflops(seq: usize) -> (f64, f64) {
-    let t = FLASH_TFLOPS;
-    let x = (seq.max(1) as f64).log2();
-    let (first, last) = (t[0], t[t.len() - 1]);
-    if x <= (first.0 as f64).log2() {
-        return (first.1, first.2);
-    }
-    for w in t.windows(2) {
-        let (x0, x1) = ((w[0].0 as f64).log2(), (w[1].0 as f64).log2());
-        if x <= x1 {
-            let f = (x - x0) / (x1 - x0);
-            return (w[0].1 + f * (w[1].1 - w[0].1), w[0].2 + f * (w[1].2 - w[0].2));
-        }
-    }
-    (last.1, last.2)
 }
 
 /// Host memory traffic per streamed parameter per step, bytes read + written by each host pass
@@ -325,6 +300,15 @@ impl HostTraffic {
 }
 
 impl Estimate {
+    /// Model FLOPs of the global batch's step (the plan's are one GPU's share).
+    fn global_flops(&self) -> f64 {
+        let p = &self.plan;
+        if self.tokens_per_step == p.batch * p.seq {
+            return p.flops_per_step;
+        }
+        p.flops_per_step * self.tokens_per_step as f64 / (p.batch * p.seq).max(1) as f64
+    }
+
     /// The estimate as JSON (bytes and seconds; the plan's figures included).
     pub fn to_json(&self, args: &EstimateArgs) -> Value {
         let p = &self.plan;
@@ -339,8 +323,9 @@ impl Estimate {
             "compute_s": self.compute_s, "pcie_s": self.pcie_s, "host_optimizer_s": self.host_s,
             "host_update_s": self.host_update_s,
             "step_s": self.step_s,
-            "tokens_per_s": (p.batch * p.seq) as f64 / self.step_s,
-            "model_tflops": p.flops_per_step / self.step_s / 1e12,
+            "tokens_per_s": self.tokens_per_step as f64 / self.step_s,
+            "model_tflops": self.global_flops() / self.step_s / 1e12,
+            "gpus": self.gpus, "nccl_bytes_per_gpu_per_step": self.nccl_bytes_per_gpu,
             "assumed": {"tflops": args.tflops, "attention_tflops": args.attention_tflops.map(|r| [r.0, r.1]),
                         "pcie_gbs": args.pcie_gbs, "host_gbs": args.host_gbs,
                         "compute_capability": args.compute_capability, "fused_kernels": fused_kernels(args)},
@@ -381,9 +366,20 @@ impl std::fmt::Display for Estimate {
             self.pcie_s,
             self.host_s,
             self.host_update_s,
-            (p.batch * p.seq) as f64 / self.step_s,
-            p.flops_per_step / self.step_s / 1e12
-        )
+            self.tokens_per_step as f64 / self.step_s,
+            self.global_flops() / self.step_s / 1e12
+        )?;
+        if self.gpus > 1 {
+            write!(
+                f,
+                "\ndata parallel: {} GPUs, each as planned above (its share of the batch, its own PCIe \
+                 uploads; GPU 0 downloads the summed gradients); NCCL all-reduce {:.2} GiB per GPU per step \
+                 (on the compute stream, in the compute time); host casts once per GPU",
+                self.gpus,
+                gib(self.nccl_bytes_per_gpu)
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -402,6 +398,30 @@ mod tests {
         argv.extend(extra);
         let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
         super::estimate(&args).unwrap()
+    }
+
+    /// With --gpus each GPU is planned for its share of the batch with no optimizer state on it,
+    /// pays the ring all-reduce of every f32 gradient, and has rings of its own; the step's tokens
+    /// and FLOPs are the whole batch's.
+    #[test]
+    fn several_gpus_plan_each_for_its_share_and_pay_the_all_reduce() {
+        let one = estimate_3_6b(&[
+            "--resident-outer",
+            "off",
+            "--resident-layers",
+            "0",
+            "--gpu-updated-layers",
+            "0",
+        ]);
+        let two = estimate_3_6b(&["--gpus", "2"]);
+        let p = &two.plan;
+        assert_eq!((p.batch, p.resident_layers, p.resident_outer, p.gpu_updated_layers), (2, 0, false, 0));
+        assert_eq!(two.nccl_bytes_per_gpu, 4 * p.n_params);
+        assert_eq!(two.pinned_bytes, 2 * p.host.pinned);
+        assert_eq!(two.tokens_per_step, 4 * 2048);
+        assert!((two.global_flops() - one.plan.flops_per_step).abs() <= 1e-9 * one.plan.flops_per_step);
+        assert!(two.compute_s < one.compute_s, "{} vs {}", two.compute_s, one.compute_s);
+        assert!(two.to_string().contains("data parallel: 2 GPUs"));
     }
 
     /// Resident units cost the host optimizer nothing: with every layer and the outer unit on

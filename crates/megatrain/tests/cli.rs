@@ -149,6 +149,16 @@ fn bad_input_fails_with_a_message_that_names_it() {
     let e = fails(&["train", "--seq-len", "5000"], 1);
     assert!(e.contains("max_position_embeddings"), "{e}");
 
+    // --gpus: refused on the CPU, with fewer sequences than GPUs, with device-owned state.
+    let e = fails(&["train", "--gpus", "2"], 1);
+    assert!(e.contains("--gpus 2 needs --device cuda"), "{e}");
+    let e = fails(&["train", "--device", "cuda", "--gpus", "4", "--batch-size", "2"], 1);
+    assert!(e.contains("--batch-size 2 is smaller than --gpus 4"), "{e}");
+    let e = fails(&["train", "--device", "cuda", "--gpus", "2", "--resident-layers", "1"], 1);
+    assert!(e.contains("--resident-layers keeps optimizer state on the GPU"), "{e}");
+    let e = fails(&["train", "--gpus", "0"], 2);
+    assert!(e.contains("--gpus"), "{e}");
+
     // A store for another model is refused, not overwritten.
     let store = dir.path().join("s.store");
     let s = path_str(&store);

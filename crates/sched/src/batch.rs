@@ -54,8 +54,18 @@ impl Batch {
         self.targets.iter().filter(|&&t| t != IGNORE_INDEX).count()
     }
 
-    /// Checks shapes and ranges against the model.
+    /// Checks shapes and ranges against the model, and that something is trained on.
     pub fn validate(&self, cfg: &ModelConfig) -> Result<()> {
+        self.validate_shape(cfg)?;
+        if self.n_targets() == 0 {
+            return Err(CoreError::NoTargetTokens.into());
+        }
+        Ok(())
+    }
+
+    /// [`Batch::validate`] less the target count: a data-parallel rank's share may have no
+    /// targets of its own (the global batch has).
+    pub fn validate_shape(&self, cfg: &ModelConfig) -> Result<()> {
         let data = |m: String| CoreError::Data(m);
         if self.batch == 0 || self.seq == 0 {
             return Err(data(format!("empty batch ({} sequences x {} tokens)", self.batch, self.seq)).into());
@@ -105,9 +115,6 @@ impl Batch {
             }
         }
         cfg.check_seq_len(self.seq)?;
-        if self.n_targets() == 0 {
-            return Err(CoreError::NoTargetTokens.into());
-        }
         Ok(())
     }
 }
@@ -138,7 +145,18 @@ pub fn chunk_ranges(batch: usize, n_chunks: usize) -> Vec<std::ops::Range<usize>
 /// Splits a validated batch into device chunks; the loss weights are normalised by the number of
 /// non-masked targets of the whole batch, so any chunking yields the same gradient (to rounding).
 pub fn make_chunks(b: &Batch, n_chunks: usize, device: &Device) -> Result<Vec<Chunk>> {
-    let inv_n = 1.0 / b.n_targets() as f64;
+    make_chunks_normalised(b, n_chunks, b.n_targets(), device)
+}
+
+/// [`make_chunks`] with the loss weights `1 / norm_targets`: a data-parallel rank's share of a
+/// batch is normalised by the whole batch's target count.
+pub fn make_chunks_normalised(
+    b: &Batch,
+    n_chunks: usize,
+    norm_targets: usize,
+    device: &Device,
+) -> Result<Vec<Chunk>> {
+    let inv_n = 1.0 / norm_targets as f64;
     chunk_ranges(b.batch, n_chunks)
         .into_iter()
         .map(|r| {

@@ -97,6 +97,17 @@ impl CudaBackend {
         })
     }
 
+    /// The compute stream (candle's), where NCCL collectives of a data-parallel rank go.
+    pub fn compute_stream(&self) -> Arc<CudaStream> {
+        Arc::clone(&self.compute)
+    }
+
+    /// Number of CUDA devices this process sees.
+    pub fn device_count() -> Result<usize> {
+        let n = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
     /// Device name and total memory.
     pub fn describe(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "unknown GPU".into());

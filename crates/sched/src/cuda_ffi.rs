@@ -308,3 +308,90 @@ pub(crate) fn enqueue_download(src: &Tensor, dst: &Mutex<Staging>, stream: &Cuda
     unsafe { dtoh_async(dst_ptr, sbytes, sptr, stream)? };
     Ok(sbytes as u64)
 }
+
+/// An NCCL communicator: this process's rank of a group made from one unique id, bound to the
+/// compute stream its collectives are enqueued on.
+#[cfg(feature = "nccl")]
+pub(crate) struct NcclComm {
+    comm: cudarc::nccl::sys::ncclComm_t,
+    stream: std::sync::Arc<CudaStream>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as no two calls on it run at
+// once; the one engine that owns it issues its collectives from whichever thread runs that
+// engine's compute, one at a time (`&self` methods are only reached through the engine's
+// `&mut self` step), and it is destroyed by the single owner's Drop.
+#[cfg(feature = "nccl")]
+unsafe impl Send for NcclComm {}
+
+#[cfg(feature = "nccl")]
+impl NcclComm {
+    /// Joins rank `rank` of `world` to the group of `id` (blocks until every rank has joined),
+    /// its collectives on `stream`. Fails with a sentence, not a panic, when libnccl is missing.
+    pub(crate) fn new(
+        stream: std::sync::Arc<CudaStream>,
+        rank: usize,
+        world: usize,
+        id: cudarc::nccl::sys::ncclUniqueId,
+    ) -> Result<Self> {
+        use cudarc::nccl::result as nccl;
+        let to_i32 = |v: usize, what: &str| {
+            i32::try_from(v).map_err(|_| Error::Options(format!("{what} {v} is too large for NCCL")))
+        };
+        let (n, r) = (to_i32(world, "world size")?, to_i32(rank, "rank")?);
+        stream.context().bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: comm is a valid out-pointer; id is a unique id from ncclGetUniqueId shared by
+        // every rank of the group, and the current device is this rank's (the context bound above).
+        unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), n, id, r) }
+            .map_err(|e| Error::Cuda(format!("ncclCommInitRank (rank {rank} of {world}): {e:?}")))?;
+        // SAFETY: ncclCommInitRank succeeded, so it wrote the communicator.
+        let comm = unsafe { comm.assume_init() };
+        Ok(NcclComm { comm, stream })
+    }
+
+    /// Enqueues the in-place sum of a whole f32 device buffer over every rank on the stream.
+    pub(crate) fn all_reduce_sum_f32(&self, t: &Tensor) -> Result<()> {
+        use cudarc::nccl::{result as nccl, sys as ncs};
+        if t.dtype() != DType::F32 {
+            return Err(Error::Cuda(format!("gradient sums are f32, not {:?}", t.dtype())));
+        }
+        let (ptr, bytes) = device_ptr(t, &self.stream)?;
+        let ptr = ptr as *mut std::ffi::c_void;
+        // SAFETY: ptr addresses the whole live f32 buffer of bytes / 4 elements, kept alive by the
+        // pool until every stream is drained; sum in place (send == receive is allowed); the
+        // communicator is live and owned by this engine; the stream is this rank's compute stream,
+        // so the sum runs after the backward that wrote the buffer and before anything reads it.
+        unsafe {
+            nccl::all_reduce(
+                ptr,
+                ptr,
+                bytes / 4,
+                ncs::ncclDataType_t::ncclFloat32,
+                ncs::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream.cu_stream() as ncs::cudaStream_t,
+            )
+        }
+        .map_err(|e| Error::Cuda(format!("ncclAllReduce of {bytes} bytes: {e:?}")))?;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator is live and dropped once; the engine drained its streams before
+        // its fields drop. Abort (not destroy): local, so a rank whose peers died does not hang.
+        if let Err(e) = unsafe { cudarc::nccl::result::comm_abort(self.comm) } {
+            tracing::error!("ncclCommAbort: {e:?}");
+        }
+    }
+}
+
+/// A new NCCL unique id (rank 0 makes it, every rank joins with it). Fails with a sentence when
+/// libnccl cannot be loaded.
+#[cfg(feature = "nccl")]
+pub(crate) fn nccl_unique_id() -> Result<cudarc::nccl::sys::ncclUniqueId> {
+    cudarc::nccl::result::get_uniqueid().map_err(|e| Error::Cuda(format!("ncclGetUniqueId: {e:?}")))
+}

@@ -14,8 +14,11 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
 mod cuda_ffi;
+pub mod data_parallel;
 mod engine;
 mod error;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod placement;
 pub mod plan;
 pub mod program;
@@ -28,10 +31,13 @@ pub use batch::{Batch, IGNORE_INDEX};
 pub use cpu::{CpuBackend, CpuOptions};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaBackend;
+pub use data_parallel::{DataParallel, GradReduce, LocalReduce, Ranks};
 #[doc(hidden)]
 pub use engine::Fault;
 pub use engine::{load_params, Engine, EngineOptions, SkipCause, Skipped, StepReport};
 pub use error::{Error, Result};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclId, NcclReduce};
 pub use program::{OptimMode, Program};
 
 #[cfg(test)]

@@ -73,6 +73,7 @@ pub(crate) fn check_sizes(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
             args.batch_size
         );
     }
+    check_gpus(args, cfg)?;
     if args.grad_dtype() == GradDtype::None && args.optim_mode == OptimMode::Exact {
         refuse!(
             "--grad-dtype none needs --optim-mode lean: exact mode keeps each step's gradient in the \
@@ -206,6 +207,48 @@ pub(crate) fn room_refusal(outs: &[&Output], free: u64) -> Option<String> {
         gb(need),
         gb(free)
     ))
+}
+
+/// Refuses `--gpus` where data parallel cannot run: 0 GPUs, the CPU backend, fewer sequences than
+/// GPUs, and the placements that keep optimizer state on a GPU (every GPU would own a copy).
+fn check_gpus(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
+    let n = args.gpus;
+    if n == 0 {
+        refuse!("--gpus 0: train on at least one GPU");
+    }
+    if n == 1 {
+        return Ok(());
+    }
+    if args.device == crate::Device::Cpu {
+        refuse!(
+            "--gpus {n} needs --device cuda: the CPU backend trains as one rank (its data-parallel path is tested with simulated ranks)"
+        );
+    }
+    if args.batch_size < n {
+        refuse!(
+            "--batch-size {} is smaller than --gpus {n}: each GPU needs at least one sequence",
+            args.batch_size
+        );
+    }
+    let p = &args.placement;
+    let on_gpu = [
+        ("--resident-outer", p.resident_outer == Some(true)),
+        ("--resident-layers", p.resident_layers.is_some_and(|k| k > 0)),
+        ("--gpu-updated-layers", p.gpu_updated_layers.is_some_and(|k| k > 0)),
+        ("--late-state-downloads", p.late_state_downloads.is_some_and(|k| k > 0)),
+        ("--early-state-uploads", p.early_state_uploads.is_some_and(|k| k > 0)),
+    ];
+    if let Some((flag, _)) = on_gpu.iter().find(|(_, on)| *on) {
+        refuse!(
+            "{flag} keeps optimizer state on the GPU, which --gpus {n} does not support yet (every GPU would own a copy): leave it at auto or 0"
+        );
+    }
+    if cfg.moe.as_ref().and_then(|m| m.aux_coef()).is_some() {
+        refuse!(
+            "--gpus {n}: the mixture of experts' load-balancing loss needs the whole batch's router statistics, which data parallel does not gather yet; use --gpus 1"
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -202,6 +202,9 @@ pub struct TrainConfig {
     // Device and memory
     /// The compute device.
     pub device: Device,
+    /// GPUs 0..N of this host, data parallel (one engine per GPU over the one host store; the
+    /// batch split over them; gradients summed through NCCL). 1: the plain engine.
+    pub gpus: usize,
     /// Weight dtype on the device.
     pub precision: Precision,
     /// Gradient dtype of a new store; `None`: [`Precision::default_grad_dtype`].
@@ -286,6 +289,7 @@ impl Default for TrainConfig {
             schedule_steps: None,
             optim_mode: OptimMode::Exact,
             device: Device::Cpu,
+            gpus: 1,
             precision: Precision::Fp32,
             grad_dtype: None,
             optim_states: StateDtype::F32,

@@ -23,15 +23,21 @@ pub(crate) enum DeviceEngine {
     Cpu(Engine<CpuBackend>),
     #[cfg(feature = "cuda")]
     Cuda(Engine<mt_sched::CudaBackend>),
+    /// `--gpus N` above 1: one engine per GPU, on threads of their own (`mt_sched::Ranks`).
+    #[cfg(feature = "nccl")]
+    Ranks(mt_sched::Ranks<mt_sched::CudaBackend>),
 }
 
-/// Runs `$body` with `$e` bound to the engine, whichever backend it is on.
+/// Runs `$body` with `$e` bound to the engine, whichever backend it is on; on data-parallel
+/// ranks, `$ranks` with `$r` bound to them.
 macro_rules! on_engine {
-    ($engine:expr, $e:ident => $body:expr) => {
+    ($engine:expr, $e:ident => $body:expr, $r:ident => $ranks:expr) => {
         match $engine {
             DeviceEngine::Cpu($e) => $body,
             #[cfg(feature = "cuda")]
             DeviceEngine::Cuda($e) => $body,
+            #[cfg(feature = "nccl")]
+            DeviceEngine::Ranks($r) => $ranks,
         }
     };
 }
@@ -102,8 +108,13 @@ impl Backend {
         cfg: &ModelConfig,
         store: Arc<HostStore>,
         opts: EngineOptions,
+        gpus: usize,
+        cpu: CpuOptions,
     ) -> Result<DeviceEngine> {
         let what = || "starting the engine".to_string();
+        if gpus > 1 {
+            return self.start_ranks(cfg, store, opts, gpus, cpu);
+        }
         Ok(match self {
             Backend::Cpu(b) => DeviceEngine::Cpu(Engine::new(cfg, store, b, opts).context_with(what)?),
             #[cfg(feature = "cuda")]
@@ -112,29 +123,93 @@ impl Backend {
     }
 }
 
+impl Backend {
+    /// `--gpus N` (N > 1): one engine per GPU `0..N`, each on its own thread with its own CUDA
+    /// context and streams, over the one host store, its gradients summed through NCCL. GPU 0,
+    /// opened for planning, is given back first (rank 0 opens it again on its thread).
+    #[cfg(feature = "nccl")]
+    fn start_ranks(
+        self,
+        cfg: &ModelConfig,
+        store: Arc<HostStore>,
+        opts: EngineOptions,
+        gpus: usize,
+        cpu: CpuOptions,
+    ) -> Result<DeviceEngine> {
+        use mt_sched::{CudaBackend, DataParallel, NcclId, NcclReduce};
+        let Backend::Cuda(first) = self else {
+            return Err(crate::Error::Options(format!("--gpus {gpus} needs --device cuda")));
+        };
+        drop(first);
+        let have = CudaBackend::device_count().context_with(|| "counting the GPUs".into())?;
+        if gpus > have {
+            return Err(crate::Error::Options(format!(
+                "--gpus {gpus}: this machine has {have} GPU(s) visible (CUDA_VISIBLE_DEVICES?); use --gpus {have} or fewer"
+            )));
+        }
+        let id = NcclId::new().context_with(|| {
+            "--gpus: NCCL is not usable (is libnccl.so on LD_LIBRARY_PATH? README, \"Several GPUs\")".into()
+        })?;
+        let c = cfg.clone();
+        let ranks = mt_sched::Ranks::start(cfg, gpus, move |rank| {
+            let b = CudaBackend::new(rank, cpu)?;
+            let reduce = NcclReduce::new(&b, rank, gpus, id)?;
+            let mut e = Engine::new(&c, Arc::clone(&store), b, opts.clone())?;
+            e.set_data_parallel(DataParallel { rank, world: gpus, reduce: Box::new(reduce) })?;
+            Ok(e)
+        })
+        .context_with(|| format!("starting {gpus} data-parallel engines"))?;
+        Ok(DeviceEngine::Ranks(ranks))
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn start_ranks(
+        self,
+        _cfg: &ModelConfig,
+        _store: Arc<HostStore>,
+        _opts: EngineOptions,
+        gpus: usize,
+        _cpu: CpuOptions,
+    ) -> Result<DeviceEngine> {
+        Err(crate::Error::Options(format!(
+            "--gpus {gpus}: this megatrain was built without the nccl feature (cargo build --features megatrain/nccl); use --gpus 1"
+        )))
+    }
+}
+
 impl DeviceEngine {
     /// One optimizer step on `batch` at learning rate `lr`.
     pub(crate) fn step(&mut self, batch: &Batch, lr: f64) -> mt_sched::Result<StepReport> {
-        on_engine!(self, e => e.step(batch, lr))
+        on_engine!(self, e => e.step(batch, lr), r => r.step(batch, lr))
     }
 
-    /// Injects a NaN or infinity into the next step (tests only).
-    pub(crate) fn inject(&mut self, fault: mt_sched::Fault) {
-        on_engine!(self, e => e.inject(fault))
+    /// Injects a NaN or infinity into the next step (tests only); on data-parallel ranks, into
+    /// rank 0's share (a gradient fault reaches every rank through the gradient sum, a loss fault
+    /// through the ranks' agreement on the skip).
+    pub(crate) fn inject(&mut self, fault: mt_sched::Fault) -> mt_sched::Result<()> {
+        on_engine!(self, e => {
+            e.inject(fault);
+            Ok(())
+        }, r => r.with_rank0(move |e| e.inject(fault)))
     }
 
     /// Applies a pending exact-mode update and writes resident units back into the store.
     pub(crate) fn flush_pending(&mut self) -> mt_sched::Result<()> {
-        on_engine!(self, e => e.flush_pending())
+        // Rank 0 applies it to every record; the other ranks hold no device state.
+        on_engine!(self, e => e.flush_pending(), r => r.with_rank0(|e| e.flush_pending()).and_then(|x| x))
     }
 
     /// Summed loss over `batch`'s targets and their count, under the store's weights.
     pub(crate) fn loss_sum(&mut self, batch: &Batch) -> mt_sched::Result<(f64, usize)> {
-        on_engine!(self, e => e.loss_sum(batch))
+        on_engine!(self, e => e.loss_sum(batch), r => {
+            let batch = batch.clone();
+            r.with_rank0(move |e| e.loss_sum(&batch)).and_then(|x| x)
+        })
     }
 
     /// Bytes of the store page-locked in place for GPU-updated layers.
     pub(crate) fn pinned_record_bytes(&self) -> usize {
-        on_engine!(self, e => e.pinned_record_bytes())
+        // Data parallel refuses GPU-updated layers: nothing is pinned in place.
+        on_engine!(self, e => e.pinned_record_bytes(), _r => 0)
     }
 }

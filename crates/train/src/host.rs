@@ -62,10 +62,20 @@ pub fn plan_for(
     host_bytes: u64,
     fused_kernels: bool,
 ) -> Result<Plan> {
-    let placement = c.placement.for_run(c.device, c.store.is_some());
+    let mut placement = c.placement.for_run(c.device, c.store.is_some());
+    if c.gpus > 1 {
+        // Data parallel keeps every optimizer state in the host store (checks.rs refused an
+        // explicit request for these): the planner may not choose them.
+        placement.resident_outer = Some(false);
+        placement.resident_layers = Some(0);
+        placement.gpu_updated_layers = Some(0);
+        placement.late_state_downloads = Some(0);
+        placement.early_state_uploads = Some(0);
+    }
     plan(&PlanInput {
         cfg: cfg.clone(),
-        batch: c.batch_size,
+        // Each GPU plans for its share of the batch (the largest, where it does not divide).
+        batch: c.batch_size.div_ceil(c.gpus.max(1)),
         seq: c.seq_len,
         weight_dtype: c.precision.dtype(),
         grad_dtype: c.grad_dtype(),

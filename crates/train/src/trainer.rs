@@ -125,7 +125,7 @@ impl<O: Observer> Trainer<O> {
             store_bytes: store.bytes(),
             store_bytes_per_param: store.bytes_per_param(),
             store_path: store.path(),
-            flops_per_step: plan.flops_per_step,
+            flops_per_step: global_flops(&plan, &config),
         };
         notify(&mut observer, &Event::Started(&start))?;
         Ok(Trainer {
@@ -183,7 +183,7 @@ impl<O: Observer> Trainer<O> {
         let batch = self.data.batch(c.seed, k, c.batch_size, c.seq_len);
         let lr = self.schedule.lr(k);
         for &(_, fault) in c.inject_faults.iter().filter(|(s, _)| *s == k + 1) {
-            self.engine.inject(fault);
+            self.engine.inject(fault).context_with(|| "injecting a fault".into())?;
         }
         let r = self.engine.step(&batch, lr).map_err(|e| crate::oom::step_error(e, k + 1, &self.plan))?;
         self.record(&r, k);
@@ -229,7 +229,7 @@ impl<O: Observer> Trainer<O> {
             step: done,
             steps_done: done - self.start_step,
             lr,
-            flops_per_step: self.plan.flops_per_step,
+            flops_per_step: global_flops(&self.plan, &self.config),
             report,
             skipped_in_row: self.skipped_in_row,
             skipped_steps: self.store.skipped_steps(),
@@ -357,7 +357,7 @@ impl<O: Observer> Trainer<O> {
             planned_host_bytes: planned_host_bytes(&self.plan, c.device),
             kept_bytes: (self.totals.kept_bytes(), self.plan.gpu.kept),
             device_peak: (self.totals.device_peak(), self.plan.gpu.total),
-            flops_per_step: self.plan.flops_per_step,
+            flops_per_step: global_flops(&self.plan, &self.config),
             later_step_s: (!later.is_empty()).then(|| later.iter().sum::<f64>() / later.len() as f64),
             store_path: self.store.path().map(Path::to_owned),
             h2d_bytes_per_step: self.totals.h2d_bytes_per_step(),
@@ -446,6 +446,15 @@ fn plan_run<O: Observer>(
     Ok(p)
 }
 
+/// Model FLOPs of a step of the whole batch: the plan's are one GPU's share with `--gpus`.
+fn global_flops(plan: &Plan, c: &TrainConfig) -> f64 {
+    let (whole, share) = (c.batch_size * c.seq_len, plan.batch * plan.seq);
+    if whole == share {
+        return plan.flops_per_step;
+    }
+    plan.flops_per_step * whole as f64 / share.max(1) as f64
+}
+
 /// Phase: the engine started with the plan's placement, and an update a crashed exact-mode run
 /// left pending applied (bitwise what the next step would do).
 fn start_engine<O: Observer>(
@@ -483,7 +492,8 @@ fn start_engine<O: Observer>(
     opts.adamw.beta2 = c.beta2;
     opts.adamw.eps = c.eps;
     let t = Instant::now();
-    let mut engine = backend.start(&model.cfg, Arc::clone(store), opts)?;
+    let cpu = mt_sched::CpuOptions::uniform(c.delay_us, c.seed);
+    let mut engine = backend.start(&model.cfg, Arc::clone(store), opts, c.gpus, cpu)?;
     let event = Event::EngineReady {
         secs: t.elapsed().as_secs_f64(),
         device: c.device.kind(),

@@ -140,6 +140,13 @@ pub struct EstimateArgs {
     /// but hide behind the GPU's backward).
     #[arg(long, default_value_t = 140.0, value_parser = positive_f64)]
     pub host_gbs: f64,
+    /// GPUs of one host, data parallel (as `megatrain train --gpus`): each plans for its share of
+    /// the batch; NCCL's all-reduce of every gradient, the host's casts once per GPU.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "N")]
+    pub gpus: usize,
+    /// NCCL all-reduce bus bandwidth in GB/s between the GPUs (--gpus above 1).
+    #[arg(long, default_value_t = 150.0, value_parser = positive_f64)]
+    pub nccl_gbs: f64,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,

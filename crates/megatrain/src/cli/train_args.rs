@@ -134,6 +134,10 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu, help_heading = "Device and memory", value_name = "cpu|cuda", hide_possible_values = true)]
     pub device: DeviceKind,
 
+    /// GPUs of this host to train on, data parallel through NCCL (needs a build with --features nccl).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, help_heading = "Device and memory", value_name = "N")]
+    pub gpus: usize,
+
     /// Weight dtype on the device (fp32 master weights stay on the host either way).
     #[arg(long, value_enum, default_value_t = Precision::Fp32, help_heading = "Device and memory", value_name = "fp32|bf16", hide_possible_values = true)]
     pub precision: Precision,
@@ -322,6 +326,7 @@ impl TrainArgs {
             schedule_steps: self.schedule_steps,
             optim_mode: self.optim_mode.into(),
             device: self.device.into(),
+            gpus: self.gpus,
             precision: self.precision.into(),
             grad_dtype: self.grad_dtype.map(Into::into),
             optim_states: self.optim_states.into(),

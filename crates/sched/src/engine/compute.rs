@@ -113,6 +113,10 @@ impl<B: Backend> Engine<B> {
                 }
                 self.inject_gradient(Unit::Layer(layer), &gbuf)?;
                 self.pool.drop_checkpoints(layer);
+                if let Some(dp) = &self.dp {
+                    // The gradient of the whole global batch, before it is narrowed or downloaded.
+                    dp.reduce.sum(&gbuf)?;
+                }
                 if let Some(narrow) = grad_buf.and_then(|k| self.pool.grad_narrow.get(k)) {
                     // bf16 landing: narrow here; the layer's share of the global norm is that
                     // of the narrowed gradient (what the host would have taken as it landed).
@@ -135,6 +139,9 @@ impl<B: Backend> Engine<B> {
                     self.outer_t.embed_backward(&ch.host_ids, &dx, &sink)?;
                 }
                 self.inject_gradient(Unit::Outer, &gbuf)?;
+                if let Some(dp) = &self.dp {
+                    dp.reduce.sum(&gbuf)?;
+                }
                 if self.opts.resident_outer {
                     // Likewise the resident outer unit's.
                     let ss = mt_layers::device_optim::sum_squares(&gbuf)?;

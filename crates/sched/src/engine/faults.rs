@@ -16,6 +16,11 @@
 //! exactly as in exact mode; otherwise the store's step advances, the units that sat it out are
 //! marked as having passed it, and the next step clips with the last finite norm.
 //!
+//! Data-parallel ranks (`crate::data_parallel`) take the same decision, from flags summed over the
+//! ranks (`Engine::agree_on_finite`); only the landing rank writes the store (its state, zeroed
+//! gradients, skip count), after every rank's step has drained, so a skipped step leaves no
+//! update pending for any rank's next step to apply.
+//!
 //! [`Fault`] injects a NaN or infinity into a step (tests only).
 
 use candle_core::Tensor;
@@ -125,6 +130,12 @@ impl<B: Backend> Engine<B> {
         } else {
             None
         };
+        if !self.lands() {
+            // A data-parallel rank that lands nothing updates nothing and leaves the store's
+            // state to the landing rank, which took the same decision (`agree_on_finite`).
+            self.deferred_resident.clear();
+            return Ok(cause.map(|cause| Skipped { cause, units_updated: 0, not_finite: Vec::new() }));
+        }
         let sumsq = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let not_finite: Vec<Unit> = self.layout.units().filter(|u| !sumsq[u.index()].is_finite()).collect();
         let deferred = std::mem::take(&mut self.deferred_resident);

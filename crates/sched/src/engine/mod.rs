@@ -11,7 +11,7 @@ use mt_pool::{DevicePool, PoolSpec};
 use mt_store::{GradDtype, HostStore, PinnedRecords, Staging, StoreState, UploadDtype};
 
 use crate::backend::{Backend, DevicePeak, Span};
-use crate::batch::{make_chunks, Batch, Chunk};
+use crate::batch::{make_chunks_normalised, Batch, Chunk};
 use crate::program::{
     early_upload_layers, is_gpu_updated, is_late_download, OptimMode, Program, ProgramSpec, Stream,
 };
@@ -19,6 +19,7 @@ use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
 mod compute;
+mod data_parallel;
 mod eval;
 mod faults;
 mod options;
@@ -119,6 +120,8 @@ pub struct Engine<B: Backend> {
     step_faults: Vec<Fault>,
     /// Lean mode: the resident units whose update waits for the step's end (`faults.rs`).
     deferred_resident: Vec<Unit>,
+    /// This engine's place among data-parallel ranks (`None`: it trains alone).
+    dp: Option<crate::data_parallel::DataParallel>,
 }
 
 impl<B: Backend> Drop for Engine<B> {
@@ -241,6 +244,7 @@ impl<B: Backend> Engine<B> {
             faults: Vec::new(),
             step_faults: Vec::new(),
             deferred_resident: Vec::new(),
+            dp: None,
         };
         engine.check_records()?;
         engine.load_resident()?;
@@ -351,16 +355,38 @@ impl<B: Backend> Engine<B> {
         lr: f64,
         edit: impl FnOnce(&mut Program),
     ) -> Result<StepReport> {
-        self.check_not_poisoned()?;
+        if self.dp.is_some() {
+            return Err(Error::Options(
+                "a data-parallel rank steps on its share of the batch: use step_rank".into(),
+            ));
+        }
         batch.validate(&self.cfg)?;
+        self.step_inner(batch, batch.n_targets(), lr, edit)
+    }
+
+    /// A step of `batch` whose loss weights are `1 / norm_targets` (the whole batch's target
+    /// count; a data-parallel rank's share is normalised by the global batch's).
+    pub(super) fn step_inner(
+        &mut self,
+        batch: &Batch,
+        norm_targets: usize,
+        lr: f64,
+        edit: impl FnOnce(&mut Program),
+    ) -> Result<StepReport> {
+        self.check_not_poisoned()?;
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(Error::Options(format!("learning rate {lr} must be finite and non-negative")));
         }
         if self.opts.mode == OptimMode::Lean && self.store.state().pending_update {
+            if self.dp.is_some() {
+                return Err(Error::Options(
+                    "a lean-mode step of data-parallel ranks on a store with a pending exact-mode update: apply it first (flush_pending on one engine)".into(),
+                ));
+            }
             // The store was last trained in exact mode: apply its pending update first.
             self.flush_pending()?;
         }
-        let chunks = make_chunks(batch, self.opts.n_chunks, self.backend.device())?;
+        let chunks = make_chunks_normalised(batch, self.opts.n_chunks, norm_targets, self.backend.device())?;
         self.ensure_rope(batch.seq)?;
         self.positions = self.chunk_positions(&chunks)?;
         self.ensure_spill(&chunks)?;
@@ -412,7 +438,9 @@ impl<B: Backend> Engine<B> {
         let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
         let loss = self.inject_loss(loss);
         self.step_faults.clear();
-        let skipped = self.conclude_step(state, lr, loss, norm, &update_args)?;
+        // Every rank takes the same decision, from the whole batch's loss and the summed norm.
+        let (decision_loss, decision_norm) = self.agree_on_finite(loss, norm)?;
+        let skipped = self.conclude_step(state, lr, decision_loss, decision_norm, &update_args)?;
         let step_s = self.backend.now_s();
         // Every stream is drained: the early uploads this step issued are in their slots (of no
         // use after a skipped step, which leaves no update pending for them).

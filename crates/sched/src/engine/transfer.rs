@@ -81,6 +81,11 @@ impl<B: Backend> Engine<B> {
     pub(super) fn issue_transfer(&self, op: &Op, waits: &[B::Event], args: StepArgs) -> Result<B::Event> {
         let name = format!("{op:?}");
         let hyper = self.opts.adamw;
+        if !self.lands() && matches!(op, Op::Download { .. } | Op::Land { .. }) {
+            // Rank 0 downloads and lands the summed gradient; here the op only keeps the
+            // program's shape (and its waits).
+            return Ok(self.backend.host(waits, Box::new(|| Ok(())), name));
+        }
         Ok(match *op {
             Op::Stage { unit, staging, update } => {
                 let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));

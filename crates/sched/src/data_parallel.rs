@@ -1,0 +1,289 @@
+//! Data parallelism over several engines ("ranks") that share one host store in one process:
+//! the global batch split over the ranks, the gradient sum between ranks ([`GradReduce`]: NCCL on
+//! GPUs, [`LocalReduce`] as the in-memory stand-in the CPU tests use), and [`Ranks`], which runs
+//! one engine per rank on a thread of its own and steps them together.
+//!
+//! What a rank does differently (the engine's side, `engine/mod.rs` and `engine/compute.rs`):
+//! its chunks' loss weights are `1 / (targets of the GLOBAL batch)`; after a layer's backward and
+//! after the embedding backward its gradient buffer is summed over the ranks on the device
+//! ([`GradReduce::sum`]) before it is narrowed or downloaded; only rank 0 downloads and lands
+//! gradients (so only rank 0 writes gradients into the store, takes Σg² — of the summed gradient,
+//! hence the exact global norm — and sets the store's step state). Every rank stages and uploads
+//! every streamed layer from the shared store; a pending exact-mode update is applied by whichever
+//! rank stages the unit first (the record lock and its applied-step mark make the others only cast).
+//! A step whose loss or norm is not finite is skipped by every rank alike (`engine/faults.rs`): the
+//! ranks sum a non-finite flag each after their step, and only rank 0 writes the store's state.
+//!
+//! Architecture Invariant: a rank reads no record another rank writes before that write is
+//! complete. Rank 0's Land of a unit waits for its own Stage of the unit (which applied or found
+//! applied the pending update, so no rank applies it from the new gradient), and its Download waits
+//! for the reduction, which completes only after every rank's backward of the unit, which read
+//! that rank's upload of it. Steps are barriers: [`Ranks::step`] returns only after every rank's.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Barrier, Mutex};
+use std::thread::JoinHandle;
+
+use candle_core::{Device, Tensor};
+use mt_core::{Error as CoreError, ModelConfig};
+
+use crate::backend::Backend;
+use crate::batch::{chunk_ranges, Batch};
+use crate::engine::{Engine, SkipCause, Skipped, StepReport};
+use crate::{Error, Result};
+
+/// The sum of a gradient buffer over all ranks, in place.
+pub trait GradReduce {
+    /// Replaces `buf` (a whole, contiguous f32 gradient buffer on this rank's device) by its sum
+    /// over all ranks, ordered after everything issued to the compute stream before it and before
+    /// everything issued after it. Every rank calls it for the same buffers in the same order.
+    fn sum(&self, buf: &Tensor) -> Result<()>;
+}
+
+/// An engine's place among data-parallel ranks.
+pub struct DataParallel {
+    /// This rank, `0..world`.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// How gradients are summed over the ranks.
+    pub reduce: Box<dyn GradReduce>,
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel").field("rank", &self.rank).field("world", &self.world).finish()
+    }
+}
+
+/// The global batch split over `world` ranks: rank `r` gets the `r`-th of `world` near-equal
+/// contiguous groups of sequences (`chunk_ranges`), so the split is a pure function of the batch
+/// and the rank count. Refuses fewer sequences than ranks.
+pub fn split_batch(b: &Batch, world: usize) -> Result<Vec<Batch>> {
+    if world == 0 || b.batch < world {
+        return Err(CoreError::Data(format!(
+            "a batch of {} sequences cannot be split over {world} ranks: use a --batch-size of at least the number of GPUs",
+            b.batch
+        ))
+        .into());
+    }
+    Ok(chunk_ranges(b.batch, world)
+        .into_iter()
+        .map(|r| {
+            let (lo, hi) = (r.start * b.seq, r.end * b.seq);
+            Batch {
+                batch: r.len(),
+                seq: b.seq,
+                input_ids: b.input_ids[lo..hi].to_vec(),
+                targets: b.targets[lo..hi].to_vec(),
+                positions: b.positions.as_ref().map(|p| p[lo..hi].to_vec()),
+            }
+        })
+        .collect())
+}
+
+/// The in-memory stand-in for NCCL's all-reduce between ranks on the CPU backend, one per rank of
+/// a group made by [`LocalReduce::group`]: each rank's buffer is summed in rank order (so the
+/// result is the same bits on every rank, and the same as one engine accumulating the ranks'
+/// chunks in order). For tests and simulations only: GPUs sum through NCCL.
+pub struct LocalReduce {
+    rank: usize,
+    shared: Arc<LocalShared>,
+}
+
+struct LocalShared {
+    bufs: Mutex<Vec<Option<Tensor>>>,
+    barrier: Barrier,
+}
+
+impl LocalReduce {
+    /// One reducer per rank of a group of `world`.
+    pub fn group(world: usize) -> Vec<LocalReduce> {
+        let shared =
+            Arc::new(LocalShared { bufs: Mutex::new(vec![None; world]), barrier: Barrier::new(world) });
+        (0..world).map(|rank| LocalReduce { rank, shared: Arc::clone(&shared) }).collect()
+    }
+}
+
+impl GradReduce for LocalReduce {
+    fn sum(&self, buf: &Tensor) -> Result<()> {
+        let mine = buf.to_device(&Device::Cpu)?.copy()?;
+        self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner())[self.rank] = Some(mine);
+        self.shared.barrier.wait();
+        let total = {
+            let bufs = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
+            let mut it = bufs.iter();
+            let first = it.next().and_then(Option::as_ref).ok_or_else(missing)?.clone();
+            it.try_fold(first, |acc, b| -> Result<Tensor> { Ok((acc + b.as_ref().ok_or_else(missing)?)?) })?
+        };
+        // Nobody overwrites its entry before every rank has read them all.
+        self.shared.barrier.wait();
+        buf.slice_set(&total.to_device(buf.device())?, 0, 0)?;
+        Ok(())
+    }
+}
+
+fn missing() -> Error {
+    Error::Options("a rank's gradient is missing from the in-memory reduction (scheduling bug)".into())
+}
+
+/// How long the ranks may take to open their GPUs, join the NCCL group and build their engines.
+const START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+type Job<B> = Box<dyn FnOnce(&mut Engine<B>) + Send>;
+
+/// One engine per rank, each on a thread of its own (where it is built, so a backend bound to its
+/// thread never moves), stepped together over one global batch.
+pub struct Ranks<B: Backend> {
+    cfg: ModelConfig,
+    senders: Vec<mpsc::Sender<Job<B>>>,
+    threads: Vec<JoinHandle<()>>,
+    /// A step failed: other ranks may be blocked in a collective, so they are not joined.
+    failed: AtomicBool,
+}
+
+impl<B: Backend> std::fmt::Debug for Ranks<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ranks").field("world", &self.senders.len()).finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend + 'static> Ranks<B> {
+    /// Starts `world` rank threads; rank `r`'s engine is `make(r)`, which must give it its
+    /// [`DataParallel`] place. Returns the first rank's error if any engine fails to start
+    /// (without waiting for ranks that may be blocked joining a collective group).
+    pub fn start<F>(cfg: &ModelConfig, world: usize, make: F) -> Result<Self>
+    where
+        F: Fn(usize) -> Result<Engine<B>> + Send + Sync + 'static,
+    {
+        let make = Arc::new(make);
+        let (ready_tx, ready_rx) = mpsc::channel::<(usize, Result<()>)>();
+        let mut senders = Vec::with_capacity(world);
+        let mut threads = Vec::with_capacity(world);
+        for rank in 0..world {
+            let (tx, rx) = mpsc::channel::<Job<B>>();
+            let (make, ready) = (Arc::clone(&make), ready_tx.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("rank-{rank}"))
+                .spawn(move || {
+                    let mut engine = match make(rank) {
+                        Ok(e) => e,
+                        Err(e) => {
+                            let _ = ready.send((rank, Err(e)));
+                            return;
+                        }
+                    };
+                    let _ = ready.send((rank, Ok(())));
+                    while let Ok(job) = rx.recv() {
+                        job(&mut engine);
+                    }
+                })
+                .map_err(|e| Error::Options(format!("cannot start the thread of rank {rank}: {e}")))?;
+            senders.push(tx);
+            threads.push(t);
+        }
+        for _ in 0..world {
+            match ready_rx.recv_timeout(START_TIMEOUT) {
+                Ok((_, Ok(()))) => {}
+                Ok((rank, Err(e))) => {
+                    return Err(Error::Options(format!("rank {rank} (GPU {rank}) could not start: {e}")))
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(Error::Options(format!(
+                        "the {world} ranks did not all start within {} s (a GPU busy, or NCCL unable to connect them: NCCL_DEBUG=INFO says why)",
+                        START_TIMEOUT.as_secs()
+                    )))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Options("a rank thread ended before its engine started".into()))
+                }
+            }
+        }
+        Ok(Ranks { cfg: cfg.clone(), senders, threads, failed: AtomicBool::new(false) })
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.senders.len()
+    }
+
+    /// Runs `f` on rank 0's engine (evaluation, flushing the pending update, reading options).
+    pub fn with_rank0<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Engine<B>) -> R + Send + 'static,
+    ) -> Result<R> {
+        let (tx, rx) = mpsc::channel();
+        self.senders[0]
+            .send(Box::new(move |e| {
+                let _ = tx.send(f(e));
+            }))
+            .map_err(|_| gone(0))?;
+        rx.recv().map_err(|_| gone(0))
+    }
+
+    /// One optimizer step of every rank on its share of `batch` (validated whole: the global
+    /// target count normalises every rank's loss). The report is rank 0's, with the loss summed
+    /// over the ranks (in rank order), the tokens and targets of the whole batch, the bytes every
+    /// rank copied and the slowest rank's time.
+    pub fn step(&self, batch: &Batch, lr: f64) -> Result<StepReport> {
+        batch.validate(&self.cfg)?;
+        let world = self.world();
+        let parts = split_batch(batch, world)?;
+        let global = batch.n_targets();
+        let (tx, rx) = mpsc::channel();
+        for (rank, part) in parts.into_iter().enumerate() {
+            let tx = tx.clone();
+            self.senders[rank]
+                .send(Box::new(move |e| {
+                    let _ = tx.send((rank, e.step_rank(&part, global, lr)));
+                }))
+                .map_err(|_| gone(rank))?;
+        }
+        drop(tx);
+        let mut reports: Vec<Option<StepReport>> = (0..world).map(|_| None).collect();
+        for _ in 0..world {
+            let (rank, r) = rx.recv().map_err(|_| gone(0))?;
+            match r {
+                Ok(rep) => reports[rank] = Some(rep),
+                Err(e) if world > 1 => {
+                    self.failed.store(true, Ordering::Relaxed);
+                    return Err(Error::Op { op: format!("rank {rank}"), source: Box::new(e) });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let reports: Vec<StepReport> =
+            reports.into_iter().map(|r| r.ok_or_else(|| gone(0))).collect::<Result<_>>()?;
+        let mut out = reports[0].clone();
+        out.loss = reports.iter().fold(0.0, |acc, r| acc + r.loss);
+        out.n_tokens = batch.batch * batch.seq;
+        out.n_targets = global;
+        out.h2d_bytes = reports.iter().map(|r| r.h2d_bytes).sum();
+        out.d2h_bytes = reports.iter().map(|r| r.d2h_bytes).sum();
+        out.step_s = reports.iter().map(|r| r.step_s).fold(0.0, f64::max);
+        if let Some(Skipped { cause: cause @ SkipCause::Loss(_), .. }) = &mut out.skipped {
+            // Rank 0 decided from every rank's flag; the cause is the whole batch's loss.
+            *cause = SkipCause::Loss(out.loss);
+        }
+        Ok(out)
+    }
+}
+
+fn gone(rank: usize) -> Error {
+    Error::Options(format!("rank {rank}'s thread has stopped (an earlier error or panic on it)"))
+}
+
+impl<B: Backend> Drop for Ranks<B> {
+    fn drop(&mut self) {
+        // Closing the channels ends every rank's loop; each engine drops on its own thread.
+        self.senders.clear();
+        if self.failed.load(Ordering::Relaxed) {
+            // Left running: the process exits with the step's error.
+            return;
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
