@@ -6,36 +6,9 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn model_fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/roundtrip/llama/model")
-}
-
-fn megatrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_megatrain")).args(args).output().expect("run megatrain")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// 40 samples of 5..=16 ids below 128 (the fixture's vocabulary), deterministic.
-fn write_data(path: &Path) {
-    let mut x: u64 = 12345;
-    let mut lines = String::new();
-    for i in 0..40 {
-        let n = 5 + i % 12;
-        let ids: Vec<String> = (0..n)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((x >> 33) % 128).to_string()
-            })
-            .collect();
-        lines.push_str(&format!("{{\"input_ids\": [{}]}}\n", ids.join(", ")));
-    }
-    fs::write(path, lines).unwrap();
-}
+mod common;
+use common::{megatrain, model_fixture, stderr, write_data};
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

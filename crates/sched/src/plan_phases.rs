@@ -17,7 +17,7 @@ use super::{
     GPU_USABLE_FRACTION, MLP_TILE_ROWS, N_BUFS,
 };
 use crate::batch::chunk_ranges;
-use crate::engine::RELOAD_SLOTS;
+use crate::program::RELOAD_SLOTS;
 use crate::{Error, OptimMode, Result};
 
 #[path = "plan_phases_gpu.rs"]

@@ -431,6 +431,10 @@ pub fn slot_pairs_of(
     pairs
 }
 
+/// Device buffers the spilled checkpoints are reloaded through (two: one reload ahead of the
+/// backward that reads the other); the engine allocates them, the planner prices them.
+pub(crate) const RELOAD_SLOTS: usize = 2;
+
 /// The reload buffer spilled boundary `boundary` comes back through, of `reload_slots`, when
 /// boundaries `0..spilled` are spilled: the reloads go in backward order, round-robin.
 pub fn reload_slot(spilled: usize, reload_slots: usize, boundary: usize) -> usize {

@@ -302,3 +302,13 @@ impl fmt::Display for Event<'_> {
         }
     }
 }
+
+/// Tells `observer` of `event`; its refusal ends the run ([`crate::Error::Observer`]).
+pub(crate) fn notify<O: Observer>(observer: &mut O, event: &Event<'_>) -> crate::Result<()> {
+    observer.event(event).map_err(crate::Error::Observer)
+}
+
+/// Tells `observer` of a finished step; its refusal ends the run.
+pub(crate) fn notify_step<O: Observer>(observer: &mut O, event: &StepEvent<'_>) -> crate::Result<()> {
+    observer.step(event).map_err(crate::Error::Observer)
+}

@@ -14,8 +14,8 @@ use crate::checkpoint::{self, Manifest};
 use crate::data::TrainData;
 use crate::error::{Context, Error, Result};
 use crate::init::init_store;
+use crate::observer::notify;
 use crate::observer::{Event, Observer};
-use crate::trainer::notify;
 use crate::{ModelSource, TrainConfig};
 
 /// How the run's first step was reached.

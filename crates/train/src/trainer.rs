@@ -21,7 +21,9 @@ use crate::data::TrainData;
 use crate::engine::{Backend, DeviceEngine};
 use crate::error::{Context, Error, Result};
 use crate::host::{available_bytes, gib_to_bytes, planned_host_bytes, rss_bytes};
-use crate::observer::{CheckpointWritten, EvalResult, Event, Observer, RunStart, StepEvent};
+use crate::observer::{
+    notify, notify_step, CheckpointWritten, EvalResult, Event, Observer, RunStart, StepEvent,
+};
 use crate::restore::{open_store, prefault, restore_or_initialise};
 use crate::schedule::LrSchedule;
 use crate::summary::{StepTotals, TrainSummary};
@@ -418,14 +420,6 @@ impl<O: Observer> Drop for Trainer<O> {
             tracing::error!("could not flush the host store: {e}");
         }
     }
-}
-
-pub(crate) fn notify<O: Observer>(observer: &mut O, event: &Event<'_>) -> Result<()> {
-    observer.event(event).map_err(Error::Observer)
-}
-
-fn notify_step<O: Observer>(observer: &mut O, event: &StepEvent<'_>) -> Result<()> {
-    observer.step(event).map_err(Error::Observer)
 }
 
 /// Phase: the step planned for this device and machine (chunking, ring depth, placement, bytes

@@ -34,7 +34,6 @@ pub use faults::Fault;
 pub use faults::{SkipCause, Skipped};
 pub use options::EngineOptions;
 pub(crate) use resident::state_words;
-pub(crate) use spill::RELOAD_SLOTS;
 
 /// What one step did.
 #[derive(Debug, Clone)]
@@ -286,7 +285,7 @@ impl<B: Backend> Engine<B> {
             early_uploads: if self.opts.mode == OptimMode::Exact { self.opts.early_state_uploads } else { 0 },
             early_ready,
             spilled_checkpoints: self.opts.spilled_checkpoints,
-            reload_slots: if self.opts.spilled_checkpoints > 0 { spill::RELOAD_SLOTS } else { 0 },
+            reload_slots: if self.opts.spilled_checkpoints > 0 { crate::program::RELOAD_SLOTS } else { 0 },
             n_state_bufs: self.pool.state.len(),
         }
     }

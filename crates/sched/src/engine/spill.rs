@@ -10,11 +10,8 @@ use mt_store::Staging;
 use super::{upload_dtype, Engine};
 use crate::backend::Backend;
 use crate::batch::Chunk;
+use crate::program::RELOAD_SLOTS;
 use crate::{Error, Result};
-
-/// Device buffers the spilled checkpoints are reloaded through (two: one reload ahead of the
-/// backward that reads the other).
-pub(crate) const RELOAD_SLOTS: usize = 2;
 
 impl<B: Backend> Engine<B> {
     /// Host buffers for every spilled boundary's chunks and the reload buffers, sized for this
