@@ -15,7 +15,6 @@ use mt_sched::program::{Op, Stream};
 use mt_sched::{Backend, CpuBackend, CpuOptions, CudaBackend, Engine, EngineOptions, StepReport};
 use mt_store::GradDtype;
 use mt_testkit::golden::{self, GOLDEN_NAMES};
-use mt_testkit::init::randn;
 use mt_testkit::tol::compare_maps;
 use mt_testkit::Tolerance;
 
