@@ -143,7 +143,7 @@ req_file=$(mktemp)
 trap 'rm -f "$req_file"' EXIT
 printf '%s\n' "$REQUIREMENTS" >"$req_file"
 say "installing pinned CUDA 13.0 wheels into $PREFIX (about 1 GB on disk)"
-"$PREFIX/bin/python" -m pip install --disable-pip-version-check --no-input -q \
+"$PREFIX/bin/python" -m pip install --disable-pip-version-check --no-input -q --no-cache-dir \
     --no-deps --require-hashes --only-binary=:all: -r "$req_file" ||
     die "pip install of the pinned CUDA wheels failed (PyPI reachable? disk space?)"
 "$PREFIX/bin/python" -m pip check --disable-pip-version-check >/dev/null ||

@@ -29,6 +29,10 @@
 //!   `skipped_steps`: steps skipped so far in the run (resumed runs included)
 //! - `tokens`, `step_ms`, `tokens_per_s`, `model_tflops`, `h2d_bytes`, `d2h_bytes`,
 //!   `rss_bytes` (host resident set after the step; null where it cannot be read)
+//! - with a store paged from its file (the disk tier): `store_read_ahead_bytes`,
+//!   `store_evicted_bytes`, the pager's totals since the run began (setup included)
+//! - `io_read_bytes`, `io_write_bytes`: the process's storage I/O so far (Linux /proc/self/io;
+//!   null elsewhere)
 //! - per stream `S` in `host` (the CPU optimizer: staging casts, AdamW updates, gradient
 //!   landing), `h2d`, `compute`, `d2h`: `S_busy_frac` (busy time / step time) and `S_max_gap_ms`
 //!   (longest idle gap between two of its operations)
@@ -168,6 +172,15 @@ pub fn eval_record(e: &EvalResult) -> Value {
     json!({"type": "eval", "step": e.step, "eval_loss": e.loss, "eval_targets": e.targets, "eval_ms": 1e3 * e.secs})
 }
 
+/// Bytes this process has read from and written to storage so far (Linux; `None` elsewhere).
+fn storage_io() -> Option<(u64, u64)> {
+    let t = std::fs::read_to_string("/proc/self/io").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        t.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok())
+    };
+    Some((field("read_bytes:")?, field("write_bytes:")?))
+}
+
 /// The `step` record of a step; `rss_bytes`: the host's resident set after it.
 pub fn step_record(s: &StepEvent<'_>, rss_bytes: Option<u64>) -> Value {
     let (step, lr, r, flops_per_step) = (s.step, s.lr, s.report, s.flops_per_step);
@@ -189,6 +202,13 @@ pub fn step_record(s: &StepEvent<'_>, rss_bytes: Option<u64>) -> Value {
     m.insert("h2d_bytes".into(), json!(r.h2d_bytes));
     m.insert("d2h_bytes".into(), json!(r.d2h_bytes));
     m.insert("rss_bytes".into(), json!(rss_bytes));
+    if let Some(p) = s.paging {
+        m.insert("store_read_ahead_bytes".into(), json!(p.read_ahead_bytes));
+        m.insert("store_evicted_bytes".into(), json!(p.evicted_bytes));
+    }
+    let (io_read, io_write) = storage_io().unzip();
+    m.insert("io_read_bytes".into(), json!(io_read));
+    m.insert("io_write_bytes".into(), json!(io_write));
     // Running maxima since the engine started (setup and earlier steps included), not this
     // step's own peak: the most the run needed so far.
     if let Some(p) = r.device_peak {

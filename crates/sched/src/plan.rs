@@ -34,7 +34,7 @@ use crate::{OptimMode, Result};
 
 #[path = "plan_bytes.rs"]
 mod bytes;
-pub use bytes::{layer_workspace, loss_workspace, store_bytes, LayerPath};
+pub use bytes::{largest_record, layer_workspace, loss_workspace, store_bytes, LayerPath, PAGED_MIN_RECORDS};
 #[path = "plan_display.rs"]
 mod display;
 #[path = "plan_model.rs"]
@@ -135,6 +135,9 @@ pub struct PlanInput {
     /// layer's forward and backward (`Some(k)`), or decide (`None`): the fewest that let the plan
     /// fit with its smallest workspace.
     pub spilled_checkpoints: Option<usize>,
+    /// The store is a file (`--store`): where it does not fit `host_bytes`, it is paged through
+    /// a RAM window (the disk tier, `HostStore::start_paging`) instead of refused.
+    pub store_file: bool,
     /// Rows of each decoder layer's MLP tile (`Some(r)`, 0 = a chunk's rows at once), or decide
     /// (`None`): a chunk's rows at once up to `MLP_TILE_ROWS[0]` of them, else the largest of
     /// [`MLP_TILE_ROWS`] that fits.
@@ -204,6 +207,10 @@ pub struct HostBytes {
     pub spilled_checkpoints: u64,
     /// Sum of the two: what must fit (the whole store is populated before the engine starts).
     pub total: u64,
+    /// Bytes of the store kept in RAM when it is paged from its file (`None`: all of it): the
+    /// pager's window (`HostStore::start_paging`). `total` counts the window and one record
+    /// more, on its way to disk.
+    pub store_window: Option<u64>,
     /// Of the store, the gradient regions of the resident units, which the engine gives back to
     /// the kernel once it has loaded them (`HostStore::release_grad`, anonymous stores): the
     /// host holds `total - released_by_resident` while it trains.
@@ -316,6 +323,9 @@ mod tests;
 #[cfg(test)]
 #[path = "plan_long_tests.rs"]
 mod long_tests;
+#[cfg(test)]
+#[path = "plan_paging_tests.rs"]
+mod paging_tests;
 
 #[cfg(test)]
 #[path = "plan_states_tests.rs"]

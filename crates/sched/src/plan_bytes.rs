@@ -52,13 +52,23 @@ pub(super) fn round_page(n: u64) -> u64 {
 /// `states` moments: per record a meta page, the fp32 master and the two moments and the gradient,
 /// each page-rounded (`4 + 2·s + g` B/param and padding).
 pub fn store_bytes(layout: &ModelLayout, grad: GradDtype, states: StateDtype) -> u64 {
-    let g = grad_elem_bytes(grad);
-    let record = |len: u64| {
-        let moment = round_page(states.moment_bytes(len as usize) as u64);
-        PAGE as u64 + round_page(len * 4) + 2 * moment + round_page(len * g)
-    };
-    PAGE as u64 + record(layout.outer.len as u64) + layout.n_layers as u64 * record(layout.layer.len as u64)
+    let record = |len: usize| record_bytes(len, grad, states);
+    PAGE as u64 + record(layout.outer.len) + layout.n_layers as u64 * record(layout.layer.len)
 }
+
+/// Bytes of one store record of `len` parameters (meta page and page-rounded regions).
+fn record_bytes(len: usize, grad: GradDtype, states: StateDtype) -> u64 {
+    let moment = round_page(states.moment_bytes(len) as u64);
+    PAGE as u64 + round_page(len as u64 * 4) + 2 * moment + round_page(len as u64 * grad_elem_bytes(grad))
+}
+
+/// Bytes of the store's largest record: the unit a paged store moves between disk and RAM.
+pub fn largest_record(layout: &ModelLayout, grad: GradDtype, states: StateDtype) -> u64 {
+    record_bytes(layout.outer.len.max(layout.layer.len), grad, states)
+}
+
+/// Records a paged store's RAM window holds at least: the one in use and the next.
+pub const PAGED_MIN_RECORDS: u64 = 2;
 
 /// How a decoder layer runs, as far as its memory goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

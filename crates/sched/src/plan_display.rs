@@ -148,7 +148,8 @@ impl fmt::Display for PlanDisplay<'_> {
             f,
             "host memory: {}",
             sizes(&[
-                ("store", h.store),
+                (if h.store_window.is_some() { "store (paged from its file)" } else { "store" }, h.store),
+                ("store window in RAM", h.store_window.unwrap_or(0)),
                 (rings, h.pinned - h.spilled_checkpoints),
                 ("spilled checkpoints", h.spilled_checkpoints),
                 ("total", h.total),

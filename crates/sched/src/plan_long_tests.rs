@@ -52,6 +52,7 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
         flash_attention: None,
         mlp_rows: None,
         spilled_checkpoints: None,
+        store_file: false,
     }
 }
 

@@ -7,7 +7,10 @@ use candle_core::DType;
 use mt_core::{ModelConfig, ModelLayout};
 use mt_store::GradDtype;
 
-use super::bytes::{grad_elem_bytes, layer_workspace, loss_workspace, round_page, store_bytes, LayerPath};
+use super::bytes::{
+    grad_elem_bytes, largest_record, layer_workspace, loss_workspace, round_page, store_bytes, LayerPath,
+    PAGED_MIN_RECORDS,
+};
 use super::model::{
     early_upload_capacity, forward_window, late_download_capacity, UpdatePlacement, HOST_MEMORY_GBS,
     STATE_UPLOAD_GBS,
@@ -214,20 +217,53 @@ fn check_input(input: &PlanInput) -> Result<usize> {
     Ok(ring_depth)
 }
 
+/// `b` bytes in GiB, or in MiB below one.
+fn size(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", gib(b))
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    }
+}
+
 /// Phase 2: the host holds the store and the staging and landing rings (page-locked on CUDA).
 fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
     let Ctx { input, ll, e, le, ol_moved, .. } = *c;
     let layout = &c.layout;
     let store = store_bytes(layout, input.grad_dtype, input.state_dtype);
     let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * le + ol_moved * 4;
-    let host =
-        HostBytes { store, pinned, spilled_checkpoints: 0, total: store + pinned, released_by_resident: 0 };
-    if host.total > input.host_bytes {
+    let mut host = HostBytes {
+        store,
+        pinned,
+        spilled_checkpoints: 0,
+        total: store + pinned,
+        store_window: None,
+        released_by_resident: 0,
+    };
+    if host.total <= input.host_bytes {
+        return Ok(host);
+    }
+    let over = format!(
+        "host store ({:.2} GiB) + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
+        gib(store), gib(pinned), gib(host.total), gib(input.host_bytes), gib(host.total - input.host_bytes)
+    );
+    if !input.store_file {
         return opt(format!(
-            "host store ({:.2} GiB) + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
-            gib(store), gib(pinned), gib(host.total), gib(input.host_bytes), gib(host.total - input.host_bytes)
+            "{over}; a file-backed store (--store FILE on a disk with room) pages it from disk"
         ));
     }
+    // The disk tier: the store stays in its file; RAM holds a window of records plus one on its
+    // way to disk, and the window must hold the record in use and the next.
+    let record = largest_record(layout, input.grad_dtype, input.state_dtype);
+    let window = input.host_bytes.saturating_sub(pinned + record);
+    if window < PAGED_MIN_RECORDS * record {
+        return opt(format!(
+            "{over}; paging it from its file needs {} beside the pinned buffers ({} records of {}: in use, next, on its way to disk)",
+            size((PAGED_MIN_RECORDS + 1) * record), PAGED_MIN_RECORDS + 1, size(record)
+        ));
+    }
+    host.store_window = Some(window);
+    host.total = window + record + pinned;
     Ok(host)
 }
 
@@ -358,6 +394,14 @@ fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<C
         host.spilled_checkpoints = spilled as u64 * cp;
         host.pinned += host.spilled_checkpoints;
         host.total += host.spilled_checkpoints;
+        if let Some(w) = host.store_window {
+            // A paged store gives the spilled checkpoints room from its window.
+            let record = largest_record(layout, input.grad_dtype, input.state_dtype);
+            if w >= host.spilled_checkpoints + PAGED_MIN_RECORDS * record {
+                host.store_window = Some(w - host.spilled_checkpoints);
+                host.total -= host.spilled_checkpoints;
+            }
+        }
         if host.total > input.host_bytes {
             return opt(format!(
                 "{spilled} checkpoints spilled to host memory ({:.2} GiB each, {:.2} GiB) with the host store ({:.2} GiB) and pinned buffers need {:.2} GiB, {:.2} GiB more than the host's {:.2} GiB; use fewer or shorter sequences, lean mode (--optim-mode lean --grad-dtype none), or more host memory",

@@ -494,6 +494,19 @@ impl Program {
         })
     }
 
+    /// Units whose store records the host touches (staging, landing, state copies), in issue
+    /// order.
+    pub fn host_accesses(&self) -> impl Iterator<Item = Unit> + '_ {
+        self.instrs.iter().filter_map(|i| match i.op {
+            Op::Stage { unit, .. }
+            | Op::Land { unit, .. }
+            | Op::UploadState { unit, .. }
+            | Op::UploadMoments { unit, .. }
+            | Op::DownloadState { unit, .. } => Some(unit),
+            _ => None,
+        })
+    }
+
     /// Units whose gradients are downloaded, in order.
     pub fn downloads(&self) -> impl Iterator<Item = Unit> + '_ {
         self.instrs.iter().filter_map(|i| match i.op {

@@ -48,6 +48,7 @@ fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
         flash_attention: Some(false),
         mlp_rows: Some(0),
         spilled_checkpoints: Some(0),
+        store_file: false,
     };
     let p = plan(&input).unwrap();
     assert_eq!(p.n_params, layout.n_params() as u64);

@@ -36,6 +36,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         flash_attention: Some(false),
         mlp_rows: Some(0),
         spilled_checkpoints: Some(0),
+        store_file: false,
     }
 }
 

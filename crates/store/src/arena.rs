@@ -16,6 +16,8 @@ use crate::PAGE;
 mod header_fields;
 #[path = "arena_pages.rs"]
 mod pages;
+#[path = "arena_paging.rs"]
+mod paging;
 #[path = "arena_params.rs"]
 mod params;
 
@@ -196,7 +198,7 @@ impl RecordLoc {
         }
     }
 
-    fn bytes(&self, grad: GradDtype) -> usize {
+    pub(crate) fn bytes(&self, grad: GradDtype) -> usize {
         self.grad_off() + round_page(self.len * grad.size())
     }
 
@@ -222,6 +224,9 @@ fn round_page(n: usize) -> usize {
 /// The host store. See the crate docs for the layout.
 #[derive(Debug)]
 pub struct HostStore {
+    /// The disk tier's pager, once started (first field: dropped, its threads joined, before
+    /// the mapping they advise is unmapped).
+    pager: std::sync::OnceLock<crate::pager::Pager>,
     /// Owns the mapping (unmapped on drop). All data access goes through `base`.
     map: MmapMut,
     base: *mut u8,
@@ -377,6 +382,7 @@ impl HostStore {
         let base = map.as_mut_ptr();
         let locks = records.iter().map(|_| Mutex::new(())).collect();
         HostStore {
+            pager: std::sync::OnceLock::new(),
             map,
             base,
             total_len,
@@ -422,6 +428,9 @@ impl HostStore {
     pub fn record(&self, u: Unit) -> RecordGuard<'_> {
         let idx = u.index();
         assert!(idx < self.records.len(), "{u:?} is not a unit of this store ({} units)", self.records.len());
+        if let Some(p) = self.pager.get() {
+            p.touch(idx);
+        }
         let lock = self.locks[idx].lock().unwrap_or_else(|p| p.into_inner());
         let loc = self.records[idx];
         let n = loc.len;

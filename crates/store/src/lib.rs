@@ -25,6 +25,7 @@ mod arena;
 mod grad;
 mod header;
 mod host_vec;
+mod pager;
 mod pinned;
 mod snapshot;
 mod staging;
@@ -32,6 +33,7 @@ mod staging;
 pub use arena::{HostStore, RecordAddrs, RecordGuard, RecordParts, RecordPartsMut, StoreState};
 pub use grad::{GradDtype, GradMut, GradRef};
 pub use host_vec::{par_copy, HostVec, PinError};
+pub use pager::PagingStats;
 pub use pinned::PinnedRecords;
 pub use staging::{Staging, UploadDtype};
 

@@ -80,6 +80,18 @@ impl HostStore {
                     file.write_all_at(region, (loc.base + off) as u64).map_err(io(&tmp))?;
                     written += region.len() as u64;
                 }
+                drop(r);
+                if self.is_paging() {
+                    // A paged store runs in a bounded amount of RAM: the snapshot's dirty pages
+                    // go to disk a record behind the one being written, and leave the cache.
+                    let range =
+                        |l: &super::arena::RecordLoc| (l.base as u64, l.bytes(self.grad_dtype()) as u64);
+                    let (off, len) = range(loc);
+                    crate::pager::write_out(&file, off, len, false);
+                    if let Some(prev) = i.checked_sub(1).map(|p| range(&self.records[p])) {
+                        crate::pager::write_out(&file, prev.0, prev.1, true);
+                    }
+                }
             }
             file.sync_all().map_err(io(&tmp))?;
             Ok(written)
@@ -169,6 +181,10 @@ impl HostStore {
                 None => {}
             }
             r.set_applied_step(u64::from_le_bytes(meta));
+            if self.is_paging() {
+                // The snapshot's pages, read once, need not stay cached in a bounded run.
+                crate::pager::write_out(&file, loc.base as u64, loc.bytes(self.grad_dtype()) as u64, true);
+            }
         }
         let state = StoreState {
             step: header::get_u64(&page, off::STEP),

@@ -97,6 +97,7 @@ pub fn plan_for(
         flash_attention: c.attention,
         mlp_rows: c.mlp_rows,
         spilled_checkpoints: placement.spilled_checkpoints,
+        store_file: c.store.is_some(),
     })
     .context_with(|| {
         "no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)".into()

@@ -89,6 +89,8 @@ pub struct StepEvent<'a> {
     pub eval: Option<EvalResult>,
     /// The checkpoint due after this step, if any.
     pub checkpoint: Option<CheckpointWritten>,
+    /// A store paged from its file: the pager's counters so far (setup included).
+    pub paging: Option<mt_store::PagingStats>,
 }
 
 impl StepEvent<'_> {

@@ -63,6 +63,7 @@ mod tests {
             flash_attention: None,
             mlp_rows: None,
             spilled_checkpoints: None,
+            store_file: false,
         })
         .unwrap()
     }

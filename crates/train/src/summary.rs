@@ -50,6 +50,9 @@ pub struct TrainSummary {
     pub optim_states: mt_core::StateDtype,
     /// Resident set size of the process at the end (`None` where it cannot be read).
     pub rss_bytes: Option<u64>,
+    /// A store paged from its file (the disk tier): the pager's counters and the store's bytes
+    /// in RAM at the end (`None`: the whole store is in RAM).
+    pub paging: Option<(mt_store::PagingStats, u64)>,
     /// Model FLOPs per step (the planner's `6·N·T + attention`).
     pub flops_per_step: f64,
     /// Mean step time of the run's steps after the first (warm-up excluded); `None` for a
@@ -263,6 +266,20 @@ impl fmt::Display for TrainSummary {
             self.store_bytes_per_param,
             self.optim_states
         )?;
+        if let Some((p, in_ram)) = self.paging {
+            writeln!(
+                f,
+                "disk tier: {} of the store in RAM at the end; over the run (setup included) {} \
+                 read ahead in {:.2} s, {} dropped (dirty pages written first) in {:.2} s; {} \
+                 records touched before they were read in",
+                mb(in_ram as f64),
+                mb(p.read_ahead_bytes as f64),
+                p.read_ahead_s,
+                mb(p.evicted_bytes as f64),
+                p.write_back_s,
+                p.misses
+            )?;
+        }
         if let Some(rss) = self.rss_bytes {
             writeln!(
                 f,
@@ -416,6 +433,7 @@ mod tests {
             store_bytes_per_param: 14.0,
             optim_states: mt_core::StateDtype::F32,
             rss_bytes: Some(200),
+            paging: None,
             flops_per_step: 8e12,
             later_step_s: Some(2.0),
             store_path: None,

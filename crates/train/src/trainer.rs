@@ -87,14 +87,21 @@ impl<O: Observer> Trainer<O> {
         let plan = plan_run(&config, &model, &backend, &mut observer)?;
         let layout = ModelLayout::new(&model.cfg);
         let defining = defining_options(&config, &model)?;
+        let opts = engine_options(&config, &model, &plan);
         let (store, opened) = open_store(&config, &layout)?;
         let store = Arc::new(store);
+        if let Some(window) = plan.host.store_window {
+            // The disk tier, before anything writes the store: a bounded RAM window from here on.
+            store
+                .start_paging(&opts.host_access_order(layout.n_layers), window)
+                .context_with(|| "paging the --store file through RAM".into())?;
+        }
         prefault(&store, &mut observer)?;
         let restored =
             restore_or_initialise(&config, &model, &store, &data, &defining, opened, &mut observer)?;
         // Until the run's orderly end (`Drop`): a kill leaves the mark in a --store file.
         store.set_run_open(true);
-        let engine = start_engine(&config, &model, &plan, backend, &store, &mut observer)?;
+        let engine = start_engine(&config, &model, opts, backend, &store, &mut observer)?;
         // Updates applied and steps skipped (no update is pending once the engine has started).
         let start_step = store.state().step + store.skipped_steps();
         let end_step = if config.resume {
@@ -237,6 +244,7 @@ impl<O: Observer> Trainer<O> {
             skipped_steps: self.store.skipped_steps(),
             eval,
             checkpoint,
+            paging: self.store.paging_stats(),
         }
     }
 
@@ -356,6 +364,7 @@ impl<O: Observer> Trainer<O> {
             store_bytes_per_param: self.store.bytes_per_param(),
             optim_states: self.store.state_dtype(),
             rss_bytes: rss_bytes(),
+            paging: self.store.paging_stats().map(|p| (p, self.store.bytes_in_memory().unwrap_or(0))),
             planned_host_bytes: planned_host_bytes(&self.plan, c.device),
             kept_bytes: (self.totals.kept_bytes(), self.plan.gpu.kept),
             device_peak: (self.totals.device_peak(), self.plan.gpu.total),
@@ -449,16 +458,8 @@ fn global_flops(plan: &Plan, c: &TrainConfig) -> f64 {
     plan.flops_per_step * whole as f64 / share.max(1) as f64
 }
 
-/// Phase: the engine started with the plan's placement, and an update a crashed exact-mode run
-/// left pending applied (bitwise what the next step would do).
-fn start_engine<O: Observer>(
-    c: &TrainConfig,
-    model: &ModelSource,
-    plan: &Plan,
-    backend: Backend,
-    store: &Arc<HostStore>,
-    observer: &mut O,
-) -> Result<DeviceEngine> {
+/// How the engine runs: the plan's placement and chunking, the configuration's optimizer.
+fn engine_options(c: &TrainConfig, model: &ModelSource, plan: &Plan) -> EngineOptions {
     let mut opts = EngineOptions {
         weight_dtype: c.precision.dtype(),
         ring_depth: plan.ring_depth,
@@ -485,6 +486,19 @@ fn start_engine<O: Observer>(
     opts.adamw.beta1 = c.beta1;
     opts.adamw.beta2 = c.beta2;
     opts.adamw.eps = c.eps;
+    opts
+}
+
+/// Phase: the engine started with `opts`, and an update a crashed exact-mode run left pending
+/// applied (bitwise what the next step would do).
+fn start_engine<O: Observer>(
+    c: &TrainConfig,
+    model: &ModelSource,
+    opts: EngineOptions,
+    backend: Backend,
+    store: &Arc<HostStore>,
+    observer: &mut O,
+) -> Result<DeviceEngine> {
     let t = Instant::now();
     let cpu = mt_sched::CpuOptions::uniform(c.delay_us, c.seed);
     let mut engine = backend.start(&model.cfg, Arc::clone(store), opts, c.gpus, cpu)?;

@@ -140,8 +140,8 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
     }
 }
 
-const N_STAGING: usize = 2;
-const N_LANDING: usize = 2;
+pub(super) const N_STAGING: usize = 2;
+pub(super) const N_LANDING: usize = 2;
 
 fn upload_dtype(d: DType) -> Result<UploadDtype> {
     match d {
@@ -269,25 +269,7 @@ impl<B: Backend> Engine<B> {
     /// The program's shape for a step (`pending`: an exact-mode update is pending; `early_ready`:
     /// the early-upload layers' states are already up).
     fn program_spec(&self, pending: bool, early_ready: bool) -> ProgramSpec {
-        ProgramSpec {
-            n_layers: self.layout.n_layers,
-            ring_depth: self.opts.ring_depth,
-            n_staging: N_STAGING,
-            n_grad_bufs: crate::plan::grad_bufs(self.opts.late_state_downloads),
-            n_landing: N_LANDING,
-            mode: self.opts.mode,
-            pending_update: pending,
-            resident_outer: self.opts.resident_outer,
-            resident_layers: self.opts.resident_layers,
-            held_layers: self.opts.held_layers,
-            gpu_updated: self.opts.gpu_updated_layers,
-            late_downloads: self.opts.late_state_downloads,
-            early_uploads: if self.opts.mode == OptimMode::Exact { self.opts.early_state_uploads } else { 0 },
-            early_ready,
-            spilled_checkpoints: self.opts.spilled_checkpoints,
-            reload_slots: if self.opts.spilled_checkpoints > 0 { crate::program::RELOAD_SLOTS } else { 0 },
-            n_state_bufs: self.pool.state.len(),
-        }
+        self.opts.program_spec(self.layout.n_layers, pending, early_ready)
     }
 
     /// The decoder layers whose exact-mode update runs on the device from their streamed state

@@ -2,12 +2,12 @@
 //! allocates anything.
 
 use candle_core::DType;
-use mt_core::ModelLayout;
+use mt_core::{ModelLayout, Unit};
 use mt_optim::AdamW;
 use mt_store::GradDtype;
 
 use crate::placement::early_refusal;
-use crate::program::OptimMode;
+use crate::program::{OptimMode, Program, ProgramSpec};
 use crate::{Error, Result};
 
 /// How the engine runs.
@@ -242,5 +242,43 @@ impl EngineOptions {
             )));
         }
         Ok(())
+    }
+}
+
+impl EngineOptions {
+    /// The program's shape for a step of a model of `n_layers` layers (`pending`: an exact-mode
+    /// update is pending; `early_ready`: the early-upload layers' states are already up).
+    pub(crate) fn program_spec(&self, n_layers: usize, pending: bool, early_ready: bool) -> ProgramSpec {
+        ProgramSpec {
+            n_layers,
+            ring_depth: self.ring_depth,
+            n_staging: super::N_STAGING,
+            n_grad_bufs: crate::plan::grad_bufs(self.late_state_downloads),
+            n_landing: super::N_LANDING,
+            mode: self.mode,
+            pending_update: pending,
+            resident_outer: self.resident_outer,
+            resident_layers: self.resident_layers,
+            held_layers: self.held_layers,
+            gpu_updated: self.gpu_updated_layers,
+            late_downloads: self.late_state_downloads,
+            early_uploads: if self.mode == OptimMode::Exact { self.early_state_uploads } else { 0 },
+            early_ready,
+            spilled_checkpoints: self.spilled_checkpoints,
+            reload_slots: if self.spilled_checkpoints > 0 { crate::program::RELOAD_SLOTS } else { 0 },
+            // The device pool's state slots (`DevicePool::new`).
+            n_state_bufs: if self.gpu_updated_layers > 0 {
+                self.ring_depth + self.late_state_downloads
+            } else {
+                0
+            },
+        }
+    }
+
+    /// The store records a steady-state step touches on the host, in the order it touches them
+    /// (what a paged store reads ahead: `HostStore::start_paging`).
+    pub fn host_access_order(&self, n_layers: usize) -> Vec<Unit> {
+        let pending = self.mode == OptimMode::Exact;
+        Program::build(self.program_spec(n_layers, pending, false)).host_accesses().collect()
     }
 }
