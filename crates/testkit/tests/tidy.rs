@@ -1,6 +1,6 @@
 //! Workspace tidiness checks that run with `cargo test` (rust-analyzer's habit): every Rust
-//! source file says what it is for in a `//!` header, and `unsafe` lives only in the crates
-//! ARCHITECTURE.md allows it in, each use with a SAFETY comment.
+//! source file says what it is for in a `//!` header and stays under 600 lines, and `unsafe`
+//! lives only in the crates ARCHITECTURE.md allows it in, each use with a SAFETY comment.
 
 use std::path::{Path, PathBuf};
 
@@ -50,6 +50,22 @@ fn every_source_file_starts_with_a_doc_header() {
         "files without a `//!` header saying what they are for:\n{}",
         missing.join("\n")
     );
+}
+
+/// Files a reader can hold in their head: no Rust source longer than this many lines (split a
+/// longer one by responsibility; STYLE and ARCHITECTURE say ~600).
+const MAX_LINES: usize = 600;
+
+#[test]
+fn no_source_file_is_longer_than_max_lines() {
+    let long: Vec<String> = sources()
+        .into_iter()
+        .filter_map(|p| {
+            let n = std::fs::read_to_string(&p).unwrap_or_default().lines().count();
+            (n > MAX_LINES).then(|| format!("{}: {n} lines", p.display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "files over {MAX_LINES} lines:\n{}", long.join("\n"));
 }
 
 /// Where `unsafe` may appear: the store (mmap, page-locked host buffers), the CUDA FFI modules and
