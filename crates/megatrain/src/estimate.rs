@@ -108,6 +108,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         },
         attention: args.attention.choice(),
         mlp_rows: args.mlp_rows.choice(),
+        store: args.store.clone(),
         ..TrainConfig::default()
     };
     let model = ModelSource::load(&config.model)?;
@@ -317,6 +318,7 @@ impl Estimate {
             "batch_size": p.batch, "seq_len": p.seq, "n_chunks": p.n_chunks, "ring_depth": p.ring_depth,
             "host_bytes": self.host_bytes, "host_store_bytes": p.host.store, "host_staging_bytes": p.host.pinned,
             "host_peak_bytes": p.host.total, "host_released_by_resident_bytes": p.host.released_by_resident,
+            "host_store_window_bytes": p.host.store_window,
             "pinned_bytes": self.pinned_bytes, "device_bytes": self.device_bytes,
             "pcie_h2d_bytes_per_step": p.pcie_h2d_per_step, "pcie_d2h_bytes_per_step": p.pcie_d2h_per_step,
             "model_flops_per_step": p.flops_per_step,
@@ -343,9 +345,20 @@ impl std::fmt::Display for Estimate {
             "host RAM: {:.2} GiB ({:.2} bytes/param; store {:.2}, staging/landing {:.2}, process)",
             gib(self.host_bytes),
             self.host_bytes as f64 / p.n_params.max(1) as f64,
-            gib(p.host.store),
+            gib(p.host.store_window.map_or(p.host.store, |w| w + p.host.total - w - p.host.pinned)),
             gib(p.host.pinned)
         )?;
+        if let Some(w) = p.host.store_window {
+            writeln!(
+                f,
+                "disk tier: the store pages from its file through a {:.2} GiB window; a step reads about \
+                 1.3x the store and writes it once ({:.2} + {:.2} GB; not in the step time below: \
+                 results/2026-11-26-disk-tier-cpu/)",
+                gib(w),
+                1.3 * p.host.store as f64 / 1e9,
+                p.host.store as f64 / 1e9
+            )?;
+        }
         let pcie = match self.device {
             mt_train::DeviceKind::Gpu => {
                 writeln!(
@@ -384,205 +397,5 @@ impl std::fmt::Display for Estimate {
 }
 
 #[cfg(test)]
-mod tests {
-    use clap::Parser;
-
-    use crate::cli::{Cli, Command};
-
-    fn estimate_3_6b(extra: &[&str]) -> super::Estimate {
-        let config =
-            concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/llama3-3.6b.json").to_string();
-        let mut argv = vec!["megatrain", "estimate", "--config", &config, "--device", "cuda"];
-        argv.extend(["--batch-size", "4", "--seq-len", "2048", "--gpu-mem", "139.8", "--host-mem", "120"]);
-        argv.extend(["--precision", "bf16"]);
-        argv.extend(extra);
-        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
-        super::estimate(&args).unwrap()
-    }
-
-    /// With --gpus each GPU is planned for its share of the batch with no optimizer state on it,
-    /// pays the ring all-reduce of every f32 gradient, and has rings of its own; the step's tokens
-    /// and FLOPs are the whole batch's.
-    #[test]
-    fn several_gpus_plan_each_for_its_share_and_pay_the_all_reduce() {
-        let one = estimate_3_6b(&[
-            "--resident-outer",
-            "off",
-            "--resident-layers",
-            "0",
-            "--gpu-updated-layers",
-            "0",
-        ]);
-        let two = estimate_3_6b(&["--gpus", "2"]);
-        let p = &two.plan;
-        assert_eq!((p.batch, p.resident_layers, p.resident_outer, p.gpu_updated_layers), (2, 0, false, 0));
-        assert_eq!(two.nccl_bytes_per_gpu, 4 * p.n_params);
-        assert_eq!(two.pinned_bytes, 2 * p.host.pinned);
-        assert_eq!(two.tokens_per_step, 4 * 2048);
-        assert!((two.global_flops() - one.plan.flops_per_step).abs() <= 1e-9 * one.plan.flops_per_step);
-        assert!(two.compute_s < one.compute_s, "{} vs {}", two.compute_s, one.compute_s);
-        assert!(two.to_string().contains("data parallel: 2 GPUs"));
-    }
-
-    /// Resident units cost the host optimizer nothing: with every layer and the outer unit on
-    /// an H200 the host's share of the step is zero; streamed, it counts every streamed
-    /// parameter by its bytes, and exact mode's update cannot overlap the backward.
-    #[test]
-    fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
-        let all = estimate_3_6b(&[]);
-        assert_eq!((all.plan.resident_layers, all.plan.resident_outer), (28, true));
-        assert_eq!(all.host_s, 0.0);
-        let ring = [
-            "--resident-layers",
-            "0",
-            "--resident-outer",
-            "on",
-            "--held-layers",
-            "0",
-            "--gpu-updated-layers",
-            "0",
-        ];
-        let streamed = estimate_3_6b(&ring);
-        // 28 layers of 100_669_440 parameters at the default 140 GB/s: the update 28 B each
-        // (bf16 gradient, master/m/v, bf16 copy), the backward's re-cast 6 B, the land 4 B.
-        let n = 28.0 * 100_669_440.0;
-        assert!((streamed.host_update_s - n * 28.0 / 140e9).abs() < 1e-9);
-        assert!((streamed.host_s - n * 38.0 / 140e9).abs() < 1e-9);
-        // Held layers are not re-cast for the backward: 6 B a parameter less.
-        let held =
-            estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on", "--gpu-updated-layers", "0"]);
-        assert_eq!(held.plan.held_layers, 28);
-        assert!((held.host_s - n * 32.0 / 140e9).abs() < 1e-9);
-        // GPU-updated layers (auto: 10 of 28) take their 28 B of AdamW off the host, but their
-        // state's DMA (26 B: master, m, v and the bf16 gradient up, master, m, v down) is priced
-        // at the same host bandwidth, in the same window; late downloads (auto: 5) bring their
-        // 12 B back in the backward instead.
-        let on_time = [
-            "--resident-layers",
-            "0",
-            "--resident-outer",
-            "on",
-            "--late-state-downloads",
-            "0",
-            "--early-state-uploads",
-            "0",
-        ];
-        let gpu = estimate_3_6b(&on_time);
-        assert_eq!(gpu.plan.gpu_updated_layers, 11);
-        let k = 11.0 * 100_669_440.0;
-        assert!(
-            (gpu.host_update_s - ((n - k) * 28.0 + k * 26.0) / 140e9).abs() < 1e-9,
-            "{}",
-            gpu.host_update_s
-        );
-        assert!(gpu.step_s < held.step_s, "{} vs {}", gpu.step_s, held.step_s);
-        let late = estimate_3_6b(&[&on_time[..4], &on_time[6..]].concat());
-        assert_eq!((late.plan.gpu_updated_layers, late.plan.late_state_downloads), (10, 5));
-        let (k, d) = (10.0 * 100_669_440.0, 5.0 * 100_669_440.0);
-        let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0) / 140e9;
-        assert!((late.host_update_s - want).abs() < 1e-9, "{}", late.host_update_s);
-        assert!((late.host_s - late.host_update_s - (n * 4.0 + d * 12.0) / 140e9).abs() < 1e-9);
-        assert!(late.step_s < gpu.step_s, "{} vs {}", late.step_s, gpu.step_s);
-        // Early uploads (auto: 5, one per late download, with 14 GPU-updated) take their 14 B
-        // (master, m, v and the bf16 gradient) out of the forward, and bring 12 B (master, m, v)
-        // into the backward: the gradient is copied on the device.
-        let early = estimate_3_6b(&on_time[..4]);
-        let p = &early.plan;
-        assert_eq!((p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads), (14, 5, 5));
-        let (k, d, x) = (14.0 * 100_669_440.0, 5.0 * 100_669_440.0, 5.0 * 100_669_440.0);
-        let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0 - x * 14.0) / 140e9;
-        assert!((early.host_update_s - want).abs() < 1e-9, "{}", early.host_update_s);
-        let backward = (n * 4.0 + d * 12.0 + x * 12.0) / 140e9;
-        assert!((early.host_s - early.host_update_s - backward).abs() < 1e-9);
-        assert!(early.step_s < late.step_s, "{} vs {}", early.step_s, late.step_s);
-        // More GPU-updated layers move more state up in the forward, beside the host's pass, at
-        // the planner's slower state-upload rate: 17 ranks behind the planner's 14, as measured
-        // (`results/2026-11-24-shared-state-slots-h200/`: 242.5 vs 256.4-263.3).
-        let n17 = estimate_3_6b(&[&on_time[..4], &["--gpu-updated-layers", "17"]].concat());
-        assert!(n17.step_s > early.step_s, "{} vs {}", n17.step_s, early.step_s);
-        assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
-        assert!(streamed.step_s > all.step_s);
-        // Lean overlaps everything: no serial update, but more host bytes: the landed f32 is read
-        // (and stored in bf16) in the update pass, and each upload copy is a cast of its own.
-        let lean = estimate_3_6b(&[&ring[..], &["--optim-mode", "lean"]].concat());
-        let want = n * (4.0 + 2.0 + 24.0 + 6.0 + 6.0) / 140e9;
-        assert!((lean.host_s - want).abs() < 1e-9, "{}", lean.host_s);
-        // A streamed outer unit lands in f32 (cast + sum of squares: 6 B) and is uploaded once.
-        // (the ring arguments with the outer unit streamed: the later `--resident-outer` wins)
-        let outer = estimate_3_6b(&[&ring[..], &["--resident-outer", "off"]].concat());
-        let o = 788_007_936.0;
-        assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
-    }
-
-    /// The step times measured on one H200 (every layer resident or held, so compute-bound;
-    /// `results/2026-11-26-flash-attention-h200/`: `engine/`, `long/`, `regression/`) against
-    /// the estimate of the same command: within 10% each (0.3-7.6% when written), where pricing
-    /// attention at the GEMMs' rate put the 7B at 128k 2.2x too fast.
-    #[test]
-    fn the_step_time_follows_the_measured_flash_runs() {
-        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/");
-        // (config, batch, seq, attention, measured seconds a step)
-        let runs = [
-            ("llama3-3.6b.json", 4, 2048, "flash", 0.3733),
-            ("llama3-3.6b.json", 16, 2048, "flash", 1.450),
-            ("llama3-3.6b.json", 4, 2048, "materialized", 0.3985),
-            ("llama3-3.6b.json", 16, 2048, "materialized", 1.827),
-            ("qwen2.5-7b.json", 1, 32768, "auto", 7.52),
-            ("qwen2.5-7b.json", 1, 131072, "auto", 82.46),
-            ("qwen2.5-7b.json", 1, 262144, "auto", 304.46),
-        ];
-        for (config, batch, seq, attention, measured) in runs {
-            let config = format!("{root}{config}");
-            let (b, s) = (batch.to_string(), seq.to_string());
-            let argv = [
-                "megatrain",
-                "estimate",
-                "--config",
-                &config,
-                "--device",
-                "cuda",
-                "--precision",
-                "bf16",
-                "--batch-size",
-                &b,
-                "--seq-len",
-                &s,
-                "--gpu-mem",
-                "139.8",
-                "--host-mem",
-                "125",
-                "--attention",
-                attention,
-            ];
-            let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
-            let e = super::estimate(&args).unwrap();
-            assert_eq!(e.plan.flash_attention, attention != "materialized", "{config} {batch}x{seq}");
-            let ratio = e.step_s / measured;
-            assert!(
-                (0.9..1.1).contains(&ratio),
-                "{config} {batch}x{seq}: {:.3} s vs {measured} s measured",
-                e.step_s
-            );
-        }
-    }
-
-    /// A GPU older than compute capability 8.0 runs candle's ops, whose transient memory is
-    /// counted larger: the same 3.6B step on a 7.5 device plans more workspace and keeps fewer
-    /// layers' activations; 8.0 (A100) and 8.9 (L40S) plan as 9.0.
-    #[test]
-    fn the_compute_capability_decides_which_workspace_is_counted() {
-        let hopper = estimate_3_6b(&[]);
-        let turing = estimate_3_6b(&["--compute-capability", "7.5"]);
-        assert!(
-            hopper.plan.gpu.workspace < turing.plan.gpu.workspace / 2,
-            "{} vs {}",
-            hopper.plan,
-            turing.plan
-        );
-        assert!(hopper.plan.kept_layers > turing.plan.kept_layers, "{} vs {}", hopper.plan, turing.plan);
-        for cc in ["9.0", "8.9", "8.0"] {
-            let plan = estimate_3_6b(&["--compute-capability", cc]).plan;
-            assert_eq!(plan.gpu.workspace, hopper.plan.gpu.workspace, "{cc}");
-        }
-    }
-}
+#[path = "estimate/tests.rs"]
+mod tests;

@@ -113,6 +113,10 @@ pub struct EstimateArgs {
     /// Host memory in GiB [default: MemAvailable of this machine].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub host_mem: Option<f64>,
+    /// As `megatrain train --store`: a store that does not fit --host-mem is paged from this file
+    /// (the disk tier). Nothing is created or read here.
+    #[arg(long, value_name = "FILE")]
+    pub store: Option<PathBuf>,
     /// Compute capability of the GPU the estimate is for (`major.minor`, e.g. `8.0` for an A100).
     /// At 8.0 and above bf16 runs through the fused kernels, whose transient memory the planner
     /// counts smaller than candle's ops' (bf16 scores and logits); `megatrain train` reads the
