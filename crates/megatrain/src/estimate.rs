@@ -345,17 +345,17 @@ impl std::fmt::Display for Estimate {
             "host RAM: {:.2} GiB ({:.2} bytes/param; store {:.2}, staging/landing {:.2}, process)",
             gib(self.host_bytes),
             self.host_bytes as f64 / p.n_params.max(1) as f64,
-            gib(p.host.store_window.map_or(p.host.store, |w| w + p.host.total - w - p.host.pinned)),
+            gib(p.host.store_window.map_or(p.host.store, |_| p.host.total - p.host.pinned)),
             gib(p.host.pinned)
         )?;
         if let Some(w) = p.host.store_window {
             writeln!(
                 f,
-                "disk tier: the store pages from its file through a {:.2} GiB window; a step reads about \
-                 1.3x the store and writes it once ({:.2} + {:.2} GB; not in the step time below: \
-                 results/2026-11-26-disk-tier-cpu/)",
+                "disk tier: the store pages from its file through a {:.2} GiB window; a step reads and \
+                 writes about the store once each ({:.2} GB), the reads more where the window is small \
+                 (1.34x at a third of the store: results/2026-11-26-disk-tier-cpu/); not in the step \
+                 time below",
                 gib(w),
-                1.3 * p.host.store as f64 / 1e9,
                 p.host.store as f64 / 1e9
             )?;
         }

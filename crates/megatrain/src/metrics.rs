@@ -30,7 +30,8 @@
 //! - `tokens`, `step_ms`, `tokens_per_s`, `model_tflops`, `h2d_bytes`, `d2h_bytes`,
 //!   `rss_bytes` (host resident set after the step; null where it cannot be read)
 //! - with a store paged from its file (the disk tier): `store_read_ahead_bytes`,
-//!   `store_evicted_bytes`, the pager's totals since the run began (setup included)
+//!   `store_evicted_bytes`, `store_stalled_s` (the step waiting for write-back), the pager's
+//!   totals since the run began (setup included)
 //! - `io_read_bytes`, `io_write_bytes`: the process's storage I/O so far (Linux /proc/self/io;
 //!   null elsewhere)
 //! - per stream `S` in `host` (the CPU optimizer: staging casts, AdamW updates, gradient
@@ -205,6 +206,7 @@ pub fn step_record(s: &StepEvent<'_>, rss_bytes: Option<u64>) -> Value {
     if let Some(p) = s.paging {
         m.insert("store_read_ahead_bytes".into(), json!(p.read_ahead_bytes));
         m.insert("store_evicted_bytes".into(), json!(p.evicted_bytes));
+        m.insert("store_stalled_s".into(), json!(p.stalled_s));
     }
     let (io_read, io_write) = storage_io().unzip();
     m.insert("io_read_bytes".into(), json!(io_read));

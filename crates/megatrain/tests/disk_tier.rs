@@ -17,24 +17,35 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// The built-in model and data (a 12 MiB store of five records of at most 2.6 MiB).
-const RUN: [&str; 9] = ["train", "--steps", "5", "--batch-size", "2", "--seq-len", "16", "--lr", "0.003"];
-/// Host memory for the paged runs: 12.6 MiB, a window of two to three records beside the rings.
-const SMALL_HOST: &str = "0.0123";
+/// A Llama shape of 12 layers of 0.79M parameters: a 0.16 GB store of 12.6 MB records (f32
+/// moments and gradients, the CPU default), large beside the run's own ~70 MB (process, rings,
+/// device buffers, a checkpoint's writes), small enough to train in a second.
+const CONFIG: &str = r#"{"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 12, "vocab_size": 512,
+    "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": true, "hidden_act": "silu"}"#;
+const RUN: [&str; 11] =
+    ["train", "--data", "synthetic", "--steps", "5", "--batch-size", "2", "--seq-len", "16", "--lr", "0.003"];
+/// Host memory for the paged runs: 125 MiB, below the store with its rings, room for a window
+/// of a few records beside the rest.
+const SMALL_HOST: &str = "0.122";
 
 #[test]
 fn a_paged_store_trains_resumes_and_ends_bitwise_as_one_in_ram() {
     // On the build's disk: a tmpfs would keep every page anyway.
     let t = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = t.path().join("config.json");
+    std::fs::write(&config, CONFIG).unwrap();
+    let run = [&RUN[..], &["--config", s(&config)]].concat();
     let (a, b, c) = (t.path().join("a"), t.path().join("b"), t.path().join("c"));
-    let whole = megatrain(&[&RUN[..], &["--store", s(&t.path().join("a.mts")), "--out", s(&a)]].concat());
+    let whole = megatrain(&[&run[..], &["--store", s(&t.path().join("a.mts")), "--out", s(&a)]].concat());
     assert!(whole.status.success(), "{}", text(&whole));
     assert!(!text(&whole).contains("paged from its file"), "{}", text(&whole));
 
     let paged = |out: &Path, store: &str, extra: &[&str]| {
         let store = t.path().join(store);
         let args =
-            [&RUN[..], &["--store", s(&store), "--out", s(out), "--host-mem", SMALL_HOST], extra].concat();
+            [&run[..], &["--store", s(&store), "--out", s(out), "--host-mem", SMALL_HOST], extra].concat();
         megatrain(&args)
     };
     let p = paged(&b, "b.mts", &[]);
@@ -55,7 +66,7 @@ fn a_paged_store_trains_resumes_and_ends_bitwise_as_one_in_ram() {
     // Too little host memory even for the window: refused before anything is written.
     let d = t.path().join("d");
     let refused = megatrain(
-        &[&RUN[..], &["--store", s(&t.path().join("d.mts")), "--out", s(&d), "--host-mem", "0.005"]].concat(),
+        &[&run[..], &["--store", s(&t.path().join("d.mts")), "--out", s(&d), "--host-mem", "0.05"]].concat(),
     );
     assert!(!refused.status.success());
     assert!(text(&refused).contains("paging it from its file needs"), "{}", text(&refused));

@@ -138,6 +138,10 @@ pub struct PlanInput {
     /// The store is a file (`--store`): where it does not fit `host_bytes`, it is paged through
     /// a RAM window (the disk tier, `HostStore::start_paging`) instead of refused.
     pub store_file: bool,
+    /// Host bytes a paged store's window must leave to what the planner does not count (the
+    /// process, a checkpoint's and the export's buffers; on the CPU backend the device buffers):
+    /// the window is `host_bytes` less the rings, one record and this.
+    pub host_reserved: u64,
     /// Rows of each decoder layer's MLP tile (`Some(r)`, 0 = a chunk's rows at once), or decide
     /// (`None`): a chunk's rows at once up to `MLP_TILE_ROWS[0]` of them, else the largest of
     /// [`MLP_TILE_ROWS`] that fits.
@@ -205,7 +209,8 @@ pub struct HostBytes {
     pub pinned: u64,
     /// Of `pinned`, the spilled checkpoints' buffers.
     pub spilled_checkpoints: u64,
-    /// Sum of the two: what must fit (the whole store is populated before the engine starts).
+    /// Sum of the two (with a paged store, the window and one record instead of the store):
+    /// what must fit.
     pub total: u64,
     /// Bytes of the store kept in RAM when it is paged from its file (`None`: all of it): the
     /// pager's window (`HostStore::start_paging`). `total` counts the window and one record

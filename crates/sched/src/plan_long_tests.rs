@@ -53,6 +53,7 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
         mlp_rows: None,
         spilled_checkpoints: None,
         store_file: false,
+        host_reserved: 0,
     }
 }
 

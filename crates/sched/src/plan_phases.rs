@@ -137,7 +137,14 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
     let kept_layers =
         place_kept(&c, (resident_layers, held_layers, chunks.spilled), per_kept_layer, &mut total)?;
     let Ctx { ll, ol, nl, e, le, g, sl, ol_moved, .. } = c;
-    let grad_region = |len: u64| round_page(len * g);
+    if host.store_window.is_some()
+        && (resident_outer || resident_layers > 0 || gpu_updated.gpu_updated_layers > 0)
+    {
+        // Their records would be read outside the pager's order and kept beside the window.
+        return opt("a store paged from its file (larger than --host-mem) keeps every unit streamed and updated on the host: use --resident-outer off, --resident-layers 0 and --gpu-updated-layers 0 with it, or more --host-mem".into());
+    }
+    // A file's pages are the training state: resident units give none back (`release_grad`).
+    let grad_region = |len: u64| if input.store_file { 0 } else { round_page(len * g) };
     host.released_by_resident =
         resident_layers as u64 * grad_region(ll) + if resident_outer { grad_region(ol) } else { 0 };
     let gpu = GpuBytes {
@@ -240,7 +247,9 @@ fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
         store_window: None,
         released_by_resident: 0,
     };
-    if host.total <= input.host_bytes {
+    // A file-backed store stays whole in RAM only if the rest of the run fits beside it too.
+    let reserved = if input.store_file { input.host_reserved } else { 0 };
+    if host.total + reserved <= input.host_bytes {
         return Ok(host);
     }
     let over = format!(
@@ -252,18 +261,20 @@ fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
             "{over}; a file-backed store (--store FILE on a disk with room) pages it from disk"
         ));
     }
-    // The disk tier: the store stays in its file; RAM holds a window of records plus one on its
-    // way to disk, and the window must hold the record in use and the next.
+    // The disk tier: the store stays in its file; RAM holds a window of records (the record in
+    // use and the next at least) and PAGED_IN_FLIGHT more on their way to or from disk.
     let record = largest_record(layout, input.grad_dtype, input.state_dtype);
-    let window = input.host_bytes.saturating_sub(pinned + record);
+    let in_flight = mt_store::PAGED_IN_FLIGHT * record;
+    let window = input.host_bytes.saturating_sub(pinned + in_flight + input.host_reserved);
     if window < PAGED_MIN_RECORDS * record {
         return opt(format!(
-            "{over}; paging it from its file needs {} beside the pinned buffers ({} records of {}: in use, next, on its way to disk)",
-            size((PAGED_MIN_RECORDS + 1) * record), PAGED_MIN_RECORDS + 1, size(record)
+            "{over}; paging it from its file needs {} beside the pinned buffers and {} for the rest of the run ({} records of {}: in use, next, {} on their way to or from disk)",
+            size((PAGED_MIN_RECORDS + mt_store::PAGED_IN_FLIGHT) * record), size(input.host_reserved),
+            PAGED_MIN_RECORDS + mt_store::PAGED_IN_FLIGHT, size(record), mt_store::PAGED_IN_FLIGHT
         ));
     }
     host.store_window = Some(window);
-    host.total = window + record + pinned;
+    host.total = window + in_flight + pinned;
     Ok(host)
 }
 

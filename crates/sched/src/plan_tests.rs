@@ -53,6 +53,7 @@ pub(super) fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) 
         mlp_rows: Some(0),
         spilled_checkpoints: Some(0),
         store_file: false,
+        host_reserved: 0,
     }
 }
 

@@ -49,6 +49,7 @@ fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
         mlp_rows: Some(0),
         spilled_checkpoints: Some(0),
         store_file: false,
+        host_reserved: 0,
     };
     let p = plan(&input).unwrap();
     assert_eq!(p.n_params, layout.n_params() as u64);

@@ -37,6 +37,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         mlp_rows: Some(0),
         spilled_checkpoints: Some(0),
         store_file: false,
+        host_reserved: 0,
     }
 }
 

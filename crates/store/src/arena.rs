@@ -51,7 +51,17 @@ pub struct RecordGuard<'a> {
     grad: Option<GradMut<'a>>,
     applied: &'a mut u64,
     states: StateDtype,
+    /// The pager to tell when the record is no longer in use (a paged store), and its index.
+    pager: Option<(&'a crate::pager::Pager, usize)>,
     _lock: MutexGuard<'a, ()>,
+}
+
+impl Drop for RecordGuard<'_> {
+    fn drop(&mut self) {
+        if let Some((p, i)) = self.pager {
+            p.release(i);
+        }
+    }
 }
 
 /// Simultaneous views of a record for one optimizer pass: the state it writes and the gradient
@@ -452,7 +462,8 @@ impl HostStore {
                 GradDtype::Bf16 => Some(GradMut::Bf16(std::slice::from_raw_parts_mut(g.cast::<bf16>(), n))),
                 GradDtype::None => None,
             };
-            RecordGuard { master, m, v, grad, applied, states: self.states, _lock: lock }
+            let pager = self.pager.get().map(|p| (p, idx));
+            RecordGuard { master, m, v, grad, applied, states: self.states, pager, _lock: lock }
         }
     }
 
@@ -495,9 +506,11 @@ impl HostStore {
         p.get_or_insert(why);
     }
 
-    /// Why the store was poisoned ([`HostStore::poison`]), if it was.
+    /// Why the store was poisoned ([`HostStore::poison`]), or its pager's write-back failed
+    /// (`start_paging`), if either happened.
     pub fn poisoned(&self) -> Option<String> {
-        self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        let own = self.poisoned.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        own.or_else(|| self.pager.get().and_then(crate::pager::Pager::failure))
     }
 
     /// Addresses of `u`'s regions, for DMA by a backend that orders every access to them itself

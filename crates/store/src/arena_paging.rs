@@ -9,17 +9,19 @@ use super::HostStore;
 use crate::pager::{Pager, PagingStats};
 
 impl HostStore {
-    /// Starts paging this file-backed store: from now on at most `window_bytes` of its records
-    /// (never fewer than two) stay in memory, read ahead in `order` (the units one step touches,
-    /// in the order it touches them; the next step repeats it) and written back to the file once
-    /// the window has moved past them. Refused for an anonymous store (nothing to page to) or
-    /// one already paging.
+    /// Starts paging this file-backed store: from now on the records a window of `window_bytes`
+    /// holds (never fewer than the one in use and the next) stay in memory, read ahead in `order`
+    /// (the units one step touches, in the order it touches them; the next step repeats it) and
+    /// written back to the file once the window has moved past them; at most one record more is
+    /// held, and a touch waits while write-back is behind. Every unit the store holds should be in
+    /// `order`: another one is dropped again after each use. Refused for an anonymous store
+    /// (nothing to page to), one already paging, or an empty order or one naming no unit of it.
     pub fn start_paging(&self, order: &[Unit], window_bytes: u64) -> Result<()> {
         let bad = |msg: &str| Error::Store {
             path: self.path().map_or_else(|| PathBuf::from("<anonymous store>"), ToOwned::to_owned),
             msg: msg.to_owned(),
         };
-        let Some(file) = &self.file else {
+        let (Some(_), Some(path)) = (&self.file, self.path()) else {
             return Err(bad("only a file-backed store (--store FILE) can be paged to disk"));
         };
         if self.pager.get().is_some() {
@@ -28,12 +30,23 @@ impl HostStore {
         if order.is_empty() {
             return Err(bad("paging needs the order in which a step touches the records; none given"));
         }
-        let file = file.try_clone().map_err(|source| Error::Io {
-            path: self.path().map_or_else(PathBuf::new, ToOwned::to_owned),
-            source,
-        })?;
+        if let Some(u) = order.iter().find(|u| u.index() >= self.records.len()) {
+            return Err(bad(&format!("{u:?} is not a unit of this store ({} units)", self.records.len())));
+        }
+        // Its own open file: a write error the pager meets is reported to it, and not taken from
+        // the mapping's flush.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| Error::Io { path: path.to_owned(), source })?;
+        // The pager reads whole records ahead itself: no kernel read-around on a fault, which
+        // would bring pages of records outside the window (`pager.rs`).
+        self.map
+            .advise(memmap2::Advice::Random)
+            .map_err(|source| Error::Io { path: path.to_owned(), source })?;
         let ranges = self.records.iter().map(|l| (l.base, l.bytes(self.grad))).collect();
-        let order = order.iter().map(|u| u.index()).filter(|&i| i < self.records.len()).collect();
+        let order = order.iter().map(|u| u.index()).collect();
         let pager = Pager::start(self.base as usize, ranges, order, window_bytes, file)
             .map_err(|source| Error::Io { path: PathBuf::from("<pager threads>"), source })?;
         self.pager.set(pager).map_err(|_| bad("the store is paging already"))

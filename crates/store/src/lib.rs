@@ -37,5 +37,11 @@ pub use pager::PagingStats;
 pub use pinned::PinnedRecords;
 pub use staging::{Staging, UploadDtype};
 
+/// Records a paged store may hold beyond its window, on their way to disk or from it (the
+/// write-back of a record the window left overlaps the read-ahead of the one it took). Two
+/// measured no faster than one on the development machine, with a smaller window for the same
+/// memory (`docs/decisions/0036-disk-tier.md`).
+pub const PAGED_IN_FLIGHT: u64 = 1;
+
 /// Size of a page; every record region starts on a page boundary (DMA-friendly).
 pub const PAGE: usize = 4096;

@@ -87,9 +87,9 @@ impl HostStore {
                     let range =
                         |l: &super::arena::RecordLoc| (l.base as u64, l.bytes(self.grad_dtype()) as u64);
                     let (off, len) = range(loc);
-                    crate::pager::write_out(&file, off, len, false);
+                    crate::pager::write_out(&file, off, len, false).map_err(io(&tmp))?;
                     if let Some(prev) = i.checked_sub(1).map(|p| range(&self.records[p])) {
-                        crate::pager::write_out(&file, prev.0, prev.1, true);
+                        crate::pager::write_out(&file, prev.0, prev.1, true).map_err(io(&tmp))?;
                     }
                 }
             }
@@ -183,7 +183,7 @@ impl HostStore {
             r.set_applied_step(u64::from_le_bytes(meta));
             if self.is_paging() {
                 // The snapshot's pages, read once, need not stay cached in a bounded run.
-                crate::pager::write_out(&file, loc.base as u64, loc.bytes(self.grad_dtype()) as u64, true);
+                crate::pager::drop_cached(&file, loc.base as u64, loc.bytes(self.grad_dtype()) as u64);
             }
         }
         let state = StoreState {

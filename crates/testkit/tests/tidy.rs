@@ -52,7 +52,7 @@ fn every_source_file_starts_with_a_doc_header() {
     );
 }
 
-/// Files a reader can hold in their head: no Rust source longer than this many lines (split a
+/// Files a reader can hold in their head: every Rust source shorter than this many lines (split a
 /// longer one by responsibility; STYLE and ARCHITECTURE say ~600).
 const MAX_LINES: usize = 600;
 
@@ -62,7 +62,7 @@ fn no_source_file_is_longer_than_max_lines() {
         .into_iter()
         .filter_map(|p| {
             let n = std::fs::read_to_string(&p).unwrap_or_default().lines().count();
-            (n > MAX_LINES).then(|| format!("{}: {n} lines", p.display()))
+            (n >= MAX_LINES).then(|| format!("{}: {n} lines", p.display()))
         })
         .collect();
     assert!(long.is_empty(), "files over {MAX_LINES} lines:\n{}", long.join("\n"));

@@ -62,6 +62,49 @@ pub fn plan_for(
     host_bytes: u64,
     fused_kernels: bool,
 ) -> Result<Plan> {
+    let reserve = paged_reserve(c, cfg);
+    let p = plan_with(c, cfg, (device_bytes, host_bytes, reserve), fused_kernels)?;
+    if p.host.store_window.is_none() {
+        return Ok(p);
+    }
+    if c.gpus > 1 {
+        return Err(crate::Error::Options(format!(
+            "--gpus {} with a store paged from its file (larger than --host-mem): data parallel keeps the whole store in RAM; give it more --host-mem or train on one GPU",
+            c.gpus
+        )));
+    }
+    if c.device == Device::Cpu {
+        // The CPU backend's device buffers (its compute's transient heap included) are host
+        // memory too: planned again with them left out of the window.
+        return plan_with(c, cfg, (device_bytes, host_bytes, reserve + p.gpu.total), fused_kernels);
+    }
+    Ok(p)
+}
+
+/// Host bytes a paged store's window leaves to the rest of the run: the process (code, CUDA
+/// context, allocator), a checkpoint's pipelined writes (two records of the snapshot file) and
+/// the export's one tensor in f32 at a time with its narrowed copy.
+fn paged_reserve(c: &TrainConfig, cfg: &ModelConfig) -> u64 {
+    let layout = mt_core::ModelLayout::new(cfg);
+    let record = mt_sched::plan::largest_record(&layout, c.grad_dtype(), c.optim_states);
+    let process = match c.device {
+        Device::Cuda => PROCESS_OVERHEAD_CUDA,
+        Device::Cpu => PROCESS_OVERHEAD_CPU,
+    };
+    let snapshots = if c.save_every > 0 { 2 * record } else { 0 };
+    let tensor = layout.all_params().iter().map(|(_, _, t)| t.numel() as u64).max().unwrap_or(0);
+    let export = if c.out.is_some() { tensor * (4 + 4) } else { 0 };
+    process + snapshots + export
+}
+
+/// [`plan_for`]'s planner call: `(device, host, reserved)` bytes.
+fn plan_with(
+    c: &TrainConfig,
+    cfg: &ModelConfig,
+    bytes: (u64, u64, u64),
+    fused_kernels: bool,
+) -> Result<Plan> {
+    let (device_bytes, host_bytes, host_reserved) = bytes;
     let mut placement = c.placement.for_run(c.device, c.store.is_some());
     if c.gpus > 1 {
         // Data parallel keeps every optimizer state in the host store (checks.rs refused an
@@ -98,6 +141,7 @@ pub fn plan_for(
         mlp_rows: c.mlp_rows,
         spilled_checkpoints: placement.spilled_checkpoints,
         store_file: c.store.is_some(),
+        host_reserved,
     })
     .context_with(|| {
         "no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)".into()

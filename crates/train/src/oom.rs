@@ -64,6 +64,7 @@ mod tests {
             mlp_rows: None,
             spilled_checkpoints: None,
             store_file: false,
+            host_reserved: 0,
         })
         .unwrap()
     }

@@ -271,13 +271,19 @@ impl fmt::Display for TrainSummary {
                 f,
                 "disk tier: {} of the store in RAM at the end; over the run (setup included) {} \
                  read ahead in {:.2} s, {} dropped (dirty pages written first) in {:.2} s; {} \
-                 records touched before they were read in",
+                 records touched before they were read in; the step waited {:.2} s for write-back{}",
                 mb(in_ram as f64),
                 mb(p.read_ahead_bytes as f64),
                 p.read_ahead_s,
                 mb(p.evicted_bytes as f64),
                 p.write_back_s,
-                p.misses
+                p.misses,
+                p.stalled_s,
+                if p.errors > 0 {
+                    format!("; {} advice calls failed (page faults did their work)", p.errors)
+                } else {
+                    String::new()
+                }
             )?;
         }
         if let Some(rss) = self.rss_bytes {

@@ -92,8 +92,11 @@ impl<O: Observer> Trainer<O> {
         let store = Arc::new(store);
         if let Some(window) = plan.host.store_window {
             // The disk tier, before anything writes the store: a bounded RAM window from here on.
+            let order = opts
+                .host_access_order(&layout, config.grad_dtype())
+                .context_with(|| "checking the engine options".into())?;
             store
-                .start_paging(&opts.host_access_order(layout.n_layers), window)
+                .start_paging(&order, window)
                 .context_with(|| "paging the --store file through RAM".into())?;
         }
         prefault(&store, &mut observer)?;

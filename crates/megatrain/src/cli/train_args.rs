@@ -174,6 +174,7 @@ pub struct TrainArgs {
 
     /// File-backed host store: created, or continued from the step recorded in it. The live state,
     /// not a checkpoint: a killed run's file is refused; --resume restores a checkpoint into it.
+    /// A store larger than --host-mem is paged from this file through a RAM window (the disk tier).
     #[arg(long, value_name = "PATH", help_heading = "Device and memory")]
     pub store: Option<PathBuf>,
 

@@ -276,9 +276,11 @@ impl EngineOptions {
     }
 
     /// The store records a steady-state step touches on the host, in the order it touches them
-    /// (what a paged store reads ahead: `HostStore::start_paging`).
-    pub fn host_access_order(&self, n_layers: usize) -> Vec<Unit> {
+    /// (what a paged store reads ahead: `HostStore::start_paging`), once the options are checked
+    /// as the engine checks them for a store of gradient dtype `grad`.
+    pub fn host_access_order(&self, layout: &ModelLayout, grad: GradDtype) -> Result<Vec<Unit>> {
+        self.check(layout, grad)?;
         let pending = self.mode == OptimMode::Exact;
-        Program::build(self.program_spec(n_layers, pending, false)).host_accesses().collect()
+        Ok(Program::build(self.program_spec(layout.n_layers, pending, false)).host_accesses().collect())
     }
 }
