@@ -32,13 +32,19 @@ fn on_tmpfs(dir: &std::path::Path) -> bool {
     rc == 0 && unsafe { s.assume_init() }.f_type == libc::TMPFS_MAGIC
 }
 
-#[test]
-fn a_paged_store_holds_its_window_and_keeps_every_byte() {
-    // On the disk the build is on (a tmpfs /tmp would hold every page by definition).
+/// A new file-backed store on the disk the build is on (a tmpfs /tmp would hold every page by
+/// definition), its directory, layout, path and largest record's bytes.
+fn file_store(name: &str) -> (tempfile::TempDir, ModelLayout, std::path::PathBuf, HostStore, u64) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let (l, path) = (layout(), dir.path().join("paged.store"));
+    let (l, path) = (layout(), dir.path().join(name));
     let s = HostStore::create(&path, &l, GradDtype::Bf16).unwrap();
     let record = s.largest_record_bytes();
+    (dir, l, path, s, record)
+}
+
+#[test]
+fn a_paged_store_holds_its_window_and_keeps_every_byte() {
+    let (dir, l, path, s, record) = file_store("paged.store");
     assert!(s.bytes() as u64 > 8 * record, "the test needs a store of many records");
     let order = step_order(&l);
     s.start_paging(&order, 2 * record).unwrap();
@@ -86,10 +92,7 @@ fn a_paged_store_holds_its_window_and_keeps_every_byte() {
 
 #[test]
 fn a_record_outside_the_order_is_dropped_after_use() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let (l, path) = (layout(), dir.path().join("outside.store"));
-    let s = HostStore::create(&path, &l, GradDtype::Bf16).unwrap();
-    let record = s.largest_record_bytes();
+    let (dir, l, _, s, record) = file_store("outside.store");
     // The outer unit resident elsewhere: its record is read, not streamed.
     let order: Vec<Unit> = step_order(&l).into_iter().filter(|&u| u != Unit::Outer).collect();
     s.start_paging(&order, 2 * record).unwrap();
