@@ -39,41 +39,9 @@ fn env_or(name: &str, default: u64) -> u64 {
 }
 
 fn args(model: &Path, data: &Path, out: &Path, store: &Path) -> Vec<String> {
-    [
-        "train",
-        "--model",
-        s(model),
-        "--data",
-        s(data),
-        "--out",
-        s(out),
-        "--store",
-        s(store),
-        "--save-every",
-        "1",
-        "--resume",
-        "--steps",
-        "8",
-        "--batch-size",
-        "3",
-        "--seq-len",
-        "16",
-        "--lr",
-        "0.003",
-        "--warmup",
-        "2",
-        "--schedule",
-        "cosine",
-        "--eval-fraction",
-        "0.1",
-        "--seed",
-        "5",
-        "--log-every",
-        "0",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect()
+    let run = ["train", "--model", s(model), "--data", s(data), "--out", s(out), "--store", s(store)];
+    let more = ["--save-every", "1", "--resume", "--steps", "8"];
+    run.iter().chain(&more).chain(&FINE_TUNE).map(|a| a.to_string()).collect()
 }
 
 fn spawn(args: &[String]) -> Child {

@@ -8,11 +8,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{megatrain, model_fixture, stderr, write_data};
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use common::{megatrain, model_fixture, s, stderr, write_data, FINE_TUNE};
 
 #[test]
 fn a_run_killed_after_a_checkpoint_resumes_bitwise() {
@@ -21,29 +17,8 @@ fn a_run_killed_after_a_checkpoint_resumes_bitwise() {
     write_data(&data);
     let model = model_fixture();
     let (a, b) = (t.path().join("a"), t.path().join("b"));
-    let common = [
-        "train",
-        "--model",
-        s(&model),
-        "--data",
-        s(&data),
-        "--steps",
-        "7",
-        "--batch-size",
-        "3",
-        "--seq-len",
-        "16",
-        "--lr",
-        "0.003",
-        "--warmup",
-        "2",
-        "--schedule",
-        "cosine",
-        "--eval-fraction",
-        "0.1",
-        "--seed",
-        "5",
-    ];
+    let common =
+        [&["train", "--model", s(&model), "--data", s(&data), "--steps", "7"][..], &FINE_TUNE].concat();
     let run = |out: &Path, extra: &[&str]| {
         let mut v = common.to_vec();
         v.extend_from_slice(&["--out", s(out)]);

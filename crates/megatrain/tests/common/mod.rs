@@ -42,6 +42,27 @@ pub fn write_data(path: &Path) {
     fs::write(path, lines).unwrap();
 }
 
+/// The fine-tune both the kill loop and the real-use test run on [`model_fixture`] and
+/// [`write_data`]'s data: schedule, warm-up, held-out fraction and seed (steps are the caller's).
+pub const FINE_TUNE: [&str; 16] = [
+    "--batch-size",
+    "3",
+    "--seq-len",
+    "16",
+    "--lr",
+    "0.003",
+    "--warmup",
+    "2",
+    "--schedule",
+    "cosine",
+    "--eval-fraction",
+    "0.1",
+    "--seed",
+    "5",
+    "--log-every",
+    "0",
+];
+
 /// A path as `&str`.
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
