@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Our flash attention kernels (kernels/flash_attn.cu) against PyTorch SDPA, on one GPU, one run.
+"""Our flash attention kernels (kernels/cuda/flash_attn.cu) against PyTorch SDPA, on one GPU, one run.
 
 The kernels are compiled with NVRTC through CuPy from the same source and prelude as the engine
-(crates/layers/src/cuda_kernels/flash.rs: kernels/common.cuh, then kernels/flash_attn.cu; the
+(kernels/src/ops/flash.rs: kernels/cuda/common.cuh, then kernels/cuda/flash_attn.cu; the
 same launch geometry and shared-memory sizes), so what is timed here is what the engine runs.
 
   check:  output, LSE, dQ, dK, dV against an f32 reference (SDPA's f32 path on upcast inputs,
@@ -38,8 +38,8 @@ BWD_FLOPS = "2.5 x forward"
 
 
 def kernels_source() -> str:
-    common = (ROOT / "kernels" / "common.cuh").read_text()
-    flash = (ROOT / "kernels" / "flash_attn.cu").read_text()
+    common = (ROOT / "kernels" / "cuda" / "common.cuh").read_text()
+    flash = (ROOT / "kernels" / "cuda" / "flash_attn.cu").read_text()
     return f'#line 1 "common.cuh"\n{common}\n#line 1 "flash_attn.cu"\n{flash}'
 
 

@@ -45,7 +45,7 @@ pub struct LayerOptions {
 /// `head_dim`.
 pub fn flash_attention(device: &candle_core::Device, dtype: candle_core::DType, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
-    return crate::cuda_kernels::applies_on(device, dtype) && crate::flash_head_dim(head_dim);
+    return mt_kernels::applies_on(device, dtype) && crate::flash_head_dim(head_dim);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, dtype, head_dim);

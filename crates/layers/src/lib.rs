@@ -15,16 +15,11 @@
 //!
 //! Architecture Invariant: the loss never materialises `[b·t, V]` logits; at most
 //! `rows_per_block` rows of logits (and of their gradient) are alive at once.
-// `unsafe` only in `cuda_kernels` (allocation and kernel launch), checked by the tidy test.
-#![deny(unsafe_code)]
-
-#[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
-mod cuda_kernels;
+// The CUDA kernels, their launches and their `unsafe` live in mt-kernels.
+#![forbid(unsafe_code)]
 
 mod attention;
 mod decoder;
-pub mod device_optim;
 mod error;
 mod grads;
 mod mlp;
@@ -40,13 +35,13 @@ mod weights;
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
 pub use moe::{RouterGrad, RouterStats};
 
-/// Whether the fused CUDA kernels (`kernels/*.cu`, compiled by NVRTC for the device's compute
+/// Whether the fused CUDA kernels (`kernels/cuda/*.cu`, compiled by NVRTC for the device's compute
 /// capability) run for tensors of `dtype` on `device`: bf16 on a GPU of compute capability 8.0
 /// or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). Elsewhere candle's ops run, which
 /// keep more for the backward ([`DecoderLayer::kept_state_bytes`]).
 pub fn fused_kernels(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
     #[cfg(feature = "cuda")]
-    return cuda_kernels::applies_on(device, dtype);
+    return mt_kernels::applies_on(device, dtype);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, dtype);
@@ -54,13 +49,8 @@ pub fn fused_kernels(device: &candle_core::Device, dtype: candle_core::DType) ->
     }
 }
 pub use error::{Error, Result};
-
-/// Whether flash attention is built for head dim `hd` (it also needs bf16 on a CUDA device:
-/// [`flash_attention`]).
-pub fn flash_head_dim(hd: usize) -> bool {
-    matches!(hd, 16 | 32 | 64 | 128)
-}
 pub use grads::GradSink;
+pub use mt_kernels::flash_head_dim;
 pub use outer::Outer;
 pub use positions::Positions;
 pub use rope::{Rope, RopeAngles};

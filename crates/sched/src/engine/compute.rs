@@ -120,13 +120,13 @@ impl<B: Backend> Engine<B> {
                 if let Some(narrow) = grad_buf.and_then(|k| self.pool.grad_narrow.get(k)) {
                     // bf16 landing: narrow here; the layer's share of the global norm is that
                     // of the narrowed gradient (what the host would have taken as it landed).
-                    let ss = mt_layers::device_optim::narrow_bf16_sum_squares(&gbuf, narrow)?;
+                    let ss = mt_kernels::device_optim::narrow_bf16_sum_squares(&gbuf, narrow)?;
                     self.device_sumsq.push((Unit::Layer(layer), ss));
                 }
                 if grad_buf.is_none() {
                     // A resident layer's gradient never lands on the host: its share of the
                     // global norm is taken here (deterministic order), read at the step's end.
-                    let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
+                    let ss = mt_kernels::device_optim::sum_squares(&gbuf)?;
                     self.device_sumsq.push((Unit::Layer(layer), ss));
                 }
             }
@@ -144,7 +144,7 @@ impl<B: Backend> Engine<B> {
                 }
                 if self.opts.resident_outer {
                     // Likewise the resident outer unit's.
-                    let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
+                    let ss = mt_kernels::device_optim::sum_squares(&gbuf)?;
                     self.device_sumsq.push((Unit::Outer, ss));
                 }
             }
@@ -155,13 +155,13 @@ impl<B: Backend> Engine<B> {
                 if self.store.applied_step(unit) >= args.step {
                     // A retried step: the record already holds the update (and the state slot
                     // what was uploaded from it).
-                    mt_layers::device_optim::cast_master_into(&state, &dst)?;
+                    mt_kernels::device_optim::cast_master_into(&state, &dst)?;
                 } else {
                     let grad = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
                     // bf16 -> f32 is exact: the same gradient the host's update widens.
                     let grad = grad.to_dtype(candle_core::DType::F32)?;
                     let kind = self.state_kind(unit);
-                    mt_layers::device_optim::adamw_step_into(
+                    mt_kernels::device_optim::adamw_step_into(
                         &state,
                         &grad,
                         &self.opts.adamw,

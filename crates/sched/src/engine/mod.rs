@@ -94,7 +94,7 @@ pub struct Engine<B: Backend> {
     spill_host: Vec<Vec<Arc<Mutex<Staging>>>>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     /// Resident units' shares of the global norm, still on the device until the step ends.
-    device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
+    device_sumsq: Vec<(Unit, mt_kernels::device_optim::SumSquares)>,
     /// Forward activations kept for the backward, by `layer * n_chunks + chunk` (only layers
     /// `0..opts.kept_layers`; empty outside a step).
     kept: Vec<Option<mt_layers::LayerState>>,

@@ -32,7 +32,7 @@ pub struct EngineOptions {
     /// waits for it, so the optimizer's time adds to the step.
     pub overlap_optimizer: bool,
     /// Keep the outer unit (embedding, final norm, LM head) resident on the compute device with
-    /// its fp32 master weights and AdamW moments, updated there (`mt_layers::device_optim`): it
+    /// its fp32 master weights and AdamW moments, updated there (`mt_kernels::device_optim`): it
     /// then never crosses the bus, and the step boundary no longer waits for its download, host
     /// update and upload. The host store's copy is brought up to date by [`Engine::sync_store`](super::Engine::sync_store)
     /// (called by [`Engine::flush_pending`](super::Engine::flush_pending) and on drop).

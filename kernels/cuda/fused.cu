@@ -1,6 +1,6 @@
 // Fused elementwise kernels of the decoder layer for bf16 compute: RMSNorm forward/backward,
 // SwiGLU forward/backward, RoPE (forward; the backward is the same kernel with sin negated).
-// Compiled at run time with NVRTC after common.cuh (crates/layers/src/cuda_kernels/mod.rs); no CUDA headers.
+// Compiled at run time with NVRTC after common.cuh (kernels/src/ops/nvrtc.rs); no CUDA headers.
 //
 // Each kernel reproduces, in one pass, the roundings of the candle op sequence it replaces
 // (crates/layers/src/ops.rs, rope.rs): every intermediate that candle rounds to bf16 is rounded

@@ -1,6 +1,6 @@
 //! The flash attention kernels against an f32 reference computed in query tiles (no `[s, s]`
 //! tensor of all heads), on a CUDA device (run on the GPU machine:
-//! `cargo test -p mt-layers --features cuda --lib cuda_kernels`; not part of the CPU suite).
+//! `cargo test -p mt-kernels --features cuda --lib`; not part of the CPU suite).
 
 use candle_core::{DType, Device, Tensor, D};
 

@@ -100,7 +100,7 @@ impl InplaceOp3 for GemmAccumulate {
 }
 
 /// Whether [`accumulate_matmul_t`] applies: CUDA, bf16 operands, an f32 destination.
-pub(crate) fn gemm_applies(dst: &Tensor, dy: &Tensor, x: &Tensor) -> bool {
+pub fn gemm_applies(dst: &Tensor, dy: &Tensor, x: &Tensor) -> bool {
     dst.device().is_cuda()
         && dst.dtype() == DType::F32
         && dy.dtype() == DType::BF16
@@ -109,6 +109,6 @@ pub(crate) fn gemm_applies(dst: &Tensor, dy: &Tensor, x: &Tensor) -> bool {
 
 /// `dst += dyᵀ x` in place: `dst` an f32 CUDA view of `out · in` elements (row-major
 /// `[out, in]`), `dy: [N, out]`, `x: [N, in]` bf16 (made contiguous if they are not).
-pub(crate) fn accumulate_matmul_t(dst: &Tensor, dy: &Tensor, x: &Tensor) -> candle_core::Result<()> {
+pub fn accumulate_matmul_t(dst: &Tensor, dy: &Tensor, x: &Tensor) -> candle_core::Result<()> {
     dst.inplace_op3(&dy.contiguous()?, &x.contiguous()?, &GemmAccumulate)
 }

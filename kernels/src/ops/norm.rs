@@ -1,6 +1,6 @@
 //! RMSNorm forward (row statistics, then the normalised and weighted row) and backward (`dx`,
 //! and the weight gradient reduced over row groups in a fixed order) as fused bf16 kernels
-//! (`kernels/fused.cu`), with the same roundings as the candle sequence they replace.
+//! (`kernels/cuda/fused.cu`), with the same roundings as the candle sequence they replace.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
@@ -8,7 +8,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use half::bf16;
 
-use super::{fused_ptx, grid_for, launch_cfg, msg, rows_and_t, with_bf16, FUSED};
+use super::sources::FUSED;
+use super::{grid_for, launch_cfg, msg, rows_and_t, with_bf16};
 
 struct RmsStats {
     eps: f32,
@@ -20,7 +21,7 @@ impl CustomOp1 for RmsStats {
         let (rows, n) = rows_and_t(l, "rms stats")?;
         let dev = x.device();
         let xs = x.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_rms_stats", FUSED, fused_ptx()?)?;
+        let func = dev.get_or_load_custom_func("mt_rms_stats", FUSED.module, FUSED.ptx()?)?;
         // SAFETY: every element is written by the kernel below.
         let out = unsafe { dev.alloc::<f32>(rows)? };
         let (n32, eps) = (n as i32, self.eps);
@@ -55,7 +56,7 @@ impl CustomOp2 for RmsApply {
         let dev = x.device();
         let xs = x.as_cuda_slice::<bf16>()?.slice(lx.start_offset()..);
         let rs = r.as_cuda_slice::<f32>()?.slice(lr.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_rms_apply", FUSED, fused_ptx()?)?;
+        let func = dev.get_or_load_custom_func("mt_rms_apply", FUSED.module, FUSED.ptx()?)?;
         let total = rows * n;
         // SAFETY: every element is written by the kernel below.
         let out = unsafe { dev.alloc::<bf16>(total)? };
@@ -123,7 +124,7 @@ impl CustomOp3 for RmsBwdDx {
             return Err(msg("rms backward: w does not match x"));
         }
         let dev = x.device();
-        let func = dev.get_or_load_custom_func("mt_rms_bwd_dx", FUSED, fused_ptx()?)?;
+        let func = dev.get_or_load_custom_func("mt_rms_bwd_dx", FUSED.module, FUSED.ptx()?)?;
         // SAFETY: every element is written by the kernel below.
         let out = unsafe { dev.alloc::<bf16>(rows * n)? };
         let n32 = n as i32;
@@ -162,7 +163,7 @@ impl CustomOp3 for RmsBwdDw {
         let BwdInputs { rows, n, dy: dys, x: xs, r: rs } =
             backward_inputs((dy, ldy), (x, lx), (r, lr), "rms dw")?;
         let dev = x.device();
-        let func = dev.get_or_load_custom_func("mt_rms_bwd_dw", FUSED, fused_ptx()?)?;
+        let func = dev.get_or_load_custom_func("mt_rms_bwd_dw", FUSED.module, FUSED.ptx()?)?;
         let groups = DW_GROUPS.min(rows.max(1));
         // SAFETY: every element is written by the kernel below (each (group, column) once).
         let out = unsafe { dev.alloc::<f32>(groups * n)? };
@@ -186,7 +187,7 @@ impl CustomOp3 for RmsBwdDw {
 }
 
 /// RMSNorm over the last axis: `(y, r)` with `r = 1/sqrt(mean(x²) + eps)` per row (f32).
-pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<(Tensor, Tensor)> {
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<(Tensor, Tensor)> {
     let x = x.contiguous()?;
     let r = x.apply_op1_no_bwd(&RmsStats { eps: eps as f32 })?;
     let y = x.apply_op2_no_bwd(&r, &RmsApply { w: w.contiguous()? })?;
@@ -194,7 +195,7 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<
 }
 
 /// Backward of [`rms_norm`]: `(dx` bf16, `dw` f32 `[n])`.
-pub(crate) fn rms_norm_backward(
+pub fn rms_norm_backward(
     dy: &Tensor,
     x: &Tensor,
     w: &Tensor,

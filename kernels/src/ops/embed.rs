@@ -1,9 +1,7 @@
-//! The embedding backward's row scatter-add (`kernels/embed.cu`): one block per distinct token
+//! The embedding backward's row scatter-add (`kernels/cuda/embed.cu`): one block per distinct token
 //! id, that id's tokens added in ascending order — deterministic, no atomics, and the same sums
 //! as candle's sequential `scatter_add` (which runs a handful of blocks sequentially over every
 //! token: ~8 ms per 8k tokens on an H200, against microseconds here).
-
-use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -11,15 +9,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp3, Layout, Tensor};
 use half::bf16;
 
-use super::{compile, msg, Compiled, THREADS};
-
-const SOURCE: &str = include_str!("../../../../kernels/embed.cu");
-const MODULE: &str = "mt_embed";
-
-fn ptx() -> candle_core::Result<&'static str> {
-    static PTX: Compiled = OnceLock::new();
-    compile(&PTX, SOURCE, "embed.cu")
-}
+use super::sources::EMBED;
+use super::{msg, THREADS};
 
 struct RowsAdd {
     k: usize,
@@ -53,7 +44,7 @@ impl InplaceOp3 for RowsAdd {
             DType::F32 => "mt_rows_add_f32",
             other => return Err(msg(format!("rows add: source dtype {other:?}; bf16 or f32"))),
         };
-        let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
+        let func = dev.get_or_load_custom_func(kernel, EMBED.module, EMBED.ptx()?)?;
         let mut gs = g.as_cuda_slice_mut::<f32>()?.slice_mut(lg.start_offset()..);
         let cs = csr.as_cuda_slice::<u32>()?.slice(lc.start_offset()..);
         let to_i32 = |x: usize| i32::try_from(x).map_err(|_| msg("rows add: size exceeds i32"));
@@ -90,7 +81,7 @@ impl InplaceOp3 for RowsAdd {
 
 /// `dst[ids[t]] += src[t]` for every row `t` (`dst: [rows, width]` f32 CUDA view, `src:
 /// [k, width]` bf16 or f32, `ids: [k]` u32), deterministic, in ascending `t` per id.
-pub(crate) fn rows_add(dst: &Tensor, ids: &Tensor, src: &Tensor) -> candle_core::Result<()> {
+pub fn rows_add(dst: &Tensor, ids: &Tensor, src: &Tensor) -> candle_core::Result<()> {
     let (rows, width) = dst.dims2()?;
     let ids = ids.to_vec1::<u32>()?;
     let k = ids.len();

@@ -1,5 +1,5 @@
 // Fused causal softmax forward and backward over rows of attention scores, for bf16 compute.
-// Compiled at run time with NVRTC after common.cuh (crates/layers/src/cuda_kernels/mod.rs): no
+// Compiled at run time with NVRTC after common.cuh (kernels/src/ops/nvrtc.rs): no
 // CUDA headers are included, bf16 is handled as its bit pattern (unsigned short) with
 // round-to-nearest-even.
 //

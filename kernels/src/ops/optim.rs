@@ -1,7 +1,5 @@
-//! Launches of `kernels/adamw.cu`: the in-place AdamW of a device-resident unit and the
+//! Launches of `kernels/cuda/adamw.cu`: the in-place AdamW of a device-resident unit and the
 //! deterministic partial sums of its gradient's squares (see `crate::device_optim`).
-
-use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
@@ -10,10 +8,10 @@ use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Shape, Tensor};
 use mt_core::{StateDtype, Q8_BLOCK};
 use mt_optim::Coeffs;
 
-use super::{compile, grid_for, msg, with_bf16, Compiled};
+use super::nvrtc::note_device;
+use super::sources::ADAMW;
+use super::{grid_for, msg, with_bf16};
 
-const SOURCE: &str = include_str!("../../../../kernels/adamw.cu");
-const MODULE: &str = "mt_adamw";
 /// Blocks of the sum-of-squares reduction: fixed, so its order (and result) is too.
 const SUMSQ_BLOCKS: usize = 1024;
 const SUMSQ_THREADS: u32 = 256;
@@ -30,9 +28,8 @@ fn sumsq_grid() -> LaunchConfig {
 /// The module's PTX for `dev`'s architecture (these kernels also run where the fused ones do
 /// not: a resident unit's AdamW with f32 weights).
 fn ptx(dev: &candle_core::CudaDevice) -> candle_core::Result<&'static str> {
-    static PTX: Compiled = OnceLock::new();
-    super::note_device(dev);
-    compile(&PTX, SOURCE, "adamw.cu")
+    note_device(dev);
+    ADAMW.ptx()
 }
 
 /// The moments' encoding of a device update and its stochastic rounding's keys
@@ -106,7 +103,7 @@ fn launch_adamw(
             },
         ),
     };
-    let func = dev.get_or_load_custom_func(kernel, MODULE, ptx(&dev)?)?;
+    let func = dev.get_or_load_custom_func(kernel, ADAMW.module, ptx(&dev)?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
     let mut ss = st.as_cuda_slice_mut::<f32>()?.slice_mut(ls.start_offset()..);
     let (n64, lerp_small) = (n as i64, i32::from(c.lerp_small));
@@ -156,7 +153,7 @@ impl CustomOp1 for SumSq {
         match g.dtype() {
             candle_core::DType::F32 => {
                 let gs = g.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
-                let func = dev.get_or_load_custom_func("mt_sumsq", MODULE, ptx(dev)?)?;
+                let func = dev.get_or_load_custom_func("mt_sumsq", ADAMW.module, ptx(dev)?)?;
                 let mut b = func.builder();
                 b.arg(&gs);
                 b.arg(&out);
@@ -168,7 +165,7 @@ impl CustomOp1 for SumSq {
             }
             candle_core::DType::BF16 => {
                 let gs = g.as_cuda_slice::<half::bf16>()?.slice(l.start_offset()..);
-                let func = dev.get_or_load_custom_func("mt_sumsq_bf16", MODULE, ptx(dev)?)?;
+                let func = dev.get_or_load_custom_func("mt_sumsq_bf16", ADAMW.module, ptx(dev)?)?;
                 let mut b = func.builder();
                 b.arg(&gs);
                 b.arg(&out);
@@ -199,7 +196,7 @@ pub(crate) fn narrow_bf16(
         return Err(msg("gradient narrowing: needs contiguous bf16 out and f32 gradient of one length"));
     }
     let dev = g.device().clone();
-    let func = dev.get_or_load_custom_func("mt_narrow_bf16", MODULE, ptx(&dev)?)?;
+    let func = dev.get_or_load_custom_func("mt_narrow_bf16", ADAMW.module, ptx(&dev)?)?;
     let gs = g.as_cuda_slice::<f32>()?.slice(lg.start_offset()..);
     let mut os = out.as_cuda_slice_mut::<half::bf16>()?.slice_mut(lo.start_offset()..);
     let n64 = n as i64;

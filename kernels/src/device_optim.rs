@@ -1,7 +1,7 @@
 //! The optimizer of a unit whose fp32 master weights and AdamW moments live on the compute device
 //! (the outer unit, when the planner keeps it resident): the update and the gradient's sum of
 //! squares as in-place candle ops. On the CPU they run mt-optim's own code on the tensors' memory
-//! (so they are bitwise the host optimizer); on CUDA, `kernels/adamw.cu`, which evaluates the same
+//! (so they are bitwise the host optimizer); on CUDA, `kernels/cuda/adamw.cu`, which evaluates the same
 //! f32 expressions with the same scalars ([`mt_optim::Coeffs`]), and encodes bf16 or 8-bit moments
 //! as mt-optim does (the same stochastic rounding draws, [`mt_optim::rounding_keys`]).
 //!
@@ -84,11 +84,11 @@ impl InplaceOp2 for AdamWStep {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> candle_core::Result<()> {
-        let mom = crate::cuda_kernels::Moments {
+        let mom = crate::ops::Moments {
             dtype: self.kind.dtype,
             keys: mt_optim::rounding_keys(self.a.step, self.kind.stream),
         };
-        crate::cuda_kernels::adamw(st, ls, g, lg, &self.coeffs, mom, self.weights.as_ref())
+        crate::ops::adamw(st, ls, g, lg, &self.coeffs, mom, self.weights.as_ref())
     }
 }
 
@@ -172,7 +172,7 @@ pub fn sum_squares(grad: &Tensor) -> Result<SumSquares> {
     }
     #[cfg(feature = "cuda")]
     if grad.device().is_cuda() {
-        return Ok(SumSquares::Partials(crate::cuda_kernels::sum_squares_partials(grad)?));
+        return Ok(SumSquares::Partials(crate::ops::sum_squares_partials(grad)?));
     }
     let g = grad.flatten_all()?.to_vec1::<f32>()?;
     Ok(SumSquares::Value(mt_optim::sum_squares(Grad::F32(&g))))
@@ -221,14 +221,14 @@ impl InplaceOp2 for NarrowBf16 {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> candle_core::Result<()> {
-        crate::cuda_kernels::narrow_bf16(out, lo, g, lg)
+        crate::ops::narrow_bf16(out, lo, g, lg)
     }
 }
 
 /// A streamed layer's f32 gradient narrowed into `out` (bf16, same length) for a bf16 landing,
 /// with the sum of squares of what `out` holds: the values and the sum the host's land would have
 /// taken (`mt_optim::cast_sum_squares` into a bf16 store gradient). On the CPU that very
-/// function, so bitwise the host's land; on CUDA `kernels/adamw.cu` (the same rounding, NaNs
+/// function, so bitwise the host's land; on CUDA `kernels/cuda/adamw.cu` (the same rounding, NaNs
 /// included; the sum in a fixed tree over the narrowed values, read by [`SumSquares::value`]).
 pub fn narrow_bf16_sum_squares(grad: &Tensor, out: &Tensor) -> Result<SumSquares> {
     if grad.dtype() != DType::F32 {
@@ -248,7 +248,7 @@ pub fn narrow_bf16_sum_squares(grad: &Tensor, out: &Tensor) -> Result<SumSquares
     out.inplace_op2(grad, &op)?;
     #[cfg(feature = "cuda")]
     if out.device().is_cuda() {
-        return Ok(SumSquares::Partials(crate::cuda_kernels::sum_squares_partials(out)?));
+        return Ok(SumSquares::Partials(crate::ops::sum_squares_partials(out)?));
     }
     let s = op.cpu_sum.lock().unwrap_or_else(|p| p.into_inner()).take();
     s.map(SumSquares::Value)

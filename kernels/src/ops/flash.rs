@@ -1,10 +1,8 @@
-//! Flash attention (`kernels/flash_attn.cu`): the forward (output and each row's log-sum-exp)
+//! Flash attention (`kernels/cuda/flash_attn.cu`): the forward (output and each row's log-sum-exp)
 //! and the deterministic backward (`D = rowsum(dO ⊙ O)`, then dK/dV per key tile and dQ per
 //! query tile, no atomics), for bf16 `[b, t, heads, hd]` tensors, causal, grouped-query, with
 //! optional packed-document bounds. Launch geometry and shared memory as the kernels' header
 //! comment states; `scripts/attention_bench.py` launches the same kernels the same way.
-
-use std::sync::OnceLock;
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -15,19 +13,12 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Shape, Storage, Tensor};
 use half::bf16;
 
-use super::{compile, msg, Compiled};
+use super::msg;
+use super::sources::FLASH;
+use crate::flash_head_dim;
 
-const SOURCE: &str = include_str!("../../../../kernels/flash_attn.cu");
-const MODULE: &str = "mt_flash";
 /// Threads of every flash kernel (`MT_FA_THREADS`).
 const THREADS: u32 = 128;
-
-fn ptx() -> candle_core::Result<&'static str> {
-    static PTX: Compiled = OnceLock::new();
-    compile(&PTX, SOURCE, "flash_attn.cu")
-}
-
-use crate::flash_head_dim;
 
 /// Dynamic shared memory of each kernel for head dim `hd` (the kernels' header comment).
 fn smem(kernel: &str, hd: usize) -> u32 {
@@ -104,7 +95,7 @@ const NULL: u64 = 0;
 
 /// Forward: `(o [b, t, nh, hd] bf16, lse [b, nh, t] f32)`. `docs`: u32 `[b, t]` first and
 /// one-past-last index of each token's document.
-pub(crate) fn flash_forward(
+pub fn flash_forward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -128,7 +119,7 @@ pub(crate) fn flash_forward(
     // SAFETY: as above, one value per (sequence, head, row).
     let lse = unsafe { dev.alloc::<f32>(b * nh * t)? };
     let sm = smem("fwd", hd);
-    let f = dev.get_or_load_custom_func(&format!("mt_flash_fwd_hd{hd}"), MODULE, ptx()?)?;
+    let f = dev.get_or_load_custom_func(&format!("mt_flash_fwd_hd{hd}"), FLASH.module, FLASH.ptx()?)?;
     allow_smem(&f, sm)?;
     let (_, sl2) = scales(hd);
     let (t32, nh32, nkv32) = (t as i32, nh as i32, nkv as i32);
@@ -161,7 +152,7 @@ pub(crate) fn flash_forward(
 
 /// Backward: `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16, from the forward's inputs, its
 /// output `o`, `lse` and `d_o = dL/do`.
-pub(crate) fn flash_backward(
+pub fn flash_backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -196,7 +187,7 @@ pub(crate) fn flash_backward(
     // SAFETY: one value per (sequence, token, head) row, every one written by the first kernel.
     let d = unsafe { dev.alloc::<f32>(rows)? };
     let (t32, nh32, nkv32, hd32, rows64) = (t as i32, nh as i32, nkv as i32, hd as i32, rows as i64);
-    let f = dev.get_or_load_custom_func("mt_flash_bwd_dot", MODULE, ptx()?)?;
+    let f = dev.get_or_load_custom_func("mt_flash_bwd_dot", FLASH.module, FLASH.ptx()?)?;
     let mut a = f.builder();
     a.arg(&dov);
     a.arg(&ov);
@@ -223,7 +214,7 @@ pub(crate) fn flash_backward(
     let dv = unsafe { dev.alloc::<bf16>(b * t * nkv * hd)? };
     let tiles = t.div_ceil(64) as u32;
     let sm = smem("dkdv", hd);
-    let f = dev.get_or_load_custom_func(&format!("mt_flash_bwd_dkdv_hd{hd}"), MODULE, ptx()?)?;
+    let f = dev.get_or_load_custom_func(&format!("mt_flash_bwd_dkdv_hd{hd}"), FLASH.module, FLASH.ptx()?)?;
     allow_smem(&f, sm)?;
     let mut a = f.builder();
     a.arg(&qv);
@@ -260,7 +251,7 @@ pub(crate) fn flash_backward(
     unsafe { a.launch(cfg) }.w()?;
 
     let sm = smem("dq", hd);
-    let f = dev.get_or_load_custom_func(&format!("mt_flash_bwd_dq_hd{hd}"), MODULE, ptx()?)?;
+    let f = dev.get_or_load_custom_func(&format!("mt_flash_bwd_dq_hd{hd}"), FLASH.module, FLASH.ptx()?)?;
     allow_smem(&f, sm)?;
     let mut a = f.builder();
     a.arg(&qv);

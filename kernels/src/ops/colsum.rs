@@ -1,4 +1,4 @@
-//! Column sums of a bf16 matrix added into an f32 gradient row (`kernels/fused.cu`): a bias
+//! Column sums of a bf16 matrix added into an f32 gradient row (`kernels/cuda/fused.cu`): a bias
 //! gradient `Σ_rows dy`. Candle's way (cast the whole `[N, out]` to f32, then reduce) took
 //! 2.6 ms for the 14B's q bias at 32k tokens (ncu, H200); this reads `dy` once, in two
 //! deterministic passes (per-segment partial sums, then the segments in order).
@@ -9,7 +9,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp2, Layout, Tensor};
 use half::bf16;
 
-use super::{fused_ptx, msg, FUSED, THREADS};
+use super::sources::FUSED;
+use super::{msg, THREADS};
 
 /// Row segments of the first pass (a multiple of the multiprocessors' count of blocks per column
 /// group is not needed: 256 segments of 20 column groups already fill an H200).
@@ -53,7 +54,7 @@ impl InplaceOp2 for ColSumAdd {
         // column); segments with no rows write 0).
         let partial = unsafe { dev.alloc::<f32>(segs * w)? };
         let cols = (w as u32).div_ceil(THREADS);
-        let first = dev.get_or_load_custom_func("mt_col_sum_partial_bf16", FUSED, fused_ptx()?)?;
+        let first = dev.get_or_load_custom_func("mt_col_sum_partial_bf16", FUSED.module, FUSED.ptx()?)?;
         let mut b = first.builder();
         b.arg(&xs);
         b.arg(&partial);
@@ -70,7 +71,7 @@ impl InplaceOp2 for ColSumAdd {
         // and writes partial[y·w + c] only.
         unsafe { b.launch(cfg) }.w()?;
         let mut os = out.as_cuda_slice_mut::<f32>()?.slice_mut(lo.start_offset()..);
-        let second = dev.get_or_load_custom_func("mt_col_sum_finish", FUSED, fused_ptx()?)?;
+        let second = dev.get_or_load_custom_func("mt_col_sum_finish", FUSED.module, FUSED.ptx()?)?;
         let mut b = second.builder();
         b.arg(&partial);
         b.arg(&mut os);
@@ -86,7 +87,7 @@ impl InplaceOp2 for ColSumAdd {
 
 /// `dst += Σ_rows x` for `dst: [w]` f32 (a view of a gradient buffer, updated in place) and
 /// `x: [n, w]` bf16, on CUDA.
-pub(crate) fn col_sums_add(dst: &Tensor, x: &Tensor) -> candle_core::Result<()> {
+pub fn col_sums_add(dst: &Tensor, x: &Tensor) -> candle_core::Result<()> {
     let (n, w) = x.dims2()?;
     if dst.dims() != [w] {
         return Err(msg(format!("column sums: destination {:?}, expected [{w}]", dst.dims())));

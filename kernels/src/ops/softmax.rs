@@ -1,10 +1,8 @@
-//! The attention softmax pair (`kernels/softmax.cu`): the causal softmax forward (bf16
+//! The attention softmax pair (`kernels/cuda/softmax.cu`): the causal softmax forward (bf16
 //! probabilities and per-row statistics) and its backward (the f32 probabilities recomputed bit
 //! for bit), warp-per-row for rows of up to `WARP_ROW_MAX` keys (the `_warp8` kernels, which
 //! issue a row's loads all at once, when the row length is a multiple of 8), block-per-row
 //! beyond (the `_block8` kernels, 16-byte loads, when it is a multiple of 8).
-
-use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -12,17 +10,11 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Tensor};
 use half::bf16;
 
-use super::{compile, launch_cfg, msg, rows_and_t, Compiled};
-
-const SOURCE: &str = include_str!("../../../../kernels/softmax.cu");
-const MODULE: &str = "mt_softmax";
-fn ptx() -> candle_core::Result<&'static str> {
-    static PTX: Compiled = OnceLock::new();
-    compile(&PTX, SOURCE, "softmax.cu")
-}
+use super::sources::SOFTMAX;
+use super::{launch_cfg, msg, rows_and_t};
 
 /// Longest row the warp-per-row softmax kernels keep in registers (`WARP_ROW_MAX` in
-/// `kernels/softmax.cu`); longer rows take the block-per-row kernels.
+/// `kernels/cuda/softmax.cu`); longer rows take the block-per-row kernels.
 const WARP_ROW_MAX: usize = 2048;
 /// Rows (warps) per block of the warp-per-row kernels: small blocks, as the backward holds 152
 /// registers a thread (ptxas, sm_90), so that several blocks share a multiprocessor.
@@ -72,7 +64,7 @@ impl CustomOp1 for CausalSoftmax {
             (false, true) if aligned => "mt_causal_softmax_fwd_block8",
             (false, _) => "mt_causal_softmax_fwd",
         };
-        let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
+        let func = dev.get_or_load_custom_func(kernel, SOFTMAX.module, SOFTMAX.ptx()?)?;
         let off = stats_offset(rows, t);
         let len = off + 4 * rows;
         // SAFETY: every element but the (at most one) padding slot is written by the kernel
@@ -142,7 +134,7 @@ impl CustomOp3 for SoftmaxBackward {
             (false, true) if aligned => "mt_softmax_bwd_block8",
             (false, _) => "mt_softmax_bwd",
         };
-        let func = dev.get_or_load_custom_func(kernel, MODULE, ptx()?)?;
+        let func = dev.get_or_load_custom_func(kernel, SOFTMAX.module, SOFTMAX.ptx()?)?;
         // SAFETY: every element is written by the kernel below before anyone reads it.
         let out = unsafe { dev.alloc::<bf16>(rows * t)? };
         let (t32, c, rows64) = (t as i32, self.scale, rows as i64);
@@ -168,9 +160,9 @@ impl CustomOp3 for SoftmaxBackward {
 }
 
 /// `softmax(scale · s)` over the last axis with the causal mask of query position `row % t` (see
-/// `kernels/softmax.cu`); `s` bf16 on a CUDA device. Returns the probabilities in bf16 (`s`'s
+/// `kernels/cuda/softmax.cu`); `s` bf16 on a CUDA device. Returns the probabilities in bf16 (`s`'s
 /// shape) and the row statistics for [`softmax_backward`] (opaque: f32 pairs in a bf16 tensor).
-pub(crate) fn causal_softmax(s: &Tensor, scale: f64) -> candle_core::Result<(Tensor, Tensor)> {
+pub fn causal_softmax(s: &Tensor, scale: f64) -> candle_core::Result<(Tensor, Tensor)> {
     causal_softmax_with(s, scale, true)
 }
 
@@ -187,12 +179,7 @@ fn causal_softmax_with(s: &Tensor, scale: f64, warp8: bool) -> candle_core::Resu
 
 /// `scale · P ⊙ (dP − rowsum(dP ⊙ P))` with `P` recomputed from the scores `s` and the
 /// statistics of [`causal_softmax`]; `dp`, `s` bf16, result bf16.
-pub(crate) fn softmax_backward(
-    dp: &Tensor,
-    s: &Tensor,
-    stats: &Tensor,
-    scale: f64,
-) -> candle_core::Result<Tensor> {
+pub fn softmax_backward(dp: &Tensor, s: &Tensor, stats: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
     softmax_backward_with(dp, s, stats, scale, true)
 }
 
@@ -213,7 +200,7 @@ fn softmax_backward_with(
     )
 }
 
-/// Run on the GPU machine (`cargo test -p mt-layers --features cuda --lib softmax`); they need a
+/// Run on the GPU machine (`cargo test -p mt-kernels --features cuda --lib softmax`); they need a
 /// CUDA device and are not part of the CPU test suite.
 #[cfg(test)]
 mod gpu_tests {

@@ -1,5 +1,5 @@
 //! Data movement of the attention layout, the residual and bias adds, as 16-byte-a-thread kernels
-//! (`kernels/fused.cu`): candle's strided copy and broadcasting add run at a fraction of the
+//! (`kernels/cuda/fused.cu`): candle's strided copy and broadcasting add run at a fraction of the
 //! memory bandwidth on these shapes (ncu on the H200: a 50 MB head transpose 258 µs, a 50 MB
 //! bf16 add 107 µs). Both are bit-for-bit the candle ops they replace.
 
@@ -9,7 +9,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 use half::bf16;
 
-use super::{fused_ptx, grid_for, msg, FUSED};
+use super::sources::FUSED;
+use super::{grid_for, msg};
 
 /// Whether a contiguous bf16 CUDA tensor's data can be moved in 16-byte groups.
 fn groups_of_8(l: &Layout) -> bool {
@@ -30,7 +31,7 @@ impl CustomOp1 for Swap12 {
         }
         let dev = x.device();
         let src = x.as_cuda_slice::<bf16>()?.slice(l.start_offset()..);
-        let func = dev.get_or_load_custom_func("mt_swap12", FUSED, fused_ptx()?)?;
+        let func = dev.get_or_load_custom_func("mt_swap12", FUSED.module, FUSED.ptx()?)?;
         let n = b * n1 * n2 * d;
         // SAFETY: the kernel below writes every element (each 8-element group once).
         let out = unsafe { dev.alloc::<bf16>(n)? };
@@ -79,7 +80,7 @@ impl CustomOp2 for AddBf16 {
         let sa = a.as_cuda_slice::<bf16>()?.slice(la.start_offset()..);
         let sb = b.as_cuda_slice::<bf16>()?.slice(lb.start_offset()..);
         let name = if self.row { "mt_add_row_bf16" } else { "mt_add_bf16" };
-        let func = dev.get_or_load_custom_func(name, FUSED, fused_ptx()?)?;
+        let func = dev.get_or_load_custom_func(name, FUSED.module, FUSED.ptx()?)?;
         // SAFETY: the kernel below writes every element.
         let out = unsafe { dev.alloc::<bf16>(n)? };
         let (total8, w8) = ((n / 8) as i64, (w / 8) as i32);
@@ -105,7 +106,7 @@ fn applies(l: &Layout, t: &Tensor) -> bool {
 
 /// `x.transpose(1, 2).contiguous()` of a 4-D tensor; one kernel on CUDA bf16 when the last axis
 /// is a multiple of 8 and `x` is contiguous and aligned, candle's copy otherwise.
-pub(crate) fn swap12(x: &Tensor) -> candle_core::Result<Tensor> {
+pub fn swap12(x: &Tensor) -> candle_core::Result<Tensor> {
     if applies(x.layout(), x) && x.rank() == 4 && x.dims()[3].is_multiple_of(8) {
         return x.apply_op1_no_bwd(&Swap12);
     }
@@ -114,7 +115,7 @@ pub(crate) fn swap12(x: &Tensor) -> candle_core::Result<Tensor> {
 
 /// `a + b` for tensors of one shape; one kernel on CUDA bf16 when both are contiguous and
 /// aligned, candle's add otherwise.
-pub(crate) fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+pub fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if applies(a.layout(), a) && applies(b.layout(), b) && a.shape() == b.shape() {
         return a.apply_op2_no_bwd(b, &AddBf16 { row: false });
     }
@@ -124,7 +125,7 @@ pub(crate) fn add(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 /// `a + b` for `b` one row of `a`'s last axis (a projection's bias), broadcast to every row; one
 /// kernel on CUDA bf16 when both are contiguous and aligned and the row a multiple of 8 long,
 /// candle's broadcasting add otherwise (same bits either way).
-pub(crate) fn add_row(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+pub fn add_row(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let w = a.dims().last().copied().unwrap_or(0);
     if applies(a.layout(), a) && applies(b.layout(), b) && b.dims() == [w] && w.is_multiple_of(8) {
         return a.apply_op2_no_bwd(b, &AddBf16 { row: true });

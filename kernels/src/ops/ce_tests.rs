@@ -1,5 +1,5 @@
 //! The fused cross-entropy kernels against an f64 evaluation, on a CUDA device (run on the GPU
-//! machine: `cargo test -p mt-layers --features cuda --lib cuda_kernels`; not part of the CPU
+//! machine: `cargo test -p mt-kernels --features cuda --lib`; not part of the CPU
 //! suite).
 
 use candle_core::{DType, Device, Tensor};

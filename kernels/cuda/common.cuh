@@ -1,5 +1,5 @@
-// Device helpers shared by every kernel file. Each kernels/*.cu is compiled as its own NVRTC
-// module without CUDA headers; crates/layers/src/cuda_kernels/mod.rs (`compile`) prepends this
+// Device helpers shared by every kernel file. Each kernels/cuda/*.cu is compiled as its own NVRTC
+// module without CUDA headers; kernels/src/ops/nvrtc.rs (`Source::ptx`) prepends this
 // file to each source, so a helper is written once and every module has the same one.
 //
 // bf16 is handled as its bit pattern (unsigned short).
