@@ -95,10 +95,10 @@ impl InplaceOp2 for AdamWStep {
 fn check(state: &Tensor, grad: &Tensor, dtype: StateDtype) -> Result<usize> {
     let n = grad.elem_count();
     if state.dtype() != DType::F32 || grad.dtype() != DType::F32 {
-        return Err(Error::dtype("resident optimizer state and gradient", "f32", state.dtype()));
+        return Err(Error::tensor("resident optimizer state and gradient", "f32", state.dtype()));
     }
     if state.dims() != [dtype.state_words(n)] || !state.is_contiguous() || !grad.is_contiguous() {
-        return Err(Error::shape(
+        return Err(Error::tensor(
             "resident optimizer state",
             format!("[{}] (master | m | v with {dtype} moments of {n})", dtype.state_words(n)),
             state.dims(),
@@ -123,7 +123,7 @@ pub fn adamw_step_into(
 ) -> Result<()> {
     let n = check(state, grad, kind.dtype)?;
     if weights.elem_count() != n || !weights.is_contiguous() {
-        return Err(Error::shape("resident weights", format!("[{n}] contiguous"), weights.dims()));
+        return Err(Error::tensor("resident weights", format!("[{n}] contiguous"), weights.dims()));
     }
     let coeffs = Coeffs::of(h, a)?;
     let fused = weights.device().is_cuda() && weights.dtype() == DType::BF16;
@@ -168,7 +168,7 @@ impl SumSquares {
 /// are read (and summed in order) only by [`SumSquares::value`].
 pub fn sum_squares(grad: &Tensor) -> Result<SumSquares> {
     if grad.dtype() != DType::F32 || !grad.is_contiguous() {
-        return Err(Error::dtype("gradient for its sum of squares", "contiguous f32", grad.dtype()));
+        return Err(Error::tensor("gradient for its sum of squares", "contiguous f32", grad.dtype()));
     }
     #[cfg(feature = "cuda")]
     if grad.device().is_cuda() {
@@ -232,13 +232,13 @@ impl InplaceOp2 for NarrowBf16 {
 /// included; the sum in a fixed tree over the narrowed values, read by [`SumSquares::value`]).
 pub fn narrow_bf16_sum_squares(grad: &Tensor, out: &Tensor) -> Result<SumSquares> {
     if grad.dtype() != DType::F32 {
-        return Err(Error::dtype("gradient to narrow", "f32", grad.dtype()));
+        return Err(Error::tensor("gradient to narrow", "f32", grad.dtype()));
     }
     if out.dtype() != DType::BF16 {
-        return Err(Error::dtype("bf16 gradient landing buffer", "bf16", out.dtype()));
+        return Err(Error::tensor("bf16 gradient landing buffer", "bf16", out.dtype()));
     }
     if grad.elem_count() != out.elem_count() || !grad.is_contiguous() || !out.is_contiguous() {
-        return Err(Error::shape(
+        return Err(Error::tensor(
             "bf16 gradient landing buffer",
             format!("[{}]", grad.elem_count()),
             out.dims(),
@@ -253,4 +253,48 @@ pub fn narrow_bf16_sum_squares(grad: &Tensor, out: &Tensor) -> Result<SumSquares
     let s = op.cpu_sum.lock().unwrap_or_else(|p| p.into_inner()).take();
     s.map(SumSquares::Value)
         .ok_or_else(|| candle_core::Error::Msg("gradient narrowing: the CPU op did not run".into()).into())
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// On the CPU, `adamw_step_into` is mt-optim's update of the same `[master | m | v]` words, for
+    /// every moments' encoding, and the weights are the cast of the new master.
+    #[test]
+    fn cpu_update_is_mt_optims_over_the_same_state() {
+        let n = 300;
+        let (h, a) = (AdamW::default(), StepArgs { step: 3, lr: 1e-2, grad_scale: 0.5 });
+        let g: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        for dtype in [StateDtype::F32, StateDtype::Bf16, StateDtype::Int8] {
+            let kind = StateKind { dtype, stream: 7 };
+            let mut words: Vec<f32> = (0..dtype.state_words(n)).map(|i| (i % 13) as f32 / 13.0).collect();
+            let state = Tensor::from_slice(&words, words.len(), &Device::Cpu).unwrap();
+            let grad = Tensor::from_slice(&g, n, &Device::Cpu).unwrap();
+            let weights = Tensor::zeros(n, DType::F32, &Device::Cpu).unwrap();
+            adamw_step_into(&state, &grad, &h, &a, kind, &weights).unwrap();
+
+            let (master, moments) = Moments::split_state(dtype, n, &mut words, kind.stream).unwrap();
+            mt_optim::step_fused(&h, &a, Grad::F32(&g), master, moments, Upload::None).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&state.to_vec1::<f32>().unwrap()), bits(&words), "{dtype}: state");
+            assert_eq!(bits(&weights.to_vec1::<f32>().unwrap()), bits(&words[..n]), "{dtype}: weights");
+        }
+    }
+
+    /// A state of the wrong length is refused before anything is written, naming the tensor.
+    #[test]
+    fn a_state_of_the_wrong_length_is_refused_by_name() {
+        let state = Tensor::zeros(10, DType::F32, &Device::Cpu).unwrap();
+        let grad = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
+        let weights = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
+        let kind = StateKind { dtype: StateDtype::F32, stream: 0 };
+        let a = StepArgs { step: 1, lr: 1e-3, grad_scale: 1.0 };
+        let e =
+            adamw_step_into(&state, &grad, &AdamW::default(), &a, kind, &weights).unwrap_err().to_string();
+        assert!(e.starts_with("resident optimizer state: expected [12]"), "{e}");
+        assert_eq!(state.to_vec1::<f32>().unwrap(), vec![0.0; 10]);
+    }
 }

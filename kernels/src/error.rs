@@ -1,8 +1,6 @@
 //! The error type of the device AdamW (the kernels themselves fail as candle ops, with
 //! `candle_core::Error`).
 
-use candle_core::DType;
-
 /// Result alias for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -17,34 +15,21 @@ pub enum Error {
     /// An optimizer setting the device AdamW refuses (as mt-optim's does).
     #[error("optimizer: {0}")]
     Optim(#[from] mt_optim::Error),
-    /// A tensor has the wrong shape.
-    #[error("shape mismatch for {what}: expected {expected}, found {found:?}")]
-    Shape {
+    /// A tensor handed to the device optimizer is not of the shape or element type it takes.
+    #[error("{what}: expected {expected}, found {found}")]
+    Tensor {
         /// Which tensor.
         what: String,
-        /// The shape required, in words where it depends on other inputs.
+        /// What it must be (a shape in words where it depends on other inputs, or a dtype).
         expected: String,
-        /// The shape supplied.
-        found: Vec<usize>,
-    },
-    /// A tensor has the wrong element type.
-    #[error("dtype mismatch for {what}: expected {expected}, found {found:?}")]
-    DType {
-        /// Which tensor.
-        what: String,
-        /// The dtype(s) accepted.
-        expected: String,
-        /// The dtype supplied.
-        found: DType,
+        /// Its shape or dtype, as printed.
+        found: String,
     },
 }
 
 impl Error {
-    pub(crate) fn shape(what: impl Into<String>, expected: impl Into<String>, found: &[usize]) -> Self {
-        Error::Shape { what: what.into(), expected: expected.into(), found: found.to_vec() }
-    }
-
-    pub(crate) fn dtype(what: impl Into<String>, expected: impl Into<String>, found: DType) -> Self {
-        Error::DType { what: what.into(), expected: expected.into(), found }
+    /// `what` should be `expected` but is `found` (its dims or its dtype).
+    pub(crate) fn tensor(what: &str, expected: impl Into<String>, found: impl std::fmt::Debug) -> Self {
+        Error::Tensor { what: what.into(), expected: expected.into(), found: format!("{found:?}") }
     }
 }
