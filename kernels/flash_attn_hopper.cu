@@ -100,8 +100,13 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, un
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Waits until every committed bulk operation of this thread has completed (writes performed).
+// Waits until every committed bulk operation of this thread has completed (writes performed);
+// all but the newest; until every one has finished reading its source.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all_but_one() {
+    asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Orders this thread's ordinary shared-memory writes before later async-proxy (wgmma, TMA) reads.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Orders generic-proxy and async-proxy accesses to global memory (the dQ buffer and its counters).
@@ -117,9 +122,18 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void red_release_add(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
-// Named barrier over `count` threads (barrier 0 is __syncthreads).
+// Named barrier over `count` threads (barrier 0 is __syncthreads): wait, or arrive only.
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// The value, opaque to the compiler: what is computed from it is recomputed where it is used
+// instead of being kept in a register across a loop.
+__device__ __forceinline__ unsigned launder(unsigned x) {
+    asm volatile("" : "+r"(x));
+    return x;
 }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -282,19 +296,27 @@ __device__ __forceinline__ void zero(float* r) {
 
 extern __shared__ __align__(1024) unsigned char mt_hfa_smem[];
 
-// The dynamic shared memory's first 1024-byte boundary (the launcher asks for 1 KiB more).
+// The dynamic shared memory's first 1024-byte boundary (the launcher asks for 1 KiB more; the
+// kernels have no static shared memory, which would be padded to the array's alignment).
 __device__ __forceinline__ unsigned hfa_smem_base() { return (smem_addr(mt_hfa_smem) + 1023u) & ~1023u; }
 
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
+#ifndef MT_HFA_FWD_STAGES
+#define MT_HFA_FWD_STAGES 3
+#endif
+
 template <int HD>
 struct HfaFwd {
-    static constexpr int BM = MT_HFA_BM, BN = MT_HFA_BN, STAGES = 2, NCH = HD / 64;
+    static constexpr int BM = MT_HFA_BM, BN = MT_HFA_BN, STAGES = MT_HFA_FWD_STAGES, NCH = HD / 64;
     static constexpr int TQ = BM * HD * 2, TK = BN * HD * 2;  // tile bytes
     static constexpr int Q = 0, K = TQ, V = K + STAGES * TK, BAR = V + STAGES * TK;
-    // barriers: Q, K full [STAGES], V full [STAGES], stage empty [STAGES]
-    static constexpr int SMEM = BAR + 8 * (1 + 3 * STAGES) + 1024;
+    // barriers: Q, K full [STAGES], V full [STAGES], K empty [STAGES], V empty [STAGES]; then the
+    // CTA's tile
+    static constexpr int TILE = BAR + 8 * (1 + 4 * STAGES);
+    static constexpr int SMEM = TILE + 8 + 1024;
+    static_assert(SMEM <= 232448, "a CTA has at most 227 KiB of shared memory");
 };
 
 template <int HD>
@@ -304,10 +326,13 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                                         float scale_log2, int* counter) {
     using L = HfaFwd<HD>;
     constexpr int BM = L::BM, BN = L::BN, S = L::STAGES, NCH = L::NCH;
-    __shared__ int s_tile;
     const unsigned base = hfa_smem_base();
+    int* s_tile = (int*)(mt_hfa_smem + (base + L::TILE - smem_addr(mt_hfa_smem)));
     const unsigned sQ = base + L::Q, sK = base + L::K, sV = base + L::V;
-    const unsigned barQ = base + L::BAR, barK = barQ + 8, barV = barK + 8 * S, barE = barV + 8 * S;
+    // K and V have barriers of their own: a K stage is free once its S = Q K^T is done, a V stage
+    // only once P V is, a tile later.
+    const unsigned barQ = base + L::BAR, barK = barQ + 8, barV = barK + 8 * S, barEK = barV + 8 * S,
+                   barEV = barEK + 8 * S;
     const int tid = threadIdx.x;
     if (tid == 0) {
         mbar_init(barQ, 1);
@@ -315,17 +340,18 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         for (int s = 0; s < S; ++s) {
             mbar_init(barK + 8 * s, 1);
             mbar_init(barV + 8 * s, 1);
-            mbar_init(barE + 8 * s, 8);  // lane 0 of each consumer warp
+            mbar_init(barEK + 8 * s, 8);  // lane 0 of each consumer warp
+            mbar_init(barEV + 8 * s, 8);
         }
         fence_barrier_init();
-        s_tile = atomicAdd(counter, 1);
+        *s_tile = atomicAdd(counter, 1);
     }
     __syncthreads();
 
     // Tile -> (query tile, head, batch): the last query tiles (the most keys) first, the heads of
     // one KV group next to each other (they read the same K and V).
     const int nqt = (T + BM - 1) / BM;
-    const int t = s_tile, hb = t % (NH * B);
+    const int t = *s_tile, hb = t % (NH * B);
     const int qt = nqt - 1 - t / (NH * B), h = hb % NH, b = hb / NH;
     const int kvh = h / (NH / NKV), q0 = qt * BM;
     const int* seg = seg_lo ? seg_lo + (long long)b * T : nullptr;
@@ -340,17 +366,24 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             mbar_expect_tx(barQ, L::TQ);
 #pragma unroll
             for (int c = 0; c < NCH; ++c) tma_load_4d(sQ + c * BM * 128, tmq, c * 64, h, q0, b, barQ);
-            for (int n = 0; n < ntiles; ++n) {
-                const int s = n % S, j0 = (jt_hi - n) * BN;
-                if (n >= S) mbar_wait(barE + 8 * s, ((n / S) - 1) & 1);
-                mbar_expect_tx(barK + 8 * s, L::TK);
+            // In the order the consumers need them: K of tile n, then V of tile n - 1.
+            for (int n = 0; n <= ntiles; ++n) {
+                if (n < ntiles) {
+                    const int s = n % S, j0 = (jt_hi - n) * BN;
+                    if (n >= S) mbar_wait(barEK + 8 * s, ((n / S) - 1) & 1);
+                    mbar_expect_tx(barK + 8 * s, L::TK);
 #pragma unroll
-                for (int c = 0; c < NCH; ++c)
-                    tma_load_4d(sK + s * L::TK + c * BN * 128, tmk, c * 64, kvh, j0, b, barK + 8 * s);
-                mbar_expect_tx(barV + 8 * s, L::TK);
+                    for (int c = 0; c < NCH; ++c)
+                        tma_load_4d(sK + s * L::TK + c * BN * 128, tmk, c * 64, kvh, j0, b, barK + 8 * s);
+                }
+                if (n > 0) {
+                    const int m = n - 1, s = m % S, j0 = (jt_hi - m) * BN;
+                    if (m >= S) mbar_wait(barEV + 8 * s, ((m / S) - 1) & 1);
+                    mbar_expect_tx(barV + 8 * s, L::TK);
 #pragma unroll
-                for (int c = 0; c < NCH; ++c)
-                    tma_load_4d(sV + s * L::TK + c * BN * 128, tmv, c * 64, kvh, j0, b, barV + 8 * s);
+                    for (int c = 0; c < NCH; ++c)
+                        tma_load_4d(sV + s * L::TK + c * BN * 128, tmv, c * 64, kvh, j0, b, barV + 8 * s);
+                }
             }
         }
         return;
@@ -434,39 +467,65 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         }
     };
 
+    // Ping-pong: the two consumers take turns issuing their products (named barriers 3 and 4),
+    // so one's softmax runs while the other's products keep the tensor cores busy. Turns: the
+    // first QK^T, one per later tile, the last PV; consumer 1 gives consumer 0 the first turn and
+    // skips its own last hand-back.
+#ifdef MT_HFA_PINGPONG
+    if (w == 1) named_arrive(3, 256);
+    auto turn = [&]() { named_sync(3 + w, 256); };
+    auto pass = [&](bool last) {
+        if (!(last && w == 1)) named_arrive(4 - w, 256);
+    };
+#else
+    auto turn = [&]() {};
+    auto pass = [&](bool) {};
+#endif
     mbar_wait(barQ, 0);
     float alpha[2];
     mbar_wait(barK, 0);
+    turn();
     issue_qk(0);
+    pass(false);
     wg_wait<0>();
     fence_regs<BN / 2>(s);
+    if (lane == 0) mbar_arrive(barEK);
     softmax(jt_hi, alpha);
     acc_to_frag<BN>(p, s);
     for (int n = 1; n < ntiles; ++n) {
         const int sc = n % S, sp = (n - 1) % S;
         mbar_wait(barK + 8 * sc, (n / S) & 1);
-        issue_qk(sc);
         mbar_wait(barV + 8 * sp, ((n - 1) / S) & 1);
+        turn();
+        issue_qk(sc);
         issue_pv(sp);
+        pass(false);
         wg_wait<1>();
         fence_regs<BN / 2>(s);
+        if (lane == 0) mbar_arrive(barEK + 8 * sc);
         softmax(jt_hi - n, alpha);
         wg_wait<0>();
         fence_regs<HD / 2>(o);
         fence_regs<BN / 4>(p);
-        if (lane == 0) mbar_arrive(barE + 8 * sp);
+        if (lane == 0) mbar_arrive(barEV + 8 * sp);
+        // Once the running maxima settle, most tiles leave them unchanged: skip the rescale where
+        // no row of the warp moved (alpha = 1 exactly).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int jb = 0; jb < HD / 8; ++jb)
+            for (int jb = 0; jb < HD / 8; ++jb)
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                o[4 * jb + 2 * i] *= alpha[i];
-                o[4 * jb + 2 * i + 1] *= alpha[i];
-            }
+                for (int i = 0; i < 2; ++i) {
+                    o[4 * jb + 2 * i] *= alpha[i];
+                    o[4 * jb + 2 * i + 1] *= alpha[i];
+                }
+        }
         acc_to_frag<BN>(p, s);
     }
     const int sl = (ntiles - 1) % S;
     mbar_wait(barV + 8 * sl, ((ntiles - 1) / S) & 1);
+    turn();
     issue_pv(sl);
+    pass(true);
     wg_wait<0>();
     fence_regs<HD / 2>(o);
 
@@ -497,13 +556,16 @@ struct HfaBwd {
     static constexpr int BN = MT_HFA_BN, BQ = MT_HFA_BQ, NCH = HD / 64;
     static constexpr int TK = BN * HD * 2, TQ = BQ * HD * 2;  // tile bytes
     static constexpr int DS = BN * BQ * 2;                     // dS^T, bf16, keys x queries
-    static constexpr int DQ = BQ * HD * 4;                     // one dQ partial, f32
-    static constexpr int K = 0, V = TK, Q = 2 * TK, DO = Q + 2 * TQ, DSO = DO + 2 * TQ, DQO = DSO + DS;
+    static constexpr int DQ = BQ * HD * 4;                     // a dQ partial, f32
+    static constexpr int K = 0, V = TK, Q = 2 * TK, DO = Q + 2 * TQ, DSO = DO + 2 * TQ, DQO = DSO + 2 * DS;
     static constexpr int LD = DQO + 2 * DQ;  // LSE (log2 domain) and D of a stage's queries, f32
     static constexpr int BAR = LD + 2 * 2 * BQ * 4;
-    // barriers: K+V, Q/dO full [2], Q/dO empty [2], dQ full [2], dQ empty [2]
-    static constexpr int SMEM = BAR + 8 * 9 + 1024;
-    // Registers of a consumer's dQ half (64 rows x HD / 2 columns) and their float4 groups.
+    // barriers: K+V, Q/dO full [2], Q/dO empty [2], dQ partial written [2], dQ partial read [2];
+    // then the block
+    static constexpr int BLOCK = BAR + 8 * 9;
+    static constexpr int SMEM = BLOCK + 8 + 1024;
+    static_assert(SMEM <= 232448, "a CTA has at most 227 KiB of shared memory");
+    // Registers of a consumer's half of the dQ partial (64 rows x HD / 2) and their float4 groups.
     static constexpr int DQR = HD / 4, DQG = HD / 16;
 };
 
@@ -516,8 +578,8 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                                         int B, int NH, int NKV, float scale, float scale_log2, int deterministic) {
     using L = HfaBwd<HD>;
     constexpr int BN = L::BN, BQ = L::BQ, NCH = L::NCH;
-    __shared__ int s_block;
     const unsigned base = hfa_smem_base();
+    int* s_block = (int*)(mt_hfa_smem + (base + L::BLOCK - smem_addr(mt_hfa_smem)));
     const unsigned sK = base + L::K, sV = base + L::V, sQ = base + L::Q, sdO = base + L::DO;
     const unsigned sdS = base + L::DSO, sdQ = base + L::DQO;
     const unsigned barKV = base + L::BAR, barF = barKV + 8, barE = barF + 16, barQF = barE + 16, barQE = barQF + 16;
@@ -527,17 +589,17 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
             mbar_init(barF + 8 * s, 32);  // the load warp's lanes
-            mbar_init(barE + 8 * s, 8);
-            mbar_init(barQF + 8 * s, 8);
-            mbar_init(barQE + 8 * s, 1);
+            mbar_init(barE + 8 * s, 8);   // lane 0 of each consumer warp
+            mbar_init(barQF + 8 * s, 8);  // lane 0 of each consumer warp
+            mbar_init(barQE + 8 * s, 1);  // the dQ warp
         }
         fence_barrier_init();
-        s_block = atomicAdd(sync, 1);
+        *s_block = atomicAdd(sync, 1);
     }
     __syncthreads();
 
     // Block -> (key block, KV head, batch): the first key blocks (the most query tiles) first.
-    const int blk = s_block, rest = blk % (NKV * B);
+    const int blk = *s_block, rest = blk % (NKV * B);
     const int jb = blk / (NKV * B), kvh = rest % NKV, b = rest / NKV;
     const int G = NH / NKV, j0 = jb * BN;
     const int nqt = (T + BQ - 1) / BQ;
@@ -549,7 +611,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
 
     if (wg == 0) {
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<40>();  // the load warp's and the dQ warp's loops fit in 40
         if (warp == 0) {  // loads: lane 0 the tiles, every lane two queries' LSE and D
             if (lane == 0) {
                 mbar_expect_tx(barKV, 2 * L::TK);
@@ -581,7 +643,11 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 }
                 mbar_arrive(barF + 8 * s);
             }
-        } else if (warp == 1 && lane == 0) {  // dQ adds, in key-block order when deterministic
+        } else if (warp == 1 && lane == 0) {
+            // dQ adds: each item's partial into its tile, after the blocks below this one when
+            // deterministic. A tile's counter is released once the add is done, which is waited for
+            // only after the next item's add is issued.
+            int* prev_sem = sync;
             for (int n = 0; n < n_items; ++n) {
                 const int s = n & 1, h = kvh * G + n / n_it, it = it_hi - n % n_it;
                 mbar_wait(barQF + 8 * s, (n >> 1) & 1);
@@ -593,19 +659,30 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                     }
                     fence_async_global();
                 }
+#ifndef MT_HFA_NO_DQ_ADD
                 bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
+#endif
                 bulk_commit();
-                bulk_wait_all();
-                if (deterministic) {
-                    fence_async_global();
-                    red_release_add(sem, 1);
-                }
+                bulk_wait_read();
                 mbar_arrive(barQE + 8 * s);
+                if (deterministic) {
+                    if (n > 0) {
+                        bulk_wait_all_but_one();
+                        fence_async_global();
+                        red_release_add(prev_sem, 1);
+                    }
+                    prev_sem = sem;
+                }
+            }
+            bulk_wait_all();
+            if (deterministic && n_items > 0) {
+                fence_async_global();
+                red_release_add(prev_sem, 1);
             }
         }
         return;
     }
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<232>();  // 2 x 128 x 232 + 128 x 40 = the 384 x 168 a CTA starts with
 
     // Consumer warpgroup w: keys j0 + 64 w .. + 63; this thread's keys kr[i] (rows of S^T).
     const int w = wg - 1, lt = tid & 127, wq = lt >> 5, g = lane >> 2, tq = lane & 3;
@@ -625,62 +702,53 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 
     mbar_wait(barKV, 0);
     for (int n = 0; n < n_items; ++n) {
-        const int s = n & 1, h = kvh * G + n / n_it, i0 = (it_hi - n % n_it) * BQ;
-        const unsigned q_s = sQ + s * L::TQ, do_s = sdO + s * L::TQ;
+        const int s = n & 1, i0 = (it_hi - n % n_it) * BQ;
+        const unsigned ds = sdS + s * L::DS;
+        // Laundered so that the descriptors are rebuilt here rather than kept live across the loop.
+        const unsigned kan = launder(ka), van = launder(va), q_s = launder(sQ + s * L::TQ), do_s = sdO + s * L::TQ;
         mbar_wait(barF + 8 * s, (n >> 1) & 1);
-        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each).
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one group.
         fence_regs<BQ / 2>(st);
         fence_regs<BQ / 2>(dp);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-            wgmma_ss<BQ, 0, 0>(st, desc_sw128(ka + off, 16, 1024), desc_sw128(q_s + offq, 16, 1024), kk > 0);
+            wgmma_ss<BQ, 0, 0>(st, desc_sw128(kan + off, 16, 1024), desc_sw128(q_s + offq, 16, 1024), kk > 0);
         }
-        wg_commit();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
-            wgmma_ss<BQ, 0, 0>(dp, desc_sw128(va + off, 16, 1024), desc_sw128(do_s + offq, 16, 1024), kk > 0);
+            wgmma_ss<BQ, 0, 0>(dp, desc_sw128(van + off, 16, 1024), desc_sw128(do_s + offq, 16, 1024), kk > 0);
         }
         wg_commit();
         // This thread's queries: i0 + 8 jq + 2 tq + e; their LSE (log2 domain) and D.
         const float2* lse2 = (const float2*)(ldsm + (2 * s) * BQ) + tq;
         const float2* dd = (const float2*)(ldsm + (2 * s + 1) * BQ) + tq;
         const bool masked = i0 < key0 + 63 || i0 + BQ > T || (slo && slo[min(i0 + BQ - 1, T - 1)] > key0);
-        wg_wait<1>();
-        fence_regs<BQ / 2>(st);
-#pragma unroll
-        for (int jq = 0; jq < BQ / 8; ++jq) {
-            const float2 l2 = lse2[4 * jq];
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float pv = fast_exp2(fmaf(st[4 * jq + 2 * i + e], scale_log2, -(e ? l2.y : l2.x)));
-                    if (masked) {
-                        const int q = i0 + 8 * jq + 2 * tq + e;
-                        if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i])) pv = 0.0f;
-                    }
-                    st[4 * jq + 2 * i + e] = pv;
-                }
-        }
         wg_wait<0>();
+        fence_regs<BQ / 2>(st);
         fence_regs<BQ / 2>(dp);
 #pragma unroll
         for (int jq = 0; jq < BQ / 8; ++jq) {
-            const float2 d2 = dd[4 * jq];
+            const float2 l2 = lse2[4 * jq], d2 = dd[4 * jq];
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int x = 4 * jq + 2 * i + e;
-                    dp[x] = st[x] * (dp[x] - (e ? d2.y : d2.x));
+                    float pv = fast_exp2(fmaf(st[x], scale_log2, -(e ? l2.y : l2.x)));
+                    if (masked) {
+                        const int q = i0 + 8 * jq + 2 * tq + e;
+                        if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i])) pv = 0.0f;
+                    }
+                    st[x] = pv;
+                    dp[x] = pv * (dp[x] - (e ? d2.y : d2.x));
                 }
         }
         acc_to_frag<BQ>(pa, st);
         acc_to_frag<BQ>(da, dp);
-        // dV += P^T dO, dK += dS^T Q (64 keys x HD, contraction over the 64 queries).
+        // dV += P^T dO, dK += dS^T Q (64 keys x HD, contraction over the 64 queries): one group.
         fence_regs<HD / 2>(dv);
         fence_regs<HD / 2>(dk);
         fence_regs<BQ / 4>(pa);
@@ -693,9 +761,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         for (int kk = 0; kk < BQ / 16; ++kk)
             wgmma_rs<HD, 1>(dk, &da[4 * kk], desc_sw128(q_s + kk * 2048, BQ * 128, 1024), 1);
         wg_commit();
-        // dS^T into shared memory (keys x queries, bf16, swizzled) once both consumers' last dQ
-        // product has read it: row = key within the block, 16-byte piece = query / 8.
-        named_sync(1, 256);
+        // dS^T into this item's shared buffer (keys x queries, bf16, swizzled: row = key within the
+        // block, 16-byte piece = query / 8). The buffer's last reader, item n - 2's dQ product in
+        // both consumers, finished before either passed item n - 1's barrier below.
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk)
 #pragma unroll
@@ -703,32 +771,32 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const int row = 64 * w + 16 * wq + g + 8 * i, piece = 2 * kk + half;
-                    const unsigned addr = sdS + row * 128 + ((piece ^ (row & 7)) << 4) + tq * 4;
+                    const unsigned addr = ds + row * 128 + ((piece ^ (row & 7)) << 4) + tq * 4;
                     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[4 * kk + 2 * half + i]) : "memory");
                 }
         fence_async_shared();
-        named_sync(2, 256);
-        // dQ half = dS K: 64 queries x HD / 2, contraction over the block's 128 keys.
+        named_sync(1, 256);  // both consumers' halves of dS^T are written
+        // dQ half = dS K: 64 queries x HD / 2, contraction over the block's 128 keys: one group.
         fence_regs<L::DQR>(dq);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_ss<HD / 2, 1, 1>(dq, desc_sw128(sdS + kk * 2048, BN * 128, 1024),
+            wgmma_ss<HD / 2, 1, 1>(dq, desc_sw128(ds + kk * 2048, BN * 128, 1024),
                                    desc_sw128(kb + kk * 2048, BN * 128, 1024), kk > 0);
         wg_commit();
         wg_wait<0>();
         fence_regs<HD / 2>(dv);
         fence_regs<HD / 2>(dk);
-        fence_regs<L::DQR>(dq);
         fence_regs<BQ / 4>(pa);
         fence_regs<BQ / 4>(da);
+        fence_regs<L::DQR>(dq);
         __syncwarp();
-        if (lane == 0) mbar_arrive(barE + 8 * s);  // Q and dO of this stage are free
+        if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
         // The partial into shared memory in the registers' own order (each warp writes 512
-        // contiguous bytes: no bank conflicts); the dQ buffer keeps that order, the convert
-        // kernel undoes it.
+        // contiguous bytes: no bank conflicts), once the dQ warp has read the previous one; the
+        // dQ buffer keeps that order, the convert kernel undoes it.
         if (n >= 2) mbar_wait(barQE + 8 * s, ((n >> 1) - 1) & 1);
-        float4* part = (float4*)(mt_hfa_smem + (sdQ - smem_addr(mt_hfa_smem)) + s * L::DQ);
+        float4* part = (float4*)(mt_hfa_smem + (sdQ + s * L::DQ - smem_addr(mt_hfa_smem)));
 #pragma unroll
         for (int q4 = 0; q4 < L::DQG; ++q4)
             part[(w * L::DQG + q4) * 128 + lt] = make_float4(dq[4 * q4], dq[4 * q4 + 1], dq[4 * q4 + 2], dq[4 * q4 + 3]);
@@ -770,14 +838,14 @@ __device__ __forceinline__ void hfa_dq_convert(const float* __restrict__ acc, un
     const int nqt = (T + BQ - 1) / BQ, it = t / BQ, rr = t % BQ;
     const float* tile = acc + (((long long)b * NH + h) * nqt + it) * (BQ * HD);
     // Element (rr, c) lives in consumer w = c / (HD / 2), thread 32 (rr / 16) + 4 (rr mod 8) + tq,
-    // register 4 jb + 2 i + e, where c' = c mod HD / 2 = 8 jb + 2 tq + e and i = (rr / 8) mod 2.
-    const int w = c0 / (HD / 2), cc = c0 % (HD / 2), jb = cc / 8, i = (rr >> 3) & 1;
+    // register 4 jb + 2 i + e, where c mod HD / 2 = 8 jb + 2 tq + e and i = (rr / 8) mod 2.
+    const int w = c0 / (HD / 2), jb = (c0 % (HD / 2)) / 8, i = (rr >> 3) & 1;
     unsigned out[4];
 #pragma unroll
     for (int tq = 0; tq < 4; ++tq) {
         const int lt = 32 * (rr >> 4) + 4 * (rr & 7) + tq;
-        const float* src = tile + ((w * DQG + jb) * 128 + lt) * 4 + 2 * i;
-        out[tq] = pack_bf16(src[0] * scale, src[1] * scale);
+        const float2 v = *(const float2*)(tile + ((w * DQG + jb) * 128 + lt) * 4 + 2 * i);
+        out[tq] = pack_bf16(v.x * scale, v.y * scale);
     }
     *(uint4*)(dQ + row * HD + c0) = make_uint4(out[0], out[1], out[2], out[3]);
 }

@@ -316,6 +316,7 @@ def main():
     p.add_argument("--d64-heads", default="32:8", help="NH:NKV pairs benchmarked at head dim 64 ('' for none)")
     p.add_argument("--ours", default="hopper,portable", help="our implementations: hopper, portable")
     p.add_argument("--sdpa", default="flash,cudnn", help="SDPA backends: flash, cudnn, efficient")
+    p.add_argument("--hopper-variants", default="", help="NAME:MACRO[+MACRO],... extra builds of the Hopper kernels")
     p.add_argument("--check-seqs", default="4096,32768")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-bench", action="store_true")
@@ -335,9 +336,15 @@ def main():
             import hopper_attention
 
             hopper = hopper_attention.Hopper()
-            print(f"hopper kernels compiled: ptxas problems {hopper.problems or 'none'}", flush=True)
+            print(f"hopper kernels compiled: fatal ptxas warnings {hopper.problems or 'none'}; "
+                  f"spills {hopper.spills or 'none'}", flush=True)
             impls["hopper"] = (hopper, {})
             impls["hopper_nondet"] = (hopper, {"deterministic": False})
+            # Experiments: the same kernels compiled with extra macros (flash_attn_hopper.cu's
+            # MT_HFA_* switches), timed beside the default.
+            for v in [x for x in a.hopper_variants.split(",") if x]:
+                name, defs = v.split(":")
+                impls[f"hopper_{name}"] = (hopper_attention.Hopper(defs.split("+")), {})
     if "portable" in wanted:
         impls["portable"] = (Ours(), {})
     doc = {
@@ -347,14 +354,16 @@ def main():
         "commit": os.environ.get("MT_COMMIT"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "flops": {"forward": FWD_FLOPS, "backward": BWD_FLOPS},
-        "ptxas_problems": hopper.problems if hopper else None,
+        "ptxas_warnings": hopper.problems if hopper else None,
+        "ptxas_spills": hopper.spills if hopper else None,
         "checks": [],
         "bench": [],
     }
     heads = [tuple(int(x) for x in h.split(":")) for h in a.heads.split(",") if h]
     heads64 = [tuple(int(x) for x in h.split(":")) for h in a.d64_heads.split(",") if h]
     for s in [int(x) for x in a.check_seqs.split(",") if x]:
-        for (impl, (ours, _)), (nh, nkv, hd, docs) in ((i, c) for i in impls.items() if i[0] != "hopper_nondet"
+        for (impl, (ours, _)), (nh, nkv, hd, docs) in ((i, c) for i in impls.items()
+                                                        if i[0] != "hopper_nondet" and "nodq" not in i[0]
                                                         for c in ((28, 4, 128, 0), (32, 8, 128, 0), (8, 2, 64, 0),
                                                                   (28, 4, 128, 7))):
             try:

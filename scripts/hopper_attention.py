@@ -35,14 +35,14 @@ def source(extra: str = "") -> str:
     return text + extra
 
 
-def smem_fwd(hd: int) -> int:
+def smem_fwd(hd: int, stages: int = 3) -> int:
     tq, tk = BM * hd * 2, BN * hd * 2
-    return tq + 4 * tk + 8 * 7 + 1024
+    return tq + 2 * stages * tk + 8 * (1 + 4 * stages) + 8 + 1024
 
 
 def smem_bwd(hd: int) -> int:
     tk, tq, ds, dq = BN * hd * 2, BQ * hd * 2, BN * BQ * 2, BQ * hd * 4
-    return 2 * tk + 4 * tq + ds + 2 * dq + 4 * BQ * 4 + 8 * 9 + 1024
+    return 2 * tk + 4 * tq + 2 * ds + 2 * dq + 4 * BQ * 4 + 8 * 9 + 8 + 1024
 
 
 # --- NVRTC ---------------------------------------------------------------------------------------
@@ -109,23 +109,24 @@ def compile_cubin(src: str, name: str = "flash_attn_hopper.cu", arch: str = "sm_
     return cubin.raw, log_s
 
 
-def ptxas_problems(log: str, prefix: str = "mt_hfa_"):
-    """ptxas warnings, and spills or stack frames of the kernels whose names start with `prefix`."""
-    bad, current = [], None
+def ptxas_warnings(log: str):
+    """ptxas's warnings that the kernels lost their Hopper features (fatal: the engine refuses them)."""
+    return [ln.strip() for ln in log.splitlines()
+            if "warning" in ln.lower() and any(w in ln for w in ("setmaxnreg", "wgmma", "serializ"))]
+
+
+def ptxas_spills(log: str, prefix: str = "mt_hfa_"):
+    """Stack frames and spills of the kernels whose names start with `prefix` (reported, not fatal)."""
+    out, current = [], None
     for line in log.splitlines():
         m = re.search(r"Function properties for (\w+)", line) or re.search(r"Compiling entry function '(\w+)'", line)
         if m:
             current = m.group(1)
             continue
-        if "warning" in line.lower() and any(w in line for w in ("setmaxnreg", "wgmma", "serializ")):
-            bad.append(line.strip())
-        elif current and current.startswith(prefix):
-            if "warning" in line.lower():
-                bad.append(f"{current}: {line.strip()}")
-            m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line)
-            if m and (int(m.group(1)) or int(m.group(2))):
-                bad.append(f"{current}: {line.strip()}")
-    return bad
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line)
+        if m and current and current.startswith(prefix) and (int(m.group(1)) or int(m.group(2))):
+            out.append(f"{current}: {line.split('.', 1)[-1].strip()}")
+    return out
 
 
 # --- the driver ----------------------------------------------------------------------------------
@@ -178,14 +179,20 @@ class Driver:
 class Hopper:
     """The Hopper kernels launched as the engine launches them."""
 
-    def __init__(self, extra_source: str = ""):
+    def __init__(self, defines=()):
         import torch
 
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # makes the primary context current on this thread
         self.drv = Driver()
-        self.cubin, self.log = compile_cubin(source(extra_source))
-        self.problems = ptxas_problems(self.log)
+        prefix = "".join(f"#define {d.replace('=', ' ')}\n" for d in defines)
+        self.fwd_stages = 3
+        for d in defines:
+            if d.startswith("MT_HFA_FWD_STAGES="):
+                self.fwd_stages = int(d.split("=")[1])
+        self.cubin, self.log = compile_cubin(prefix + source())
+        self.problems = ptxas_warnings(self.log)
+        self.spills = ptxas_spills(self.log)
         self.mod = self.drv.load(self.cubin)
         self.fns = {}
 
@@ -214,7 +221,7 @@ class Hopper:
         lse = torch.empty((b, nh, t), dtype=torch.float32, device=q.device)
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         tiles = (t + BM - 1) // BM * nh * b
-        sm = smem_fwd(hd)
+        sm = smem_fwd(hd, self.fwd_stages)
         f = self.fn(f"mt_hfa_fwd_hd{hd}", sm)
         args = [self.map_of(q, BM), self.map_of(k, BN), self.map_of(v, BN), ctypes.c_void_p(o.data_ptr()),
                 ctypes.c_void_p(lse.data_ptr()), ctypes.c_void_p(seg_lo.data_ptr() if seg_lo is not None else 0),
@@ -263,15 +270,31 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--log", help="write the full NVRTC/ptxas log here")
+    p.add_argument("--run", metavar="S:NH:NKV:HD", help="run one forward and one backward of this shape "
+                   "(for a profiler to watch), e.g. 16384:28:4:128")
     a = p.parse_args()
+    if a.run:
+        import torch
+
+        t, nh, nkv, hd = (int(x) for x in a.run.split(":"))
+        h = Hopper()
+        q = torch.randn(1, t, nh, hd, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, t, nkv, hd, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, t, nkv, hd, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(1, t, nh, hd, device="cuda", dtype=torch.bfloat16)
+        o, lse = h.forward(q, k, v)
+        h.backward(q, k, v, o, lse, do)
+        torch.cuda.synchronize()
+        print("ran", a.run)
+        return 0
     cubin, log = compile_cubin(source())
     if a.log:
         Path(a.log).write_text(log)
     for line in log.splitlines():
         if "mt_hfa" in line or "registers" in line or "spill" in line or "warning" in line.lower():
             print(line)
-    bad = ptxas_problems(log)
-    print(f"cubin: {len(cubin)} bytes; problems: {len(bad)}")
+    bad, spills = ptxas_warnings(log), ptxas_spills(log)
+    print(f"cubin: {len(cubin)} bytes; fatal ptxas warnings: {len(bad)}; spills: {spills or 'none'}")
     for b in bad:
         print("  ", b)
     return 1 if bad else 0
