@@ -26,9 +26,33 @@ pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use ops::{
     accumulate_matmul_t, add, add_row, applies, applies_on, causal_softmax, ce_grad, ce_loss, col_sums_add,
-    flash_backward, flash_forward, gemm_applies, rms_norm, rms_norm_backward, rope, rows_add,
+    flash_backward, flash_forward, gemm_applies, hopper_applies, rms_norm, rms_norm_backward, rope, rows_add,
     softmax_backward, swap12, swiglu, swiglu_backward,
 };
+
+/// Which flash attention kernels run (`megatrain train --attention`): the Hopper kernels wherever
+/// they run (compute capability 9.0, head dim 64 or 128) and the portable ones elsewhere, or one
+/// set forced (the Hopper set refused where it cannot run).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FlashKernel {
+    /// The Hopper kernels wherever they run, the portable ones elsewhere.
+    #[default]
+    Auto,
+    /// The Hopper kernels (`kernels/cuda/flash_attn_hopper.cu`).
+    Hopper,
+    /// The portable kernels (`kernels/cuda/flash_attn.cu`), on any GPU of compute capability 8.0+.
+    Portable,
+}
+
+/// Query rows of a tile of the Hopper backward (`MT_HFA_BQ` of `kernels/cuda/flash_attn_hopper.cu`).
+pub(crate) const HOPPER_BQ: usize = 64;
+
+/// Bytes of the Hopper backward's fp32 dQ buffer for `b` sequences of `t` tokens and `heads` query
+/// heads of `hd` (`[b, heads, ⌈t / 64⌉, 64 × hd]`, live through the attention's backward): the
+/// workspace the portable kernels do not need, which the planner adds where the Hopper ones run.
+pub fn hopper_dq_buffer_bytes(b: usize, t: usize, heads: usize, hd: usize) -> u64 {
+    (b * heads * t.div_ceil(HOPPER_BQ) * HOPPER_BQ * hd * 4) as u64
+}
 
 /// Whether flash attention is built for head dim `hd` (it also needs bf16 on a CUDA device of
 /// compute capability 8.0 or later: `applies_on`).

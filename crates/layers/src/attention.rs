@@ -49,7 +49,7 @@ pub(crate) enum AttnCache {
     /// the output `o: [b, t, nh, hd]` and each row's log-sum-exp (f32 `[b, nh, t]`); the
     /// backward recomputes the probabilities tile by tile.
     #[cfg(feature = "cuda")]
-    Flash { q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor },
+    Flash { q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kernel: mt_kernels::FlashKernel },
 }
 
 impl AttnCache {
@@ -107,7 +107,8 @@ fn softmax_last(s: &Tensor) -> Result<Tensor> {
 }
 
 /// Forward. `q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]` (after RoPE), compute dtype; `flash`
-/// takes the flash path where it applies (`crate::flash_attention`), else the materialised one:
+/// (which kernels, `mt_kernels::FlashKernel`) takes the flash path where it applies
+/// (`crate::flash_attention`), `None` or elsewhere the materialised one:
 /// `scores = q kᵀ` in the compute dtype, cast to the statistics dtype and scaled there by
 /// `hd^-1/2` (one rounding, as the fused kernel; transformers' eager path scales in the compute
 /// dtype, rounding twice), causal (and document) mask, softmax in the statistics dtype,
@@ -120,15 +121,15 @@ pub(crate) fn forward(
     v: &Tensor,
     d: Dims,
     docs: Option<&Docs>,
-    flash: bool,
+    flash: Option<mt_kernels::FlashKernel>,
 ) -> Result<(Tensor, AttnCache)> {
     let Dims { b, t, nh, nkv, hd } = d;
     #[cfg(feature = "cuda")]
-    if flash && crate::flash_attention(q.device(), q.dtype(), hd) {
+    if let Some(kernel) = flash.filter(|_| crate::flash_attention(q.device(), q.dtype(), hd)) {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let (o, lse) = mt_kernels::flash_forward(&q, &k, &v, docs.map(Docs::bounds))?;
+        let (o, lse) = mt_kernels::flash_forward(&q, &k, &v, docs.map(Docs::bounds), kernel)?;
         let out = o.reshape((b, t, nh * hd))?;
-        return Ok((out, AttnCache::Flash { q, k, v, o, lse }));
+        return Ok((out, AttnCache::Flash { q, k, v, o, lse, kernel }));
     }
     let _ = flash;
     let dtype = q.dtype();
@@ -182,9 +183,9 @@ pub(crate) fn backward(
     let (q, k, v, p) = match cache {
         AttnCache::Dense { q, k, v, p } => (q, k, v, p),
         #[cfg(feature = "cuda")]
-        AttnCache::Flash { q, k, v, o, lse } => {
+        AttnCache::Flash { q, k, v, o, lse, kernel } => {
             let d_o = d_o.reshape((b, t, nh, hd))?.contiguous()?;
-            return Ok(mt_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds))?);
+            return Ok(mt_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds), *kernel)?);
         }
     };
     let _ = docs;

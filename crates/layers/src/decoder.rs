@@ -37,6 +37,8 @@ pub struct LayerOptions {
     /// Flash attention where it applies (bf16 on CUDA, head dim 16, 32, 64 or 128:
     /// [`flash_attention`]); the materialised scores elsewhere.
     pub flash: bool,
+    /// Which flash kernels (the Hopper ones wherever they run, by default).
+    pub flash_kernel: mt_kernels::FlashKernel,
     /// Rows (tokens of a chunk, all its sequences together) of each MLP tile; 0 = all at once.
     pub mlp_rows: usize,
 }
@@ -490,7 +492,8 @@ impl DecoderLayer {
         let rotate = |x: Tensor| rope::apply(&x, &cos, &sin);
         let (q, k) = (rotate(q)?, rotate(k)?);
         mark(dev, "fwd 3 qk norm + rope");
-        let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), self.opts.flash)?;
+        let flash = self.opts.flash.then_some(self.opts.flash_kernel);
+        let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), flash)?;
         drop((q, k, v));
         let o = o.reshape((n, nh * hd))?;
         mark(dev, "fwd 4 attention");

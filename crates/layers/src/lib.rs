@@ -48,9 +48,29 @@ pub fn fused_kernels(device: &candle_core::Device, dtype: candle_core::DType) ->
         false
     }
 }
+
+/// Whether flash attention of activations of `dtype` on `device` at head dim `head_dim` runs the
+/// Hopper kernels with `kernel` (`mt_kernels::hopper_applies`: compute capability 9.0, head dim
+/// 64 or 128; never when forced portable). `Hopper` where they cannot run is refused at the
+/// first attention (the planner says so first: `megatrain train --attention hopper`).
+pub fn hopper_attention(
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+    head_dim: usize,
+    kernel: FlashKernel,
+) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return kernel != FlashKernel::Portable
+            && flash_attention(device, dtype, head_dim)
+            && mt_kernels::hopper_applies(d, head_dim);
+    }
+    let _ = (device, dtype, head_dim, kernel);
+    false
+}
 pub use error::{Error, Result};
 pub use grads::GradSink;
-pub use mt_kernels::flash_head_dim;
+pub use mt_kernels::{flash_head_dim, hopper_dq_buffer_bytes, FlashKernel};
 pub use outer::Outer;
 pub use positions::Positions;
 pub use rope::{Rope, RopeAngles};

@@ -29,7 +29,7 @@ use mt_sched::plan::Plan;
 use serde_json::{json, Value};
 
 use mt_train::host::{available_bytes, gib_to_bytes, planned_host_bytes};
-use mt_train::{plan_for, ModelChoice, ModelSource, PlacementChoice, TrainConfig};
+use mt_train::{plan_for, DeviceKernels, ModelChoice, ModelSource, PlacementChoice, TrainConfig};
 
 use crate::cli::{DeviceKind, EstimateArgs, Precision};
 
@@ -78,6 +78,18 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
     args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 8.0
 }
 
+/// The kernels the estimate's device runs for a head dim of `head_dim`: the fused ones, and
+/// flash attention on the Hopper kernels at compute capability 9.0 (as
+/// `mt_layers::hopper_attention` decides on a real device).
+fn device_kernels(args: &EstimateArgs, head_dim: usize) -> DeviceKernels {
+    let fused = fused_kernels(args);
+    let hopper_attention = fused
+        && args.compute_capability == 9.0
+        && matches!(head_dim, 64 | 128)
+        && args.attention.kernel() != mt_train::FlashKernel::Portable;
+    DeviceKernels { fused, hopper_attention }
+}
+
 /// Plans the run and prices it.
 pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let config = TrainConfig {
@@ -107,6 +119,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
             spilled_checkpoints: args.spill_checkpoints.choice(),
         },
         attention: args.attention.choice(),
+        flash_kernel: args.attention.kernel(),
         mlp_rows: args.mlp_rows.choice(),
         store: args.store.clone(),
         ..TrainConfig::default()
@@ -121,7 +134,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
     // With --gpus N the plan is each GPU's, for its share of the batch (`plan_for`).
-    let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
+    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg.head_dim))?;
     let n_gpus = args.gpus as f64;
     // Each GPU has its own staging and landing rings; the store is one.
     let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;

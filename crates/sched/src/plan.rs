@@ -131,6 +131,10 @@ pub struct PlanInput {
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide
     /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).
     pub flash_attention: Option<bool>,
+    /// Flash attention here runs the Hopper kernels (`mt_layers::hopper_attention`: compute
+    /// capability 9.0, head dim 64 or 128, not forced portable), whose backward needs an fp32 dQ
+    /// buffer beside its other transients (`mt_layers::hopper_dq_buffer_bytes`).
+    pub hopper_attention: bool,
     /// Spill the checkpoints of boundaries `0..k` to page-locked host memory between their
     /// layer's forward and backward (`Some(k)`), or decide (`None`): the fewest that let the plan
     /// fit with its smallest workspace.
@@ -249,6 +253,8 @@ pub struct Plan {
     pub kept_layers: usize,
     /// Attention runs as flash attention (no `[s, s]` scores).
     pub flash_attention: bool,
+    /// ... on the Hopper kernels (`PlanInput::hopper_attention`).
+    pub hopper_attention: bool,
     /// Checkpoints of boundaries `0..spilled_checkpoints` live in page-locked host memory between
     /// their layer's forward and backward.
     pub spilled_checkpoints: usize,

@@ -50,6 +50,7 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
         early_state_uploads: None,
         fused_kernels: true,
         flash_attention: None,
+        hopper_attention: false,
         mlp_rows: None,
         spilled_checkpoints: None,
         store_file: false,

@@ -177,6 +177,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         resident_outer,
         kept_layers,
         flash_attention: chunks.flash,
+        hopper_attention: chunks.flash && input.hopper_attention,
         spilled_checkpoints: chunks.spilled,
         mlp_rows: chunks.mlp_rows,
         held_layers,
@@ -364,7 +365,12 @@ fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<C
             None => MLP_TILE_ROWS.to_vec(),
         };
         let ws = |mlp_rows: usize| {
-            let path = LayerPath { fused: input.fused_kernels, flash, mlp_rows };
+            let path = LayerPath {
+                fused: input.fused_kernels,
+                flash,
+                hopper: flash && input.hopper_attention,
+                mlp_rows,
+            };
             layer_workspace(cfg, layout, b, seq, e, path).max(loss_workspace(
                 cfg,
                 b * seq,

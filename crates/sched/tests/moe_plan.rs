@@ -46,6 +46,7 @@ fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
         early_state_uploads: None,
         fused_kernels: true,
         flash_attention: Some(false),
+        hopper_attention: false,
         mlp_rows: Some(0),
         spilled_checkpoints: Some(0),
         store_file: false,

@@ -34,6 +34,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         early_state_uploads: None,
         fused_kernels: true,
         flash_attention: Some(false),
+        hopper_attention: false,
         mlp_rows: Some(0),
         spilled_checkpoints: Some(0),
         store_file: false,

@@ -246,6 +246,8 @@ pub struct TrainConfig {
     // Long sequences
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide.
     pub attention: Option<bool>,
+    /// Which flash kernels: the Hopper ones wherever they run (`Auto`), or one set forced.
+    pub flash_kernel: mt_layers::FlashKernel,
     /// Rows of each MLP tile (0: a chunk at once), or decide.
     pub mlp_rows: Option<usize>,
     /// How RoPE angles are formed.
@@ -306,6 +308,7 @@ impl Default for TrainConfig {
             ring_depth: 2,
             overlap_optimizer: true,
             attention: None,
+            flash_kernel: mt_layers::FlashKernel::Auto,
             mlp_rows: None,
             rope_angles: mt_layers::RopeAngles::Transformers,
             rows_per_block: 4096,

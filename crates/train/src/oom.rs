@@ -61,6 +61,7 @@ mod tests {
             early_state_uploads: Some(0),
             fused_kernels: true,
             flash_attention: None,
+            hopper_attention: false,
             mlp_rows: None,
             spilled_checkpoints: None,
             store_file: false,

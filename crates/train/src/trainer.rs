@@ -447,7 +447,13 @@ fn plan_run<O: Observer>(
     }
     let host = c.host_mem_gib.map_or_else(available_bytes, gib_to_bytes);
     let device = c.gpu_mem_gib.map_or(backend.memory_bytes(available_bytes())?, gib_to_bytes);
-    let p = plan_for(c, &model.cfg, device, host, backend.fused_kernels(c.precision.dtype()))?;
+    let p = plan_for(
+        c,
+        &model.cfg,
+        device,
+        host,
+        backend.kernels(c.precision.dtype(), model.cfg.head_dim, c.flash_kernel),
+    )?;
     notify(observer, &Event::Planned { plan: &p, device: c.device.kind() })?;
     Ok(p)
 }
@@ -479,6 +485,7 @@ fn engine_options(c: &TrainConfig, model: &ModelSource, plan: &Plan) -> EngineOp
         late_state_downloads: plan.late_state_downloads,
         early_state_uploads: plan.early_state_uploads,
         flash_attention: plan.flash_attention,
+        flash_kernel: c.flash_kernel,
         mlp_rows: plan.mlp_rows,
         spilled_checkpoints: plan.spilled_checkpoints,
         rope_angles: c.rope_angles,

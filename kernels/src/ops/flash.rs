@@ -1,8 +1,14 @@
-//! Flash attention (`kernels/cuda/flash_attn.cu`): the forward (output and each row's log-sum-exp)
-//! and the deterministic backward (`D = rowsum(dO ⊙ O)`, then dK/dV per key tile and dQ per
-//! query tile, no atomics), for bf16 `[b, t, heads, hd]` tensors, causal, grouped-query, with
-//! optional packed-document bounds. Launch geometry and shared memory as the kernels' header
-//! comment states; `scripts/attention_bench.py` launches the same kernels the same way.
+//! Flash attention: the forward (output and each row's log-sum-exp) and the deterministic
+//! backward for bf16 `[b, t, heads, hd]` tensors, causal, grouped-query, with optional
+//! packed-document bounds, by one of two sets of kernels ([`FlashKernel`]):
+//! - the Hopper kernels (`flash_hopper.rs`: wgmma, TMA, warp specialisation; compute capability
+//!   9.0, head dims 64 and 128), the choice wherever they run;
+//! - the portable kernels here (`kernels/cuda/flash_attn.cu`: mma.sync, compute capability 8.0
+//!   and later, head dims 16 to 128): `D = rowsum(dO ⊙ O)`, then dK/dV per key tile and dQ per
+//!   query tile, no atomics. Launch geometry and shared memory as the kernels' header comment
+//!   states.
+//!
+//! `scripts/attention_bench.py` launches both the same way.
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -13,9 +19,10 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Shape, Storage, Tensor};
 use half::bf16;
 
+use super::flash_hopper;
 use super::msg;
 use super::sources::FLASH;
-use crate::flash_head_dim;
+use crate::{flash_head_dim, FlashKernel};
 
 /// Threads of every flash kernel (`MT_FA_THREADS`).
 const THREADS: u32 = 128;
@@ -30,7 +37,7 @@ fn smem(kernel: &str, hd: usize) -> u32 {
     }
 }
 
-fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
+pub(super) fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
     match t.device() {
         Device::Cuda(d) => Ok(d.clone()),
         _ => Err(msg("flash attention: tensors must be on a CUDA device")),
@@ -38,7 +45,7 @@ fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
 }
 
 /// A contiguous CUDA tensor's elements, checked for dtype and shape.
-fn view<'a, T: CudaDType>(
+pub(super) fn view<'a, T: CudaDType>(
     st: &'a Storage,
     t: &Tensor,
     dtype: DType,
@@ -59,7 +66,7 @@ fn view<'a, T: CudaDType>(
     }
 }
 
-fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+pub(super) fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
     let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone()));
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
@@ -85,13 +92,27 @@ fn dims(q: &Tensor, k: &Tensor) -> candle_core::Result<(usize, usize, usize, usi
     Ok((b, t, nh, nkv, hd))
 }
 
-fn scales(hd: usize) -> (f32, f32) {
+pub(super) fn scales(hd: usize) -> (f32, f32) {
     let scale = 1.0 / (hd as f64).sqrt();
     (scale as f32, (scale * std::f64::consts::LOG2_E) as f32)
 }
 
 /// A null device pointer, for the absent document bounds.
-const NULL: u64 = 0;
+pub(super) const NULL: u64 = 0;
+
+/// Whether `kernel` means the Hopper kernels for `q`'s device and head dim `hd`; an error where
+/// they were asked for and cannot run.
+fn hopper(q: &Tensor, hd: usize, kernel: FlashKernel) -> candle_core::Result<bool> {
+    let dev = cuda_dev(q)?;
+    match kernel {
+        FlashKernel::Portable => Ok(false),
+        FlashKernel::Auto => Ok(flash_hopper::hopper_applies(&dev, hd)),
+        FlashKernel::Hopper if flash_hopper::hopper_applies(&dev, hd) => Ok(true),
+        FlashKernel::Hopper => Err(msg(format!(
+            "the Hopper attention kernels run on a GPU of compute capability 9.0 (H100, H200) with head dim 64 or 128 (this model's is {hd}) and MEGATRAIN_NVRTC_CC unset or 90; use --attention flash or portable"
+        ))),
+    }
+}
 
 /// Forward: `(o [b, t, nh, hd] bf16, lse [b, nh, t] f32)`. `docs`: u32 `[b, t]` first and
 /// one-past-last index of each token's document.
@@ -100,8 +121,12 @@ pub fn flash_forward(
     k: &Tensor,
     v: &Tensor,
     docs: Option<(&Tensor, &Tensor)>,
+    kernel: FlashKernel,
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let (b, t, nh, nkv, hd) = dims(q, k)?;
+    if hopper(q, hd, kernel)? {
+        return flash_hopper::forward(q, k, v, docs, (b, t, nh, nkv, hd));
+    }
     let dev = cuda_dev(q)?;
     let (qs, _) = q.storage_and_layout();
     let (ks, _) = k.storage_and_layout();
@@ -151,7 +176,8 @@ pub fn flash_forward(
 }
 
 /// Backward: `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16, from the forward's inputs, its
-/// output `o`, `lse` and `d_o = dL/do`.
+/// output `o`, `lse` and `d_o = dL/do` (either kernel set's forward: they save the same LSE).
+#[allow(clippy::too_many_arguments)]
 pub fn flash_backward(
     q: &Tensor,
     k: &Tensor,
@@ -160,8 +186,12 @@ pub fn flash_backward(
     lse: &Tensor,
     d_o: &Tensor,
     docs: Option<(&Tensor, &Tensor)>,
+    kernel: FlashKernel,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let (b, t, nh, nkv, hd) = dims(q, k)?;
+    if hopper(q, hd, kernel)? {
+        return flash_hopper::backward(q, k, v, o, lse, d_o, docs, (b, t, nh, nkv, hd));
+    }
     let dev = cuda_dev(q)?;
     let (qs, _) = q.storage_and_layout();
     let (ks, _) = k.storage_and_layout();

@@ -4,7 +4,8 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::{flash_backward, flash_forward};
+use super::{flash_backward, flash_forward, hopper_applies};
+use crate::FlashKernel;
 
 /// Rows of the reference's query tiles.
 const TILE: usize = 1024;
@@ -100,18 +101,34 @@ fn randn(s: usize, heads: usize, hd: usize, seed: u64, dev: &Device) -> Tensor {
 }
 
 /// s = 4096 and 32768: the Qwen2.5-7B head layout (28 query heads over 4 KV heads, d 128), a
-/// Llama-like 8/2 of d 64, and s = 4096 with seven packed documents; output, LSE and dQ/dK/dV
-/// within bf16 rounding of the f32 reference (relative L2 ≤ 1e-2: the kernels round P and dS to
-/// bf16 before their products, and their outputs to bf16), and a second backward bitwise the
-/// first (no atomics). Every figure is printed.
+/// Llama-like 8/2 of d 64, and s = 4096 with seven packed documents (and a length that is not a
+/// multiple of any tile); output, LSE and dQ/dK/dV within bf16 rounding of the f32 reference
+/// (relative L2 ≤ 1e-2: the kernels round P and dS to bf16 before their products, and their
+/// outputs to bf16), and a second backward bitwise the first. For each set of kernels the GPU
+/// runs (the portable ones everywhere, the Hopper ones on compute capability 9.0). Every figure is
+/// printed.
 #[test]
 fn flash_kernels_match_a_tiled_f32_reference() {
     let dev = Device::new_cuda(0).expect("this test needs a CUDA device");
     candle_core::cuda::set_gemm_reduced_precision_f32(false);
+    let hopper = match &dev {
+        Device::Cuda(d) => hopper_applies(d, 128),
+        _ => false,
+    };
+    let kernels: &[FlashKernel] =
+        if hopper { &[FlashKernel::Portable, FlashKernel::Hopper] } else { &[FlashKernel::Portable] };
     let mut failures = Vec::new();
-    for (s, nh, nkv, hd, n_docs) in
-        [(4096, 28, 4, 128, 1), (4096, 8, 2, 64, 1), (4096, 28, 4, 128, 7), (32768, 28, 4, 128, 1)]
-    {
+    for (&kernel, (s, nh, nkv, hd, n_docs)) in kernels.iter().flat_map(|k| {
+        [
+            (4096, 28, 4, 128, 1),
+            (4096, 8, 2, 64, 1),
+            (4096, 28, 4, 128, 7),
+            (3000, 8, 2, 128, 3),
+            (32768, 28, 4, 128, 1),
+        ]
+        .into_iter()
+        .map(move |c| (k, c))
+    }) {
         let seed = (s + nh + n_docs) as u64;
         let (q, k, v, d_o) = (
             randn(s, nh, hd, seed, &dev),
@@ -137,9 +154,9 @@ fn flash_kernels_match_a_tiled_f32_reference() {
             (Tensor::from_slice(lo, (1, s), &dev).unwrap(), Tensor::from_slice(hi, (1, s), &dev).unwrap())
         });
         let bounds = dev_docs.as_ref().map(|(lo, hi)| (lo, hi));
-        let (o, lse) = flash_forward(&q, &k, &v, bounds).unwrap();
-        let (dq, dk, dv) = flash_backward(&q, &k, &v, &o, &lse, &d_o, bounds).unwrap();
-        let (dq2, dk2, dv2) = flash_backward(&q, &k, &v, &o, &lse, &d_o, bounds).unwrap();
+        let (o, lse) = flash_forward(&q, &k, &v, bounds, kernel).unwrap();
+        let (dq, dk, dv) = flash_backward(&q, &k, &v, &o, &lse, &d_o, bounds, kernel).unwrap();
+        let (dq2, dk2, dv2) = flash_backward(&q, &k, &v, &o, &lse, &d_o, bounds, kernel).unwrap();
         let same = |a: &Tensor, b: &Tensor| {
             let bits =
                 |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -162,13 +179,54 @@ fn flash_kernels_match_a_tiled_f32_reference() {
             ("dv", errs(&dv.squeeze(0).unwrap(), &r.dv)),
         ];
         eprintln!(
-            "SUMMARY flash s={s} heads {nh}/{nkv} d {hd} documents {n_docs}: {} (relative L2 / max abs over max ref); backward bitwise repeatable: {repeatable}",
+            "SUMMARY flash {kernel:?} s={s} heads {nh}/{nkv} d {hd} documents {n_docs}: {} (relative L2 / max abs over max ref); backward bitwise repeatable: {repeatable}",
             checks.iter().map(|(n, (l2, mx))| format!("{n} {l2:.2e}/{mx:.2e}")).collect::<Vec<_>>().join(", ")
         );
         let lse_ok = checks[1].1 .0 <= 1e-5;
         if !repeatable || !lse_ok || checks.iter().any(|(_, (l2, _))| l2.is_nan() || *l2 > 1e-2) {
-            failures.push(format!("s={s} {nh}/{nkv} d {hd} docs {n_docs}"));
+            failures.push(format!("{kernel:?} s={s} {nh}/{nkv} d {hd} docs {n_docs}"));
         }
     }
     assert!(failures.is_empty(), "failed: {failures:?}");
+}
+
+/// The Hopper kernels' CUBIN compiles with no ptxas warning that they lost their Hopper features
+/// (`setmaxnreg` ignored, wgmma serialised): `compile_cubin` refuses those. Needs NVRTC, not a GPU.
+#[test]
+fn hopper_kernels_compile_without_lost_features() {
+    let cubin = super::flash_hopper::compiled_cubin().expect("the Hopper kernels compile cleanly");
+    for name in [
+        "mt_hfa_fwd_hd128",
+        "mt_hfa_bwd_hd128",
+        "mt_hfa_fwd_hd64",
+        "mt_hfa_bwd_hd64",
+        "mt_hfa_dq_convert_hd128",
+    ] {
+        assert!(cubin.windows(name.len()).any(|w| w == name.as_bytes()), "{name} is not in the CUBIN");
+    }
+}
+
+/// `compile_cubin` refuses what ptxas reports as lost Hopper features: a `setmaxnreg` it ignores
+/// (no register cap at entry) and a wgmma whose accumulator is read before its wait (ptxas
+/// injects the wait).
+#[test]
+fn compile_cubin_refuses_lost_hopper_features() {
+    let ignored = r#"extern "C" __global__ void k(float* x) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+        x[threadIdx.x] = 1.0f;
+    }"#;
+    let e = super::nvrtc::compile_cubin(ignored, "probe.cu", "sm_90a").unwrap_err();
+    assert!(e.contains("C7508"), "{e}");
+    let injected = r#"extern "C" __global__ void k(float* x, unsigned long long d) {
+        float a[4] = {0, 0, 0, 0};
+        asm volatile("wgmma.fence.sync.aligned;\n"
+                     "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, %4, %4, 1, 1, 1, 0, 0;\n"
+                     "wgmma.commit_group.sync.aligned;\n"
+                     : "+f"(a[0]), "+f"(a[1]), "+f"(a[2]), "+f"(a[3]) : "l"(d));
+        a[0] += 1.0f;
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n");
+        x[threadIdx.x] = a[0] + a[1] + a[2] + a[3];
+    }"#;
+    let e = super::nvrtc::compile_cubin(injected, "probe.cu", "sm_90a").unwrap_err();
+    assert!(e.contains("C7517"), "{e}");
 }

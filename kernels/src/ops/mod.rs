@@ -6,7 +6,8 @@
 //!   each row's max and sum);
 //! - [`softmax_backward`]: `c · P ⊙ (dP − rowsum(dP ⊙ P))` in one pass, P recomputed in f32 from
 //!   the scores and the row statistics (bf16 out);
-//! - [`flash_forward`] / [`flash_backward`]: flash attention (`flash.rs`);
+//! - [`flash_forward`] / [`flash_backward`]: flash attention (`flash.rs`; the Hopper kernels in
+//!   `flash_hopper.rs`);
 //! - [`accumulate_matmul_t`]: a weight gradient added into the f32 gradient buffer by one cuBLAS
 //!   GEMM (`gemm.rs`);
 //! - [`rows_add`]: the embedding backward's deterministic row scatter-add (`embed.rs`);
@@ -151,7 +152,9 @@ pub(crate) use optim::{adamw, narrow_bf16, sum_squares_partials, Moments};
 mod softmax;
 pub use softmax::{causal_softmax, softmax_backward};
 mod flash;
+mod flash_hopper;
 pub use flash::{flash_backward, flash_forward};
+pub use flash_hopper::hopper_applies;
 mod swiglu;
 pub use swiglu::{swiglu, swiglu_backward};
 mod rope;

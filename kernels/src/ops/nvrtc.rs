@@ -46,12 +46,12 @@ pub(crate) fn note_device(dev: &candle_core::CudaDevice) -> &'static str {
 /// use and kept for the process.
 pub(crate) struct Source {
     /// Its file name under `kernels/cuda/`: NVRTC's program name and the file its messages name.
-    file: &'static str,
+    pub(crate) file: &'static str,
     /// Its module's name in candle's per-device module cache (the second argument of
     /// `CudaDevice::get_or_load_custom_func`).
     pub(crate) module: &'static str,
     /// The CUDA C.
-    text: &'static str,
+    pub(crate) text: &'static str,
     /// Its PTX, or NVRTC's complaint, once compiled.
     ptx: OnceLock<std::result::Result<String, String>>,
 }
@@ -80,4 +80,57 @@ impl Source {
         });
         r.as_deref().map_err(|e| msg(format!("NVRTC compiling kernels/cuda/{}: {e}", self.file)))
     }
+}
+
+/// ptxas's words for a kernel that lost what it was written for, said as "info" lines with a
+/// code: `setmaxnreg` ignored (C7508: no register split between producer and consumer warps),
+/// wgmma serialised (C7510, C7515) or a wait injected after one (C7517: no overlap of the tensor
+/// cores with anything else); all are "Potential Performance Loss" or name the wgmma pipeline.
+const FATAL_PTXAS: [&str; 7] =
+    ["Potential Performance Loss", "C7508", "C7510", "C7515", "C7517", "serializ", "injected"];
+
+/// Compiles `src` with NVRTC for the real architecture `arch` (`sm_90a`: wgmma and setmaxnreg
+/// exist only there) into a CUBIN, with ptxas's report on: refused, with ptxas's words, if any
+/// line says the kernels lost their Hopper features (on the PTX route ptxas would run inside
+/// the driver at load time and those warnings would never be seen). Same options as [`Source`]
+/// otherwise (C++17, no FMA contraction).
+pub(crate) fn compile_cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>, String> {
+    use candle_core::cuda_backend::cudarc::nvrtc::{result, sys};
+    use std::ffi::CString;
+
+    let c_src = CString::new(src).map_err(|e| e.to_string())?;
+    let c_name = CString::new(name).map_err(|e| e.to_string())?;
+    let prog = result::create_program(&c_src, Some(&c_name)).map_err(|e| format!("{e:?}"))?;
+    let opts = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "--fmad=false".into(),
+        "--ptxas-options=-v".into(),
+    ];
+    // SAFETY: `prog` was just created and is destroyed once, below, after its last use; the
+    // options are NUL-free strings (cudarc turns them into C strings).
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    // SAFETY: as above; the log and the CUBIN are copied out of NVRTC before the destroy.
+    let log = unsafe { result::get_program_log(prog) }
+        .map(|l| l.iter().map(|&c| c as u8).take_while(|&c| c != 0).map(char::from).collect::<String>())
+        .unwrap_or_default();
+    let cubin = compiled.map_err(|e| format!("{e:?}: {log}")).and_then(|()| {
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled; `size` is a valid out pointer.
+        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| format!("{e:?}"))?;
+        let mut bytes = vec![0u8; size];
+        // SAFETY: `bytes` has the `size` bytes NVRTC reported for the CUBIN it writes.
+        unsafe { sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast()) }
+            .result()
+            .map_err(|e| format!("{e:?}"))?;
+        Ok(bytes)
+    });
+    // SAFETY: created above, not destroyed before.
+    let _ = unsafe { result::destroy_program(prog) };
+    let cubin = cubin?;
+    let fatal: Vec<&str> = log.lines().filter(|l| FATAL_PTXAS.iter().any(|w| l.contains(w))).collect();
+    if !fatal.is_empty() {
+        return Err(format!("ptxas: {}", fatal.join("; ")));
+    }
+    Ok(cubin)
 }

@@ -20,5 +20,9 @@ pub(crate) static EMBED: Source = Source::new("embed.cu", "mt_embed", include_st
 /// Flash attention, forward and backward.
 pub(crate) static FLASH: Source =
     Source::new("flash_attn.cu", "mt_flash", include_str!("../../cuda/flash_attn.cu"));
+/// Flash attention on Hopper: compiled after `flash_attn.cu` (whose helpers it uses) into one
+/// sm_90a CUBIN by `flash_hopper.rs`, not through [`Source::ptx`].
+pub(crate) static FLASH_HOPPER: Source =
+    Source::new("flash_attn_hopper.cu", "mt_flash_hopper", include_str!("../../cuda/flash_attn_hopper.cu"));
 /// The device AdamW, Σg² and the bf16 narrowing of a gradient.
 pub(crate) static ADAMW: Source = Source::new("adamw.cu", "mt_adamw", include_str!("../../cuda/adamw.cu"));

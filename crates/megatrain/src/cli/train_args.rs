@@ -353,6 +353,7 @@ impl TrainArgs {
             ring_depth: self.ring_depth,
             overlap_optimizer: !self.no_optimizer_overlap,
             attention: self.attention.choice(),
+            flash_kernel: self.attention.kernel(),
             mlp_rows: self.mlp_rows.choice(),
             rope_angles: self.rope_angles.into(),
             rows_per_block: self.rows_per_block,

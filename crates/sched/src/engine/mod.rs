@@ -226,7 +226,11 @@ impl<B: Backend> Engine<B> {
             router_grad: None,
             layer_t: DecoderLayer::with_options(
                 cfg,
-                LayerOptions { flash: opts.flash_attention, mlp_rows: opts.mlp_rows },
+                LayerOptions {
+                    flash: opts.flash_attention,
+                    flash_kernel: opts.flash_kernel,
+                    mlp_rows: opts.mlp_rows,
+                },
             ),
             outer_t: Outer::new(cfg, opts.rows_per_block),
             rope: None,

@@ -86,10 +86,13 @@ pub struct EngineOptions {
     /// forward. Needs the device gradient in the store's dtype (device narrowing with bf16 store
     /// gradients). 0 = every state upload in the forward.
     pub early_state_uploads: usize,
-    /// Flash attention (`kernels/flash_attn.cu`) where it applies (`mt_layers::flash_attention`:
-    /// bf16 on a CUDA device, head dim 16, 32, 64 or 128): O(t) memory instead of the
-    /// materialised `[b, heads, t, t]` scores; elsewhere the materialised path runs regardless.
+    /// Flash attention where it applies (`mt_layers::flash_attention`: bf16 on a CUDA device,
+    /// head dim 16, 32, 64 or 128): O(t) memory instead of the materialised `[b, heads, t, t]`
+    /// scores; elsewhere the materialised path runs regardless.
     pub flash_attention: bool,
+    /// Which flash kernels (`mt_layers::FlashKernel`): the Hopper ones wherever they run, or one
+    /// set forced.
+    pub flash_kernel: mt_layers::FlashKernel,
     /// Boundaries `0..spilled_checkpoints` (the inputs of the first layers) go down to
     /// page-locked host memory once their layer's forward has read them and come back up for
     /// its backward (`program::Op::SpillCheckpoint`, `ReloadCheckpoint`): device memory for
@@ -128,6 +131,7 @@ impl Default for EngineOptions {
             late_state_downloads: 0,
             early_state_uploads: 0,
             flash_attention: false,
+            flash_kernel: mt_layers::FlashKernel::Auto,
             spilled_checkpoints: 0,
             rope_angles: mt_layers::RopeAngles::Transformers,
             mlp_rows: 0,
