@@ -16,11 +16,12 @@ use mt_sched::{Batch, EngineOptions, StepReport};
 use mt_store::HostStore;
 use serde_json::Value;
 
-use crate::checkpoint;
+use crate::checkpoint::{self, export_record};
 use crate::data::TrainData;
 use crate::engine::{Backend, DeviceEngine};
 use crate::error::{Context, Error, Result};
 use crate::host::{available_bytes, gib_to_bytes, planned_host_bytes, rss_bytes};
+use crate::lock::RunLocks;
 use crate::observer::{
     notify, notify_step, CheckpointWritten, EvalResult, Event, Observer, RunStart, StepEvent,
 };
@@ -60,6 +61,10 @@ pub struct Trainer<O: Observer> {
     train_s: f64,
     later_s: Vec<f64>,
     evals: Vec<(u64, f64)>,
+    /// Global step of the newest checkpoint of this run (written or resumed from).
+    checkpointed: Option<u64>,
+    /// The locks on `--out`, the checkpoint directory and the store: released last.
+    _locks: RunLocks,
 }
 
 impl<O: Observer> std::fmt::Debug for Trainer<O> {
@@ -80,6 +85,14 @@ impl<O: Observer> Trainer<O> {
         let model = ModelSource::load(&config.model)?;
         checks::check_sizes(&config, &model.cfg)?;
         checks::check_outputs(&config)?;
+        // One run per output, from here to the end (`Drop`); refused at once if another holds one.
+        let locks = RunLocks::take(
+            config.out.as_deref(),
+            config.checkpoint_dir().as_deref(),
+            config.store.as_deref(),
+            &crate::lock::this_process(),
+        )?;
+        checks::check_fresh_start(&config)?;
         checks::check_room(&checks::outputs(&config, &ModelLayout::new(&model.cfg)))?;
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
@@ -102,6 +115,7 @@ impl<O: Observer> Trainer<O> {
         prefault(&store, &mut observer)?;
         let restored =
             restore_or_initialise(&config, &model, &store, &data, &defining, opened, &mut observer)?;
+        let checkpointed = restored.checkpoint_step;
         // Until the run's orderly end (`Drop`): a kill leaves the mark in a --store file.
         store.set_run_open(true);
         let engine = start_engine(&config, &model, opts, backend, &store, &mut observer)?;
@@ -164,6 +178,8 @@ impl<O: Observer> Trainer<O> {
             train_s: 0.0,
             later_s: Vec::new(),
             evals: Vec::new(),
+            checkpointed,
+            _locks: locks,
         })
     }
 
@@ -294,6 +310,7 @@ impl<O: Observer> Trainer<O> {
         let keep = self.config.keep_checkpoints;
         let manifest = checkpoint::save(&dir, &self.store, cursor, self.config.seed, &self.defining, keep)
             .map_err(|e| Error::Checkpoint(format!("writing the checkpoint of step {done}: {e}")))?;
+        self.checkpointed = Some(done);
         Ok(CheckpointWritten { manifest, secs: t.elapsed().as_secs_f64() })
     }
 
@@ -315,25 +332,88 @@ impl<O: Observer> Trainer<O> {
     }
 
     /// Ends the run: the device profile (`MT_PROFILE=1`), the last pending update applied and
-    /// the store written back, a final evaluation, the export to `out`; returns the summary.
+    /// the store written back, a final evaluation, a checkpoint of the last step (with a
+    /// checkpoint directory: so a failed export loses no trained step), the export to `out`;
+    /// returns the summary. A resumed run that was already complete trains nothing, evaluates
+    /// nothing and leaves an export of its last step alone (exporting it if `out` lacks it).
     pub fn finish(mut self) -> Result<TrainSummary> {
         self.report_profile()?;
         let t = Instant::now();
         self.engine.flush_pending().context_with(|| "applying the last update".into())?;
         self.store.flush().context_with(|| "flushing the host store".into())?;
         notify(&mut self.observer, &Event::Flushed { secs: t.elapsed().as_secs_f64() })?;
-        if !self.eval_batches.is_empty() {
+        let trained = self.global_step() > self.start_step;
+        if !self.eval_batches.is_empty() && trained {
             let e = self.evaluate()?;
             notify(&mut self.observer, &Event::Eval(e))?;
         }
+        let checkpoint_failed = self.final_checkpoint()?;
+        let mut export_kept = false;
         let exported = match self.config.out.clone() {
             Some(out) => {
-                self.export(&out)?;
+                let dir = self.config.checkpoint_dir();
+                let hash = checkpoint::hash_json(&self.defining);
+                let step = self.global_step();
+                // Only a run that trained nothing leaves an export alone: a retrained step may
+                // differ in its last bits on a GPU.
+                if !trained && dir.as_ref().is_some_and(|d| export_record::is_exported(d, step, &hash, &out))
+                {
+                    export_kept = true;
+                    notify(&mut self.observer, &Event::ExportKept { dir: &out, step })?;
+                } else {
+                    self.export(&out).map_err(|e| self.export_failed(e, checkpoint_failed.as_ref()))?;
+                    if let Some(dir) = &dir {
+                        if let Err(e) = export_record::write(dir, step, &hash, &out) {
+                            tracing::warn!("the export is complete but could not be recorded: {e}");
+                        }
+                    }
+                }
                 Some(out)
             }
-            None => None,
+            None => match checkpoint_failed {
+                Some(e) => return Err(e),
+                None => None,
+            },
         };
-        Ok(self.summary(exported))
+        let mut summary = self.summary(exported);
+        summary.export_kept = export_kept;
+        Ok(summary)
+    }
+
+    /// A checkpoint of the last step, unless there is one already or no checkpoint directory.
+    /// Its error is returned rather than raised: the export may still save the work.
+    fn final_checkpoint(&mut self) -> Result<Option<Error>> {
+        if self.config.checkpoint_dir().is_none() || self.checkpointed == Some(self.global_step()) {
+            return Ok(None);
+        }
+        match self.save_checkpoint() {
+            Ok(c) => {
+                notify(&mut self.observer, &Event::FinalCheckpoint(&c))?;
+                Ok(None)
+            }
+            Err(e) => {
+                tracing::warn!("{e}");
+                Ok(Some(e))
+            }
+        }
+    }
+
+    /// The error of a failed export, saying where the trained state is and how to finish.
+    fn export_failed(&self, e: Error, checkpoint_failed: Option<&Error>) -> Error {
+        let step = self.global_step();
+        match (checkpoint_failed, self.config.checkpoint_dir()) {
+            (None, Some(dir)) => Error::Checkpoint(format!(
+                "{e}. No trained step is lost: the state of step {step} is in the checkpoint {}. Fix the \
+                 cause (free space?) and run the same command with --resume: it finishes the export \
+                 without training again",
+                dir.join(format!("{}.json", checkpoint::stem(step))).display()
+            )),
+            (Some(c), _) => Error::Checkpoint(format!(
+                "{e}; and before it, {c}: the state of step {step} could not be saved (the newest \
+                 checkpoint, if any, is older; --resume continues from it)"
+            )),
+            (None, None) => e,
+        }
     }
 
     fn report_profile(&mut self) -> Result<()> {
@@ -381,6 +461,7 @@ impl<O: Observer> Trainer<O> {
             evals: self.evals.clone(),
             skipped_steps: self.skipped,
             exported,
+            export_kept: false,
             device: c.device.kind(),
         }
     }

@@ -4,7 +4,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, FromArgMatches};
 
 use super::Cli;
 
@@ -43,7 +43,18 @@ where
         let extra = config_file_options(&path)?;
         argv.splice(sub + 1..sub + 1, extra);
     }
-    Cli::try_parse_from(argv).map_err(ArgsError::Clap)
+    let matches = command().try_get_matches_from(argv).map_err(ArgsError::Clap)?;
+    Cli::from_arg_matches(&matches).map_err(|e| ArgsError::Clap(e.format(&mut command())))
+}
+
+/// The command line's parser: every option that takes a value takes a negative number too, so
+/// that `--eps -1` reaches the option's own check (which says what the range is) instead of
+/// being read as an unknown flag `-1`.
+pub fn command() -> clap::Command {
+    fn negatives(c: clap::Command) -> clap::Command {
+        c.mut_args(|a| if a.get_action().takes_values() { a.allow_negative_numbers(true) } else { a })
+    }
+    negatives(Cli::command()).mut_subcommands(negatives)
 }
 
 /// The value of `--config-file PATH` or `--config-file=PATH`, if given.

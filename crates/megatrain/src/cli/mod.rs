@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 mod config_file;
 mod train_args;
 mod values;
-pub use config_file::{config_file_options, config_text_options, parse_args, ArgsError};
+pub use config_file::{command, config_file_options, config_text_options, parse_args, ArgsError};
 pub use mt_train::{DataKind, DataSource};
 pub use train_args::{default_grad_dtype, TrainArgs};
 use values::{at_least_one, layer_count, mlp_rows, positive_f64, tflops_pair};
@@ -38,6 +38,8 @@ pub enum Command {
     Estimate(EstimateArgs),
     /// Write a seeded random initialisation of a model config as a Hugging Face directory.
     Init(InitArgs),
+    /// Check every checkpoint in a directory against the hashes its manifest records.
+    Verify(crate::verify::VerifyArgs),
 }
 
 /// Options of `megatrain estimate`.
