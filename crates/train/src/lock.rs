@@ -43,19 +43,20 @@ impl RunLocks {
         store: Option<&Path>,
         who: &str,
     ) -> Result<Self> {
-        let mut locks = Vec::new();
+        // Pushed as taken: a refusal drops those already taken in reverse order.
+        let mut run = RunLocks::default();
         if let Some(out) = out {
-            locks.push(Lock::dir(out, "--out", who)?);
+            run.locks.push(Lock::dir(out, "--out", who)?);
         }
         if let Some(dir) = checkpoints {
-            locks.push(Lock::dir(dir, "the checkpoint directory", who)?);
+            run.locks.push(Lock::dir(dir, "the checkpoint directory", who)?);
         }
         if let Some(store) = store {
             let mut name = store.as_os_str().to_owned();
             name.push(".lock");
-            locks.push(Lock::file(&PathBuf::from(name), store, "--store", who)?);
+            run.locks.push(Lock::file(&PathBuf::from(name), store, "--store", who)?);
         }
-        Ok(RunLocks { locks })
+        Ok(run)
     }
 }
 

@@ -323,6 +323,7 @@ impl<O: Observer> Trainer<O> {
             dtype: self.config.export_dtype,
             max_shard_bytes: mt_hf::DEFAULT_MAX_SHARD_BYTES,
             copy_files_from: self.model.hf.as_ref().map(|h| h.dir.clone()),
+            fail_after_bytes: self.config.inject_export_failure,
         };
         let r = mt_hf::export(&self.store, &self.model.config_json, dir, &opts)
             .context_with(|| format!("exporting the model to --out {}", dir.display()))?;

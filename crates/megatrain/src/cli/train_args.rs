@@ -286,6 +286,10 @@ pub struct TrainArgs {
     /// Test hook: a NaN or infinity in global step N (`N:nan-grad`, `N:inf-grad`, `N:nan-loss`; repeatable).
     #[arg(long, value_name = "N:WHAT", value_parser = fault, hide = true)]
     pub inject_fault: Vec<(u64, mt_sched::Fault)>,
+
+    /// Test hook: the export's writes fail as a full disk would after BYTES bytes.
+    #[arg(long, value_name = "BYTES", hide = true)]
+    pub inject_export_failure: Option<u64>,
 }
 
 impl TrainArgs {
@@ -358,6 +362,7 @@ impl TrainArgs {
             rows_per_block: self.rows_per_block,
             delay_us: self.delay_us,
             inject_faults: self.inject_fault.clone(),
+            inject_export_failure: self.inject_export_failure,
         }
     }
 }

@@ -201,3 +201,79 @@ pub fn move_aside(dir: &Path, step: u64) -> Result<PathBuf> {
     sync_dir(dir)?;
     Ok(moved_manifest.unwrap_or_else(|| aside.join(format!("{stem}.json"))))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use mt_core::{ModelConfig, ModelLayout};
+    use mt_store::{GradDtype, HostStore};
+    use serde_json::json;
+
+    use super::*;
+
+    /// SplitMix64: the flips' offsets and masks, from a seed.
+    fn next(x: &mut u64) -> u64 {
+        *x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn checkpoint(dir: &Path) -> PathBuf {
+        let s = HostStore::anonymous(&ModelLayout::new(&ModelConfig::tiny_llama()), GradDtype::Bf16).unwrap();
+        s.set_state(mt_store::StoreState { step: 4, ..s.state() });
+        super::super::save(dir, &s, None, 1, &json!({"lr": 0.001}), 2).unwrap()
+    }
+
+    /// The property: one byte changed anywhere in either file of a checkpoint (offsets and XOR
+    /// masks drawn at random; whitespace of the manifest included) is refused, naming that file;
+    /// put back, the checkpoint verifies again.
+    #[test]
+    fn any_flipped_byte_of_either_file_is_refused_naming_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let manifest = checkpoint(d.path());
+        let snapshot = manifest.with_file_name("step-000000004.store");
+        let v = verify(&manifest).unwrap();
+        assert!(v.hashed && v.bytes == fs::metadata(&snapshot).unwrap().len());
+        let mut seed = 2026;
+        let (text, size) = (fs::read(&manifest).unwrap(), fs::metadata(&snapshot).unwrap().len());
+        let spaces: Vec<u64> = (0..text.len() as u64).filter(|&i| text[i as usize] == b' ').collect();
+        for trial in 0..200 {
+            let file = if trial % 2 == 0 { &manifest } else { &snapshot };
+            // Every third manifest flip is aimed at its whitespace, which the JSON does not see.
+            let at = match (trial % 6, file == &manifest) {
+                (0, _) => spaces[(next(&mut seed) % spaces.len() as u64) as usize],
+                (_, true) => next(&mut seed) % text.len() as u64,
+                (_, false) => next(&mut seed) % size,
+            };
+            let f = fs::OpenOptions::new().read(true).write(true).open(file).unwrap();
+            let mut byte = [0u8];
+            f.read_exact_at(&mut byte, at).unwrap();
+            let was = byte[0];
+            f.write_all_at(&[was ^ (next(&mut seed) % 255 + 1) as u8], at).unwrap();
+            let e = verify(&manifest).expect_err("a flipped byte must be refused");
+            assert_eq!(&e.file, file, "trial {trial}, offset {at}: {e}");
+            assert!(e.to_string().contains(&file.display().to_string()), "{e}");
+            f.write_all_at(&[was], at).unwrap();
+        }
+        verify(&manifest).unwrap();
+    }
+
+    #[test]
+    fn a_truncated_or_missing_snapshot_is_named() {
+        let d = tempfile::tempdir().unwrap();
+        let manifest = checkpoint(d.path());
+        let snapshot = manifest.with_file_name("step-000000004.store");
+        fs::OpenOptions::new().write(true).open(&snapshot).unwrap().set_len(4096).unwrap();
+        let e = verify(&manifest).unwrap_err();
+        assert!(e.file == snapshot && e.why.contains("truncated or replaced"), "{e}");
+        fs::remove_file(&snapshot).unwrap();
+        let e = verify(&manifest).unwrap_err();
+        assert!(e.file == snapshot && e.why.contains("missing"), "{e}");
+        let moved = move_aside(d.path(), 4).unwrap();
+        assert_eq!(moved, d.path().join("damaged/step-000000004.json"));
+        assert!(moved.exists() && !manifest.exists());
+    }
+}
