@@ -178,7 +178,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "PATH", help_heading = "Device and memory")]
     pub store: Option<PathBuf>,
 
-    /// Export the trained model here as a Hugging Face directory.
+    /// Export the trained model here as a Hugging Face directory (the last step checkpointed first).
     #[arg(long, value_name = "DIR", help_heading = "Outputs and checkpoints")]
     pub out: Option<PathBuf>,
 
@@ -198,7 +198,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 2, value_parser = at_least_one, help_heading = "Outputs and checkpoints", value_name = "N")]
     pub keep_checkpoints: usize,
 
-    /// Continue from the newest checkpoint (same options; starts afresh when there is none).
+    /// Continue from the newest intact checkpoint (same options; starts afresh when there is none).
     #[arg(long, help_heading = "Outputs and checkpoints")]
     pub resume: bool,
 
