@@ -5,7 +5,7 @@
 //! of a `.tmp` file in the checkpoint directory (inside a snapshot or manifest write), of the last
 //! step's snapshot when it is the final checkpoint (a checkpoint every third step: the eighth is
 //! written before the export), or in `--out` (inside the export); at the moment a resumed run has
-//! planned and is opening its store, verifying and restoring its checkpoint (inside `--resume`).
+//! said it checks its newest checkpoint and is verifying and restoring it (inside `--resume`).
 //! Between attempts, `megatrain verify` is run on the directory and killed at a random instant.
 //! Every round runs in a fresh directory; the test counts the kills and where they landed.
 //!
@@ -93,8 +93,8 @@ enum Aim {
     FinalCheckpoint,
     /// At the first `.tmp` seen in `--out` (the export's files).
     Export,
-    /// This many microseconds after the run has printed its plan: it is opening the store and
-    /// verifying and restoring the newest checkpoint.
+    /// This many microseconds after the run has said it checks its newest checkpoint: it is
+    /// verifying and restoring it, or starting its engine.
     Resume(u64),
 }
 
@@ -108,14 +108,14 @@ struct Killed {
 }
 
 /// The run's stderr, read as it comes: the whole text, and how far the set-up has got (1: the
-/// plan printed, 2: the engine ready).
+/// newest checkpoint being checked against its hashes, 2: the engine ready).
 fn watch(child: &mut Child) -> (Arc<Mutex<String>>, Arc<AtomicU8>) {
     let (text, phase) = (Arc::new(Mutex::new(String::new())), Arc::new(AtomicU8::new(0)));
     let (t, p) = (Arc::clone(&text), Arc::clone(&phase));
     let err = child.stderr.take().unwrap();
     std::thread::spawn(move || {
         for line in BufReader::new(err).lines().map_while(Result::ok) {
-            if line.starts_with("model FLOPs per step") {
+            if line.starts_with("--resume: checking") {
                 p.store(1, Ordering::SeqCst);
             } else if line.starts_with("engine ready") {
                 p.store(2, Ordering::SeqCst);
@@ -169,7 +169,8 @@ fn attempt(args: &[String], out: &Path, aim: Aim, limit: Duration) -> Option<Kil
             child.wait().unwrap();
             std::thread::sleep(Duration::from_millis(5)); // the reader's last lines
                                                           // Whether the kill fell inside a write: a file of this run's still under its `.tmp`
-                                                          // name (its rename had not happened); inside the resume: planned, not yet started.
+                                                          // name (its rename had not happened); inside the resume: checking or restoring its
+                                                          // checkpoint, the engine not yet ready.
             let p = phase.load(Ordering::SeqCst);
             return Some(Killed {
                 in_ckpt: writing(&ckpt),
@@ -225,11 +226,11 @@ fn a_run_killed_at_random_instants_resumes_to_the_uninterrupted_runs_weights() {
         let out = dir.join("out");
         fs::create_dir_all(&dir).unwrap();
         // Every other round checkpoints every third step: its last checkpoint is the final one.
-        let every = if rounds % 2 == 0 { 3 } else { 1 };
+        let every = if rounds % 2 == 1 { 3 } else { 1 };
         let a = args(&model, &data, &out, &dir.join("run.store"), every);
         loop {
             attempts += 1;
-            if out.join("checkpoints").is_dir() && rng.next().is_multiple_of(3) {
+            if out.join("checkpoints").is_dir() && (rng.next().is_multiple_of(3) || attempts == 3) {
                 // A verify killed at a random instant changes nothing.
                 if kill_verify(&out, Duration::from_secs_f64(rng.unit() * verify_s * 1.2)) {
                     kills += 1;
@@ -238,7 +239,11 @@ fn a_run_killed_at_random_instants_resumes_to_the_uninterrupted_runs_weights() {
             }
             // The first attempts take each aim once (CI's few kills see them all), then at random.
             let pick = if attempts <= 6 { attempts - 1 } else { (rng.next() % 12) as usize };
+            // A run with no checkpoint yet has nothing to resume from: a write is aimed at instead.
+            let resumable = fs::read_dir(out.join("checkpoints"))
+                .is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".json")));
             let aim = match pick {
+                0 | 4 | 5 if !resumable => Aim::CheckpointWrite(0),
                 0 => Aim::Resume(rng.next() % 3000),
                 1 => Aim::CheckpointWrite((rng.next() % 8) as usize),
                 2 if every == 3 => Aim::FinalCheckpoint,
@@ -272,7 +277,7 @@ fn a_run_killed_at_random_instants_resumes_to_the_uninterrupted_runs_weights() {
     eprintln!(
         "SUMMARY kill loop: {kills} SIGKILLs in {rounds} rounds ({attempts} runs): {in_write} inside a \
          checkpoint write ({in_final} of them the final checkpoint's), {in_export} inside the export, \
-         {in_resume} inside a resume (after its plan, before its engine was ready), {in_verify} inside \
+         {in_resume} inside a resume (checking or restoring its checkpoint, before its engine was ready), {in_verify} inside \
          megatrain verify; every round's export bitwise equal to the uninterrupted run's ({whole:.2} s) \
          and every checkpoint left intact"
     );

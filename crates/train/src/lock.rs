@@ -122,7 +122,7 @@ impl Lock {
                     let holder = if holder.is_empty() { "another megatrain process" } else { holder };
                     return Err(Error::Options(format!(
                         "{what} {} is in use by another run: {holder} (lock file {}). Wait for it to end, \
-                         or use another {what}",
+                         or write elsewhere",
                         target.display(),
                         path.display()
                     )));

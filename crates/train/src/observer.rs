@@ -201,6 +201,11 @@ pub enum Event<'a> {
         /// Share of all sections' time.
         share: f64,
     },
+    /// `--resume` is reading a checkpoint whole to check it against its hashes.
+    CheckingCheckpoint {
+        /// Its manifest.
+        manifest: &'a Path,
+    },
     /// `--resume` found a checkpoint whose files do not match their hashes (or are missing): it
     /// was moved aside and the one before it tried.
     CheckpointDamaged {
@@ -249,6 +254,7 @@ impl Event<'_> {
                 | Event::Imported { .. }
                 | Event::Initialised { .. }
                 | Event::EngineReady { .. }
+                | Event::CheckingCheckpoint { .. }
                 | Event::CheckpointDamaged { .. }
         )
     }
@@ -311,6 +317,9 @@ impl fmt::Display for Event<'_> {
                 1e3 * secs,
                 100.0 * share
             ),
+            Event::CheckingCheckpoint { manifest } => {
+                write!(f, "--resume: checking {} against its hashes", manifest.display())
+            }
             Event::CheckpointDamaged { damaged, moved_to } => write!(
                 f,
                 "--resume: skipping {damaged}; moved aside to {} (delete it when you no longer need it)",

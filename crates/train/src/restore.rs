@@ -150,6 +150,7 @@ pub(crate) fn restore_or_initialise<O: Observer>(
 /// and the observer told which, why, and where it went.
 fn newest_intact<O: Observer>(dir: &Path, observer: &mut O) -> Result<Option<(PathBuf, Verified)>> {
     for (step, path) in checkpoint::manifests(dir)?.into_iter().rev() {
+        notify(observer, &Event::CheckingCheckpoint { manifest: &path })?;
         match checkpoint::verify(&path) {
             Ok(v) => return Ok(Some((path, v))),
             Err(damaged) => {
