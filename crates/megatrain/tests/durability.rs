@@ -23,6 +23,17 @@ fn run_args(out: &Path, data: &Path, more: &[&str]) -> Vec<String> {
     base.iter().chain(&ckpt).chain(&FINE_TUNE).chain(more).map(|a| a.to_string()).collect()
 }
 
+/// A scratch directory with the data file, and the uninterrupted run's export in `reference/`
+/// (`more`: its options beyond [`run_args`]'s).
+fn with_reference(more: &[&str]) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let data = t.path().join("data.jsonl");
+    write_data(&data);
+    let reference = t.path().join("reference");
+    ok(&run_args(&reference, &data, more));
+    (t, data, reference)
+}
+
 fn run(args: &[String]) -> std::process::Output {
     megatrain(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
@@ -61,11 +72,7 @@ fn flip(file: &Path, at: i64, mask: u8) {
 
 #[test]
 fn a_damaged_newest_checkpoint_is_named_skipped_and_the_resumed_export_is_bitwise() {
-    let t = tempfile::tempdir().unwrap();
-    let data = t.path().join("data.jsonl");
-    write_data(&data);
-    let reference = t.path().join("reference");
-    ok(&run_args(&reference, &data, &[]));
+    let (t, data, reference) = with_reference(&[]);
     let want = weights(&reference);
 
     // A run that crashed after step 6 and its checkpoint: checkpoints 2, 4 and 6, no export.
@@ -199,11 +206,7 @@ fn a_second_run_on_one_out_or_store_is_refused_at_once_and_the_first_finishes_un
 
 #[test]
 fn an_export_that_fails_part_way_is_finished_by_resume_without_training() {
-    let t = tempfile::tempdir().unwrap();
-    let data = t.path().join("data.jsonl");
-    write_data(&data);
-    let reference = t.path().join("reference");
-    ok(&run_args(&reference, &data, &["--save-every", "0"]));
+    let (t, data, reference) = with_reference(&["--save-every", "0"]);
     let out = t.path().join("out");
     // Without --save-every: every step since the start would be lost but for the last checkpoint.
     let a = run_args(&out, &data, &["--save-every", "0"]);
@@ -240,5 +243,4 @@ fn verify_refuses_what_is_not_a_checkpoint_directory() {
     assert!(!o.status.success() && stderr(&o).contains("is not a directory"), "{}", stderr(&o));
     let o = megatrain(&["verify", s(t.path())]);
     assert!(!o.status.success() && stderr(&o).contains("no checkpoint in"), "{}", stderr(&o));
-    let _: PathBuf = t.path().to_owned();
 }

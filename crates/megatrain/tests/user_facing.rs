@@ -92,19 +92,8 @@ fn the_tokenizer_is_loaded_only_for_data_that_needs_one() {
     let ids = t.path().join("ids.jsonl");
     write_data(&ids);
     let run = |data: &std::path::Path| {
-        megatrain(&[
-            "train",
-            "--model",
-            s(&model),
-            "--data",
-            s(data),
-            "--steps",
-            "1",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "16",
-        ])
+        let args = ["train", "--model", s(&model), "--data", s(data), "--steps", "1"];
+        megatrain(&[&args[..], &["--batch-size", "2", "--seq-len", "16"]].concat())
     };
     let o = run(&ids);
     assert!(o.status.success(), "{}", stderr(&o));
