@@ -261,6 +261,9 @@ pub struct TrainConfig {
     /// NaN or infinities injected into global steps (tests only).
     #[doc(hidden)]
     pub inject_faults: Vec<(u64, mt_sched::Fault)>,
+    /// The export's writes fail as a full disk would after this many bytes (tests only).
+    #[doc(hidden)]
+    pub inject_export_failure: Option<u64>,
 }
 
 impl Default for TrainConfig {
@@ -314,6 +317,7 @@ impl Default for TrainConfig {
             rows_per_block: 4096,
             delay_us: 0,
             inject_faults: Vec::new(),
+            inject_export_failure: None,
         }
     }
 }

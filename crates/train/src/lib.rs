@@ -29,6 +29,7 @@ mod engine;
 mod error;
 pub mod host;
 pub mod init;
+pub mod lock;
 mod model;
 mod observer;
 mod oom;

@@ -309,6 +309,9 @@ impl From<GradDtypeArg> for GradDtype {
 }
 
 pub(super) fn at_least_one(s: &str) -> Result<usize, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!("must be at least 1, found {s}"));
+    }
     let n: usize = s.parse().map_err(|e| format!("expected a whole number, found {s:?} ({e})"))?;
     if n == 0 {
         return Err("must be at least 1".into());

@@ -6,7 +6,6 @@
 //! [`Trainer::evaluate`], [`Trainer::save_checkpoint`], [`Trainer::export`] and
 //! [`Trainer::finish`] are the same pieces, for a loop of one's own.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,7 +19,8 @@ use crate::checkpoint;
 use crate::data::TrainData;
 use crate::engine::{Backend, DeviceEngine};
 use crate::error::{Context, Error, Result};
-use crate::host::{available_bytes, gib_to_bytes, planned_host_bytes, rss_bytes};
+use crate::host::{available_bytes, gib_to_bytes};
+use crate::lock::RunLocks;
 use crate::observer::{
     notify, notify_step, CheckpointWritten, EvalResult, Event, Observer, RunStart, StepEvent,
 };
@@ -28,6 +28,8 @@ use crate::restore::{open_store, prefault, restore_or_initialise};
 use crate::schedule::LrSchedule;
 use crate::summary::{StepTotals, TrainSummary};
 use crate::{checks, plan_for, ModelSource, TrainConfig};
+
+mod finish;
 
 /// A training run, set up and ready to step. The observer `O` hears every stage and step.
 pub struct Trainer<O: Observer> {
@@ -60,6 +62,10 @@ pub struct Trainer<O: Observer> {
     train_s: f64,
     later_s: Vec<f64>,
     evals: Vec<(u64, f64)>,
+    /// Global step of the newest checkpoint of this run (written or resumed from).
+    checkpointed: Option<u64>,
+    /// The locks on `--out`, the checkpoint directory and the store: released last.
+    _locks: RunLocks,
 }
 
 impl<O: Observer> std::fmt::Debug for Trainer<O> {
@@ -80,6 +86,14 @@ impl<O: Observer> Trainer<O> {
         let model = ModelSource::load(&config.model)?;
         checks::check_sizes(&config, &model.cfg)?;
         checks::check_outputs(&config)?;
+        // One run per output, from here to the end (`Drop`); refused at once if another holds one.
+        let locks = RunLocks::take(
+            config.out.as_deref(),
+            config.checkpoint_dir().as_deref(),
+            config.store.as_deref(),
+            &crate::lock::this_process(),
+        )?;
+        checks::check_fresh_start(&config)?;
         checks::check_room(&checks::outputs(&config, &ModelLayout::new(&model.cfg)))?;
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
@@ -102,6 +116,7 @@ impl<O: Observer> Trainer<O> {
         prefault(&store, &mut observer)?;
         let restored =
             restore_or_initialise(&config, &model, &store, &data, &defining, opened, &mut observer)?;
+        let checkpointed = restored.checkpoint_step;
         // Until the run's orderly end (`Drop`): a kill leaves the mark in a --store file.
         store.set_run_open(true);
         let engine = start_engine(&config, &model, opts, backend, &store, &mut observer)?;
@@ -164,6 +179,8 @@ impl<O: Observer> Trainer<O> {
             train_s: 0.0,
             later_s: Vec::new(),
             evals: Vec::new(),
+            checkpointed,
+            _locks: locks,
         })
     }
 
@@ -294,95 +311,8 @@ impl<O: Observer> Trainer<O> {
         let keep = self.config.keep_checkpoints;
         let manifest = checkpoint::save(&dir, &self.store, cursor, self.config.seed, &self.defining, keep)
             .map_err(|e| Error::Checkpoint(format!("writing the checkpoint of step {done}: {e}")))?;
+        self.checkpointed = Some(done);
         Ok(CheckpointWritten { manifest, secs: t.elapsed().as_secs_f64() })
-    }
-
-    /// Writes the model as a Hugging Face directory (config.json last, so the directory is
-    /// loadable exactly when it is complete), with the model directory's tokenizer files.
-    pub fn export(&mut self, dir: &Path) -> Result<()> {
-        let t = Instant::now();
-        self.engine.flush_pending().context_with(|| "applying the update before the export".into())?;
-        let opts = mt_hf::ExportOptions {
-            dtype: self.config.export_dtype,
-            max_shard_bytes: mt_hf::DEFAULT_MAX_SHARD_BYTES,
-            copy_files_from: self.model.hf.as_ref().map(|h| h.dir.clone()),
-        };
-        let r = mt_hf::export(&self.store, &self.model.config_json, dir, &opts)
-            .context_with(|| format!("exporting the model to --out {}", dir.display()))?;
-        let secs = t.elapsed().as_secs_f64();
-        let event = Event::Exported { dir, n_shards: r.n_shards, bytes: r.bytes_written, secs };
-        notify(&mut self.observer, &event)
-    }
-
-    /// Ends the run: the device profile (`MT_PROFILE=1`), the last pending update applied and
-    /// the store written back, a final evaluation, the export to `out`; returns the summary.
-    pub fn finish(mut self) -> Result<TrainSummary> {
-        self.report_profile()?;
-        let t = Instant::now();
-        self.engine.flush_pending().context_with(|| "applying the last update".into())?;
-        self.store.flush().context_with(|| "flushing the host store".into())?;
-        notify(&mut self.observer, &Event::Flushed { secs: t.elapsed().as_secs_f64() })?;
-        if !self.eval_batches.is_empty() {
-            let e = self.evaluate()?;
-            notify(&mut self.observer, &Event::Eval(e))?;
-        }
-        let exported = match self.config.out.clone() {
-            Some(out) => {
-                self.export(&out)?;
-                Some(out)
-            }
-            None => None,
-        };
-        Ok(self.summary(exported))
-    }
-
-    fn report_profile(&mut self) -> Result<()> {
-        if !mt_layers::profile::enabled() {
-            return Ok(());
-        }
-        let sections = mt_layers::profile::take();
-        let total: f64 = sections.iter().map(|s| s.2).sum();
-        for (name, calls, secs) in sections {
-            let share = secs / total.max(1e-12);
-            notify(&mut self.observer, &Event::Profile { name, calls, secs, share })?;
-        }
-        Ok(())
-    }
-
-    fn summary(&self, exported: Option<PathBuf>) -> TrainSummary {
-        let c = &self.config;
-        let later = &self.later_s;
-        TrainSummary {
-            model: self.model.name.clone(),
-            n_params: self.layout.n_params(),
-            n_layers: self.layout.n_layers,
-            start_step: self.start_step,
-            end_step: self.global_step(),
-            first_loss: self.first_loss.unwrap_or(f64::NAN),
-            last_loss: self.last_loss.unwrap_or(f64::NAN),
-            tokens_per_step: c.batch_size * c.seq_len,
-            train_s: self.train_s,
-            wall_s: self.t0.elapsed().as_secs_f64(),
-            store_bytes: self.store.bytes(),
-            store_bytes_per_param: self.store.bytes_per_param(),
-            optim_states: self.store.state_dtype(),
-            rss_bytes: rss_bytes(),
-            paging: self.store.paging_stats().map(|p| (p, self.store.bytes_in_memory().unwrap_or(0))),
-            planned_host_bytes: planned_host_bytes(&self.plan, c.device),
-            kept_bytes: (self.totals.kept_bytes(), self.plan.gpu.kept),
-            device_peak: (self.totals.device_peak(), self.plan.gpu.total),
-            flops_per_step: global_flops(&self.plan, &self.config),
-            later_step_s: (!later.is_empty()).then(|| later.iter().sum::<f64>() / later.len() as f64),
-            store_path: self.store.path().map(Path::to_owned),
-            h2d_bytes_per_step: self.totals.h2d_bytes_per_step(),
-            last_step_bytes: self.totals.last_step_bytes(),
-            d2h_bytes_per_step: self.totals.d2h_bytes_per_step(),
-            streams: self.totals.stream_means(),
-            evals: self.evals.clone(),
-            skipped_steps: self.skipped,
-            exported,
-            device: c.device.kind(),
-        }
     }
 
     /// Global optimizer steps completed.

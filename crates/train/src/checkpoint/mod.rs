@@ -1,19 +1,24 @@
-//! Crash-consistent checkpoints: a store snapshot plus a small JSON manifest, every K steps.
+//! Crash-consistent checkpoints that prove their integrity: a store snapshot plus a small JSON
+//! manifest, every K steps and at a run's end.
 //!
 //! A checkpoint of global step K is two files in the checkpoint directory:
 //!
 //! - `step-000000K.store`: the host store's training state ([`HostStore::write_snapshot`]:
 //!   master weights, AdamW moments, per-unit update counters, the header with the step; 12
-//!   bytes per parameter on disk), written as `.tmp`, synced, renamed;
+//!   bytes per parameter on disk with fp32 moments, in a file whose gradient region is a hole),
+//!   written as `.tmp`, synced, renamed;
 //! - `step-000000K.json`: the [`Manifest`], written the same way *after* the snapshot is durable.
+//!   It records the snapshot's size and BLAKE3 hash, and the BLAKE3 hash of its own bytes
+//!   ([`integrity`]).
 //!
 //! A checkpoint exists once its manifest does, so a crash (SIGKILL, power loss) at any moment
 //! leaves either the previous checkpoints or the new one, never a half-written one under a final
-//! name. `--resume` takes the newest checkpoint whose manifest parses and whose snapshot has the
-//! size the manifest records, checks that the run's defining options hash the same, restores the
-//! snapshot into the store and continues from step K: the batch of step k is a function of the
-//! data options and k alone and the learning rate a function of k, so on the CPU the resumed run
-//! is bitwise the uninterrupted one (`tests/real_use.rs`).
+//! name. `--resume` takes the newest checkpoint whose files match their hashes (a damaged one is
+//! moved aside into `damaged/`, and the one before it tried), checks that the run's defining
+//! options hash the same, restores the snapshot into the store and continues from step K: the
+//! batch of step k is a function of the data options and k alone and the learning rate a
+//! function of k, so on the CPU the resumed run is bitwise the uninterrupted one
+//! (`tests/real_use.rs`, `tests/durability.rs`).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -24,8 +29,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-/// Version of the manifest format.
-pub const MANIFEST_SCHEMA: u32 = 1;
+pub mod export_record;
+pub mod integrity;
+
+pub use integrity::{move_aside, verify, Damaged, Verified};
+
+/// Version of the manifest format: 2 records the BLAKE3 hashes; 1 (read, never written) did not.
+pub const MANIFEST_SCHEMA: u32 = 2;
 
 /// Where in the data a checkpoint stands (the first sequence of the next step).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,6 +61,9 @@ pub struct Manifest {
     pub store_file: String,
     /// Its size in bytes (a shorter file is not a checkpoint).
     pub store_bytes: u64,
+    /// BLAKE3 (hex) of the snapshot's bytes (absent in schema 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_blake3: Option<String>,
     /// Data cursor after `step` steps.
     pub data_cursor: Option<DataCursor>,
     /// The random state. Every random choice of a run (initialisation, shuffling, the built-in
@@ -63,6 +76,10 @@ pub struct Manifest {
     pub defining: Value,
     /// The megatrain version that wrote it.
     pub megatrain_version: String,
+    /// BLAKE3 (hex) of this manifest's bytes with these 64 digits written as zeros (absent in
+    /// schema 1): [`integrity::manifest_text`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest_blake3: Option<String>,
 }
 
 /// SHA-256 (hex) of a JSON value's canonical text (serde_json writes object keys sorted when
@@ -92,12 +109,16 @@ pub fn hash_file(path: &Path) -> Result<String> {
     Ok(hex(&h.finalize()))
 }
 
-fn stem(step: u64) -> String {
+/// `step-000000K`: the name of step K's files, without extension.
+pub fn stem(step: u64) -> String {
     format!("step-{step:09}")
 }
 
 /// Writes the checkpoint of `store` (no update may be pending) into `dir` and removes all but
-/// the newest `keep` checkpoints. Returns the manifest path.
+/// the newest `keep` checkpoints. Returns the manifest path. Files already at this step's names
+/// are not a checkpoint of this run (a run never reaches a step it has an intact checkpoint of):
+/// a snapshot without manifest is debris of an interrupted save and replaced, a manifest is moved
+/// aside into `damaged/` with its snapshot, and a warning says so.
 pub fn save(
     dir: &Path,
     store: &HostStore,
@@ -114,30 +135,34 @@ pub fn save(
     let store_path = dir.join(&store_file);
     let manifest_path = dir.join(format!("{}.json", stem(step)));
     if manifest_path.exists() {
-        return Err(Error::Checkpoint(format!("checkpoint {} already exists", manifest_path.display())));
+        let moved = move_aside(dir, step)?;
+        tracing::warn!(
+            "{} was in the way of this run's checkpoint of step {step}: moved to {}",
+            manifest_path.display(),
+            moved.display()
+        );
     }
     // A snapshot without a manifest is debris of an interrupted save: replace it.
     if store_path.exists() {
         fs::remove_file(&store_path).context_with(|| format!("cannot remove {}", store_path.display()))?;
     }
-    store.write_snapshot(&store_path).context_with(|| "writing the store snapshot".into())?;
+    let written = store.write_snapshot(&store_path).context_with(|| "writing the store snapshot".into())?;
     sync_dir(dir)?;
     let manifest = Manifest {
         schema_version: MANIFEST_SCHEMA,
         step,
         skipped_steps,
         store_file,
-        store_bytes: fs::metadata(&store_path)
-            .context_with(|| format!("cannot stat {}", store_path.display()))?
-            .len(),
+        store_bytes: written.len,
+        store_blake3: Some(written.blake3.to_hex().to_string()),
         data_cursor,
         rng_seed,
         config_hash: hash_json(defining),
         defining: defining.clone(),
         megatrain_version: env!("CARGO_PKG_VERSION").to_owned(),
+        manifest_blake3: None,
     };
-    let text =
-        serde_json::to_string_pretty(&manifest).context_with(|| "writing the checkpoint manifest".into())?;
+    let text = integrity::manifest_text(&manifest)?;
     write_atomic(&manifest_path, text.as_bytes())?;
     sync_dir(dir)?;
     prune(dir, keep)?;
@@ -157,15 +182,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     fs::rename(&tmp, path).context_with(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .context_with(|| format!("cannot sync directory {}", dir.display()))
 }
 
-/// Complete checkpoints in `dir`, oldest first: manifests that parse and whose snapshot exists
-/// with the recorded size.
-pub fn list(dir: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
+/// The manifests in `dir` (files named `step-K.json`), oldest first, by the step their name
+/// says: whether they parse or not, whether their snapshot is there or not.
+pub fn manifests(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut out = Vec::new();
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
@@ -177,26 +202,27 @@ pub fn list(dir: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
     for e in entries {
         let p = e.context_with(|| format!("cannot list checkpoint directory {}", dir.display()))?.path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if !(name.starts_with("step-") && name.ends_with(".json")) {
-            continue;
+        let step =
+            name.strip_prefix("step-").and_then(|r| r.strip_suffix(".json")).and_then(|d| d.parse().ok());
+        if let Some(step) = step {
+            out.push((step, p));
         }
-        let Ok(text) = fs::read_to_string(&p) else { continue };
-        let Ok(m) = serde_json::from_str::<Manifest>(&text) else {
-            tracing::warn!("ignoring unreadable checkpoint manifest {}", p.display());
-            continue;
-        };
-        if m.store_file != format!("{}.store", stem(m.step)) {
-            tracing::warn!("ignoring checkpoint {}: it names snapshot {:?}", p.display(), m.store_file);
-            continue;
-        }
-        let size = fs::metadata(dir.join(&m.store_file)).map(|md| md.len()).ok();
-        if size != Some(m.store_bytes) {
-            tracing::warn!("ignoring checkpoint {}: its snapshot is missing or truncated", p.display());
-            continue;
-        }
-        out.push((p, m));
     }
-    out.sort_by_key(|(_, m)| m.step);
+    out.sort();
+    Ok(out)
+}
+
+/// Complete checkpoints in `dir`, oldest first: manifests that match their own hash and whose
+/// snapshot exists with the recorded size (the snapshot's hash is checked by [`verify`], which
+/// reads it whole: `--resume` and `megatrain verify` do).
+pub fn list(dir: &Path) -> Result<Vec<(PathBuf, Manifest)>> {
+    let mut out = Vec::new();
+    for (_, p) in manifests(dir)? {
+        match integrity::check_manifest(&p) {
+            Ok(m) => out.push((p, m)),
+            Err(d) => tracing::warn!("ignoring {d}"),
+        }
+    }
     Ok(out)
 }
 
@@ -227,15 +253,16 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
-fn file_name(p: &Path) -> String {
+pub(crate) fn file_name(p: &Path) -> String {
     p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 /// Refuses a resume whose defining options differ from the checkpoint's, naming each one.
 pub fn check_same_run(m: &Manifest, defining: &Value) -> Result<()> {
-    if m.schema_version != MANIFEST_SCHEMA {
+    if !(1..=MANIFEST_SCHEMA).contains(&m.schema_version) {
         return Err(Error::Checkpoint(format!(
-            "checkpoint manifest schema {} is not {MANIFEST_SCHEMA}",
+            "checkpoint manifest schema {} is not one this build reads (1 to {MANIFEST_SCHEMA}): it was \
+             written by a newer megatrain",
             m.schema_version
         )));
     }
