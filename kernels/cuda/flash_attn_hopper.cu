@@ -434,18 +434,9 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     auto softmax = [&](int jt, float* alpha) {
         const int j0 = jt * BN;
         const bool masked = j0 + BN - 1 > row0 || j0 < seg_max;
-#ifdef MT_HFA_TREE_STATS
-        // Each row's max and sum over four partials (a quarter of the columns each): chains of
-        // 8 dependent instructions instead of 32.
-        constexpr int P = 4;
-#else
-        constexpr int P = 1;
-#endif
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            float mxp[P];
-#pragma unroll
-            for (int k = 0; k < P; ++k) mxp[k] = MT_NEG_INF;
+            float mx = MT_NEG_INF;
 #pragma unroll
             for (int jb = 0; jb < BN / 8; ++jb)
 #pragma unroll
@@ -456,30 +447,22 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                         if (key > r[i] || key < rseg[i]) x = MT_NEG_INF;
                         s[4 * jb + 2 * i + e] = x;
                     }
-                    mxp[jb % P] = fmaxf(mxp[jb % P], x);
+                    mx = fmaxf(mx, x);
                 }
-            float mx = mxp[0];
-#pragma unroll
-            for (int k = 1; k < P; ++k) mx = fmaxf(mx, mxp[k]);
             mx = quad_max(mx) * scale_log2;
             const float m_new = fmaxf(m[i], mx);
             const float m_use = m_new == MT_NEG_INF ? 0.0f : m_new;
             alpha[i] = fast_exp2(m[i] - m_use);
             m[i] = m_new;
-            float sump[P];
-#pragma unroll
-            for (int k = 0; k < P; ++k) sump[k] = 0.0f;
+            float sum = 0.0f;
 #pragma unroll
             for (int jb = 0; jb < BN / 8; ++jb)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const float pv = fast_exp2(fmaf(s[4 * jb + 2 * i + e], scale_log2, -m_use));
                     s[4 * jb + 2 * i + e] = pv;
-                    sump[jb % P] += pv;
+                    sum += pv;
                 }
-            float sum = sump[0];
-#pragma unroll
-            for (int k = 1; k < P; ++k) sum += sump[k];
             l[i] = l[i] * alpha[i] + sum;
         }
     };
@@ -570,7 +553,8 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 
 // Registers per thread after `setmaxnreg`: 128 x producer + 256 x consumer must equal the 384 x 168
 // a CTA starts with (anything else hangs the CTA). The load warp's and the dQ warp's loops fit
-// in 40; 24 / 240 gives the consumers room to overlap more.
+// in 40; the consumers' 232 hold dK, dV, S^T, dP^T and the dQ partial without a spill (24 / 240
+// compiles too, for experiments, with a small spill in the producer).
 #ifndef MT_HFA_BWD_CONSUMER_REGS
 #define MT_HFA_BWD_PRODUCER_REGS 40
 #define MT_HFA_BWD_CONSUMER_REGS 232
@@ -742,9 +726,6 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
             wgmma_ss<BQ, 0, 0>(st, desc_sw128(kan + off, 16, 1024), desc_sw128(q_s + offq, 16, 1024), kk > 0);
         }
-#ifdef MT_HFA_BWD_SPLIT
-        wg_commit();  // S^T alone, so that P can be computed while dP^T is still in the tensor cores
-#endif
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
@@ -755,57 +736,6 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         const float2* lse2 = (const float2*)(ldsm + (2 * s) * BQ) + tq;
         const float2* dd = (const float2*)(ldsm + (2 * s + 1) * BQ) + tq;
         const bool masked = i0 < key0 + 63 || i0 + BQ > T || (slo && slo[min(i0 + BQ - 1, T - 1)] > key0);
-#ifdef MT_HFA_BWD_SPLIT
-        // P^T as soon as S^T is in (dP^T still running), dV += P^T dO issued at once; then dS^T
-        // once dP^T is in, while dV's product runs.
-        wg_wait<1>();
-        fence_regs<BQ / 2>(st);
-#pragma unroll
-        for (int jq = 0; jq < BQ / 8; ++jq) {
-            const float2 l2 = lse2[4 * jq];
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int x = 4 * jq + 2 * i + e;
-                    float pv = fast_exp2(fmaf(st[x], scale_log2, -(e ? l2.y : l2.x)));
-                    if (masked) {
-                        const int q = i0 + 8 * jq + 2 * tq + e;
-                        if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i])) pv = 0.0f;
-                    }
-                    st[x] = pv;
-                }
-        }
-        acc_to_frag<BQ>(pa, st);
-        fence_regs<HD / 2>(dv);
-        fence_regs<BQ / 4>(pa);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk)
-            wgmma_rs<HD, 1>(dv, &pa[4 * kk], desc_sw128(do_s + kk * 2048, BQ * 128, 1024), 1);
-        wg_commit();
-        wg_wait<1>();
-        fence_regs<BQ / 2>(dp);
-#pragma unroll
-        for (int jq = 0; jq < BQ / 8; ++jq) {
-            const float2 d2 = dd[4 * jq];
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int x = 4 * jq + 2 * i + e;
-                    dp[x] = st[x] * (dp[x] - (e ? d2.y : d2.x));
-                }
-        }
-        acc_to_frag<BQ>(da, dp);
-        fence_regs<HD / 2>(dk);
-        fence_regs<BQ / 4>(da);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk)
-            wgmma_rs<HD, 1>(dk, &da[4 * kk], desc_sw128(q_s + kk * 2048, BQ * 128, 1024), 1);
-        wg_commit();
-#else
         wg_wait<0>();
         fence_regs<BQ / 2>(st);
         fence_regs<BQ / 2>(dp);
@@ -841,7 +771,6 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         for (int kk = 0; kk < BQ / 16; ++kk)
             wgmma_rs<HD, 1>(dk, &da[4 * kk], desc_sw128(q_s + kk * 2048, BQ * 128, 1024), 1);
         wg_commit();
-#endif
         // dS^T into this item's shared buffer (keys x queries, bf16, swizzled: row = key within the
         // block, 16-byte piece = query / 8). The buffer's last reader, item n - 2's dQ product in
         // both consumers, finished before either passed item n - 1's barrier below.

@@ -35,7 +35,7 @@ use crate::cli::{DeviceKind, EstimateArgs, Precision};
 
 mod attention;
 use attention::attention_s;
-pub use attention::{FLASH_TFLOPS, MATERIALISED_ATTENTION_TFLOPS};
+pub use attention::{FLASH_TFLOPS, HOPPER_FLASH_TFLOPS, MATERIALISED_ATTENTION_TFLOPS};
 
 /// Default GPU memory: one H200 as the driver reports it.
 pub const DEFAULT_GPU_GIB: f64 = 139.8;

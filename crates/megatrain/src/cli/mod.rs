@@ -132,8 +132,9 @@ pub struct EstimateArgs {
     #[arg(long, value_parser = positive_f64)]
     pub tflops: Option<f64>,
     /// The flash attention kernel's forward and backward TFLOP/s (causal FLOPs, the backward as
-    /// 2.5x the forward), e.g. `250,195` [default: our kernel's H200 rates at the sequence length,
-    /// 175,116 at 4k to 257,196 at 128k].
+    /// 2.5x the forward), e.g. `250,195` [default: our kernels' measured rates at the sequence
+    /// length: the Hopper kernels' (compute capability 9.0) 302,202 at 4k to 519,472 at 128k on an
+    /// H100; the portable kernels' 175,116 to 257,196 on an H200].
     #[arg(long, value_name = "FWD,BWD", value_parser = tflops_pair)]
     pub attention_tflops: Option<(f64, f64)>,
     /// PCIe bandwidth per direction in GB/s with both directions busy (H200 machine: 50.9).

@@ -1,16 +1,30 @@
-//! Attention's share of `megatrain estimate`'s step time: our flash kernel's measured rates and
-//! the materialised path's.
+//! Attention's share of `megatrain estimate`'s step time: our flash kernels' measured rates (the
+//! Hopper kernels on compute capability 9.0, the portable ones elsewhere) and the materialised
+//! path's.
 
 use mt_sched::plan::Plan;
 
 use crate::cli::EstimateArgs;
 
-/// Our flash kernel's forward and backward TFLOP/s (causal FLOPs, the backward counted as 2.5x
+/// Our portable flash kernels' forward and backward TFLOP/s (causal FLOPs, the backward counted as 2.5x
 /// the forward) by sequence length, measured on an H200 at 28 / 4 heads, head dim 128, one
 /// sequence (`results/2026-11-26-flash-attention-h200/kernel/`); interpolated in log2 of the
 /// length, the ends held beyond.
 pub const FLASH_TFLOPS: [(usize, f64, f64); 4] =
     [(4096, 175.2, 115.8), (16384, 229.9, 194.3), (65536, 253.3, 193.0), (131072, 256.9, 195.5)];
+
+/// The Hopper flash kernels' (`kernels/cuda/flash_attn_hopper.cu`) forward and backward TFLOP/s,
+/// deterministic backward, by sequence length, measured as [`FLASH_TFLOPS`] on an H100
+/// (`results/2026-11-28-hopper-attention-h100/`: `attention-short.json` for 4k and 8k,
+/// `attention-inner.json` beyond). Short sequences run slower: fewer blocks of keys than
+/// multiprocessors' worth of work, and the ordered dQ adds wait more.
+pub const HOPPER_FLASH_TFLOPS: [(usize, f64, f64); 5] = [
+    (4096, 302.0, 202.0),
+    (8192, 449.0, 316.0),
+    (16384, 538.0, 411.0),
+    (65536, 523.0, 472.0),
+    (131072, 519.0, 472.0),
+];
 
 /// TFLOP/s of the materialised attention (candle's GEMMs and our softmax kernels, the
 /// `6·L·s·hidden·T` FLOPs and the recompute's forward): 80-84 in the H200 runs of the 3.6B at
@@ -39,16 +53,16 @@ pub(super) fn attention_s(cfg: &mt_core::ModelConfig, p: &Plan, args: &EstimateA
         let rate = MATERIALISED_ATTENTION_TFLOPS * 1e12;
         return AttentionTime { forward: a / rate, backward: a * (2.0 + recomputed) / rate };
     }
-    let (fwd, bwd) = args.attention_tflops.map_or_else(|| flash_tflops(p.seq), |r| (r.0, r.1));
+    let table: &[(usize, f64, f64)] = if p.hopper_attention { &HOPPER_FLASH_TFLOPS } else { &FLASH_TFLOPS };
+    let (fwd, bwd) = args.attention_tflops.map_or_else(|| flash_tflops(table, p.seq), |r| (r.0, r.1));
     AttentionTime {
         forward: a / (fwd * 1e12),
         backward: a * recomputed / (fwd * 1e12) + 2.5 * a / (bwd * 1e12),
     }
 }
 
-/// [`FLASH_TFLOPS`] at `seq` tokens.
-fn flash_tflops(seq: usize) -> (f64, f64) {
-    let t = FLASH_TFLOPS;
+/// A table's rates at `seq` tokens.
+fn flash_tflops(t: &[(usize, f64, f64)], seq: usize) -> (f64, f64) {
     let x = (seq.max(1) as f64).log2();
     let (first, last) = (t[0], t[t.len() - 1]);
     if x <= (first.0 as f64).log2() {

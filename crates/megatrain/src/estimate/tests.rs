@@ -119,27 +119,34 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
     assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
 }
 
-/// The step times measured on one H200 (every layer resident or held, so compute-bound;
-/// `results/2026-11-26-flash-attention-h200/`: `engine/`, `long/`, `regression/`) against
-/// the estimate of the same command: within 10% each (0.3-7.6% when written), where pricing
-/// attention at the GEMMs' rate put the 7B at 128k 2.2x too fast.
+/// The step times measured with the portable flash kernels on one H200 (every layer resident or
+/// held, so compute-bound; `results/2026-11-26-flash-attention-h200/`: `engine/`, `long/`,
+/// `regression/`) and with the Hopper kernels on one H100
+/// (`results/2026-11-28-hopper-attention-h100/engine/`) against the estimate of the same
+/// command: within 10% each (0.3-7.6% when written), where pricing attention at the GEMMs' rate
+/// put the 7B at 128k 2.2x too fast.
 #[test]
 fn the_step_time_follows_the_measured_flash_runs() {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/");
-    // (config, batch, seq, attention, measured seconds a step)
+    let lean: &[&str] = &["--optim-mode", "lean", "--grad-dtype", "none"];
+    // (config, batch, seq, attention, GPU GiB, extra arguments, measured seconds a step)
     let runs = [
-        ("llama3-3.6b.json", 4, 2048, "flash", 0.3733),
-        ("llama3-3.6b.json", 16, 2048, "flash", 1.450),
-        ("llama3-3.6b.json", 4, 2048, "materialized", 0.3985),
-        ("llama3-3.6b.json", 16, 2048, "materialized", 1.827),
-        ("qwen2.5-7b.json", 1, 32768, "auto", 7.52),
-        ("qwen2.5-7b.json", 1, 131072, "auto", 82.46),
-        ("qwen2.5-7b.json", 1, 262144, "auto", 304.46),
+        ("llama3-3.6b.json", 4, 2048, "portable", "139.8", &[][..], 0.3733),
+        ("llama3-3.6b.json", 16, 2048, "portable", "139.8", &[], 1.450),
+        ("llama3-3.6b.json", 4, 2048, "materialized", "139.8", &[], 0.3985),
+        ("llama3-3.6b.json", 16, 2048, "materialized", "139.8", &[], 1.827),
+        ("qwen2.5-7b.json", 1, 32768, "portable", "139.8", &[], 7.52),
+        ("qwen2.5-7b.json", 1, 131072, "portable", "139.8", &[], 82.46),
+        ("qwen2.5-7b.json", 1, 262144, "portable", "139.8", &[], 304.46),
+        ("llama3-3.6b.json", 4, 2048, "auto", "79.2", &[], 0.4085),
+        ("llama3-3.6b.json", 1, 16384, "auto", "79.2", &[], 1.199),
+        ("qwen2.5-7b.json", 1, 131072, "auto", "79.2", lean, 43.44),
+        ("qwen2.5-7b.json", 1, 262144, "auto", "79.2", lean, 148.87),
     ];
-    for (config, batch, seq, attention, measured) in runs {
+    for (config, batch, seq, attention, gpu_mem, extra, measured) in runs {
         let config = format!("{root}{config}");
         let (b, s) = (batch.to_string(), seq.to_string());
-        let argv = [
+        let mut argv = vec![
             "megatrain",
             "estimate",
             "--config",
@@ -153,19 +160,21 @@ fn the_step_time_follows_the_measured_flash_runs() {
             "--seq-len",
             &s,
             "--gpu-mem",
-            "139.8",
+            gpu_mem,
             "--host-mem",
             "125",
             "--attention",
             attention,
         ];
+        argv.extend_from_slice(extra);
         let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
         let e = super::estimate(&args).unwrap();
         assert_eq!(e.plan.flash_attention, attention != "materialized", "{config} {batch}x{seq}");
+        assert_eq!(e.plan.hopper_attention, attention == "auto", "{config} {batch}x{seq}");
         let ratio = e.step_s / measured;
         assert!(
             (0.9..1.1).contains(&ratio),
-            "{config} {batch}x{seq}: {:.3} s vs {measured} s measured",
+            "{config} {batch}x{seq} ({attention}): {:.3} s vs {measured} s measured",
             e.step_s
         );
     }
