@@ -39,6 +39,3 @@ pub use error::{Error, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclId, NcclReduce};
 pub use program::{OptimMode, Program};
-
-#[cfg(test)]
-mod program_tests;

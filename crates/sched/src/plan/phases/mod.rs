@@ -23,7 +23,6 @@ use crate::batch::chunk_ranges;
 use crate::program::RELOAD_SLOTS;
 use crate::{Error, OptimMode, Result};
 
-#[path = "plan_phases_gpu.rs"]
 mod gpu;
 use gpu::{place_gpu_updated, GpuUpdated};
 

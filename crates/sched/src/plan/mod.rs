@@ -32,14 +32,10 @@ use mt_store::GradDtype;
 
 use crate::{OptimMode, Result};
 
-#[path = "plan_bytes.rs"]
 mod bytes;
 pub use bytes::{largest_record, layer_workspace, loss_workspace, store_bytes, LayerPath, PAGED_MIN_RECORDS};
-#[path = "plan_display.rs"]
 mod display;
-#[path = "plan_model.rs"]
 mod model;
-#[path = "plan_phases.rs"]
 mod phases;
 pub use model::{
     early_upload_capacity, forward_window, host_update_bytes, late_download_capacity, UpdatePlacement,
@@ -322,20 +318,15 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
 }
 
 #[cfg(test)]
-#[path = "plan_tests.rs"]
 mod tests;
 
 #[cfg(test)]
-#[path = "plan_long_tests.rs"]
 mod long_tests;
 #[cfg(test)]
-#[path = "plan_paging_tests.rs"]
 mod paging_tests;
 
 #[cfg(test)]
-#[path = "plan_states_tests.rs"]
 mod states_tests;
 
 #[cfg(test)]
-#[path = "plan_update_tests.rs"]
 mod update_tests;

@@ -543,7 +543,6 @@ fn a_program_waiting_on_a_later_instruction_is_refused() {
 }
 
 /// The GPU-updated layers' state slots: reuse, late downloads, early uploads.
-#[path = "program_state_tests.rs"]
 mod state;
 
 /// Spilled checkpoints: each spilled boundary goes down once after the op that wrote it, its

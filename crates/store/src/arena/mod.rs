@@ -12,13 +12,9 @@ use crate::grad::{GradDtype, GradMut, GradRef};
 use crate::header::{self, off};
 use crate::PAGE;
 
-#[path = "arena_header.rs"]
 mod header_fields;
-#[path = "arena_pages.rs"]
 mod pages;
-#[path = "arena_paging.rs"]
 mod paging;
-#[path = "arena_params.rs"]
 mod params;
 
 /// Training state persisted in the header page next to the records.

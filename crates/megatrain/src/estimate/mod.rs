@@ -397,5 +397,4 @@ impl std::fmt::Display for Estimate {
 }
 
 #[cfg(test)]
-#[path = "estimate/tests.rs"]
 mod tests;

@@ -450,8 +450,10 @@ pub struct Program {
     pub spec: ProgramSpec,
 }
 
-#[path = "program_build.rs"]
 mod build;
+
+#[cfg(test)]
+mod tests;
 
 impl Program {
     /// Checks that every wait points to an earlier instruction (the executor relies on it).

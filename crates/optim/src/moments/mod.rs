@@ -336,5 +336,4 @@ pub(crate) fn encode_v(x: &[f32], codes: &mut [u8], key: u32, base: usize) -> f3
 }
 
 #[cfg(test)]
-#[path = "moments_tests.rs"]
 mod tests;

@@ -494,5 +494,4 @@ fn cast_par<U: UploadElem>(src: &[f32], dst: &mut [U]) -> Result<(), Error> {
 }
 
 #[cfg(test)]
-#[path = "adamw_tests.rs"]
 mod tests;
