@@ -8,6 +8,7 @@
 
 mod common;
 
+use mt_sched::Placement;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
@@ -40,7 +41,11 @@ fn run_placed<B: Backend>(
     ring_depth: usize,
     (resident_outer, resident_layers): (bool, usize),
 ) -> Run {
-    let opts = EngineOptions { ring_depth, resident_outer, resident_layers, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        ring_depth,
+        placement: Placement { resident_outer, resident_layers, ..Placement::default() },
+        ..EngineOptions::default()
+    };
     run_with(name, backend, dtype, opts)
 }
 
@@ -77,13 +82,16 @@ fn run_model<B: Backend>(
         weight_dtype: dtype,
         n_chunks: 2,
         ring_depth: placement.ring_depth,
-        resident_outer: placement.resident_outer,
-        resident_layers: placement.resident_layers,
-        kept_layers: placement.kept_layers,
-        held_layers: placement.held_layers,
-        gpu_updated_layers: placement.gpu_updated_layers,
-        late_state_downloads: placement.late_state_downloads,
-        early_state_uploads: placement.early_state_uploads,
+        placement: Placement {
+            resident_outer: placement.resident_outer,
+            resident_layers: placement.resident_layers,
+            kept_layers: placement.kept_layers,
+            held_layers: placement.held_layers,
+            gpu_updated_layers: placement.gpu_updated_layers,
+            late_state_downloads: placement.late_state_downloads,
+            early_state_uploads: placement.early_state_uploads,
+            ..Placement::default()
+        },
         ..golden_opts()
     };
     let mut e = Engine::new(cfg, store.clone(), backend, opts).unwrap();
@@ -250,10 +258,13 @@ fn cuda_gpu_updated_layers_train_bitwise_as_host_updates() {
                 (6, 4, 2, 2),
             ] {
                 let o = EngineOptions {
-                    gpu_updated_layers: gpu,
-                    held_layers: held,
-                    late_state_downloads: late,
-                    early_state_uploads: early,
+                    placement: Placement {
+                        gpu_updated_layers: gpu,
+                        held_layers: held,
+                        late_state_downloads: late,
+                        early_state_uploads: early,
+                        ..Placement::default()
+                    },
                     ..EngineOptions::default()
                 };
                 let (r, host) = if early > 0 {
@@ -461,9 +472,12 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
                 let run = |kept_layers, held_layers| {
                     let backend = CudaBackend::new(0, CpuOptions::default()).unwrap();
                     let opts = EngineOptions {
-                        resident_layers,
-                        kept_layers,
-                        held_layers,
+                        placement: Placement {
+                            resident_layers,
+                            kept_layers,
+                            held_layers,
+                            ..Placement::default()
+                        },
                         ..EngineOptions::default()
                     };
                     run_with(name, backend, dtype, opts)

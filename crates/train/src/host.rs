@@ -105,15 +105,11 @@ fn plan_with(
     fused_kernels: bool,
 ) -> Result<Plan> {
     let (device_bytes, host_bytes, host_reserved) = bytes;
-    let mut placement = c.placement.for_run(c.device, c.store.is_some());
+    let mut placement = c.placement.for_run(c.device.kind(), c.store.is_some());
     if c.gpus > 1 {
         // Data parallel keeps every optimizer state in the host store (checks.rs refused an
         // explicit request for these): the planner may not choose them.
-        placement.resident_outer = Some(false);
-        placement.resident_layers = Some(0);
-        placement.gpu_updated_layers = Some(0);
-        placement.late_state_downloads = Some(0);
-        placement.early_state_uploads = Some(0);
+        placement = placement.without_device_state();
     }
     plan(&PlanInput {
         cfg: cfg.clone(),
@@ -129,19 +125,12 @@ fn plan_with(
         ring_depth: Some(c.ring_depth),
         n_chunks: c.chunks,
         rows_per_block: c.rows_per_block,
-        resident_outer: placement.resident_outer,
-        resident_layers: placement.resident_layers,
-        kept_layers: placement.kept_layers,
-        held_layers: placement.held_layers,
-        gpu_updated_layers: placement.gpu_updated_layers,
-        late_state_downloads: placement.late_state_downloads,
-        early_state_uploads: placement.early_state_uploads,
         fused_kernels,
         flash_attention: c.attention,
         mlp_rows: c.mlp_rows,
-        spilled_checkpoints: placement.spilled_checkpoints,
         store_file: c.store.is_some(),
         host_reserved,
+        placement,
     })
     .context_with(|| {
         "no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)".into()

@@ -471,17 +471,10 @@ fn engine_options(c: &TrainConfig, model: &ModelSource, plan: &Plan) -> EngineOp
         clip: (c.clip > 0.0).then_some(c.clip),
         overlap_optimizer: c.overlap_optimizer,
         rows_per_block: c.rows_per_block,
-        resident_outer: plan.resident_outer,
-        resident_layers: plan.resident_layers,
-        kept_layers: plan.kept_layers,
-        held_layers: plan.held_layers,
-        gpu_updated_layers: plan.gpu_updated_layers,
-        late_state_downloads: plan.late_state_downloads,
-        early_state_uploads: plan.early_state_uploads,
         flash_attention: plan.flash_attention,
         mlp_rows: plan.mlp_rows,
-        spilled_checkpoints: plan.spilled_checkpoints,
         rope_angles: c.rope_angles,
+        placement: plan.placement,
         ..EngineOptions::default()
     };
     opts.adamw.lr = c.lr_for(&model.cfg);

@@ -34,7 +34,7 @@ pub(super) fn attention_s(cfg: &mt_core::ModelConfig, p: &Plan, args: &EstimateA
     let l = cfg.num_hidden_layers as f64;
     let a =
         2.0 * p.seq as f64 * (cfg.num_attention_heads * cfg.head_dim) as f64 * (p.batch * p.seq) as f64 * l;
-    let recomputed = (cfg.num_hidden_layers - p.kept_layers) as f64 / l;
+    let recomputed = (cfg.num_hidden_layers - p.placement.kept_layers) as f64 / l;
     if !p.flash_attention {
         let rate = MATERIALISED_ATTENTION_TFLOPS * 1e12;
         return AttentionTime { forward: a / rate, backward: a * (2.0 + recomputed) / rate };

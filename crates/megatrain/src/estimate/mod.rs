@@ -29,7 +29,7 @@ use mt_sched::plan::Plan;
 use serde_json::{json, Value};
 
 use mt_train::host::{available_bytes, gib_to_bytes, planned_host_bytes};
-use mt_train::{plan_for, ModelChoice, ModelSource, PlacementChoice, TrainConfig};
+use mt_train::{plan_for, ModelChoice, ModelSource, TrainConfig};
 
 use crate::cli::{DeviceKind, EstimateArgs, Precision};
 
@@ -96,16 +96,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         optim_mode: args.optim_mode.into(),
         device: args.device.into(),
         gpus: args.gpus,
-        placement: PlacementChoice {
-            resident_outer: args.resident_outer.choice(),
-            resident_layers: args.resident_layers.choice(),
-            kept_layers: args.kept_layers.choice(),
-            held_layers: args.held_layers.choice(),
-            gpu_updated_layers: args.gpu_updated_layers.choice(),
-            late_state_downloads: args.late_state_downloads.choice(),
-            early_state_uploads: args.early_state_uploads.choice(),
-            spilled_checkpoints: args.spill_checkpoints.choice(),
-        },
+        placement: args.placement.choice(),
         attention: args.attention.choice(),
         mlp_rows: args.mlp_rows.choice(),
         store: args.store.clone(),
@@ -138,7 +129,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         None => layout.layer.get(mt_core::names::DOWN).map_or(0, |s| s.numel()),
         Some(m) => m.num_experts_per_tok * cfg.hidden_size * m.moe_intermediate_size,
     };
-    let recomputed = layout.n_layers - p.kept_layers;
+    let recomputed = layout.n_layers - p.placement.kept_layers;
     let recompute = 2.0 * (recomputed * (active_layer - down)) as f64 * tokens;
     let gemm = 6.0 * active as f64 * tokens;
     let attn = attention_s(cfg, &p, args);
@@ -154,9 +145,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let bwd_s = compute_s - fwd_s;
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer works on the streamed units only: resident ones are updated on the GPU.
-    let streamed_layers = layout.n_layers - p.resident_layers;
+    let streamed_layers = layout.n_layers - p.placement.resident_layers;
     let layer_params = (streamed_layers * layout.layer.n_params()) as f64;
-    let outer_params = if p.resident_outer { 0.0 } else { layout.outer.n_params() as f64 };
+    let outer_params = if p.placement.resident_outer { 0.0 } else { layout.outer.n_params() as f64 };
     let mode = args.optim_mode.into();
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
     let states = mt_core::StateDtype::from(args.optim_states);
@@ -171,9 +162,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // instead, and early uploads' master and moments (`s` B/param) go up there (their gradient is
     // copied on the device).
     let s = b.state;
-    let gpu_params = (p.gpu_updated_layers * layout.layer.n_params()) as f64;
-    let late_params = (p.late_state_downloads * layout.layer.n_params()) as f64;
-    let early_params = (p.early_state_uploads * layout.layer.n_params()) as f64;
+    let gpu_params = (p.placement.gpu_updated_layers * layout.layer.n_params()) as f64;
+    let late_params = (p.placement.late_state_downloads * layout.layer.n_params()) as f64;
+    let early_params = (p.placement.early_state_uploads * layout.layer.n_params()) as f64;
     let state_dma = gpu_params * (2.0 * s + b.grad) - late_params * s - early_params * (s + b.grad);
     // Every GPU casts every streamed unit into its own staging ring; the update and the land
     // (GPU 0's) run once. In exact mode one GPU's forward cast is fused into the update, the
@@ -187,7 +178,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
             + state_dma,
     );
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
-    let recast_params = ((streamed_layers - p.held_layers) * layout.layer.n_params()) as f64;
+    let recast_params = ((streamed_layers - p.placement.held_layers) * layout.layer.n_params()) as f64;
     let host_backward_s = secs(
         n_gpus * recast_params * b.bwd_cast
             + layer_params * b.land
@@ -208,17 +199,20 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         // waits for it layer by layer) and cannot overlap the backward. The forward's uploads
         // overlap the forward; the backward's re-uploads and every download the backward.
         mt_sched::OptimMode::Exact => {
-            let bwd_h2d = ((streamed_layers - p.held_layers) * layout.layer.len) as f64
+            let bwd_h2d = ((streamed_layers - p.placement.held_layers) * layout.layer.len) as f64
                 * args.precision.bytes()
                 + early_params * s;
             // GPU-updated layers' master and moments come back during the forward (the late
             // ones' during the backward).
-            let fwd_d2h = ((p.gpu_updated_layers - p.late_state_downloads) * layout.layer.len) as f64 * s;
+            let fwd_d2h = ((p.placement.gpu_updated_layers - p.placement.late_state_downloads)
+                * layout.layer.len) as f64
+                * s;
             // Their state goes up beside the host's pass, slower than weights alone (the
             // planner's `STATE_UPLOAD_GBS` of its `PCIE_GBS`): master, m, v and the stored
             // gradient of each not uploaded early.
-            let state_up =
-                ((p.gpu_updated_layers - p.early_state_uploads) * layout.layer.len) as f64 * (s + b.grad);
+            let state_up = ((p.placement.gpu_updated_layers - p.placement.early_state_uploads)
+                * layout.layer.len) as f64
+                * (s + b.grad);
             let state_gbs = args.pcie_gbs * mt_sched::plan::STATE_UPLOAD_GBS / mt_sched::plan::PCIE_GBS;
             let fwd_h2d_s = (p.pcie_h2d_per_step as f64 - bwd_h2d - state_up) / (args.pcie_gbs * 1e9)
                 + state_up / (state_gbs * 1e9);

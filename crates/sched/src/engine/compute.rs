@@ -36,7 +36,7 @@ impl<B: Backend> Engine<B> {
             Op::Forward { layer, slot } => {
                 let _s = tracing::debug_span!("forward", layer).entered();
                 let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
-                let keep = layer < self.opts.kept_layers;
+                let keep = layer < self.opts.placement.kept_layers;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
                     let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
@@ -142,7 +142,7 @@ impl<B: Backend> Engine<B> {
                 if let Some(dp) = &self.dp {
                     dp.reduce.sum(&gbuf)?;
                 }
-                if self.opts.resident_outer {
+                if self.opts.placement.resident_outer {
                     // Likewise the resident outer unit's.
                     let ss = mt_layers::device_optim::sum_squares(&gbuf)?;
                     self.device_sumsq.push((Unit::Outer, ss));

@@ -34,7 +34,8 @@ impl<B: Backend> Engine<B> {
         if dp.world == 0 || dp.rank >= dp.world {
             return Err(Error::Options(format!("rank {} of {} ranks", dp.rank, dp.world)));
         }
-        let device_state = o.resident_outer || o.resident_layers > 0 || o.gpu_updated_layers > 0;
+        let p = &o.placement;
+        let device_state = p.resident_outer || p.resident_layers > 0 || p.gpu_updated_layers > 0;
         if dp.world > 1 && device_state {
             return Err(Error::Options(
                 "data parallel over several GPUs keeps every optimizer state in the one host store: use --resident-outer off --resident-layers 0 --gpu-updated-layers 0 with --gpus above 1".into(),

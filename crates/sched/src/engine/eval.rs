@@ -37,7 +37,7 @@ impl<B: Backend> Engine<B> {
             Ok(())
         };
         // A resident unit's slot holds its current weights already.
-        if !self.opts.resident_outer {
+        if !self.opts.placement.resident_outer {
             load(Unit::Outer, &self.pool.outer_slot)?;
         }
         let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;

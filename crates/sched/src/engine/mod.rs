@@ -12,9 +12,7 @@ use mt_store::{GradDtype, HostStore, PinnedRecords, Staging, StoreState, UploadD
 
 use crate::backend::{Backend, DevicePeak, Span};
 use crate::batch::{make_chunks_normalised, Batch, Chunk};
-use crate::program::{
-    early_upload_layers, is_gpu_updated, is_late_download, OptimMode, Program, ProgramSpec, Stream,
-};
+use crate::program::{OptimMode, Program, ProgramSpec, Stream};
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
@@ -96,7 +94,7 @@ pub struct Engine<B: Backend> {
     /// Resident units' shares of the global norm, still on the device until the step ends.
     device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
     /// Forward activations kept for the backward, by `layer * n_chunks + chunk` (only layers
-    /// `0..opts.kept_layers`; empty outside a step).
+    /// `0..opts.placement.kept_layers`; empty outside a step).
     kept: Vec<Option<mt_layers::LayerState>>,
     /// Bytes kept this step (see [`StepReport::kept_bytes`]).
     kept_bytes: u64,
@@ -160,7 +158,7 @@ impl<B: Backend> Engine<B> {
             return Err(Error::Options("the host store was built for a different model layout".into()));
         }
         opts.check(&layout, store.grad_dtype())?;
-        if backend.pins_host_buffers() && opts.gpu_updated_layers > 0 && store.is_file_backed() {
+        if backend.pins_host_buffers() && opts.placement.gpu_updated_layers > 0 && store.is_file_backed() {
             // A file's pages written by DMA are not marked dirty (and recent kernels refuse
             // long-term writable pins of shared file mappings): the file would silently keep
             // stale master weights and moments.
@@ -177,15 +175,15 @@ impl<B: Backend> Engine<B> {
                 outer_len: layout.outer.len,
                 weight_dtype: opts.weight_dtype,
                 grad_dtype: DType::F32,
-                n_grad_bufs: crate::plan::grad_bufs(opts.late_state_downloads),
+                n_grad_bufs: crate::plan::grad_bufs(opts.placement.late_state_downloads),
                 n_layers: layout.n_layers,
                 n_chunks: opts.n_chunks,
-                resident_outer: opts.resident_outer,
-                resident_layers: opts.resident_layers,
-                held_layers: opts.held_layers,
+                resident_outer: opts.placement.resident_outer,
+                resident_layers: opts.placement.resident_layers,
+                held_layers: opts.placement.held_layers,
                 land_bf16,
-                state_slots: if opts.gpu_updated_layers > 0 {
-                    opts.ring_depth + opts.late_state_downloads
+                state_slots: if opts.placement.gpu_updated_layers > 0 {
+                    opts.ring_depth + opts.placement.late_state_downloads
                 } else {
                     0
                 },
@@ -209,7 +207,7 @@ impl<B: Backend> Engine<B> {
         // Layer gradients land in bf16 when the device narrows them.
         let layer_land = if land_bf16 { UploadDtype::Bf16 } else { UploadDtype::F32 };
         // A resident outer unit needs no staging or landing buffer of its own.
-        let outer_host_len = if opts.resident_outer { 0 } else { layout.outer.len };
+        let outer_host_len = if opts.placement.resident_outer { 0 } else { layout.outer.len };
         let layout_units = layout.n_units();
         let mut engine = Engine {
             pinned_records: None,
@@ -247,7 +245,7 @@ impl<B: Backend> Engine<B> {
         };
         engine.check_records()?;
         engine.load_resident()?;
-        if pin && engine.opts.gpu_updated_layers > 0 {
+        if pin && engine.opts.placement.gpu_updated_layers > 0 {
             // Their whole state crosses PCIe: page-lock their records in place (DMA at bus speed
             // from and into the store, no copy through the staging rings).
             let units = engine.gpu_updated_units();
@@ -273,24 +271,24 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The decoder layers whose exact-mode update runs on the device from their streamed state
-    /// ([`EngineOptions::gpu_updated_layers`], picked by [`is_gpu_updated`]).
+    /// (`Placement::gpu_updated_layers`, picked by `Placement::is_gpu_updated`).
     pub fn gpu_updated_units(&self) -> Vec<Unit> {
         let spec = self.program_spec(true, false);
-        (0..self.layout.n_layers).filter(|&l| is_gpu_updated(&spec, l)).map(Unit::Layer).collect()
+        (0..self.layout.n_layers).filter(|&l| spec.is_gpu_updated(l)).map(Unit::Layer).collect()
     }
 
     /// The GPU-updated layers whose state is downloaded in the backward
-    /// ([`EngineOptions::late_state_downloads`], picked by [`is_late_download`]).
+    /// (`Placement::late_state_downloads`, picked by `Placement::is_late_download`).
     pub fn late_download_units(&self) -> Vec<Unit> {
         let spec = self.program_spec(true, false);
-        (0..self.layout.n_layers).filter(|&l| is_late_download(&spec, l)).map(Unit::Layer).collect()
+        (0..self.layout.n_layers).filter(|&l| spec.is_late_download(l)).map(Unit::Layer).collect()
     }
 
     /// The GPU-updated layers whose state for the next step goes up in the backward
-    /// ([`EngineOptions::early_state_uploads`], picked by [`early_upload_layers`]), in forward
+    /// (`Placement::early_state_uploads`, picked by `Placement::early_upload_layers`), in forward
     /// order.
     pub fn early_upload_units(&self) -> Vec<Unit> {
-        early_upload_layers(&self.program_spec(true, false)).into_iter().map(Unit::Layer).collect()
+        self.program_spec(true, false).early_upload_layers().into_iter().map(Unit::Layer).collect()
     }
 
     /// Bytes of host memory page-locked in place for the GPU-updated layers' records.
@@ -392,7 +390,7 @@ impl<B: Backend> Engine<B> {
                 },
             },
         };
-        if self.opts.resident_outer || self.opts.resident_layers > 0 {
+        if self.opts.placement.resident_outer || self.opts.placement.resident_layers > 0 {
             // From here until the write-back the device holds state the store does not; a crash
             // leaves the mark, and the next engine refuses the store.
             self.dirty = true;
@@ -425,7 +423,7 @@ impl<B: Backend> Engine<B> {
         let step_s = self.backend.now_s();
         // Every stream is drained: the early uploads this step issued are in their slots (of no
         // use after a skipped step, which leaves no update pending for them).
-        self.early_ready = program.spec.early_uploads > 0 && skipped.is_none();
+        self.early_ready = program.spec.placement.early_state_uploads > 0 && skipped.is_none();
         let spans = self.backend.spans();
         let (h2d_bytes, d2h_bytes) = self.backend.transferred();
         Ok(StepReport {

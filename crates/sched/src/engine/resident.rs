@@ -27,8 +27,8 @@ pub(super) struct ResidentBufs {
 impl<B: Backend> Engine<B> {
     /// The units whose optimizer state lives on the device, in update order.
     pub(super) fn resident_units(&self) -> Vec<Unit> {
-        let outer = self.opts.resident_outer.then_some(Unit::Outer);
-        outer.into_iter().chain((0..self.opts.resident_layers).map(Unit::Layer)).collect()
+        let outer = self.opts.placement.resident_outer.then_some(Unit::Outer);
+        outer.into_iter().chain((0..self.opts.placement.resident_layers).map(Unit::Layer)).collect()
     }
 
     /// How `unit`'s moments are held and whose draws round them (for a device update).
@@ -39,8 +39,8 @@ impl<B: Backend> Engine<B> {
     /// Whether `unit` is resident.
     pub(super) fn is_resident(&self, unit: Unit) -> bool {
         match unit {
-            Unit::Outer => self.opts.resident_outer,
-            Unit::Layer(l) => l < self.opts.resident_layers,
+            Unit::Outer => self.opts.placement.resident_outer,
+            Unit::Layer(l) => l < self.opts.placement.resident_layers,
         }
     }
 

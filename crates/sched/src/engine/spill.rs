@@ -18,7 +18,7 @@ impl<B: Backend> Engine<B> {
     /// step's `chunks` (kept while the sizes stay); a fresh allocation is synchronised before a
     /// copy stream may touch it.
     pub(super) fn ensure_spill(&mut self, chunks: &[Chunk]) -> Result<()> {
-        let k = self.opts.spilled_checkpoints;
+        let k = self.opts.placement.spilled_checkpoints;
         if k == 0 {
             return Ok(());
         }
@@ -92,7 +92,7 @@ impl<B: Backend> Engine<B> {
         chunk: usize,
         ch: &Chunk,
     ) -> Result<candle_core::Tensor> {
-        let k = self.opts.spilled_checkpoints;
+        let k = self.opts.placement.spilled_checkpoints;
         match (boundary < k).then(|| crate::program::reload_slot(k, RELOAD_SLOTS, boundary)) {
             Some(slot) => {
                 let (b, t) = ch.ids.dims2()?;

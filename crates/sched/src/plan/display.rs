@@ -5,60 +5,13 @@
 
 use std::fmt;
 
-use super::{gib, grad_bufs, Placement, Plan};
-use crate::placement::{DeviceKind, LayerPlacement, PlacementTable, StateMove, Update, Weights};
-use crate::program::{early_upload_layers, is_gpu_updated, is_late_download, OptimMode, ProgramSpec};
+use super::{gib, Plan};
+use crate::placement::{DeviceKind, PlacementTable};
 
 impl Plan {
     /// The per-layer placement this plan decided, the layers picked as the step program picks them.
-    pub fn placement(&self) -> PlacementTable {
-        let plan = self;
-        let spec = ProgramSpec {
-            n_layers: plan.n_layers,
-            ring_depth: plan.ring_depth,
-            n_staging: 2,
-            n_grad_bufs: grad_bufs(plan.late_state_downloads),
-            n_landing: 2,
-            mode: OptimMode::Exact,
-            pending_update: true,
-            resident_outer: plan.resident_outer,
-            resident_layers: plan.resident_layers,
-            held_layers: plan.held_layers,
-            gpu_updated: plan.gpu_updated_layers,
-            late_downloads: plan.late_state_downloads,
-            early_uploads: plan.early_state_uploads,
-            early_ready: false,
-            spilled_checkpoints: 0,
-            reload_slots: 0,
-            n_state_bufs: plan.ring_depth + plan.late_state_downloads,
-        };
-        let early = early_upload_layers(&spec);
-        let first_held = plan.n_layers.saturating_sub(plan.held_layers).max(plan.resident_layers);
-        let layers = (0..plan.n_layers)
-            .map(|l| {
-                let weights = if l < plan.resident_layers {
-                    Weights::Resident
-                } else if l >= first_held {
-                    Weights::Held
-                } else {
-                    Weights::Streamed
-                };
-                let gpu_updated = is_gpu_updated(&spec, l);
-                let state = if !gpu_updated {
-                    StateMove::Stays
-                } else if is_late_download(&spec, l) {
-                    StateMove::BackInBackward
-                } else if early.contains(&l) {
-                    StateMove::UpInBackward
-                } else {
-                    StateMove::UpAndBackInForward
-                };
-                let update =
-                    if weights == Weights::Resident || gpu_updated { Update::Device } else { Update::Host };
-                LayerPlacement { weights, kept: l < plan.kept_layers, update, state }
-            })
-            .collect();
-        PlacementTable { outer_resident: plan.resident_outer, layers }
+    pub fn placement_table(&self) -> PlacementTable {
+        self.placement.table(self.n_layers, self.ring_depth)
     }
 
     /// The plan as printed for a run on `device` (`Display` of a plan prints it for a GPU).
@@ -106,9 +59,9 @@ impl fmt::Display for PlanDisplay<'_> {
         } else {
             format!("{} chunks of up to {} sequences", p.n_chunks, p.seqs_per_chunk)
         };
-        let checkpoints = match (p.checkpoints, p.spilled_checkpoints) {
-            (Placement::Gpu, 0) => format!("on the {dev}"),
-            (Placement::Gpu, k) => format!(
+        let checkpoints = match p.placement.spilled_checkpoints {
+            0 => format!("on the {dev}"),
+            k => format!(
                 "on the {dev} but the first {k} layers' inputs, which go to host memory after their forward and back for their backward"
             ),
         };
@@ -121,7 +74,7 @@ impl fmt::Display for PlanDisplay<'_> {
             if p.flash_attention { "flash" } else { "materialised" },
             if p.mlp_rows == 0 { "whole chunks".to_string() } else { format!("tiles of {} rows", p.mlp_rows) },
         )?;
-        writeln!(f, "{}", p.placement().display_on(self.device))?;
+        writeln!(f, "{}", p.placement_table().display_on(self.device))?;
         let device_bytes = sizes(&[
             ("ring", g.weight_ring),
             ("held", g.held),

@@ -41,19 +41,21 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
         ring_depth: None,
         n_chunks: None,
         rows_per_block: 4096,
-        resident_outer: None,
-        resident_layers: None,
-        kept_layers: None,
-        held_layers: None,
-        gpu_updated_layers: None,
-        late_state_downloads: None,
-        early_state_uploads: None,
         fused_kernels: true,
         flash_attention: None,
         mlp_rows: None,
-        spilled_checkpoints: None,
         store_file: false,
         host_reserved: 0,
+        placement: Placement {
+            resident_outer: None,
+            resident_layers: None,
+            kept_layers: None,
+            held_layers: None,
+            gpu_updated_layers: None,
+            late_state_downloads: None,
+            early_state_uploads: None,
+            spilled_checkpoints: None,
+        },
     }
 }
 
@@ -63,7 +65,7 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
 #[test]
 fn long_sequences_take_flash_attention_and_mlp_tiles() {
     let p = plan(&input(131072, H200, 120, OptimMode::Exact)).unwrap();
-    assert!(p.flash_attention && p.mlp_rows == 8192 && p.spilled_checkpoints == 0, "{p}");
+    assert!(p.flash_attention && p.mlp_rows == 8192 && p.placement.spilled_checkpoints == 0, "{p}");
     assert!(p.gpu.total <= p.gpu.budget);
     let e = plan(&PlanInput { flash_attention: Some(false), ..input(131072, H200, 120, OptimMode::Exact) })
         .unwrap_err()
@@ -95,24 +97,36 @@ fn checkpoints_spill_to_host_memory_when_the_gpu_is_short() {
     );
     let p = plan(&input(524288, H200, 120, OptimMode::Lean)).unwrap();
     let cp = 524288 * 3584 * 2;
-    assert!(p.spilled_checkpoints > 0 && p.spilled_checkpoints < 28, "{p}");
-    assert_eq!(p.host.spilled_checkpoints, p.spilled_checkpoints as u64 * cp);
+    assert!(p.placement.spilled_checkpoints > 0 && p.placement.spilled_checkpoints < 28, "{p}");
+    assert_eq!(p.host.spilled_checkpoints, p.placement.spilled_checkpoints as u64 * cp);
     assert!(p.host.total <= 120 * GIB && p.gpu.total <= p.gpu.budget, "{p}");
     // The device keeps the others, the one on its way down and the two reload buffers.
-    assert_eq!(p.gpu.checkpoints, (28 + 2 - p.spilled_checkpoints as u64 + 2) * cp);
+    assert_eq!(p.gpu.checkpoints, (28 + 2 - p.placement.spilled_checkpoints as u64 + 2) * cp);
     // One fewer would not fit.
     let fewer = PlanInput {
-        spilled_checkpoints: Some(p.spilled_checkpoints - 1),
+        placement: Placement {
+            spilled_checkpoints: Some(p.placement.spilled_checkpoints - 1),
+            ..input(524288, H200, 120, OptimMode::Lean).placement
+        },
         ..input(524288, H200, 120, OptimMode::Lean)
     };
     assert!(plan(&fewer).is_err());
     // Kept activations and spilled checkpoints exclude each other.
-    let both = PlanInput { kept_layers: Some(1), ..input(524288, H200, 120, OptimMode::Lean) };
+    let both = PlanInput {
+        placement: Placement { kept_layers: Some(1), ..input(524288, H200, 120, OptimMode::Lean).placement },
+        ..input(524288, H200, 120, OptimMode::Lean)
+    };
     assert!(plan(&both).unwrap_err().to_string().contains("use one or the other"));
     let h100 = plan(&input(262144, H100, 120, OptimMode::Exact)).unwrap();
-    assert!(h100.spilled_checkpoints > 0 && h100.gpu.total <= h100.gpu.budget, "{h100}");
-    let e = plan(&PlanInput { spilled_checkpoints: Some(29), ..input(4096, H200, 120, OptimMode::Exact) })
-        .unwrap_err()
-        .to_string();
+    assert!(h100.placement.spilled_checkpoints > 0 && h100.gpu.total <= h100.gpu.budget, "{h100}");
+    let e = plan(&PlanInput {
+        placement: Placement {
+            spilled_checkpoints: Some(29),
+            ..input(4096, H200, 120, OptimMode::Exact).placement
+        },
+        ..input(4096, H200, 120, OptimMode::Exact)
+    })
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("29 spilled checkpoints asked of a 28-layer model"), "{e}");
 }

@@ -30,6 +30,7 @@ use candle_core::DType;
 use mt_core::{ModelConfig, StateDtype};
 use mt_store::GradDtype;
 
+use crate::placement::{Placement, PlacementChoice};
 use crate::{OptimMode, Result};
 
 mod bytes;
@@ -38,8 +39,8 @@ mod display;
 mod model;
 mod phases;
 pub use model::{
-    early_upload_capacity, forward_window, host_update_bytes, late_download_capacity, UpdatePlacement,
-    BACKWARD_D2H_SHARE, BACKWARD_TFLOPS, HOST_MEMORY_GBS, PCIE_GBS, STATE_UPLOAD_GBS,
+    early_upload_capacity, forward_window, host_update_bytes, late_download_capacity, BACKWARD_D2H_SHARE,
+    BACKWARD_TFLOPS, HOST_MEMORY_GBS, PCIE_GBS, STATE_UPLOAD_GBS,
 };
 
 /// Fraction of the GPU's memory the plan may use; the rest is left for the CUDA context, the
@@ -91,46 +92,14 @@ pub struct PlanInput {
     pub n_chunks: Option<usize>,
     /// Rows of logits alive at once in the loss.
     pub rows_per_block: usize,
-    /// Keep the outer unit's optimizer state on the GPU (`Some(true)`), stream it
-    /// (`Some(false)`), or decide (`None`): resident when that costs no extra chunk.
-    pub resident_outer: Option<bool>,
-    /// Keep decoder layers `0..k` resident on the GPU with their optimizer state (`Some(k)`),
-    /// or decide (`None`): as many as fit in what the chosen chunking leaves.
-    pub resident_layers: Option<usize>,
-    /// Decoder layers `0..k` keep their forward activations for the backward instead of
-    /// recomputing them (`Some(k)`), or decide (`None`): as many as fit in what residency and
-    /// holding leave, of the resident layers (of all, when every layer is resident or held).
-    pub kept_layers: Option<usize>,
-    /// The last `h` decoder layers (streamed ones) are uploaded once a step and held on the GPU
-    /// from their forward to their backward (`Some(h)`), or decide (`None`): as many streamed
-    /// layers as fit in what residency leaves.
-    pub held_layers: Option<usize>,
-    /// Of the streamed layers, this many have their exact-mode update applied on the GPU from
-    /// their streamed state (`Some(k)`; `EngineOptions::gpu_updated_layers`), or decide (`None`):
-    /// in exact mode, the count with the shortest forward window ([`forward_window`]: the host's
-    /// memory traffic against the uploads of the state it moves), if its state slots fit.
-    pub gpu_updated_layers: Option<usize>,
-    /// Of the GPU-updated layers that are held, this many download their state in the backward
-    /// (`Some(k)`; `EngineOptions::late_state_downloads`), or decide (`None`): as many as the
-    /// backward's D2H has time for beside the gradients ([`late_download_capacity`]) and the
-    /// GPU has room for.
-    pub late_state_downloads: Option<usize>,
-    /// Of the GPU-updated layers that do not download late, this many upload their state for the
-    /// next step in the backward, into state slots free there (`Some(k)`;
-    /// `EngineOptions::early_state_uploads`), or decide (`None`): as many as the backward's H2D
-    /// and host memory have room for ([`early_upload_capacity`]: none unless every streamed
-    /// layer is held) and have a late partner (`program::slot_pairs_of`).
-    pub early_state_uploads: Option<usize>,
+    /// The placement asked for (`None` settings: the planner decides, as each field's doc says).
+    pub placement: PlacementChoice,
     /// The device runs the fused CUDA kernels (`mt_layers::fused_kernels`: bf16 on compute
     /// capability 8.0+), which keep less for the backward than candle's ops.
     pub fused_kernels: bool,
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide
     /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).
     pub flash_attention: Option<bool>,
-    /// Spill the checkpoints of boundaries `0..k` to page-locked host memory between their
-    /// layer's forward and backward (`Some(k)`), or decide (`None`): the fewest that let the plan
-    /// fit with its smallest workspace.
-    pub spilled_checkpoints: Option<usize>,
     /// The store is a file (`--store`): where it does not fit `host_bytes`, it is paged through
     /// a RAM window (the disk tier, `HostStore::start_paging`) instead of refused.
     pub store_file: bool,
@@ -148,15 +117,6 @@ pub struct PlanInput {
 /// rows keep the MLP's GEMMs as efficient as whole ones (`[8192, hidden] x [hidden, ffn]`) and
 /// leave the memory a whole chunk's `[rows, ffn]` tensors would take to residency.
 pub const MLP_TILE_ROWS: [usize; 4] = [8192, 4096, 2048, 1024];
-
-/// Where the layer-boundary checkpoints live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Placement {
-    /// In GPU memory for the whole step. (Offloading them to pinned host memory is not
-    /// implemented; a `Host` variant will be added with it.)
-    Gpu,
-}
 
 /// GPU bytes by kind of buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -231,38 +191,14 @@ pub struct Plan {
     pub seqs_per_chunk: usize,
     /// Weight slots.
     pub ring_depth: usize,
-    /// Where checkpoints live.
-    pub checkpoints: Placement,
     /// Decoder layers of the model.
     pub n_layers: usize,
-    /// Decoder layers `0..resident_layers` stay on the GPU with their optimizer state (AdamW
-    /// there); the others stream.
-    pub resident_layers: usize,
-    /// The outer unit's optimizer state lives on the GPU (updated there; it never crosses the
-    /// bus).
-    pub resident_outer: bool,
-    /// Decoder layers `0..kept_layers` keep their forward activations (no recompute).
-    pub kept_layers: usize,
+    /// Where the step keeps what: the planner's decision.
+    pub placement: Placement,
     /// Attention runs as flash attention (no `[s, s]` scores).
     pub flash_attention: bool,
-    /// Checkpoints of boundaries `0..spilled_checkpoints` live in page-locked host memory between
-    /// their layer's forward and backward.
-    pub spilled_checkpoints: usize,
     /// Rows of each MLP tile (0 = a chunk's rows at once).
     pub mlp_rows: usize,
-    /// The last `held_layers` decoder layers (streamed) are uploaded once a step and held on
-    /// the GPU from their forward to their backward.
-    pub held_layers: usize,
-    /// Of the streamed layers, this many have their update applied on the GPU from their
-    /// streamed state.
-    pub gpu_updated_layers: usize,
-    /// Of those, held ones whose state is downloaded in the backward (spread over it, each
-    /// before its layer's gradient lands) instead of right after their update in the forward.
-    pub late_state_downloads: usize,
-    /// Of the others, ones whose master and moments for the next step go up in the backward (into
-    /// a state slot once it is free; their gradient is copied on the device) instead of in the
-    /// next forward.
-    pub early_state_uploads: usize,
     /// GPU bytes.
     pub gpu: GpuBytes,
     /// Host bytes.
@@ -298,18 +234,20 @@ pub fn lands_bf16(mode: OptimMode, grad_dtype: GradDtype) -> bool {
 
 /// Plans a step; fails, naming what does not fit and by how much, when it cannot.
 pub fn plan(input: &PlanInput) -> Result<Plan> {
-    match input.resident_outer {
+    match input.placement.resident_outer {
         Some(resident) => phases::plan_placed(input, resident),
         // Resident when it costs no chunk; whichever fits when only one does (the streamed
         // layout needs more pinned host memory, the resident one more GPU memory).
         None => match (phases::plan_placed(input, false), phases::plan_placed(input, true)) {
-            (Ok(s), Ok(r)) => {
-                Ok(if r.n_chunks <= s.n_chunks && r.spilled_checkpoints <= s.spilled_checkpoints {
+            (Ok(s), Ok(r)) => Ok(
+                if r.n_chunks <= s.n_chunks
+                    && r.placement.spilled_checkpoints <= s.placement.spilled_checkpoints
+                {
                     r
                 } else {
                     s
-                })
-            }
+                },
+            ),
             (Ok(s), Err(_)) => Ok(s),
             (Err(_), Ok(r)) => Ok(r),
             (Err(e), Err(_)) => Err(e),

@@ -3,6 +3,8 @@
 //! layers, and the backward's room for late state downloads: byte counts over assumed
 //! bandwidths. A run prints what it measured beside the plan.
 
+use crate::placement::Placement;
+
 /// Host memory traffic of one parameter's fused AdamW update on the host, in bytes: gradient
 /// (`g`), master, m and v read and written (`2·s`, with `s` bytes of them a parameter: 12 with
 /// fp32 moments, 8 bf16, 6 8-bit: `mt_core::StateDtype::nominal_state_bytes`), the upload copy
@@ -11,33 +13,29 @@ pub fn host_update_bytes(g: u64, e: u64, s: u64) -> u64 {
     g + 2 * s + e
 }
 
-/// How a streamed step's optimizer work is placed: of `streamed` layers, `gpu` are updated on the
-/// GPU, `late` of those download their state in the backward and `early` others upload it in the
-/// step before's backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct UpdatePlacement {
-    /// Streamed layers.
-    pub streamed: usize,
-    /// GPU-updated ones.
-    pub gpu: usize,
-    /// Late state downloads.
-    pub late: usize,
-    /// Early state uploads.
-    pub early: usize,
-}
-
-/// The exact-mode forward window of a placement (bytes per parameter of a layer over GB/s:
-/// nanoseconds per parameter): the longer of its host memory traffic at `host_gbs` and its
+/// The exact-mode forward window of a placement's `streamed` layers, of which `p.gpu_updated_layers`
+/// are updated on the GPU, `p.late_state_downloads` of those download their state in the
+/// backward and `p.early_state_uploads` others upload it in the step before's backward (bytes per
+/// parameter of a layer over GB/s: nanoseconds per parameter): the longer of its host memory traffic at `host_gbs` and its
 /// uploads at `upload_gbs`. Host memory: a host-updated parameter's [`host_update_bytes`] plus the
 /// `e` its upload's DMA reads; a GPU-updated one's state DMA, `s + g` up unless early (master
 /// and moments, `s` bytes, up in the step before's backward, the gradient copied on the device)
 /// and `s` down unless late. Uploads: `e` per host-updated parameter, `s + g` per GPU-updated one
 /// not early. (The forward's compute is not counted: at 4 x 2048 it is a fifth of the window.)
-pub fn forward_window(p: UpdatePlacement, g: u64, e: u64, s: u64, host_gbs: f64, upload_gbs: f64) -> f64 {
-    let h = p.streamed.saturating_sub(p.gpu) as f64;
-    let n = p.gpu.min(p.streamed) as f64;
-    let l = p.late.min(p.gpu) as f64;
-    let early = (p.early.min(p.gpu.saturating_sub(p.late))) as f64;
+pub fn forward_window(
+    streamed: usize,
+    p: Placement,
+    g: u64,
+    e: u64,
+    s: u64,
+    host_gbs: f64,
+    upload_gbs: f64,
+) -> f64 {
+    let gpu = p.gpu_updated_layers;
+    let h = streamed.saturating_sub(gpu) as f64;
+    let n = gpu.min(streamed) as f64;
+    let l = p.late_state_downloads.min(gpu) as f64;
+    let early = (p.early_state_uploads.min(gpu.saturating_sub(p.late_state_downloads))) as f64;
     let host =
         h * (host_update_bytes(g, e, s) + e) as f64 + (n - early) * (s + g) as f64 + (n - l) * s as f64;
     let up = h * e as f64 + (n - early) * (s + g) as f64;

@@ -30,7 +30,10 @@ fn the_store_takes_14_10_8_bytes_a_parameter_exact_and_12_8_6_lean() {
 /// state, a GPU-updated layer's state slot and the state bytes that cross PCIe.
 #[test]
 fn optimizer_states_size_the_store_residency_and_state_slots() {
-    let base = PlanInput { gpu_updated_layers: Some(4), ..input(llama3_3b(), 4, 2048, H200) };
+    let base = PlanInput {
+        placement: Placement { gpu_updated_layers: Some(4), ..input(llama3_3b(), 4, 2048, H200).placement },
+        ..input(llama3_3b(), 4, 2048, H200)
+    };
     let layout = ModelLayout::new(&base.cfg);
     let (ll, ol) = (layout.layer.len as u64, layout.outer.len as u64);
     let n = layout.n_params() as f64;
@@ -39,8 +42,11 @@ fn optimizer_states_size_the_store_residency_and_state_slots() {
         .map(|states| {
             let i = PlanInput {
                 state_dtype: states,
-                resident_outer: Some(true),
-                resident_layers: Some(2),
+                placement: Placement {
+                    resident_outer: Some(true),
+                    resident_layers: Some(2),
+                    ..base.placement
+                },
                 ..base.clone()
             };
             plan(&i).unwrap()

@@ -39,21 +39,23 @@ pub(super) fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) 
         ring_depth: None,
         n_chunks: None,
         rows_per_block: 1024,
-        resident_outer: Some(false),
-        resident_layers: Some(0),
-        kept_layers: Some(0),
-        held_layers: Some(0),
-        gpu_updated_layers: Some(0),
-        late_state_downloads: None,
-        early_state_uploads: Some(0),
         fused_kernels: true,
         // The materialised attention and untiled MLPs, which the tests below were written for;
         // `long_sequences_*` plan flash attention and MLP tiles.
         flash_attention: Some(false),
         mlp_rows: Some(0),
-        spilled_checkpoints: Some(0),
         store_file: false,
         host_reserved: 0,
+        placement: Placement {
+            resident_outer: Some(false),
+            resident_layers: Some(0),
+            kept_layers: Some(0),
+            held_layers: Some(0),
+            gpu_updated_layers: Some(0),
+            late_state_downloads: None,
+            early_state_uploads: Some(0),
+            spilled_checkpoints: Some(0),
+        },
     }
 }
 
@@ -123,16 +125,16 @@ fn program_gpu(
         n_landing: 2,
         mode,
         pending_update,
-        resident_outer,
-        resident_layers,
-        held_layers,
-        gpu_updated,
-        late_downloads: 0,
-        early_uploads: 0,
         early_ready: false,
         n_state_bufs: 2,
-        spilled_checkpoints: 0,
         reload_slots: 0,
+        placement: Placement {
+            resident_outer,
+            resident_layers,
+            held_layers,
+            gpu_updated_layers: gpu_updated,
+            ..Placement::default()
+        },
     })
 }
 
@@ -164,8 +166,11 @@ fn pcie_bytes_equal_the_step_programs_copies() {
                     weight_dtype: dtype,
                     mode,
                     grad_dtype: grad,
-                    held_layers: Some(held),
-                    gpu_updated_layers: Some(gpu),
+                    placement: Placement {
+                        held_layers: Some(held),
+                        gpu_updated_layers: Some(gpu),
+                        ..input(cfg.clone(), 2, 16, GIB).placement
+                    },
                     ..input(cfg.clone(), 2, 16, GIB)
                 };
                 let p = plan(&i).unwrap();
@@ -202,7 +207,7 @@ fn llama3_3b_parameters_pcie_and_flops_match_the_closed_form() {
     // Two f32 layer gradient buffers with their bf16 twins, and the outer one.
     assert_eq!(p.gpu.grads, 2 * 100_669_440 * (4 + 2) + 788_007_936 * 4);
     assert!(p.gpu.total <= p.gpu.budget);
-    assert_eq!(p.resident_layers, 0);
+    assert_eq!(p.placement.resident_layers, 0);
 }
 
 #[test]
@@ -259,8 +264,13 @@ fn a_resident_outer_unit_moves_no_bytes_and_costs_its_state_on_the_gpu() {
     let base = input(cfg.clone(), 2, 16, GIB);
     for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
         let prog = program(layout.n_layers, mode, pending, true);
-        let p = plan(&PlanInput { resident_outer: Some(true), mode, ..base.clone() }).unwrap();
-        assert!(p.resident_outer);
+        let p = plan(&PlanInput {
+            mode,
+            placement: Placement { resident_outer: Some(true), ..base.placement },
+            ..base.clone()
+        })
+        .unwrap();
+        assert!(p.placement.resident_outer);
         assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * 2);
         assert_eq!(p.pcie_d2h_per_step, downloaded(&prog, &layout, mode, GradDtype::Bf16));
         assert_eq!(p.gpu.outer_state, 12 * len(Unit::Outer));
@@ -273,19 +283,30 @@ fn a_resident_outer_unit_moves_no_bytes_and_costs_its_state_on_the_gpu() {
 #[test]
 fn the_planner_keeps_the_outer_unit_resident_only_where_it_costs_no_chunk() {
     // 3.6B Llama-3 at 16 x 2048 on an H200: 9.5 GB of outer state fits beside one chunk.
-    let auto = PlanInput { resident_outer: None, ..input(llama3_3b(), 16, 2048, H200) };
+    let auto = PlanInput {
+        placement: Placement { resident_outer: None, ..input(llama3_3b(), 16, 2048, H200).placement },
+        ..input(llama3_3b(), 16, 2048, H200)
+    };
     let p = plan(&auto).unwrap();
-    assert!(p.resident_outer && p.n_chunks == 1, "{p}");
+    assert!(p.placement.resident_outer && p.n_chunks == 1, "{p}");
     // On a 24 GiB GPU it would cost chunks (or not fit): streamed, as before.
     let small = PlanInput { gpu_bytes: 24 * GIB, ..auto.clone() };
-    let streamed = plan(&PlanInput { resident_outer: Some(false), ..small.clone() }).unwrap();
+    let streamed = plan(&PlanInput {
+        placement: Placement { resident_outer: Some(false), ..small.placement },
+        ..small.clone()
+    })
+    .unwrap();
     let p = plan(&small).unwrap();
     assert_eq!(p.n_chunks, streamed.n_chunks);
-    if p.resident_outer {
+    if p.placement.resident_outer {
         assert!(p.gpu.total <= p.gpu.budget);
     }
     // Forcing residency where the state cannot fit is refused, naming it.
-    let e = err(&PlanInput { resident_outer: Some(true), gpu_bytes: 8 * GIB, ..auto });
+    let e = err(&PlanInput {
+        gpu_bytes: 8 * GIB,
+        placement: Placement { resident_outer: Some(true), ..auto.placement },
+        ..auto
+    });
     assert!(e.contains("resident outer state"), "{e}");
 }
 
@@ -293,10 +314,22 @@ fn the_planner_keeps_the_outer_unit_resident_only_where_it_costs_no_chunk() {
 fn auto_takes_the_resident_outer_unit_when_only_it_fits_the_host() {
     // The streamed layout needs the outer unit's pinned rings (6 B per outer parameter) more.
     let base = input(llama3_3b(), 4, 2048, H200);
-    let resident = plan(&PlanInput { resident_outer: Some(true), ..base.clone() }).unwrap();
-    let tight = PlanInput { host_bytes: resident.host.total, resident_outer: None, ..base };
-    assert!(plan(&PlanInput { resident_outer: Some(false), ..tight.clone() }).is_err());
-    assert!(plan(&tight).unwrap().resident_outer);
+    let resident = plan(&PlanInput {
+        placement: Placement { resident_outer: Some(true), ..base.placement },
+        ..base.clone()
+    })
+    .unwrap();
+    let tight = PlanInput {
+        host_bytes: resident.host.total,
+        placement: Placement { resident_outer: None, ..base.placement },
+        ..base
+    };
+    assert!(plan(&PlanInput {
+        placement: Placement { resident_outer: Some(false), ..tight.placement },
+        ..tight.clone()
+    })
+    .is_err());
+    assert!(plan(&tight).unwrap().placement.resident_outer);
 }
 
 #[test]
@@ -309,10 +342,17 @@ fn resident_layers_move_no_bytes_and_cost_their_state_on_the_gpu() {
     for k in 0..=n {
         for (mode, pending) in [(OptimMode::Exact, true), (OptimMode::Lean, false)] {
             let prog = program_placed(n, mode, pending, true, k);
-            let placed =
-                PlanInput { resident_outer: Some(true), resident_layers: Some(k), mode, ..base.clone() };
+            let placed = PlanInput {
+                mode,
+                placement: Placement {
+                    resident_outer: Some(true),
+                    resident_layers: Some(k),
+                    ..base.placement
+                },
+                ..base.clone()
+            };
             let p = plan(&placed).unwrap();
-            assert_eq!(p.resident_layers, k);
+            assert_eq!(p.placement.resident_layers, k);
             assert_eq!(p.pcie_h2d_per_step, prog.uploads().map(len).sum::<u64>() * 2, "{k} resident");
             assert_eq!(
                 p.pcie_d2h_per_step,
@@ -324,7 +364,8 @@ fn resident_layers_move_no_bytes_and_cost_their_state_on_the_gpu() {
             assert!(p.gpu.total <= p.gpu.budget);
         }
     }
-    let e = err(&PlanInput { resident_layers: Some(n + 1), ..base });
+    let e =
+        err(&PlanInput { placement: Placement { resident_layers: Some(n + 1), ..base.placement }, ..base });
     assert!(e.contains(&format!("{} resident layers asked of a {n}-layer model", n + 1)), "{e}");
 }
 
@@ -332,24 +373,45 @@ fn resident_layers_move_no_bytes_and_cost_their_state_on_the_gpu() {
 fn auto_keeps_as_many_leading_layers_resident_as_the_gpu_holds_after_its_chunking() {
     let per_layer = 100_669_440 * 18;
     // 3.6B at 4 x 2048 on an H200: every layer (50.7 GB) and the outer state fit: nothing moves.
-    let auto = PlanInput { resident_outer: None, resident_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
+    let auto = PlanInput {
+        placement: Placement {
+            resident_outer: None,
+            resident_layers: None,
+            ..input(llama3_3b(), 4, 2048, H200).placement
+        },
+        ..input(llama3_3b(), 4, 2048, H200)
+    };
     let p = plan(&auto).unwrap();
-    assert!(p.resident_outer && p.resident_layers == 28, "{p}");
+    assert!(p.placement.resident_outer && p.placement.resident_layers == 28, "{p}");
     assert_eq!((p.pcie_h2d_per_step, p.pcie_d2h_per_step), (0, 0));
     // An 80 GiB GPU at 16 x 2048: some layers, as many as fit, without costing a chunk.
     let small = PlanInput { gpu_bytes: 80 * GIB, batch: 16, ..auto.clone() };
     let p = plan(&small).unwrap();
-    assert!(p.resident_layers > 0 && p.resident_layers < 28, "{p}");
+    assert!(p.placement.resident_layers > 0 && p.placement.resident_layers < 28, "{p}");
     assert!(p.gpu.total <= p.gpu.budget && p.gpu.total + per_layer > p.gpu.budget, "{p}");
-    let none = plan(&PlanInput { resident_layers: Some(0), ..small.clone() }).unwrap();
+    let none = plan(&PlanInput {
+        placement: Placement { resident_layers: Some(0), ..small.placement },
+        ..small.clone()
+    })
+    .unwrap();
     assert_eq!(p.n_chunks, none.n_chunks);
-    assert_eq!(none.pcie_h2d_per_step - p.pcie_h2d_per_step, 2 * 2 * p.resident_layers as u64 * 100_669_440);
+    assert_eq!(
+        none.pcie_h2d_per_step - p.pcie_h2d_per_step,
+        2 * 2 * p.placement.resident_layers as u64 * 100_669_440
+    );
     // Asking for every layer there costs chunks (auto would have taken them otherwise); on a
     // 40 GiB GPU it is refused before anything is allocated, naming them.
-    if let Ok(q) = plan(&PlanInput { resident_layers: Some(28), ..small.clone() }) {
+    if let Ok(q) = plan(&PlanInput {
+        placement: Placement { resident_layers: Some(28), ..small.placement },
+        ..small.clone()
+    }) {
         assert!(q.n_chunks > p.n_chunks, "{q}");
     }
-    let e = err(&PlanInput { resident_layers: Some(28), gpu_bytes: 40 * GIB, ..small });
+    let e = err(&PlanInput {
+        gpu_bytes: 40 * GIB,
+        placement: Placement { resident_layers: Some(28), ..small.placement },
+        ..small
+    });
     assert!(e.contains("resident layers 47.2"), "{e}");
 }
 
@@ -365,10 +427,14 @@ fn the_gradient_pages_the_plan_counts_as_given_back_are_what_the_store_releases(
         let base = PlanInput {
             grad_dtype: grad,
             mode,
-            resident_outer: Some(true),
+            placement: Placement { resident_outer: Some(true), ..input(cfg.clone(), 2, 16, GIB).placement },
             ..input(cfg.clone(), 2, 16, GIB)
         };
-        let p = plan(&PlanInput { resident_layers: Some(2), ..base.clone() }).unwrap();
+        let p = plan(&PlanInput {
+            placement: Placement { resident_layers: Some(2), ..base.placement },
+            ..base.clone()
+        })
+        .unwrap();
         let store = HostStore::anonymous(&layout, grad).unwrap();
         let released: usize = [Unit::Outer, Unit::Layer(0), Unit::Layer(1)]
             .into_iter()
@@ -376,8 +442,11 @@ fn the_gradient_pages_the_plan_counts_as_given_back_are_what_the_store_releases(
             .sum();
         assert_eq!(p.host.released_by_resident, released as u64, "{grad:?}");
         assert_eq!(released > 0, grad != GradDtype::None);
-        let streamed =
-            plan(&PlanInput { resident_outer: Some(false), resident_layers: Some(0), ..base }).unwrap();
+        let streamed = plan(&PlanInput {
+            placement: Placement { resident_outer: Some(false), resident_layers: Some(0), ..base.placement },
+            ..base
+        })
+        .unwrap();
         assert_eq!(streamed.host.released_by_resident, 0);
     }
 }
@@ -402,9 +471,12 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
         let i = PlanInput {
             mode,
             grad_dtype: grad,
-            held_layers: Some(held),
-            gpu_updated_layers: Some(gpu),
-            late_state_downloads: Some(late),
+            placement: Placement {
+                held_layers: Some(held),
+                gpu_updated_layers: Some(gpu),
+                late_state_downloads: Some(late),
+                ..input(cfg.clone(), 2, 16, GIB).placement
+            },
             ..input(cfg.clone(), 2, 16, GIB)
         };
         let p = plan(&i).unwrap();
@@ -414,30 +486,38 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             outer_len: layout.outer.len,
             weight_dtype: DType::BF16,
             grad_dtype: DType::F32,
-            n_grad_bufs: grad_bufs(p.late_state_downloads),
+            n_grad_bufs: grad_bufs(p.placement.late_state_downloads),
             n_layers: layout.n_layers,
             n_chunks: p.n_chunks,
             resident_outer: false,
             resident_layers: 0,
-            held_layers: p.held_layers,
+            held_layers: p.placement.held_layers,
             land_bf16: lands_bf16(mode, grad),
-            state_slots: if p.gpu_updated_layers > 0 { p.ring_depth + p.late_state_downloads } else { 0 },
+            state_slots: if p.placement.gpu_updated_layers > 0 {
+                p.ring_depth + p.placement.late_state_downloads
+            } else {
+                0
+            },
             state_grad_dtype: if grad == GradDtype::F32 { DType::F32 } else { DType::BF16 },
             state_dtype: StateDtype::F32,
         };
         let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
         let what = format!("{mode:?}, {grad:?} gradients, {late} late");
-        assert_eq!(p.late_state_downloads, late, "{what}");
+        assert_eq!(p.placement.late_state_downloads, late, "{what}");
         let per_grad_buf = layout.layer.len as u64 * if lands_bf16(mode, grad) { 6 } else { 4 };
         let extra = if late > 0 { 2 * per_grad_buf } else { 0 };
         assert_eq!(b.grads as u64, p.gpu.grads + extra, "{what}: gradient buffers");
         assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
         assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
-        assert_eq!((b.held as u64, p.held_layers), (p.gpu.held, held), "{what}: held layers' slots");
+        assert_eq!(
+            (b.held as u64, p.placement.held_layers),
+            (p.gpu.held, held),
+            "{what}: held layers' slots"
+        );
         // The widening copy of a bf16 stored gradient is a transient of the update, not a slot.
         let widen = if gpu > 0 && grad == GradDtype::Bf16 { 4 * layout.layer.len as u64 } else { 0 };
         assert_eq!(
-            (b.state_slots as u64 + widen + extra, p.gpu_updated_layers),
+            (b.state_slots as u64 + widen + extra, p.placement.gpu_updated_layers),
             (p.gpu.state_slots, gpu),
             "{what}: state slots"
         );
@@ -449,7 +529,10 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
 /// count that does not fit. The count per layer is the fused path's or candle's.
 #[test]
 fn kept_activations_fill_what_residency_leaves() {
-    let base = PlanInput { kept_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
+    let base = PlanInput {
+        placement: Placement { kept_layers: None, ..input(llama3_3b(), 4, 2048, H200).placement },
+        ..input(llama3_3b(), 4, 2048, H200)
+    };
     let cfg = llama3_3b();
     let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, true, false);
     // a, x1, c, q, o (3072 each), k, v (1024 each), gate, up, mid (8192 each) per token in bf16,
@@ -466,47 +549,71 @@ fn kept_activations_fill_what_residency_leaves() {
     assert_eq!(unfused, per + 2 * n * 3072 * 4 + n * 3072 * 2 + n * 8192 * 2 - stats);
     // Auto keeps none of the streamed, not held layers' (their backward waits on the host);
     // asked for, every layer's fit beside a streamed 3.6B, counted in the total.
-    assert_eq!(plan(&base).unwrap().kept_layers, 0);
-    let streamed = plan(&PlanInput { kept_layers: Some(28), ..base.clone() }).unwrap();
+    assert_eq!(plan(&base).unwrap().placement.kept_layers, 0);
+    let streamed =
+        plan(&PlanInput { placement: Placement { kept_layers: Some(28), ..base.placement }, ..base.clone() })
+            .unwrap();
     assert_eq!(streamed.gpu.kept, 28 * per);
-    let none = plan(&PlanInput { kept_layers: Some(0), ..base.clone() }).unwrap();
+    let none =
+        plan(&PlanInput { placement: Placement { kept_layers: Some(0), ..base.placement }, ..base.clone() })
+            .unwrap();
     assert_eq!(streamed.gpu.total, none.gpu.total + 28 * per);
     assert!(streamed.gpu.total <= streamed.gpu.budget);
     // Every layer held: all kept.
-    let held = plan(&PlanInput { held_layers: None, ..base.clone() }).unwrap();
-    assert_eq!((held.held_layers, held.kept_layers), (28, 28));
+    let held =
+        plan(&PlanInput { placement: Placement { held_layers: None, ..base.placement }, ..base.clone() })
+            .unwrap();
+    assert_eq!((held.placement.held_layers, held.placement.kept_layers), (28, 28));
     // Residency first: all 28 layers resident, and on an H200 with the fused kernels every
     // layer's activations kept beside them; on a smaller GPU as many as fit, up to the budget.
-    let all = plan(&PlanInput { resident_layers: None, ..base.clone() }).unwrap();
-    assert_eq!((all.resident_layers, all.kept_layers), (28, 28), "{all}");
+    let all =
+        plan(&PlanInput { placement: Placement { resident_layers: None, ..base.placement }, ..base.clone() })
+            .unwrap();
+    assert_eq!((all.placement.resident_layers, all.placement.kept_layers), (28, 28), "{all}");
     assert!(all.gpu.total <= all.gpu.budget);
-    let both = plan(&PlanInput { resident_layers: None, gpu_bytes: 128 * GIB, ..base.clone() }).unwrap();
-    assert_eq!(both.resident_layers, 28);
-    assert!(both.kept_layers > 0 && both.kept_layers < 28, "{}", both.kept_layers);
+    let both = plan(&PlanInput {
+        gpu_bytes: 128 * GIB,
+        placement: Placement { resident_layers: None, ..base.placement },
+        ..base.clone()
+    })
+    .unwrap();
+    assert_eq!(both.placement.resident_layers, 28);
+    assert!(
+        both.placement.kept_layers > 0 && both.placement.kept_layers < 28,
+        "{}",
+        both.placement.kept_layers
+    );
     assert!(both.gpu.total <= both.gpu.budget && both.gpu.budget - both.gpu.total < per);
     // Without the fused kernels the larger count decides.
     let candle = plan(&PlanInput {
-        resident_layers: None,
         fused_kernels: false,
         gpu_bytes: 128 * GIB,
+        placement: Placement { resident_layers: None, ..base.placement },
         ..base.clone()
     })
     .unwrap();
-    assert_eq!(candle.gpu.kept, candle.kept_layers as u64 * unfused);
-    assert!(candle.kept_layers < both.kept_layers && candle.gpu.total <= candle.gpu.budget, "{candle}");
+    assert_eq!(candle.gpu.kept, candle.placement.kept_layers as u64 * unfused);
+    assert!(
+        candle.placement.kept_layers < both.placement.kept_layers && candle.gpu.total <= candle.gpu.budget,
+        "{candle}"
+    );
     // An explicit count is served before automatic residency takes the memory.
     let asked = plan(&PlanInput {
-        resident_layers: None,
-        kept_layers: Some(28),
         gpu_bytes: 128 * GIB,
+        placement: Placement { resident_layers: None, kept_layers: Some(28), ..base.placement },
         ..base.clone()
     })
     .unwrap();
-    assert_eq!(asked.kept_layers, 28);
-    assert!(asked.resident_layers < 28 && asked.gpu.total <= asked.gpu.budget, "{asked}");
-    let e = err(&PlanInput { kept_layers: Some(28), gpu_bytes: 72 * GIB, ..base.clone() });
+    assert_eq!(asked.placement.kept_layers, 28);
+    assert!(asked.placement.resident_layers < 28 && asked.gpu.total <= asked.gpu.budget, "{asked}");
+    let e = err(&PlanInput {
+        gpu_bytes: 72 * GIB,
+        placement: Placement { kept_layers: Some(28), ..base.placement },
+        ..base.clone()
+    });
     assert!(e.contains("--kept-layers"), "{e}");
-    assert!(err(&PlanInput { kept_layers: Some(29), ..base }).contains("29 layers"));
+    assert!(err(&PlanInput { placement: Placement { kept_layers: Some(29), ..base.placement }, ..base })
+        .contains("29 layers"));
 }
 
 /// Auto holds every streamed layer whose weights fit in what residency leaves (a streamed 3.6B:
@@ -514,24 +621,42 @@ fn kept_activations_fill_what_residency_leaves() {
 /// it holds none; asking for more than stream, or more than fit, is refused.
 #[test]
 fn held_layers_take_what_residency_leaves_and_cross_once() {
-    let base = PlanInput { held_layers: None, ..input(llama3_3b(), 4, 2048, H200) };
+    let base = PlanInput {
+        placement: Placement { held_layers: None, ..input(llama3_3b(), 4, 2048, H200).placement },
+        ..input(llama3_3b(), 4, 2048, H200)
+    };
     let layout = ModelLayout::new(&llama3_3b());
     let (ll, ol) = (layout.layer.len as u64, layout.outer.len as u64);
     let p = plan(&base).unwrap();
-    assert_eq!(p.held_layers, 28);
+    assert_eq!(p.placement.held_layers, 28);
     assert_eq!(p.gpu.held, 28 * ll * 2);
     assert_eq!(p.pcie_h2d_per_step, (ol + 28 * ll) * 2, "each layer crosses once");
-    let none = plan(&PlanInput { held_layers: Some(0), ..base.clone() }).unwrap();
+    let none =
+        plan(&PlanInput { placement: Placement { held_layers: Some(0), ..base.placement }, ..base.clone() })
+            .unwrap();
     assert_eq!(none.pcie_h2d_per_step, (ol + 56 * ll) * 2);
     assert_eq!(p.gpu.total, none.gpu.total + 28 * ll * 2);
     // Everything resident: nothing streams, so nothing is held.
-    let resident = plan(&PlanInput { resident_layers: None, ..base.clone() }).unwrap();
-    assert_eq!((resident.resident_layers, resident.held_layers), (28, 0));
-    let e = err(&PlanInput { resident_layers: Some(20), held_layers: Some(9), ..base.clone() });
+    let resident =
+        plan(&PlanInput { placement: Placement { resident_layers: None, ..base.placement }, ..base.clone() })
+            .unwrap();
+    assert_eq!((resident.placement.resident_layers, resident.placement.held_layers), (28, 0));
+    let e = err(&PlanInput {
+        placement: Placement { resident_layers: Some(20), held_layers: Some(9), ..base.placement },
+        ..base.clone()
+    });
     assert!(e.contains("only 8 of 28 layers stream"), "{e}");
     // Asked for with residency left to the planner: those layers stay streamed and are held.
-    let asked = plan(&PlanInput { resident_layers: None, held_layers: Some(2), ..base.clone() }).unwrap();
-    assert_eq!((asked.resident_layers, asked.held_layers), (26, 2), "{asked}");
-    let e = err(&PlanInput { held_layers: Some(28), gpu_bytes: 18 * GIB, ..base });
+    let asked = plan(&PlanInput {
+        placement: Placement { resident_layers: None, held_layers: Some(2), ..base.placement },
+        ..base.clone()
+    })
+    .unwrap();
+    assert_eq!((asked.placement.resident_layers, asked.placement.held_layers), (26, 2), "{asked}");
+    let e = err(&PlanInput {
+        gpu_bytes: 18 * GIB,
+        placement: Placement { held_layers: Some(28), ..base.placement },
+        ..base
+    });
     assert!(e.contains("--held-layers"), "{e}");
 }

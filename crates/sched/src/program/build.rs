@@ -4,10 +4,7 @@
 
 use mt_core::Unit;
 
-use super::{
-    early_upload_pairs, held_gpu_updated, is_gpu_updated, is_late_download, HostBuf, Instr, Op, OptimMode,
-    Program, ProgramSpec, Slot, Stream,
-};
+use super::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 
 /// Remembers, per reusable resource, the last instruction that used it, so the next writer
 /// waits for it.
@@ -242,34 +239,35 @@ impl Program {
     pub fn build(spec: ProgramSpec) -> Program {
         assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
         assert!(
-            spec.resident_layers + spec.held_layers <= spec.n_layers,
+            spec.placement.resident_layers + spec.placement.held_layers <= spec.n_layers,
             "held layers must be streamed ones"
         );
         assert!(
-            spec.gpu_updated == 0
+            spec.placement.gpu_updated_layers == 0
                 || (spec.mode == OptimMode::Exact
-                    && spec.n_state_bufs >= spec.ring_depth + spec.late_downloads),
+                    && spec.n_state_bufs >= spec.ring_depth + spec.placement.late_state_downloads),
             "GPU-updated layers need exact mode and at least ring_depth (+ late downloads) state slots"
         );
         assert!(
-            spec.late_downloads <= held_gpu_updated(&spec).len(),
+            spec.placement.late_state_downloads <= spec.held_gpu_updated().len(),
             "late downloads are of GPU-updated held layers"
         );
         assert!(
-            spec.spilled_checkpoints <= spec.n_layers
-                && (spec.spilled_checkpoints == 0 || spec.reload_slots >= 1),
+            spec.placement.spilled_checkpoints <= spec.n_layers
+                && (spec.placement.spilled_checkpoints == 0 || spec.reload_slots >= 1),
             "spilled checkpoints are inputs of layers, reloaded through at least one buffer"
         );
-        let pairs = early_upload_pairs(&spec);
+        let pairs = spec.early_upload_pairs();
         assert!(
-            pairs.len() == spec.early_uploads && (spec.early_uploads == 0 || spec.gpu_updated > 0),
+            pairs.len() == spec.placement.early_state_uploads
+                && (spec.placement.early_state_uploads == 0 || spec.placement.gpu_updated_layers > 0),
             "early uploads each pair with a late download at least ring_depth layers after them"
         );
         let exact_update = spec.mode == OptimMode::Exact && spec.pending_update;
         let lean = spec.mode == OptimMode::Lean;
         let n = spec.n_layers;
-        let resident = |layer: usize| layer < spec.resident_layers;
-        let held = |layer: usize| !resident(layer) && layer + spec.held_layers >= n;
+        let resident = |layer: usize| layer < spec.placement.resident_layers;
+        let held = |layer: usize| !resident(layer) && layer + spec.placement.held_layers >= n;
         let mut b = Builder {
             instrs: Vec::new(),
             last: LastUse::default(),
@@ -282,16 +280,18 @@ impl Program {
             late_updates: Default::default(),
             late_order: (0..spec.n_layers)
                 .rev()
-                .filter(|&l| exact_update && is_late_download(&spec, l))
+                .filter(|&l| exact_update && spec.is_late_download(l))
                 .collect(),
             late_issued: 0,
             deferred: Vec::new(),
             occupant: Default::default(),
             early_after: Default::default(),
             early_slot: (pairs.iter().enumerate())
-                .map(|(i, &(e, _))| (Unit::Layer(e), spec.n_state_bufs - spec.early_uploads + i))
+                .map(|(i, &(e, _))| {
+                    (Unit::Layer(e), spec.n_state_bufs - spec.placement.early_state_uploads + i)
+                })
                 .collect(),
-            spilled: spec.spilled_checkpoints,
+            spilled: spec.placement.spilled_checkpoints,
             reload_slots: spec.reload_slots,
             spill_of: Default::default(),
             reload_of: Default::default(),
@@ -301,9 +301,9 @@ impl Program {
         if spec.early_ready && exact_update {
             // The last step's early uploads: their slots are free once their state has gone back.
             b.occupant.extend(b.early_slot.iter().map(|(&unit, &buf)| (buf, unit)));
-            b.free_states.truncate(spec.n_state_bufs - spec.early_uploads);
+            b.free_states.truncate(spec.n_state_bufs - spec.placement.early_state_uploads);
         }
-        let gpu_update = |layer: usize| exact_update && is_gpu_updated(&spec, layer);
+        let gpu_update = |layer: usize| exact_update && spec.is_gpu_updated(layer);
         // Use k: (layer, is_backward). Ring uses are the streamed, not held layers' uses: ring
         // use `j` goes through slot `j % ring_depth`. Held layers are fetched once, for their
         // forward, into their own slot. Staging buffers are taken in fetch order.
@@ -339,15 +339,15 @@ impl Program {
         // uses ahead of its compute (forward use `k` of a streamed layer is position
         // `k - resident_layers`).
         let fetch_held = |b: &mut Builder, uploads: &mut Vec<Option<usize>>, pos: usize| {
-            let k = spec.resident_layers + pos;
+            let k = spec.placement.resident_layers + pos;
             if k < n && held(k) {
                 fetch(b, uploads, k, Slot::Held(k));
             }
         };
 
         // Forward order = update order: the outer unit first, then layers 0..L-1.
-        let up_outer =
-            (!spec.resident_outer).then(|| b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update));
+        let up_outer = (!spec.placement.resident_outer)
+            .then(|| b.fetch(Unit::Outer, HostBuf::Outer, Slot::Outer, exact_update));
         // The first `ring_depth` forward positions (ring or held) in forward order, then any
         // backward use among the first `ring_depth` ring uses (few layers through the ring), so
         // that no re-cast is staged ahead of a forward's update.
@@ -361,7 +361,7 @@ impl Program {
         for j in (0..spec.ring_depth.min(ring.len())).filter(|&j| is_backward(j)) {
             fetch(&mut b, &mut uploads, ring[j], Slot::Ring(j % spec.ring_depth));
         }
-        if spec.resident_outer && exact_update {
+        if spec.placement.resident_outer && exact_update {
             b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
         }
         let embed = b.push(Stream::Compute, Op::Embed, up_outer.into_iter().collect());
@@ -372,8 +372,8 @@ impl Program {
             if k == n {
                 b.push(Stream::Compute, Op::Loss, vec![]);
                 // The first reloads, one per buffer, as the backward starts.
-                for i in 0..spec.reload_slots.min(spec.spilled_checkpoints) {
-                    b.reload(spec.spilled_checkpoints - 1 - i, None);
+                for i in 0..spec.reload_slots.min(spec.placement.spilled_checkpoints) {
+                    b.reload(spec.placement.spilled_checkpoints - 1 - i, None);
                 }
                 // The backward's H2D is free from here (every streamed layer held): the early
                 // uploads whose slot is empty go now, in the next forward's order; the others
@@ -423,7 +423,7 @@ impl Program {
             }
             if !backward {
                 let ready = if gpu_update(layer) {
-                    b.update_streamed(unit, slot, uploads[k], is_late_download(&spec, layer))
+                    b.update_streamed(unit, slot, uploads[k], spec.is_late_download(layer))
                 } else {
                     uploads[k].expect("a streamed layer is fetched before its forward")
                 };
@@ -439,13 +439,13 @@ impl Program {
                 for (d, dslot) in now {
                     fetch(&mut b, &mut uploads, d, dslot);
                 }
-                fetch_held(&mut b, &mut uploads, layer - spec.resident_layers + spec.ring_depth);
+                fetch_held(&mut b, &mut uploads, layer - spec.placement.resident_layers + spec.ring_depth);
                 if let Some(p) = prefetch {
                     fetch(&mut b, &mut uploads, ring[p], Slot::Ring(p % spec.ring_depth));
                 }
                 continue;
             }
-            b.late_downloads_due(n_grads, n - spec.resident_layers, n);
+            b.late_downloads_due(n_grads, n - spec.placement.resident_layers, n);
             let grad_buf = n_grads % spec.n_grad_bufs;
             let landing = HostBuf::Ring(n_grads % spec.n_landing);
             n_grads += 1;
@@ -488,7 +488,7 @@ impl Program {
             b.push(Stream::Compute, Op::Loss, vec![]);
         }
         let eb = b.push(Stream::Compute, Op::EmbedBackward, vec![]);
-        if spec.resident_outer {
+        if spec.placement.resident_outer {
             if lean {
                 b.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
             }

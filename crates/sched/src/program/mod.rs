@@ -13,19 +13,19 @@
 //! Held layers (the last `held_layers` streamed ones) are fetched once, for their forward, into
 //! their own slot, and their backward reads it there.
 //!
-//! GPU-updated layers (`gpu_updated` of the streamed layers, spread evenly among them; exact
+//! GPU-updated layers (`gpu_updated_layers` of the streamed layers, spread evenly among them; exact
 //! mode with a pending update) do not have their update applied by the host: their fp32
 //! `[master | m | v]` and stored gradient go up from the host record into a state slot
 //! ([`Op::UploadState`]), [`Op::UpdateStreamed`] applies AdamW there and writes the new weights
 //! into the layer's slot, and [`Op::DownloadState`] brings master and moments back into the
 //! record. Host memory bandwidth, which bounds the host's update pass, is then shared with the
 //! DMA engines over PCIe, which the forward otherwise leaves mostly idle. Of the held ones,
-//! `late_downloads` ([`is_late_download`]) keep their state slot into the backward and download
+//! `late_state_downloads` ([`Placement::is_late_download`]) keep their state slot into the backward and download
 //! it there, spread over it from the loss on: out of the forward, whose host memory is the
 //! step's bottleneck, into the backward, whose host memory and D2H are partly idle.
 //!
-//! Of the others, `early_uploads` ([`early_upload_pairs`]) get their state for the next step
-//! during this step's backward, each into a slot of the `ring_depth + late_downloads` there
+//! Of the others, `early_state_uploads` ([`Placement::early_upload_pairs`]) get their state for the next step
+//! during this step's backward, each into a slot of the `ring_depth + late_state_downloads` there
 //! are, once it is free (at the loss, or right after the download of the late layer whose
 //! state is there): master and moments go up ([`Op::UploadMoments`]), the gradient is copied on
 //! the device after the layer's backward ([`Op::CopyGrad`]); a step whose early states are
@@ -48,6 +48,8 @@
 //! mode: right after their backward).
 
 use mt_core::Unit;
+
+use crate::placement::Placement;
 
 /// A logical stream. Instructions on one stream run in program order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -248,7 +250,7 @@ pub struct Instr {
     pub waits: Vec<usize>,
 }
 
-/// Shape of the rings the program uses.
+/// Shape of the rings the program uses, and the placement it builds the step for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProgramSpec {
     /// Decoder layers.
@@ -265,170 +267,65 @@ pub struct ProgramSpec {
     pub mode: OptimMode,
     /// Whether a deferred (exact-mode) update is pending from the previous step.
     pub pending_update: bool,
-    /// The outer unit's optimizer state lives on the device: it is never staged, uploaded,
-    /// downloaded or landed; [`Op::UpdateResident`] updates it on the compute stream.
-    pub resident_outer: bool,
-    /// Decoder layers `0..resident_layers` live on the device likewise (weights, gradient,
-    /// optimizer state); the ring streams the others.
-    pub resident_layers: usize,
-    /// The last `held_layers` decoder layers (streamed ones) are uploaded once, for their
-    /// forward, into their own slot ([`Slot::Held`]), and their backward reads them there: no
-    /// re-cast, no second upload. At most `n_layers - resident_layers`.
-    pub held_layers: usize,
-    /// Of the streamed layers, this many (spread evenly: [`is_gpu_updated`]) have their pending
-    /// exact-mode update applied on the device from their streamed state. 0 in lean mode.
-    pub gpu_updated: usize,
-    /// Of the GPU-updated layers that are held, this many (spread evenly among them:
-    /// [`is_late_download`]) download their state in the backward (spread over it, each before
-    /// its layer's land) instead of right after their update; their state slot stays taken
-    /// until then.
-    pub late_downloads: usize,
-    /// Of the GPU-updated layers that do not download late, this many ([`early_upload_pairs`]:
-    /// at most one per late-download layer at least `ring_depth` layers after it, which proves
-    /// the forward never runs out of state slots) get their state for the next step in this
-    /// step's backward, into slot `n_state_bufs - early_uploads + i` once it is free (at the
-    /// loss, or right after the download of the late layer whose state is there): master and
-    /// moments go up ([`Op::UploadMoments`]), and the gradient is copied there on the device
-    /// right after the layer's backward ([`Op::CopyGrad`]: the bytes its land stores). The next
-    /// step's forward uploads nothing for it, and the slot returns to the free list once its
-    /// state has gone back. Out of the forward, whose host memory and uploads bound a streamed
-    /// step, into the backward, whose H2D is idle when every streamed layer is held; the
-    /// gradient no longer crosses up at all. No slot of its own: the slot held another layer's
-    /// state in between, so every byte uploaded is needed.
-    pub early_uploads: usize,
+    /// Where the step keeps what. The program reads: the outer unit's and the first layers'
+    /// residency (never staged, uploaded, downloaded or landed; [`Op::UpdateResident`] updates
+    /// them on the compute stream), the held layers ([`Slot::Held`]: fetched once, for their
+    /// forward), the GPU-updated layers (their pending update on the device; none in lean mode)
+    /// with their late downloads (state slot taken until the backward) and early uploads (their
+    /// next state up in this step's backward: into slot `n_state_bufs - early_state_uploads + i`
+    /// once it is free, the gradient copied there by [`Op::CopyGrad`]; 0 in lean mode), and the
+    /// spilled checkpoints.
+    pub placement: Placement,
     /// The early-upload layers' states are already in their slots (uploaded in the previous
     /// step's backward, their records unchanged since): their forward uploads nothing. The
     /// engine sets it only after a step that issued them succeeded.
     pub early_ready: bool,
-    /// Boundaries `0..spilled_checkpoints` (the inputs of the first layers) live in host memory
-    /// from their layer's forward to its backward; at most `n_layers` (the loss's input stays).
-    pub spilled_checkpoints: usize,
     /// Device buffers the spilled checkpoints are reloaded into (at least 1 when any is spilled).
     pub reload_slots: usize,
-    /// State slots for the GPU-updated layers (at least `ring_depth + late_downloads` when
-    /// `gpu_updated > 0`: `ring_depth` state uploads can be ahead of their forward while the late
-    /// ones wait for their backward; the last `early_uploads` slots are the early layers', taken
-    /// by other layers' states in between).
+    /// State slots for the GPU-updated layers (at least `ring_depth + late_state_downloads` when
+    /// any layer is GPU-updated: `ring_depth` state uploads can be ahead of their forward while
+    /// the late ones wait for their backward; the last `early_state_uploads` slots are the early
+    /// layers', taken by other layers' states in between).
     pub n_state_bufs: usize,
 }
 
-/// Whether decoder `layer` is one of the `spec.gpu_updated` GPU-updated layers: the streamed
-/// layers `resident_layers..n_layers` picked evenly, one in the middle of each of `gpu_updated`
-/// equal stretches (Bresenham, centred), so that host updates and state transfers alternate
-/// through the forward, and the last streamed layer (whose backward follows its forward at once,
-/// so that a re-cast waiting for its state could not be hidden) is one only when more than half
-/// of them are.
-pub fn is_gpu_updated(spec: &ProgramSpec, layer: usize) -> bool {
-    gpu_updated_among(spec.n_layers, spec.resident_layers, spec.gpu_updated, layer)
-}
-
-fn gpu_updated_among(n_layers: usize, resident_layers: usize, gpu_updated: usize, layer: usize) -> bool {
-    if layer < resident_layers || layer >= n_layers {
-        return false;
+/// The placement's layer picks for this spec's model and ring ([`Placement::is_gpu_updated`] and
+/// its siblings).
+impl ProgramSpec {
+    /// Whether `layer` is resident.
+    pub fn is_resident(&self, layer: usize) -> bool {
+        self.placement.is_resident(layer)
     }
-    spread(layer - resident_layers, n_layers - resident_layers, gpu_updated)
-}
 
-/// Whether item `i` of `n` is one of `k` picked evenly (Bresenham, centred).
-fn spread(i: usize, n: usize, k: usize) -> bool {
-    let k = k.min(n);
-    ((i + 1) * k + n / 2) / n > (i * k + n / 2) / n
-}
-
-/// The GPU-updated layers that are also held (in layer order): the ones whose state may stay on
-/// the device until their backward.
-pub fn held_gpu_updated(spec: &ProgramSpec) -> Vec<usize> {
-    held_gpu_updated_of(spec.n_layers, spec.resident_layers, spec.held_layers, spec.gpu_updated)
-}
-
-/// [`held_gpu_updated`] of a placement: `n_layers`, of which the first `resident_layers` are
-/// resident, the last `held_layers` held, and `gpu_updated` of the streamed ones GPU-updated.
-pub fn held_gpu_updated_of(
-    n_layers: usize,
-    resident_layers: usize,
-    held_layers: usize,
-    gpu_updated: usize,
-) -> Vec<usize> {
-    let first_held = n_layers.saturating_sub(held_layers).max(resident_layers);
-    (first_held..n_layers).filter(|&l| gpu_updated_among(n_layers, resident_layers, gpu_updated, l)).collect()
-}
-
-/// Whether decoder `layer` is one of the `spec.late_downloads` GPU-updated, held layers whose
-/// state is downloaded in the backward (spread evenly over [`held_gpu_updated`], so that their
-/// downloads spread over the backward's D2H).
-pub fn is_late_download(spec: &ProgramSpec, layer: usize) -> bool {
-    let held = held_gpu_updated(spec);
-    held.iter().position(|&l| l == layer).is_some_and(|i| spread(i, held.len(), spec.late_downloads))
-}
-
-/// The layers whose state for the next step goes up in this step's backward
-/// ([`ProgramSpec::early_uploads`]), in forward order: the early halves of
-/// [`early_upload_pairs`].
-pub fn early_upload_layers(spec: &ProgramSpec) -> Vec<usize> {
-    early_upload_pairs(spec).into_iter().map(|(early, _)| early).collect()
-}
-
-/// The `spec.early_uploads` (early-upload layer, late-download layer) pairs, in the early
-/// layers' order: picked evenly among [`slot_pairs_of`] the spec's placement. The pairing is what
-/// keeps the forward within its state slots (see there); which slot a late layer takes is the
-/// free list's business.
-pub fn early_upload_pairs(spec: &ProgramSpec) -> Vec<(usize, usize)> {
-    let all = slot_pairs_of(
-        spec.n_layers,
-        spec.resident_layers,
-        spec.held_layers,
-        spec.gpu_updated,
-        spec.late_downloads,
-        spec.ring_depth,
-    );
-    let n = all.len();
-    all.into_iter().enumerate().filter(|&(i, _)| spread(i, n, spec.early_uploads)).map(|(_, p)| p).collect()
-}
-
-/// Every pair (early, late) of a placement, in the early layers' order: each late-download
-/// layer (ascending) takes, of the GPU-updated layers that do not download late and are not
-/// taken yet, the one nearest the middle between the previous late layer and itself, at least
-/// `ring_depth` layers before it; a late layer with none such has no partner. Why that is
-/// enough: the forward fetches a state `ring_depth` positions ahead of its layer, and an early
-/// layer's slot is free once its download (issued before its forward) is. At the fetch for
-/// position q, a late layer held since (before q) has its early partner at or before
-/// `q - ring_depth`, already downloaded; so the early layers not yet downloaded, the late ones
-/// held and the fetches in flight take at most `early + (late - paired) + ring_depth - 1 <=
-/// ring_depth + late - 1` of the `ring_depth + late` slots, and one is free. (A sufficient
-/// condition, not a necessary one: some placements it refuses would fit.)
-pub fn slot_pairs_of(
-    n_layers: usize,
-    resident_layers: usize,
-    held_layers: usize,
-    gpu_updated: usize,
-    late_downloads: usize,
-    ring_depth: usize,
-) -> Vec<(usize, usize)> {
-    let held = held_gpu_updated_of(n_layers, resident_layers, held_layers, gpu_updated);
-    let late: Vec<usize> = held
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| spread(i, held.len(), late_downloads))
-        .map(|(_, &l)| l)
-        .collect();
-    let mut free: Vec<usize> = (0..n_layers)
-        .filter(|&l| gpu_updated_among(n_layers, resident_layers, gpu_updated, l) && !late.contains(&l))
-        .collect();
-    let mut pairs = Vec::new();
-    let mut prev = None;
-    for &l in &late {
-        // Twice the middle, so that it stays an integer.
-        let mid2 = prev.map_or(l as i64 - 1, |p: usize| (p + l) as i64);
-        let best = (0..free.len())
-            .filter(|&i| free[i] + ring_depth <= l)
-            .min_by_key(|&i| ((2 * free[i] as i64 - mid2).abs(), free[i]));
-        if let Some(i) = best {
-            pairs.push((free.remove(i), l));
-        }
-        prev = Some(l);
+    /// Whether `layer` is held.
+    pub fn is_held(&self, layer: usize) -> bool {
+        self.placement.is_held(self.n_layers, layer)
     }
-    pairs.sort_unstable();
-    pairs
+
+    /// Whether `layer` is GPU-updated.
+    pub fn is_gpu_updated(&self, layer: usize) -> bool {
+        self.placement.is_gpu_updated(self.n_layers, layer)
+    }
+
+    /// The GPU-updated layers that are held.
+    pub fn held_gpu_updated(&self) -> Vec<usize> {
+        self.placement.held_gpu_updated(self.n_layers)
+    }
+
+    /// Whether `layer` downloads its state late.
+    pub fn is_late_download(&self, layer: usize) -> bool {
+        self.placement.is_late_download(self.n_layers, layer)
+    }
+
+    /// The early-upload layers, in forward order.
+    pub fn early_upload_layers(&self) -> Vec<usize> {
+        self.placement.early_upload_layers(self.n_layers, self.ring_depth)
+    }
+
+    /// The (early-upload, late-download) layer pairs.
+    pub fn early_upload_pairs(&self) -> Vec<(usize, usize)> {
+        self.placement.early_upload_pairs(self.n_layers, self.ring_depth)
+    }
 }
 
 /// Device buffers the spilled checkpoints are reloaded through (two: one reload ahead of the

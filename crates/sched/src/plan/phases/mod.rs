@@ -12,19 +12,19 @@ use super::bytes::{
     PAGED_MIN_RECORDS,
 };
 use super::model::{
-    early_upload_capacity, forward_window, late_download_capacity, UpdatePlacement, HOST_MEMORY_GBS,
-    STATE_UPLOAD_GBS,
+    early_upload_capacity, forward_window, late_download_capacity, HOST_MEMORY_GBS, STATE_UPLOAD_GBS,
 };
 use super::{
-    gib, grad_bufs, lands_bf16, GpuBytes, HostBytes, Placement, Plan, PlanInput, DEFAULT_RING_DEPTH,
+    gib, grad_bufs, lands_bf16, GpuBytes, HostBytes, Plan, PlanInput, DEFAULT_RING_DEPTH,
     GPU_USABLE_FRACTION, MLP_TILE_ROWS, N_BUFS,
 };
 use crate::batch::chunk_ranges;
+use crate::placement::Placement;
 use crate::program::RELOAD_SLOTS;
 use crate::{Error, OptimMode, Result};
 
 mod gpu;
-use gpu::{place_gpu_updated, GpuUpdated};
+use gpu::place_gpu_updated;
 
 /// What every phase of [`plan_placed`] reads: the request, the model's sizes and the GPU's budget.
 struct Ctx<'a> {
@@ -33,7 +33,6 @@ struct Ctx<'a> {
     layout: ModelLayout,
     batch: usize,
     seq: usize,
-    resident_outer: bool,
     ring_depth: usize,
     /// Bytes of a weight element on the device.
     e: u64,
@@ -47,13 +46,14 @@ struct Ctx<'a> {
     le: u64,
     /// Bytes per element of a stored gradient.
     g: u64,
-    /// Bytes of a decoder layer's and of the outer unit's master and moments (a state slot's,
-    /// a resident unit's optimizer state), and nominal bytes of them a parameter (12, 8, 6).
+    /// Bytes of a decoder layer's master and moments (a state slot's, a resident layer's
+    /// optimizer state), and nominal bytes of them a parameter (12, 8, 6).
     sl: u64,
-    so: u64,
     s: u64,
-    /// The transferred part of the outer unit: none of it when it is resident.
+    /// The transferred part of the outer unit (none of it when it is resident), and the bytes of
+    /// its optimizer state on the GPU (none when it streams).
     ol_moved: u64,
+    outer_state: u64,
     /// What the plan may use of the GPU, and that in words for refusals.
     budget: u64,
     budget_line: String,
@@ -72,7 +72,6 @@ impl<'a> Ctx<'a> {
             cfg,
             batch,
             seq,
-            resident_outer,
             ring_depth,
             e,
             ll,
@@ -83,9 +82,13 @@ impl<'a> Ctx<'a> {
             le: if lands_bf16(input.mode, input.grad_dtype) { 2 } else { 4 },
             g: grad_elem_bytes(input.grad_dtype),
             sl: input.state_dtype.state_bytes(layout.layer.len) as u64,
-            so: input.state_dtype.state_bytes(layout.outer.len) as u64,
             s: input.state_dtype.nominal_state_bytes(),
             ol_moved: if resident_outer { 0 } else { ol },
+            outer_state: if resident_outer {
+                input.state_dtype.state_bytes(layout.outer.len) as u64
+            } else {
+                0
+            },
             budget,
             budget_line: format!(
                 "{:.2} GiB usable ({GPU_USABLE_FRACTION} of {:.2} GiB)",
@@ -121,7 +124,8 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
     let c = Ctx::new(input, resident_outer, ring_depth);
     let mut host = host_bytes(&c)?;
     let fixed = fixed_gpu_bytes(&c)?;
-    let chunks = choose_chunking(&c, &fixed, &mut host)?;
+    let mut placed = Placement { resident_outer, ..Placement::default() };
+    let chunks = choose_chunking(&c, &fixed, &mut host, &mut placed)?;
     let mut total = fixed.fixed + chunks.checkpoints + fixed.act_grads + chunks.workspace;
     let per_kept_layer = mt_layers::DecoderLayer::kept_state_bytes(
         c.cfg,
@@ -131,14 +135,14 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         input.fused_kernels,
         chunks.flash,
     );
-    let (resident_layers, held_layers) = place_resident_and_held(&c, &fixed, per_kept_layer, &mut total)?;
-    let gpu_updated = place_gpu_updated(&c, resident_layers, held_layers, &mut total)?;
-    let kept_layers =
-        place_kept(&c, (resident_layers, held_layers, chunks.spilled), per_kept_layer, &mut total)?;
+    place_resident_and_held(&c, &fixed, per_kept_layer, &mut placed, &mut total)?;
+    let state_slots = place_gpu_updated(&c, &mut placed, &mut total)?;
+    place_kept(&c, per_kept_layer, &mut placed, &mut total)?;
     let Ctx { ll, ol, nl, e, le, g, sl, ol_moved, .. } = c;
-    if host.store_window.is_some()
-        && (resident_outer || resident_layers > 0 || gpu_updated.gpu_updated_layers > 0)
-    {
+    let Placement {
+        resident_layers, held_layers, kept_layers, gpu_updated_layers, early_state_uploads, ..
+    } = placed;
+    if host.store_window.is_some() && (resident_outer || resident_layers > 0 || gpu_updated_layers > 0) {
         // Their records would be read outside the pager's order and kept beside the window.
         return opt("a store paged from its file (larger than --host-mem) keeps every unit streamed and updated on the host: use --resident-outer off, --resident-layers 0 and --gpu-updated-layers 0 with it, or more --host-mem".into());
     }
@@ -157,11 +161,10 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         outer_state: fixed.outer_state,
         resident_layers: resident_layers as u64 * fixed.per_resident_layer,
         kept: kept_layers as u64 * per_kept_layer,
-        state_slots: gpu_updated.state_slots,
+        state_slots,
         total,
         budget: c.budget,
     };
-    let GpuUpdated { gpu_updated_layers, late_state_downloads, early_state_uploads, .. } = gpu_updated;
     let streamed_layers = nl - resident_layers as u64;
     let gu = gpu_updated_layers as u64;
     Ok(Plan {
@@ -170,18 +173,10 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         n_chunks: chunks.n_chunks,
         seqs_per_chunk: chunks.seqs_per_chunk,
         ring_depth,
-        checkpoints: Placement::Gpu,
         n_layers: c.layout.n_layers,
-        resident_layers,
-        resident_outer,
-        kept_layers,
+        placement: placed,
         flash_attention: chunks.flash,
-        spilled_checkpoints: chunks.spilled,
         mlp_rows: chunks.mlp_rows,
-        held_layers,
-        gpu_updated_layers,
-        late_state_downloads,
-        early_state_uploads,
         gpu,
         host,
         pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
@@ -293,17 +288,16 @@ struct Fixed {
 
 /// Phase 3: the fixed GPU buffers fit.
 fn fixed_gpu_bytes(c: &Ctx<'_>) -> Result<Fixed> {
-    let Ctx { input, resident_outer, ring_depth, e, ll, ol, tokens, hid, le, sl, so, budget, .. } = *c;
+    let Ctx { input, ring_depth, e, ll, ol, tokens, hid, le, sl, outer_state, budget, .. } = *c;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
     // Layer gradient buffers (f32) with their bf16 twins when bf16 lands, and the outer one.
     let narrow = if le == 2 { N_BUFS * ll * 2 } else { 0 };
     let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + narrow + ol * 4);
-    let outer_state = if resident_outer { so } else { 0 };
     let per_resident_layer = ll * (e + 4) + sl;
-    if let Some(k) = input.resident_layers.filter(|&k| k > layout.n_layers) {
+    if let Some(k) = input.placement.resident_layers.filter(|&k| k > layout.n_layers) {
         return opt(format!("{k} resident layers asked of a {}-layer model", layout.n_layers));
     }
-    let asked_resident = input.resident_layers.unwrap_or(0) as u64 * per_resident_layer;
+    let asked_resident = input.placement.resident_layers.unwrap_or(0) as u64 * per_resident_layer;
     let fixed = weight_ring + outer + grads + outer_state + asked_resident;
     if fixed > budget {
         return opt(format!(
@@ -331,15 +325,19 @@ struct Chunking {
     seqs_per_chunk: usize,
     mlp_rows: usize,
     workspace: u64,
-    /// Boundaries `0..spilled` spilled to host memory, and the checkpoints' bytes on the GPU.
-    spilled: usize,
+    /// The checkpoints' bytes on the GPU (the spilled ones' are the host's).
     checkpoints: u64,
 }
 
 /// Phase 4: the attention path, the checkpoints (spilling the fewest the smallest workspace needs
-/// to host memory, counted in `host`), and the fewest chunks (with the largest MLP tile) whose
+/// to host memory, counted in `host`, placed in `placed`), and the fewest chunks (with the largest MLP tile) whose
 /// workspace fits what is left.
-fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<Chunking> {
+fn choose_chunking(
+    c: &Ctx<'_>,
+    fixed: &Fixed,
+    host: &mut HostBytes,
+    placed: &mut Placement,
+) -> Result<Chunking> {
     let Ctx { input, cfg, batch, seq, e, nl, tokens, hid, budget, .. } = *c;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
     let flash_runs = input.fused_kernels && mt_layers::flash_head_dim(cfg.head_dim);
@@ -387,7 +385,7 @@ fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<C
     let (fixed_bytes, act_grads) = (fixed.fixed, fixed.act_grads);
     // Spilled checkpoints: as asked, or the fewest with which the smallest workspace fits.
     let min_ws = candidates.iter().map(|&n| workspace_of(n, 0).2).min().unwrap_or(0);
-    let spilled = match input.spilled_checkpoints {
+    let spilled = match input.placement.spilled_checkpoints {
         Some(k) if k > layout.n_layers => {
             return opt(format!(
                 "{k} spilled checkpoints asked of a {}-layer model (the inputs of its layers can spill; the loss's input stays)",
@@ -434,7 +432,7 @@ fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<C
         let n = *candidates.last().unwrap_or(&batch);
         let (b, r, ws) = workspace_of(n, left);
         let tiles = if r > 0 { format!(" (MLP tiles of {r} rows)") } else { String::new() };
-        let spill = if spilled < layout.n_layers && input.spilled_checkpoints.is_some() {
+        let spill = if spilled < layout.n_layers && input.placement.spilled_checkpoints.is_some() {
             "; spill more checkpoints (--spill-checkpoints)"
         } else {
             ""
@@ -445,34 +443,36 @@ fn choose_chunking(c: &Ctx<'_>, fixed: &Fixed, host: &mut HostBytes) -> Result<C
             if input.n_chunks.is_some() && n < batch { "; use more chunks" } else { "; use shorter sequences" }
         ));
     };
-    Ok(Chunking { flash, n_chunks, seqs_per_chunk, mlp_rows, workspace, spilled, checkpoints })
+    placed.spilled_checkpoints = spilled;
+    Ok(Chunking { flash, n_chunks, seqs_per_chunk, mlp_rows, workspace, checkpoints })
 }
 
 /// Phase 5: resident layers (the leading ones, with their optimizer state) and held layers (the
 /// last streamed ones, their weights kept from forward to backward) in what the chunking left;
-/// explicit counts are served before the automatic choices. Returns both counts and adds their
-/// bytes to `total`.
+/// explicit counts are served before the automatic choices. Places both and adds their bytes to
+/// `total`.
 fn place_resident_and_held(
     c: &Ctx<'_>,
     fixed: &Fixed,
     per_kept_layer: u64,
+    placed: &mut Placement,
     running: &mut u64,
-) -> Result<(usize, usize)> {
+) -> Result<()> {
     let Ctx { input, e, ll, budget, .. } = *c;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
     let Fixed { per_resident_layer, asked_resident, .. } = *fixed;
     let state_cost = |late: usize| c.state_cost(late);
     let mut total = *running;
     // Explicit held and kept counts are served before the automatic choices take what is left.
-    let asked_held = input.held_layers.unwrap_or(0);
-    let asked_gpu = input.gpu_updated_layers.unwrap_or(0);
-    let asked_late = input.late_state_downloads.unwrap_or(0);
+    let asked_held = input.placement.held_layers.unwrap_or(0);
+    let asked_gpu = input.placement.gpu_updated_layers.unwrap_or(0);
+    let asked_late = input.placement.late_state_downloads.unwrap_or(0);
     let reserved = asked_held as u64 * ll * e
-        + input.kept_layers.unwrap_or(0) as u64 * per_kept_layer
+        + input.placement.kept_layers.unwrap_or(0) as u64 * per_kept_layer
         + if asked_gpu > 0 { state_cost(asked_late) } else { 0 };
     // Auto: as many leading layers as fit in what is left (their state costs no chunk), leaving
     // the held and GPU-updated layers asked for streamed.
-    let resident_layers = match input.resident_layers {
+    let resident_layers = match input.placement.resident_layers {
         Some(k) => k,
         None => ((budget.saturating_sub(total + reserved) / per_resident_layer) as usize)
             .min(layout.n_layers.saturating_sub(asked_held.max(asked_gpu))),
@@ -483,7 +483,7 @@ fn place_resident_and_held(
     // backward (one upload, no re-cast on the host). They take what residency leaves; each
     // costs only its weights (`layer.len × e`).
     let streamed_count = layout.n_layers - resident_layers;
-    let held_layers = match input.held_layers {
+    let held_layers = match input.placement.held_layers {
         Some(h) if h > streamed_count => {
             return opt(format!(
                 "{h} held layers asked, but only {streamed_count} of {} layers stream ({resident_layers} resident); held layers are streamed ones",
@@ -502,18 +502,16 @@ fn place_resident_and_held(
     let held = held_layers as u64 * ll * e;
     total += held;
     *running = total;
-    Ok((resident_layers, held_layers))
+    placed.resident_layers = resident_layers;
+    placed.held_layers = held_layers;
+    Ok(())
 }
 
 /// Phase 7: the layers that keep their forward activations for the backward, in what is left.
-/// Adds their bytes to `total`.
-fn place_kept(
-    c: &Ctx<'_>,
-    (resident_layers, held_layers, spilled): (usize, usize, usize),
-    per_kept_layer: u64,
-    running: &mut u64,
-) -> Result<usize> {
+/// Places them and adds their bytes to `total`.
+fn place_kept(c: &Ctx<'_>, per_kept_layer: u64, placed: &mut Placement, running: &mut u64) -> Result<()> {
     let Ctx { input, budget, .. } = *c;
+    let Placement { resident_layers, held_layers, spilled_checkpoints: spilled, .. } = *placed;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
     let mut total = *running;
     // Kept activations take what is left after that (residency and holding save host work,
@@ -523,7 +521,7 @@ fn place_kept(
     // (a streamed, not held layer's backward waits on the host's re-cast and land on 16 cores).
     // 3.6B at 4 x 2048 on an H200: all resident, 24 of 28 kept, 347.9 -> 419.6 model TFLOP/s;
     // all streamed, held and kept, 201.3 -> 216.1.
-    let kept_layers = match input.kept_layers {
+    let kept_layers = match input.placement.kept_layers {
         Some(k) if k > layout.n_layers => {
             return opt(format!("{k} layers with kept activations asked of a {}-layer model", layout.n_layers))
         }
@@ -549,5 +547,6 @@ fn place_kept(
     let kept = kept_layers as u64 * per_kept_layer;
     total += kept;
     *running = total;
-    Ok(kept_layers)
+    placed.kept_layers = kept_layers;
+    Ok(())
 }

@@ -4,10 +4,8 @@ use std::collections::{HashMap, HashSet};
 
 use mt_core::Unit;
 
-use crate::program::{
-    early_upload_layers, early_upload_pairs, held_gpu_updated, is_gpu_updated, is_late_download,
-    slot_pairs_of, HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream,
-};
+use crate::placement::Placement;
+use crate::program::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 use crate::simulate::simulate;
 
 fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> ProgramSpec {
@@ -41,16 +39,15 @@ fn spec_held(
         n_landing: 2,
         mode,
         pending_update: pending,
-        resident_outer: resident,
-        resident_layers,
-        held_layers,
-        gpu_updated: 0,
-        late_downloads: 0,
-        early_uploads: 0,
         early_ready: false,
         n_state_bufs: 0,
-        spilled_checkpoints: 0,
         reload_slots: 0,
+        placement: Placement {
+            resident_outer: resident,
+            resident_layers,
+            held_layers,
+            ..Placement::default()
+        },
     }
 }
 
@@ -75,8 +72,11 @@ fn all_specs() -> Vec<ProgramSpec> {
                                 for (spilled, reload_slots) in [(1, 2), (l, 1), (l, 2)] {
                                     let base = spec_held(l, n, mode, pending, resident, k, h);
                                     v.push(ProgramSpec {
-                                        spilled_checkpoints: spilled,
                                         reload_slots,
+                                        placement: Placement {
+                                            spilled_checkpoints: spilled,
+                                            ..base.placement
+                                        },
                                         ..base
                                     });
                                 }
@@ -87,24 +87,39 @@ fn all_specs() -> Vec<ProgramSpec> {
                                 gs.dedup();
                                 for g in gs.into_iter().filter(|&g| g > 0 && mode == OptimMode::Exact) {
                                     let s = ProgramSpec {
-                                        gpu_updated: g,
                                         n_state_bufs: n,
-                                        spilled_checkpoints: 0,
                                         reload_slots: 0,
+                                        placement: Placement {
+                                            gpu_updated_layers: g,
+                                            spilled_checkpoints: 0,
+                                            ..spec_held(l, n, mode, pending, resident, k, h).placement
+                                        },
                                         ..spec_held(l, n, mode, pending, resident, k, h)
                                     };
                                     // Late downloads: none, one, all but one, every held GPU-updated
                                     // layer.
-                                    let held_gpu = held_gpu_updated(&s).len();
+                                    let held_gpu = s.held_gpu_updated().len();
                                     let mut ds = vec![0, 1, held_gpu.saturating_sub(1), held_gpu];
                                     ds.sort_unstable();
                                     ds.dedup();
-                                    for d in ds.into_iter().filter(|&d| d <= held_gpu_updated(&s).len()) {
-                                        let s = ProgramSpec { late_downloads: d, n_state_bufs: n + d, ..s };
+                                    for d in ds.into_iter().filter(|&d| d <= s.held_gpu_updated().len()) {
+                                        let s = ProgramSpec {
+                                            n_state_bufs: n + d,
+                                            placement: Placement { late_state_downloads: d, ..s.placement },
+                                            ..s
+                                        };
                                         v.push(s);
                                         // Early uploads: one, one per late layer with a partner; their
                                         // states up from the last step or not.
-                                        let pairs = slot_pairs_of(l, k, h, g, d, n).len();
+                                        let pairs = Placement {
+                                            resident_layers: k,
+                                            held_layers: h,
+                                            gpu_updated_layers: g,
+                                            late_state_downloads: d,
+                                            ..Placement::default()
+                                        }
+                                        .slot_pairs(l, n)
+                                        .len();
                                         let mut es = vec![1, pairs];
                                         es.dedup();
                                         for e in es.into_iter().filter(|&e| e > 0 && e <= pairs) {
@@ -113,11 +128,14 @@ fn all_specs() -> Vec<ProgramSpec> {
                                             for ready in [false, true].into_iter().filter(|&r| !r || pending)
                                             {
                                                 v.push(ProgramSpec {
-                                                    early_uploads: e,
                                                     early_ready: ready,
                                                     n_state_bufs: n + d,
-                                                    spilled_checkpoints: 0,
                                                     reload_slots: 0,
+                                                    placement: Placement {
+                                                        early_state_uploads: e,
+                                                        spilled_checkpoints: 0,
+                                                        ..s.placement
+                                                    },
                                                     ..s
                                                 });
                                             }
@@ -163,7 +181,7 @@ fn slot_written(op: &Op) -> Option<(Slot, Unit)> {
 
 /// Whether the step applies `layer`'s update on the device from its streamed state.
 fn gpu_updates(s: &ProgramSpec, layer: usize) -> bool {
-    s.mode == OptimMode::Exact && s.pending_update && is_gpu_updated(s, layer)
+    s.mode == OptimMode::Exact && s.pending_update && s.is_gpu_updated(layer)
 }
 
 fn slot_of(op: &Op) -> Option<(Slot, Unit)> {
@@ -189,23 +207,27 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
                 .rev()
                 .find(|(_, x)| slot_written(&x.op).is_some_and(|(s2, _)| s2 == slot))
                 .map(|(j, x)| (j, x.op.clone()));
-            if s.resident_outer && slot == Slot::Outer {
+            if s.placement.resident_outer && slot == Slot::Outer {
                 // The slot is written by UpdateResident (or at engine start), never uploaded.
                 assert!(up.is_none(), "{s:?}: a resident outer slot is uploaded into");
                 continue;
             }
             if let Slot::Resident(l) = slot {
                 // Only resident layers use their own slot, and nothing is uploaded into it.
-                assert!(l < s.resident_layers && unit == Unit::Layer(l), "{s:?}: {:?}", ins.op);
+                assert!(l < s.placement.resident_layers && unit == Unit::Layer(l), "{s:?}: {:?}", ins.op);
                 assert!(up.is_none(), "{s:?}: a resident layer's slot is uploaded into");
                 continue;
             }
             if let Slot::Held(l) = slot {
-                assert!(l + s.held_layers >= s.n_layers && l >= s.resident_layers, "{s:?}: {:?}", ins.op);
+                assert!(
+                    l + s.placement.held_layers >= s.n_layers && l >= s.placement.resident_layers,
+                    "{s:?}: {:?}",
+                    ins.op
+                );
             }
             if let Unit::Layer(l) = unit {
-                assert!(l >= s.resident_layers, "{s:?}: resident layer {l} read from the ring");
-                let held = l + s.held_layers >= s.n_layers;
+                assert!(l >= s.placement.resident_layers, "{s:?}: resident layer {l} read from the ring");
+                let held = l + s.placement.held_layers >= s.n_layers;
                 assert_eq!(held, slot == Slot::Held(l), "{s:?}: layer {l} read from {slot:?}");
             }
             let (j, op) =
@@ -219,11 +241,15 @@ fn every_compute_reads_the_unit_it_expects_and_no_upload_clobbers_a_live_slot() 
             // state.
             if let Op::UpdateStreamed { unit: u, buf, .. } = op {
                 let su = p.instrs[..j].iter().rposition(|x| x.op == Op::UploadState { unit: u, buf });
-                let early = early_upload_layers(&s);
+                let early = s.early_upload_layers();
                 if let Some(e) = early.iter().position(|&l| s.early_ready && Unit::Layer(l) == u) {
                     // Its state went up in the last step's backward, into its early slot.
                     assert_eq!(su, None, "{s:?}: early-upload {u:?} uploaded again");
-                    assert_eq!(buf, s.n_state_bufs - s.early_uploads + e, "{s:?}: {u:?}'s slot");
+                    assert_eq!(
+                        buf,
+                        s.n_state_bufs - s.placement.early_state_uploads + e,
+                        "{s:?}: {u:?}'s slot"
+                    );
                 } else {
                     let su = su.unwrap_or_else(|| panic!("{s:?}: update {j} of {u:?} has no state upload"));
                     assert!(
@@ -254,16 +280,16 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
         assert!(slots.iter().all(|s2| match s2 {
             Slot::Outer => true,
             Slot::Ring(k) => *k < s.ring_depth,
-            Slot::Resident(l) => *l < s.resident_layers,
-            Slot::Held(l) => *l + s.held_layers >= s.n_layers,
+            Slot::Resident(l) => *l < s.placement.resident_layers,
+            Slot::Held(l) => *l + s.placement.held_layers >= s.n_layers,
         }));
-        assert!(slots.len() <= s.ring_depth + 1 + s.resident_layers + s.held_layers);
+        assert!(slots.len() <= s.ring_depth + 1 + s.placement.resident_layers + s.placement.held_layers);
         let mut ups: HashMap<Unit, usize> = HashMap::new();
         p.uploads().for_each(|u| *ups.entry(u).or_default() += 1);
         let mut downs: HashMap<Unit, usize> = HashMap::new();
         p.downloads().for_each(|u| *downs.entry(u).or_default() += 1);
         // A resident outer unit never crosses the bus; a streamed one once each way.
-        let outer = (!s.resident_outer).then_some(1);
+        let outer = (!s.placement.resident_outer).then_some(1);
         assert_eq!(ups.get(&Unit::Outer).copied(), outer, "{s:?}");
         assert_eq!(downs.get(&Unit::Outer).copied(), outer, "{s:?}");
         // A resident layer never crosses the bus; a streamed one twice up (a held one once),
@@ -285,7 +311,7 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
         };
         // Every state that comes back went up this step, but an early-upload layer's whose state
         // the last step uploaded; early-upload layers' states go up in the backward for the next.
-        let early = if s.mode == OptimMode::Exact { early_upload_layers(&s) } else { vec![] };
+        let early = if s.mode == OptimMode::Exact { s.early_upload_layers() } else { vec![] };
         let loss = p.instrs.iter().position(|i| i.op == Op::Loss).unwrap();
         let fwd_state_ups: Vec<Unit> = p.instrs[..loss]
             .iter()
@@ -298,11 +324,14 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
         let came_back_without: Vec<Unit> = state_downs.iter().copied().filter(|u| !ready(u)).collect();
         assert_eq!(sorted(fwd_state_ups), sorted(came_back_without), "{s:?}");
         for l in 0..s.n_layers {
-            let held = l + s.held_layers >= s.n_layers;
+            let held = l + s.placement.held_layers >= s.n_layers;
             let gpu = gpu_updates(&s, l);
             let (is_early, is_ready) = (early.contains(&l), ready(&Unit::Layer(l)));
-            let (up, down) =
-                if l < s.resident_layers { (0, 0) } else { (2 - usize::from(held) - usize::from(gpu), 1) };
+            let (up, down) = if l < s.placement.resident_layers {
+                (0, 0)
+            } else {
+                (2 - usize::from(held) - usize::from(gpu), 1)
+            };
             assert_eq!(ups.get(&Unit::Layer(l)).copied().unwrap_or(0), up, "{s:?}: layer {l} uploads");
             assert_eq!(downs.get(&Unit::Layer(l)).copied().unwrap_or(0), down, "{s:?}: layer {l} downloads");
             let states = state_ups.iter().filter(|&&u| u == Unit::Layer(l)).count();
@@ -312,8 +341,11 @@ fn ring_uses_at_most_depth_slots_and_each_layer_crosses_twice_its_gradient_once(
             let downs = state_downs.iter().filter(|&&u| u == Unit::Layer(l)).count();
             assert_eq!(downs, usize::from(gpu), "{s:?}: layer {l} state downloads");
         }
-        let forward_ups =
-            if s.pending_update { s.gpu_updated - if s.early_ready { early.len() } else { 0 } } else { 0 };
+        let forward_ups = if s.pending_update {
+            s.placement.gpu_updated_layers - if s.early_ready { early.len() } else { 0 }
+        } else {
+            0
+        };
         assert_eq!(state_ups.len(), forward_ups, "{s:?}: GPU-updated layers");
     }
 }
@@ -380,13 +412,14 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
         };
         let device_updates = device_update_of(Unit::Outer);
         let position = |op: Op| p.instrs.iter().position(|i| i.op == op);
-        let host_outer = usize::from(!s.resident_outer);
-        let streamed = s.n_layers - s.resident_layers;
+        let host_outer = usize::from(!s.placement.resident_outer);
+        let streamed = s.n_layers - s.placement.resident_layers;
         let all_device_updates =
             p.instrs.iter().filter(|i| matches!(i.op, Op::UpdateResident { .. })).count();
         for l in 0..s.n_layers {
             let ups = device_update_of(Unit::Layer(l));
-            let resident_update = l < s.resident_layers && (s.mode == OptimMode::Lean || s.pending_update);
+            let resident_update =
+                l < s.placement.resident_layers && (s.mode == OptimMode::Lean || s.pending_update);
             assert_eq!(ups.len(), usize::from(resident_update), "{s:?}: layer {l} device updates");
             let Some(&u) = ups.first() else { continue };
             let fwd = position(Op::Forward { layer: l, slot: Slot::Resident(l) }).unwrap();
@@ -401,7 +434,7 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
         assert_eq!(
             all_device_updates,
             if s.mode == OptimMode::Lean || s.pending_update {
-                s.resident_layers + usize::from(s.resident_outer)
+                s.placement.resident_layers + usize::from(s.placement.resident_outer)
             } else {
                 0
             },
@@ -409,10 +442,14 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
         );
         match (s.mode, s.pending_update) {
             (OptimMode::Exact, true) => {
-                let expected: Vec<Unit> = (!s.resident_outer)
+                let expected: Vec<Unit> = (!s.placement.resident_outer)
                     .then_some(Unit::Outer)
                     .into_iter()
-                    .chain((s.resident_layers..s.n_layers).filter(|&l| !gpu_updates(&s, l)).map(Unit::Layer))
+                    .chain(
+                        (s.placement.resident_layers..s.n_layers)
+                            .filter(|&l| !gpu_updates(&s, l))
+                            .map(Unit::Layer),
+                    )
                     .collect();
                 assert_eq!(stage_updates, expected, "{s:?}");
                 // The others are updated on the device, in forward order, each before its
@@ -446,7 +483,7 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
                 }
                 assert_eq!(land_updates, 0);
                 // The resident outer unit is updated on the device before anything reads it.
-                if s.resident_outer {
+                if s.placement.resident_outer {
                     assert_eq!(device_updates.len(), 1, "{s:?}");
                     assert!(device_updates[0] < position(Op::Embed).unwrap(), "{s:?}");
                 }
@@ -457,7 +494,7 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
             (OptimMode::Lean, _) => {
                 assert!(stage_updates.is_empty());
                 assert_eq!(land_updates, streamed + host_outer);
-                if s.resident_outer {
+                if s.placement.resident_outer {
                     // After the outer gradient is complete (and its sum of squares taken).
                     assert_eq!(device_updates.len(), 1, "{s:?}");
                     assert!(device_updates[0] > position(Op::EmbedBackward).unwrap(), "{s:?}");
@@ -552,14 +589,14 @@ mod state;
 #[test]
 fn spilled_checkpoints_go_down_and_come_back_in_order() {
     let mut checked = 0;
-    for s in all_specs().into_iter().filter(|s| s.spilled_checkpoints > 0) {
+    for s in all_specs().into_iter().filter(|s| s.placement.spilled_checkpoints > 0) {
         let p = Program::build(s);
         let anc = ancestors(&p);
         let find = |f: &dyn Fn(&Op) -> bool| -> Vec<usize> {
             (0..p.instrs.len()).filter(|&i| f(&p.instrs[i].op)).collect()
         };
         let mut slot_users: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
-        for b in 0..s.spilled_checkpoints {
+        for b in 0..s.placement.spilled_checkpoints {
             let spill = find(&|o| *o == Op::SpillCheckpoint { boundary: b });
             let drop = find(&|o| *o == Op::DropCheckpoint { boundary: b });
             let reload = find(&|o| matches!(o, Op::ReloadCheckpoint { boundary, .. } if *boundary == b));

@@ -8,12 +8,12 @@ use super::*;
 #[test]
 fn state_slots_are_reused_only_after_their_download() {
     let mut n_gpu = 0;
-    for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0) {
+    for s in all_specs().into_iter().filter(|s| s.placement.gpu_updated_layers > 0) {
         let p = Program::build(s);
         let anc = ancestors(&p);
         // An early-upload layer's state is in its early slot from the last step when ready.
-        let early = early_upload_layers(&s);
-        let own_slot = |e: usize| s.n_state_bufs - s.early_uploads + e;
+        let early = s.early_upload_layers();
+        let own_slot = |e: usize| s.n_state_bufs - s.placement.early_state_uploads + e;
         let mut occupant: HashMap<usize, Unit> = early
             .iter()
             .enumerate()
@@ -64,7 +64,7 @@ fn state_slots_are_reused_only_after_their_download() {
                             let updated = p.instrs[..i]
                                 .iter()
                                 .any(|x| matches!(x.op, Op::UpdateStreamed { unit, .. } if unit == o));
-                            is_late_download(&s, l) && updated && download_of.get(&o).is_some_and(|&d| d > i)
+                            s.is_late_download(l) && updated && download_of.get(&o).is_some_and(|&d| d > i)
                         });
                     assert!(
                         ok,
@@ -102,11 +102,14 @@ fn state_slots_are_reused_only_after_their_download() {
 #[test]
 fn late_state_downloads_go_out_in_the_backward_before_their_land_and_others_before_the_next_forward() {
     let mut n_late = 0;
-    for s in all_specs().into_iter().filter(|s| s.gpu_updated > 0 && s.pending_update) {
+    for s in all_specs().into_iter().filter(|s| s.placement.gpu_updated_layers > 0 && s.pending_update) {
         let p = Program::build(s);
-        let late: Vec<usize> = (0..s.n_layers).filter(|&l| is_late_download(&s, l)).collect();
-        assert_eq!(late.len(), s.late_downloads, "{s:?}");
-        assert!(late.iter().all(|&l| l + s.held_layers >= s.n_layers && is_gpu_updated(&s, l)), "{s:?}");
+        let late: Vec<usize> = (0..s.n_layers).filter(|&l| s.is_late_download(l)).collect();
+        assert_eq!(late.len(), s.placement.late_state_downloads, "{s:?}");
+        assert!(
+            late.iter().all(|&l| l + s.placement.held_layers >= s.n_layers && s.is_gpu_updated(l)),
+            "{s:?}"
+        );
         let pos = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op));
         let loss = pos(&|o| matches!(o, Op::Loss)).unwrap();
         // Streamed backward computes in program order, and the late downloads.
@@ -156,18 +159,18 @@ fn late_state_downloads_go_out_in_the_backward_before_their_land_and_others_befo
 fn early_state_uploads_go_up_in_the_backward_into_their_slot_once_it_is_free() {
     let mut n_early = 0;
     let mut n_after_late = 0;
-    for s in all_specs().into_iter().filter(|s| s.early_uploads > 0) {
+    for s in all_specs().into_iter().filter(|s| s.placement.early_state_uploads > 0) {
         let p = Program::build(s);
-        let pairs = early_upload_pairs(&s);
-        assert_eq!(pairs.len(), s.early_uploads, "{s:?}");
-        assert_eq!(early_upload_layers(&s), pairs.iter().map(|&(e, _)| e).collect::<Vec<_>>());
+        let pairs = s.early_upload_pairs();
+        assert_eq!(pairs.len(), s.placement.early_state_uploads, "{s:?}");
+        assert_eq!(s.early_upload_layers(), pairs.iter().map(|&(e, _)| e).collect::<Vec<_>>());
         assert!(pairs.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 != w[1].1), "{s:?}: {pairs:?}");
         let at = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op));
         let loss = at(&|o| *o == Op::Loss).unwrap();
         for (i, &(l, late)) in pairs.iter().enumerate() {
-            assert!(is_gpu_updated(&s, l) && !is_late_download(&s, l), "{s:?}: {l} is not a candidate");
-            assert!(is_late_download(&s, late) && l + s.ring_depth <= late, "{s:?}: {l} paired with {late}");
-            let (u, own) = (Unit::Layer(l), s.n_state_bufs - s.early_uploads + i);
+            assert!(s.is_gpu_updated(l) && !s.is_late_download(l), "{s:?}: {l} is not a candidate");
+            assert!(s.is_late_download(late) && l + s.ring_depth <= late, "{s:?}: {l} paired with {late}");
+            let (u, own) = (Unit::Layer(l), s.n_state_bufs - s.placement.early_state_uploads + i);
             let moments = at(&|o| matches!(*o, Op::UploadMoments { unit, .. } if unit == u))
                 .unwrap_or_else(|| panic!("{s:?}: no early upload of {l}"));
             assert_eq!(p.instrs[moments].op, Op::UploadMoments { unit: u, buf: own }, "{s:?}");
@@ -223,7 +226,7 @@ fn early_state_uploads_go_up_in_the_backward_into_their_slot_once_it_is_free() {
             assert_eq!(in_forward, expected, "{s:?}: layer {l}'s forward state uploads");
             n_early += 1;
         }
-        assert_eq!(p.moment_uploads().count(), s.early_uploads, "{s:?}");
+        assert_eq!(p.moment_uploads().count(), s.placement.early_state_uploads, "{s:?}");
     }
     assert!(n_early > 50, "the specs exercise early uploads ({n_early})");
     assert!(n_after_late > 10, "the specs exercise early uploads behind late downloads ({n_after_late})");
@@ -234,14 +237,49 @@ fn early_state_uploads_go_up_in_the_backward_into_their_slot_once_it_is_free() {
 /// stretch before its partner; and a late layer too close to the front has no partner.
 #[test]
 fn slot_pairs_spread_the_early_layers_between_the_late_ones() {
-    assert_eq!(slot_pairs_of(28, 0, 28, 14, 5, 2), vec![(0, 2), (4, 8), (10, 12), (14, 18), (20, 24)]);
-    assert_eq!(slot_pairs_of(28, 0, 28, 17, 5, 2), vec![(0, 2), (5, 9), (10, 13), (15, 18), (22, 25)]);
+    assert_eq!(
+        Placement {
+            resident_layers: 0,
+            held_layers: 28,
+            gpu_updated_layers: 14,
+            late_state_downloads: 5,
+            ..Placement::default()
+        }
+        .slot_pairs(28, 2),
+        vec![(0, 2), (4, 8), (10, 12), (14, 18), (20, 24)]
+    );
+    assert_eq!(
+        Placement {
+            resident_layers: 0,
+            held_layers: 28,
+            gpu_updated_layers: 17,
+            late_state_downloads: 5,
+            ..Placement::default()
+        }
+        .slot_pairs(28, 2),
+        vec![(0, 2), (5, 9), (10, 13), (15, 18), (22, 25)]
+    );
     // Late [0, 4, 8, ...]: 0 has nothing before it.
-    let pairs = slot_pairs_of(28, 0, 28, 14, 7, 2);
+    let pairs = Placement {
+        resident_layers: 0,
+        held_layers: 28,
+        gpu_updated_layers: 14,
+        late_state_downloads: 7,
+        ..Placement::default()
+    }
+    .slot_pairs(28, 2);
     assert_eq!(pairs.len(), 6, "{pairs:?}");
     assert!(pairs.iter().all(|&(_, l)| l != 0), "{pairs:?}");
     // Not held: no late layer, no pair.
-    assert!(slot_pairs_of(28, 0, 0, 17, 0, 2).is_empty());
+    assert!(Placement {
+        resident_layers: 0,
+        held_layers: 0,
+        gpu_updated_layers: 17,
+        late_state_downloads: 0,
+        ..Placement::default()
+    }
+    .slot_pairs(28, 2)
+    .is_empty());
 }
 
 /// GPU-updated layers are spread over the streamed ones: exactly `gpu_updated` of them, none
@@ -250,13 +288,16 @@ fn slot_pairs_spread_the_early_layers_between_the_late_ones() {
 fn gpu_updated_layers_are_spread_evenly_over_the_streamed_ones() {
     for (n, r, k) in [(28, 0, 10), (28, 0, 0), (28, 0, 28), (8, 3, 2), (5, 1, 4), (96, 12, 30)] {
         let s = ProgramSpec {
-            gpu_updated: k,
             n_state_bufs: 2,
-            spilled_checkpoints: 0,
             reload_slots: 0,
+            placement: Placement {
+                gpu_updated_layers: k,
+                spilled_checkpoints: 0,
+                ..spec_held(n, 2, OptimMode::Exact, true, false, r, 0).placement
+            },
             ..spec_held(n, 2, OptimMode::Exact, true, false, r, 0)
         };
-        let picked: Vec<usize> = (0..n).filter(|&l| is_gpu_updated(&s, l)).collect();
+        let picked: Vec<usize> = (0..n).filter(|&l| s.is_gpu_updated(l)).collect();
         assert_eq!(picked.len(), k, "{n} layers, {r} resident, {k}: {picked:?}");
         assert!(picked.iter().all(|&l| l >= r));
         for w in picked.windows(2) {
@@ -274,18 +315,21 @@ fn gpu_updated_layers_are_spread_evenly_over_the_streamed_ones() {
 #[test]
 fn an_early_upload_reads_the_record_after_its_own_download_from_another_slot() {
     let s = ProgramSpec {
-        gpu_updated: 3,
-        late_downloads: 2,
-        early_uploads: 1,
         early_ready: false,
         n_state_bufs: 4,
-        spilled_checkpoints: 0,
         reload_slots: 0,
+        placement: Placement {
+            gpu_updated_layers: 3,
+            late_state_downloads: 2,
+            early_state_uploads: 1,
+            spilled_checkpoints: 0,
+            ..spec_held(4, 2, OptimMode::Exact, true, false, 0, 4).placement
+        },
         ..spec_held(4, 2, OptimMode::Exact, true, false, 0, 4)
     };
     let p = Program::build(s);
     let anc = ancestors(&p);
-    let [early] = early_upload_layers(&s)[..] else { panic!("{s:?}: one early layer") };
+    let [early] = s.early_upload_layers()[..] else { panic!("{s:?}: one early layer") };
     let u = Unit::Layer(early);
     let find = |f: &dyn Fn(&Op) -> bool| p.instrs.iter().position(|i| f(&i.op)).unwrap();
     let dl = find(&|o| matches!(*o, Op::DownloadState { unit, .. } if unit == u));

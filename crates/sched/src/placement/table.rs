@@ -1,12 +1,10 @@
-//! Placement as one concept: where each decoder layer's weights, forward activations, AdamW
-//! update and optimizer state are during a step. The planner decides seven counts (resident
-//! layers and outer unit, held, kept, GPU-updated, late downloads, early uploads; see
-//! [`crate::plan::Plan`]); [`crate::plan::Plan::placement`] turns them into one row per layer,
-//! picking the layers exactly as the step program does ([`crate::program::is_gpu_updated`] and
-//! its siblings), and [`PlacementTable::display_on`] prints it as a compact table. [`early_refusal`] says why early uploads asked for
-//! cannot be placed (the planner and the engine's option checks give the same reason).
+//! The placement as a table: one row per decoder layer ([`Placement::table`], the layers picked
+//! as the step program picks them) and the outer unit's, printed compactly (layers as ranges) in
+//! the words of the device a run computes on ([`PlacementTable::display_on`]).
 
 use std::fmt;
+
+use super::Placement;
 
 /// The kind of device a run computes on, for the words a plan is printed with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +69,39 @@ pub struct LayerPlacement {
     pub update: Update,
     /// How its optimizer state moves.
     pub state: StateMove,
+}
+
+impl Placement {
+    /// One row per layer of a model of `n_layers` decoder layers whose step has `ring_depth`
+    /// weight slots, the layers picked as the step program picks them.
+    pub fn table(&self, n_layers: usize, ring_depth: usize) -> PlacementTable {
+        let early = self.early_upload_layers(n_layers, ring_depth);
+        let layers = (0..n_layers)
+            .map(|l| {
+                let weights = if self.is_resident(l) {
+                    Weights::Resident
+                } else if self.is_held(n_layers, l) {
+                    Weights::Held
+                } else {
+                    Weights::Streamed
+                };
+                let gpu_updated = self.is_gpu_updated(n_layers, l);
+                let state = if !gpu_updated {
+                    StateMove::Stays
+                } else if self.is_late_download(n_layers, l) {
+                    StateMove::BackInBackward
+                } else if early.contains(&l) {
+                    StateMove::UpInBackward
+                } else {
+                    StateMove::UpAndBackInForward
+                };
+                let update =
+                    if weights == Weights::Resident || gpu_updated { Update::Device } else { Update::Host };
+                LayerPlacement { weights, kept: l < self.kept_layers, update, state }
+            })
+            .collect();
+        PlacementTable { outer_resident: self.resident_outer, layers }
+    }
 }
 
 /// Every decoder layer's placement, in layer order, and the outer unit's.
@@ -171,19 +202,6 @@ fn ranges(layers: &[usize]) -> String {
         i = j + 1;
     }
     out.join(",")
-}
-
-/// Why `asked` early state uploads are refused when only `capable` of the `late` late-download
-/// layers have a partner (the planner and the engine's option checks say the same).
-pub(crate) fn early_refusal(asked: usize, capable: usize, late: usize, ring_depth: usize) -> String {
-    if late == 0 {
-        return format!(
-            "{asked} early state uploads asked, but no layer downloads its state late: each early upload needs a late-download layer (a held GPU-updated one) at least ring_depth = {ring_depth} layers after it, as there are no more state slots than ring_depth + late downloads; use --late-state-downloads (with --held-layers and --gpu-updated-layers) or --early-state-uploads 0"
-        );
-    }
-    format!(
-        "{asked} early state uploads asked, but only {capable} of the {late} late-download layers have a partner (a GPU-updated layer that does not download late, at least ring_depth = {ring_depth} layers before it): there are no more state slots than ring_depth + late downloads, and each early layer's slot stays taken in the forward until its state has gone back; use more --late-state-downloads or fewer early ones"
-    )
 }
 
 #[cfg(test)]
