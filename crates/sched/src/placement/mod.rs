@@ -3,7 +3,7 @@
 //! asked for ([`PlacementChoice`], each setting `auto` or fixed: the command line, `TrainConfig`,
 //! the planner's input), decided (the plan, the engine's options, the step program's spec).
 //! Which layers a count picks is decided here too ([`Placement::is_gpu_updated`] and its
-//! siblings), and [`Placement::table`] gives one row per layer ([`table`]).
+//! siblings), and [`Placement::table`] gives one row per layer.
 //!
 //! A new setting is a field here and the code that implements it (the program's pass, the
 //! planner's phase); every struct on the way holds a `Placement`.

@@ -10,42 +10,8 @@
 //! the loss runs chunk by chunk, then layers `L-1..0` are uploaded again, recomputed and
 //! back-propagated over all chunks, and each layer's gradient is downloaded once.
 //!
-//! Held layers (the last `held_layers` streamed ones) are fetched once, for their forward, into
-//! their own slot, and their backward reads it there.
-//!
-//! GPU-updated layers (`gpu_updated_layers` of the streamed layers, spread evenly among them; exact
-//! mode with a pending update) do not have their update applied by the host: their fp32
-//! `[master | m | v]` and stored gradient go up from the host record into a state slot
-//! ([`Op::UploadState`]), [`Op::UpdateStreamed`] applies AdamW there and writes the new weights
-//! into the layer's slot, and [`Op::DownloadState`] brings master and moments back into the
-//! record. Host memory bandwidth, which bounds the host's update pass, is then shared with the
-//! DMA engines over PCIe, which the forward otherwise leaves mostly idle. Of the held ones,
-//! `late_state_downloads` ([`Placement::is_late_download`]) keep their state slot into the backward and download
-//! it there, spread over it from the loss on: out of the forward, whose host memory is the
-//! step's bottleneck, into the backward, whose host memory and D2H are partly idle.
-//!
-//! Of the others, `early_state_uploads` ([`Placement::early_upload_pairs`]) get their state for the next step
-//! during this step's backward, each into a slot of the `ring_depth + late_state_downloads` there
-//! are, once it is free (at the loss, or right after the download of the late layer whose
-//! state is there): master and moments go up ([`Op::UploadMoments`]), the gradient is copied on
-//! the device after the layer's backward ([`Op::CopyGrad`]); a step whose early states are
-//! ready ([`ProgramSpec::early_ready`]) uploads nothing for them in its forward, and their
-//! slots return to the others' use once their state has gone back. No slot of their own: every
-//! byte uploaded is needed, the slot held another layer's state in between.
-//!
-//! Spilled checkpoints (`spilled_checkpoints`: boundaries `0..k`, the inputs of the first `k`
-//! layers, produced first and needed last) leave the GPU once the forward has read them: each
-//! goes down to page-locked host memory right after the op that produced it
-//! ([`Op::SpillCheckpoint`], on the D2H stream, beside the next layer's forward), its device copy
-//! is freed after that layer's forward ([`Op::DropCheckpoint`], once the copy is done), and it
-//! comes back up in the backward ([`Op::ReloadCheckpoint`]) into one of `reload_slots` device
-//! buffers, `reload_slots` backward layers ahead of the layer that reads it.
-//!
-//! Resident units (the outer unit and the first `resident_layers` decoder layers, when the
-//! planner keeps them on the GPU) never cross the bus: their weights sit in their own slot,
-//! their gradient accumulates in their own buffer, and [`Op::UpdateResident`] applies their
-//! AdamW step on the compute stream (exact mode: just before their first use in the step; lean
-//! mode: right after their backward).
+//! What a placement changes of that (held, resident and GPU-updated layers with their state's
+//! moves, spilled checkpoints) is one module each of the builder (`build/`), which says why.
 
 use mt_core::Unit;
 
@@ -348,6 +314,8 @@ pub struct Program {
 }
 
 mod build;
+#[cfg(test)]
+mod old_build;
 
 #[cfg(test)]
 mod tests;

@@ -223,6 +223,7 @@ impl Builder {
 }
 
 impl Program {
+    #[allow(dead_code)]
     /// Builds the program of one step.
     ///
     /// Issue order matters as much as the waits: the executor issues instructions in this order
@@ -236,7 +237,7 @@ impl Program {
     /// is issued right after that forward (it must read the master the update sent back). Late
     /// state downloads are issued in the backward, spread over it from its start
     /// (`Builder::late_downloads_due`), each before its layer's land (which waits for it).
-    pub fn build(spec: ProgramSpec) -> Program {
+    pub(crate) fn build_old(spec: ProgramSpec) -> Program {
         assert!(spec.ring_depth >= 1 && spec.n_staging >= 1 && spec.n_grad_bufs >= 1 && spec.n_landing >= 1);
         assert!(
             spec.placement.resident_layers + spec.placement.held_layers <= spec.n_layers,

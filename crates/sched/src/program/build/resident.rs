@@ -1,0 +1,102 @@
+//! Resident units (`Placement::resident_outer`, `Placement::resident_layers`): their weights sit
+//! in their own slot ([`Slot::Resident`]), their gradient accumulates in their own buffer, and
+//! [`Op::UpdateResident`] applies their AdamW step on the compute stream (exact mode: the pending
+//! update, just before their first use in the step; lean mode: right after their backward). They
+//! never cross the bus: no stage, upload, download or land.
+
+use mt_core::Unit;
+
+use super::Builder;
+use crate::program::{Op, OptimMode, Slot, Stream};
+
+impl Builder {
+    /// Resident `layer`'s forward, after its pending update.
+    pub(super) fn resident_forward(&mut self, layer: usize) {
+        if self.update {
+            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Layer(layer) }, vec![]);
+        }
+        let fwd = self.push(Stream::Compute, Op::Forward { layer, slot: Slot::Resident(layer) }, vec![]);
+        self.checkpoints_after_forward(layer, fwd);
+    }
+
+    /// Resident `layer`'s backward into its own gradient buffer (after its input's reload), and
+    /// lean mode's update.
+    pub(super) fn resident_backward(&mut self, layer: usize) {
+        let op = Op::Backward { layer, slot: Slot::Resident(layer), grad_buf: None };
+        let bwd = self.push(Stream::Compute, op, self.reload_of(layer).into_iter().collect());
+        self.reload_after(layer, bwd);
+        if self.spec.mode == OptimMode::Lean {
+            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Layer(layer) }, vec![]);
+        }
+    }
+
+    /// A resident outer unit's pending update, before the embedding.
+    pub(super) fn update_resident_outer(&mut self) {
+        if self.spec.placement.resident_outer && self.update {
+            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
+        }
+    }
+
+    /// A resident outer unit's lean-mode update, after the embedding's backward.
+    pub(super) fn resident_outer_backward(&mut self) {
+        if self.spec.mode == OptimMode::Lean {
+            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mt_core::Unit;
+
+    use crate::placement::Placement;
+    use crate::program::{Op, OptimMode, Program, ProgramSpec, Stream};
+
+    /// Alone, residency takes every resident unit off the copy streams and the host, and
+    /// updates each once, on the compute stream, where the mode says.
+    #[test]
+    fn resident_units_never_cross_the_bus_and_are_updated_on_the_device() {
+        for mode in [OptimMode::Exact, OptimMode::Lean] {
+            for (n, k, outer) in [(3, 3, true), (4, 1, false), (4, 2, true)] {
+                let spec = ProgramSpec {
+                    n_layers: n,
+                    ring_depth: 2,
+                    n_staging: 2,
+                    n_grad_bufs: 2,
+                    n_landing: 2,
+                    mode,
+                    pending_update: true,
+                    placement: Placement {
+                        resident_outer: outer,
+                        resident_layers: k,
+                        ..Placement::default()
+                    },
+                    early_ready: false,
+                    reload_slots: 0,
+                    n_state_bufs: 0,
+                };
+                let p = Program::build(spec);
+                let resident = |u: Unit| match u {
+                    Unit::Outer => outer,
+                    Unit::Layer(l) => l < k,
+                };
+                for (i, ins) in p.instrs.iter().enumerate() {
+                    let unit = match ins.op {
+                        Op::Stage { unit, .. }
+                        | Op::Upload { unit, .. }
+                        | Op::Download { unit, .. }
+                        | Op::Land { unit, .. } => unit,
+                        Op::UpdateResident { unit } => {
+                            assert!(resident(unit) && ins.stream == Stream::Compute, "{spec:?}: {i}");
+                            continue;
+                        }
+                        _ => continue,
+                    };
+                    assert!(!resident(unit), "{spec:?}: instruction {i} moves resident {unit:?}");
+                }
+                let updates = p.instrs.iter().filter(|i| matches!(i.op, Op::UpdateResident { .. })).count();
+                assert_eq!(updates, k + usize::from(outer), "{spec:?}");
+            }
+        }
+    }
+}
