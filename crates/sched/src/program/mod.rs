@@ -314,8 +314,6 @@ pub struct Program {
 }
 
 mod build;
-#[cfg(test)]
-mod old_build;
 
 #[cfg(test)]
 mod tests;

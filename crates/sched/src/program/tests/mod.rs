@@ -579,7 +579,6 @@ fn a_program_waiting_on_a_later_instruction_is_refused() {
     assert!(err.contains("instruction 0") && err.contains("not earlier"), "{err}");
 }
 
-mod equiv;
 /// The GPU-updated layers' state slots: reuse, late downloads, early uploads.
 mod state;
 
