@@ -18,7 +18,7 @@ use serde_json::Value;
 
 use crate::checkpoint;
 use crate::data::TrainData;
-use crate::engine::{Backend, DeviceEngine};
+use crate::device::{DeviceEngine, OpenedDevice};
 use crate::error::{Context, Error, Result};
 use crate::host::{available_bytes, gib_to_bytes, planned_host_bytes, rss_bytes};
 use crate::observer::{
@@ -83,7 +83,7 @@ impl<O: Observer> Trainer<O> {
         checks::check_room(&checks::outputs(&config, &ModelLayout::new(&model.cfg)))?;
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
-        let backend = Backend::open(&config)?;
+        let backend = OpenedDevice::open(&config)?;
         let plan = plan_run(&config, &model, &backend, &mut observer)?;
         let layout = ModelLayout::new(&model.cfg);
         let defining = defining_options(&config, &model)?;
@@ -439,7 +439,7 @@ impl<O: Observer> Drop for Trainer<O> {
 fn plan_run<O: Observer>(
     c: &TrainConfig,
     model: &ModelSource,
-    backend: &Backend,
+    backend: &OpenedDevice,
     observer: &mut O,
 ) -> Result<Plan> {
     if let Some(d) = backend.describe() {
@@ -491,7 +491,7 @@ fn start_engine<O: Observer>(
     c: &TrainConfig,
     model: &ModelSource,
     opts: EngineOptions,
-    backend: Backend,
+    backend: OpenedDevice,
     store: &Arc<HostStore>,
     observer: &mut O,
 ) -> Result<DeviceEngine> {

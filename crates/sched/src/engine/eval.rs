@@ -42,7 +42,7 @@ impl<B: Backend> Engine<B> {
         }
         let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
         let mut x = self.outer_t.embed(&ow, &ids)?;
-        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Schedule("rope table missing".into()))?;
         let pos = match &batch.positions {
             Some(p) => Positions::from_ids(rope, batch.batch, batch.seq, p)?,
             None => Positions::range(rope, 0, batch.seq)?,

@@ -8,7 +8,7 @@ use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, LayerOptions, Outer, Positions, Rope};
 use mt_optim::{StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
-use mt_store::{GradDtype, HostStore, PinnedRecords, Staging, StoreState, UploadDtype};
+use mt_store::{GradDtype, HostStore, PinnedRecords, StoreState, TransferBuf, TransferDtype};
 
 use crate::backend::{Backend, DevicePeak, Span};
 use crate::batch::{make_chunks_normalised, Batch, Chunk};
@@ -16,20 +16,22 @@ use crate::program::{OptimMode, Program, ProgramSpec, Stream};
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
+mod commit;
 mod compute;
-mod data_parallel;
+mod copy;
 mod eval;
 mod faults;
+mod host;
 mod options;
+mod rank;
 mod resident;
 mod spill;
-mod transfer;
 
-use transfer::update_unit;
+use host::update_unit;
 
 #[doc(hidden)]
+pub use commit::{SkipCause, Skipped};
 pub use faults::Fault;
-pub use faults::{SkipCause, Skipped};
 pub use options::EngineOptions;
 pub(crate) use resident::state_words;
 
@@ -63,7 +65,7 @@ pub struct StepReport {
     /// Every operation's span (for traces).
     pub spans: Vec<Span>,
     /// `Some` when the loss or the gradient norm was not finite: the step applied no update
-    /// (in lean mode: none to the units whose gradient was not finite; `faults.rs`).
+    /// (in lean mode: none to the units whose gradient was not finite; `commit.rs`).
     pub skipped: Option<Skipped>,
 }
 
@@ -74,10 +76,10 @@ pub struct Engine<B: Backend> {
     // stream first, so no copy is in flight when they go. Likewise the GPU-updated layers' records,
     // page-locked in place.
     pinned_records: Option<PinnedRecords>,
-    staging: Vec<Arc<Mutex<Staging>>>,
-    outer_staging: Arc<Mutex<Staging>>,
-    landing: Vec<Arc<Mutex<Staging>>>,
-    outer_landing: Arc<Mutex<Staging>>,
+    staging: Vec<Arc<Mutex<TransferBuf>>>,
+    outer_staging: Arc<Mutex<TransferBuf>>,
+    landing: Vec<Arc<Mutex<TransferBuf>>>,
+    outer_landing: Arc<Mutex<TransferBuf>>,
     cfg: ModelConfig,
     layout: ModelLayout,
     store: Arc<HostStore>,
@@ -89,7 +91,7 @@ pub struct Engine<B: Backend> {
     /// The positions of each chunk's tokens this step (empty outside a step).
     positions: Vec<Positions>,
     /// Page-locked host buffers of the spilled checkpoints, `[boundary][chunk]`.
-    spill_host: Vec<Vec<Arc<Mutex<Staging>>>>,
+    spill_host: Vec<Vec<Arc<Mutex<TransferBuf>>>>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     /// Resident units' shares of the global norm, still on the device until the step ends.
     device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
@@ -115,8 +117,6 @@ pub struct Engine<B: Backend> {
     /// Faults injected into the next step, and those of the step running ([`Fault`]).
     faults: Vec<Fault>,
     step_faults: Vec<Fault>,
-    /// Lean mode: the resident units whose update waits for the step's end (`faults.rs`).
-    deferred_resident: Vec<Unit>,
     /// This engine's place among data-parallel ranks (`None`: it trains alone).
     dp: Option<crate::data_parallel::DataParallel>,
 }
@@ -141,11 +141,11 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
 pub(super) const N_STAGING: usize = 2;
 pub(super) const N_LANDING: usize = 2;
 
-fn upload_dtype(d: DType) -> Result<UploadDtype> {
+fn upload_dtype(d: DType) -> Result<TransferDtype> {
     match d {
-        DType::F32 => Ok(UploadDtype::F32),
-        DType::BF16 => Ok(UploadDtype::Bf16),
-        DType::F16 => Ok(UploadDtype::F16),
+        DType::F32 => Ok(TransferDtype::F32),
+        DType::BF16 => Ok(TransferDtype::Bf16),
+        DType::F16 => Ok(TransferDtype::F16),
         other => Err(Error::Options(format!("weight dtype {other:?}; use f32, bf16 or f16"))),
     }
 }
@@ -194,18 +194,18 @@ impl<B: Backend> Engine<B> {
         )?;
         // The pool was zeroed on the compute stream; copy streams may touch it from step 1 on.
         backend.synchronize()?;
-        // Staging and landing rings: allocated once, page-locked once when the backend wants it
+        // TransferBuf and landing rings: allocated once, page-locked once when the backend wants it
         // (never the store itself).
         let pin = backend.pins_host_buffers();
         let host_buf = |dtype, n| -> Result<_> {
-            let mut s = Staging::new(dtype, n);
+            let mut s = TransferBuf::new(dtype, n);
             if pin && n > 0 {
                 s.pin()?;
             }
             Ok(Arc::new(Mutex::new(s)))
         };
         // Layer gradients land in bf16 when the device narrows them.
-        let layer_land = if land_bf16 { UploadDtype::Bf16 } else { UploadDtype::F32 };
+        let layer_land = if land_bf16 { TransferDtype::Bf16 } else { TransferDtype::F32 };
         // A resident outer unit needs no staging or landing buffer of its own.
         let outer_host_len = if opts.placement.resident_outer { 0 } else { layout.outer.len };
         let layout_units = layout.n_units();
@@ -215,7 +215,7 @@ impl<B: Backend> Engine<B> {
             staging: (0..N_STAGING).map(|_| host_buf(up, layout.layer.len)).collect::<Result<_>>()?,
             outer_staging: host_buf(up, outer_host_len)?,
             landing: (0..N_LANDING).map(|_| host_buf(layer_land, layout.layer.len)).collect::<Result<_>>()?,
-            outer_landing: host_buf(UploadDtype::F32, outer_host_len)?,
+            outer_landing: host_buf(TransferDtype::F32, outer_host_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             device_sumsq: Vec::new(),
             kept: Vec::new(),
@@ -240,7 +240,6 @@ impl<B: Backend> Engine<B> {
             early_ready: false,
             faults: Vec::new(),
             step_faults: Vec::new(),
-            deferred_resident: Vec::new(),
             dp: None,
         };
         engine.check_records()?;
@@ -267,7 +266,9 @@ impl<B: Backend> Engine<B> {
     /// The program's shape for a step (`pending`: an exact-mode update is pending; `early_ready`:
     /// the early-upload layers' states are already up).
     fn program_spec(&self, pending: bool, early_ready: bool) -> ProgramSpec {
-        self.opts.program_spec(self.layout.n_layers, pending, early_ready)
+        let spec =
+            self.opts.program_spec(self.layout.n_layers, self.store.grad_dtype(), pending, early_ready);
+        ProgramSpec { rank: self.dp.as_ref().map(|d| d.rank), ..spec }
     }
 
     /// The decoder layers whose exact-mode update runs on the device from their streamed state
@@ -398,7 +399,6 @@ impl<B: Backend> Engine<B> {
         }
         self.backend.begin_step();
         self.device_sumsq.clear();
-        self.deferred_resident.clear();
         self.step_faults = std::mem::take(&mut self.faults);
         self.kept = std::iter::repeat_with(|| None).take(self.layout.n_layers * chunks.len()).collect();
         self.kept_bytes = 0;
@@ -409,17 +409,7 @@ impl<B: Backend> Engine<B> {
         // Whatever a failed step left kept is freed with it.
         self.kept.clear();
         self.positions.clear();
-        let loss = loss?;
-        for (unit, ss) in std::mem::take(&mut self.device_sumsq) {
-            let ss = ss.value()?;
-            self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
-        }
-        let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
-        let loss = self.inject_loss(loss);
-        self.step_faults.clear();
-        // Every rank takes the same decision, from the whole batch's loss and the summed norm.
-        let (decision_loss, decision_norm) = self.agree_on_finite(loss, norm)?;
-        let skipped = self.conclude_step(state, lr, decision_loss, decision_norm, &update_args)?;
+        let (loss, norm, skipped) = self.commit(state, lr, loss?, &update_args)?;
         let step_s = self.backend.now_s();
         // Every stream is drained: the early uploads this step issued are in their slots (of no
         // use after a skipped step, which leaves no update pending for them).
@@ -473,7 +463,7 @@ impl<B: Backend> Engine<B> {
 
     /// Each chunk's [`Positions`]: its position ids' RoPE rows and packed documents.
     pub(super) fn chunk_positions(&self, chunks: &[Chunk]) -> Result<Vec<Positions>> {
-        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Schedule("rope table missing".into()))?;
         chunks
             .iter()
             .map(|ch| {
@@ -513,13 +503,8 @@ impl<B: Backend> Engine<B> {
     fn issue_all(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
         let mut events: Vec<B::Event> = Vec::with_capacity(program.instrs.len());
         let mut losses = Vec::new();
-        let mut last_compute: Option<B::Event> = None;
         for ins in &program.instrs {
-            let mut waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
-            let serialise = !self.opts.overlap_optimizer && ins.stream == Stream::Host;
-            if serialise {
-                waits.extend(last_compute.clone());
-            }
+            let waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
             let ev = match ins.stream {
                 Stream::Compute => {
                     self.backend.compute_wait(&waits)?;
@@ -529,14 +514,9 @@ impl<B: Backend> Engine<B> {
                         .map_err(|e| Error::Op { op: format!("{:?}", ins.op), source: Box::new(e) })?;
                     self.backend.compute_record(format!("{:?}", ins.op), t0)
                 }
-                _ => self.issue_transfer(&ins.op, &waits, args)?,
+                Stream::Host => self.issue_host(&ins.op, &waits, args)?,
+                Stream::H2D | Stream::D2H => self.issue_copy(&ins.op, &waits, args.step)?,
             };
-            if ins.stream == Stream::Compute {
-                last_compute = Some(ev.clone());
-            }
-            if serialise {
-                self.backend.compute_wait(std::slice::from_ref(&ev))?;
-            }
             events.push(ev);
         }
         // The chunks' losses, read now that every instruction is issued, summed in chunk order

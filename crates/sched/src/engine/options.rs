@@ -168,9 +168,16 @@ impl EngineOptions {
 }
 
 impl EngineOptions {
-    /// The program's shape for a step of a model of `n_layers` layers (`pending`: an exact-mode
-    /// update is pending; `early_ready`: the early-upload layers' states are already up).
-    pub(crate) fn program_spec(&self, n_layers: usize, pending: bool, early_ready: bool) -> ProgramSpec {
+    /// The program's shape for a step of a model of `n_layers` layers on a store of `store_grad`
+    /// gradients, trained alone (`pending`: an exact-mode update is pending; `early_ready`: the
+    /// early-upload layers' states are already up).
+    pub(crate) fn program_spec(
+        &self,
+        n_layers: usize,
+        store_grad: GradDtype,
+        pending: bool,
+        early_ready: bool,
+    ) -> ProgramSpec {
         let p = &self.placement;
         ProgramSpec {
             n_layers,
@@ -188,6 +195,9 @@ impl EngineOptions {
             reload_slots: if p.spilled_checkpoints > 0 { crate::program::RELOAD_SLOTS } else { 0 },
             // The device pool's state slots (`DevicePool::new`).
             n_state_bufs: if p.gpu_updated_layers > 0 { self.ring_depth + p.late_state_downloads } else { 0 },
+            narrow_grads: self.device_narrowing && crate::plan::lands_bf16(self.mode, store_grad),
+            rank: None,
+            overlap_optimizer: self.overlap_optimizer,
         }
     }
 
@@ -197,6 +207,6 @@ impl EngineOptions {
     pub fn host_access_order(&self, layout: &ModelLayout, grad: GradDtype) -> Result<Vec<Unit>> {
         self.check(layout, grad)?;
         let pending = self.mode == OptimMode::Exact;
-        Ok(Program::build(self.program_spec(layout.n_layers, pending, false)).host_accesses().collect())
+        Ok(Program::build(self.program_spec(layout.n_layers, grad, pending, false)).host_accesses().collect())
     }
 }

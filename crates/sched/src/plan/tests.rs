@@ -127,6 +127,9 @@ fn program_gpu(
         pending_update,
         early_ready: false,
         n_state_bufs: 2,
+        narrow_grads: false,
+        rank: None,
+        overlap_optimizer: true,
         reload_slots: 0,
         placement: Placement {
             resident_outer,

@@ -95,12 +95,13 @@ pub enum Op {
         layer: usize,
         /// Slot holding its weights.
         slot: Slot,
+        /// Keep the activations its backward needs (`Placement::kept_layers`): no recompute.
+        keep: bool,
     },
     /// Compute: final norm, LM head, cross-entropy and their backward, chunk by chunk.
     Loss,
-    /// Compute: zero a gradient buffer, recompute the layer from its checkpoints and
-    /// back-propagate every chunk, accumulating the weight gradient. A resident layer's
-    /// gradient (its own buffer) then also gives its share of the global norm.
+    /// Compute: zero a gradient buffer, recompute the layer from its checkpoints (or take what
+    /// its forward kept) and back-propagate every chunk, accumulating the weight gradient.
     Backward {
         /// Layer.
         layer: usize,
@@ -109,9 +110,26 @@ pub enum Op {
         /// Gradient buffer of the ring to accumulate into (`None` = the resident layer's own).
         grad_buf: Option<usize>,
     },
-    /// Compute: embedding backward (accumulates into the outer gradient); with a resident outer
-    /// unit, also the outer gradient's sum of squares (for the global norm).
+    /// Compute: embedding backward (accumulates into the outer gradient).
     EmbedBackward,
+    /// Compute (data-parallel ranks): the unit's device gradient summed over the ranks in place,
+    /// before it is narrowed or downloaded (NCCL's all-reduce on a GPU).
+    AllReduce {
+        /// Unit.
+        unit: Unit,
+        /// Gradient buffer of the ring (`None` = the unit's own: a resident layer's, the outer).
+        grad_buf: Option<usize>,
+    },
+    /// Compute: the unit's share of the global norm (Σg²), taken on the device and read at the
+    /// step's end: a ring buffer's gradient narrowed to bf16 into its twin first (exact mode with
+    /// bf16 store gradients: the bytes that then cross and land), or a resident unit's own
+    /// buffer, which never lands.
+    SumSquares {
+        /// Unit.
+        unit: Unit,
+        /// Gradient buffer of the ring (`None` = the unit's own: a resident layer's, the outer).
+        grad_buf: Option<usize>,
+    },
     /// H2D (GPU-updated layers): the unit's fp32 master, m and v and its stored gradient, from
     /// its page-locked host record into state slot `buf`.
     UploadState {
@@ -161,10 +179,13 @@ pub enum Op {
     },
     /// Compute (resident units only): AdamW on the unit's device-resident state from its
     /// device gradient, then its weights cast into its slot. Exact mode: the pending update,
-    /// before the unit's first use in the step; lean mode: right after its backward.
+    /// before the unit's first use in the step; lean mode: this step's, at the step's end, and
+    /// only if the unit's gradient is finite (its [`Op::SumSquares`]; `docs/decisions/0030`).
     UpdateResident {
         /// Unit.
         unit: Unit,
+        /// Skip the update if the unit's Σg² this step is not finite (lean mode).
+        if_finite: bool,
     },
     /// D2H: every chunk's checkpoint of `boundary` into its page-locked host buffer.
     SpillCheckpoint {
@@ -253,6 +274,18 @@ pub struct ProgramSpec {
     /// the late ones wait for their backward; the last `early_state_uploads` slots are the early
     /// layers', taken by other layers' states in between).
     pub n_state_bufs: usize,
+    /// The streamed layers' gradients are narrowed to bf16 on the device, where their share of
+    /// the global norm is taken ([`Op::SumSquares`]), and land in bf16 (exact mode with bf16
+    /// store gradients, `plan::lands_bf16`).
+    pub narrow_grads: bool,
+    /// This engine is data-parallel rank `r` (`Some(r)`): every gradient is summed over the
+    /// ranks on the device ([`Op::AllReduce`]) before it is narrowed or downloaded, and only rank
+    /// 0 downloads and lands it.
+    pub rank: Option<usize>,
+    /// The host stream overlaps compute. `false` is the ablation: every host instruction waits
+    /// for the compute before it and the next compute waits for it, so the optimizer's time adds
+    /// to the step.
+    pub overlap_optimizer: bool,
 }
 
 /// The placement's layer picks for this spec's model and ring ([`Placement::is_gpu_updated`] and
@@ -323,7 +356,7 @@ impl Program {
     pub fn validate(&self) -> Result<(), crate::Error> {
         for (i, ins) in self.instrs.iter().enumerate() {
             if let Some(&w) = ins.waits.iter().find(|&&w| w >= i) {
-                return Err(crate::Error::Options(format!(
+                return Err(crate::Error::Schedule(format!(
                     "invalid program: instruction {i} ({:?}) waits for instruction {w}, which is not earlier",
                     ins.op
                 )));

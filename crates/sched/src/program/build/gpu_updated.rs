@@ -283,6 +283,9 @@ mod tests {
                 early_ready: false,
                 reload_slots: 0,
                 n_state_bufs: ring,
+                narrow_grads: false,
+                rank: None,
+                overlap_optimizer: true,
             };
             let p = Program::build(spec);
             for l in (0..n).filter(|&l| spec.is_gpu_updated(l)) {

@@ -50,6 +50,9 @@ mod tests {
             early_ready: false,
             reload_slots: 0,
             n_state_bufs: 0,
+            narrow_grads: false,
+            rank: None,
+            overlap_optimizer: true,
         }
     }
 
@@ -70,7 +73,7 @@ mod tests {
                     })
                     .collect();
                 let computes = p.instrs.iter().filter_map(|i| match i.op {
-                    Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } if layer == l => {
+                    Op::Forward { layer, slot, .. } | Op::Backward { layer, slot, .. } if layer == l => {
                         Some(slot)
                     }
                     _ => None,

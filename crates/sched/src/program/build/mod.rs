@@ -5,14 +5,16 @@
 //! and landed. What a placement changes of that walk is one module per feature, the steps the
 //! walk calls at fixed points: [`resident`] (units that never cross the bus), [`held`] (layers
 //! uploaded once), [`gpu_updated`] (the pending update on the device, with the state's moves:
-//! late downloads, early uploads) and [`spill`] (checkpoints in host memory between forward and
-//! backward). Kept activations change no instruction's place (the engine's `Forward` keeps them).
+//! late downloads, early uploads), [`spill`] (checkpoints in host memory between forward and
+//! backward) and [`ranks`] (data parallel: gradients summed over the ranks, landed by one).
+//! Kept activations change no instruction's place, only what a `Forward` keeps.
 //!
 //! Every reusable resource (staging and landing buffers, weight slots, gradient buffers, state
 //! slots) remembers its last user ([`LastUse`]), and its next writer waits for it.
 
 mod gpu_updated;
 mod held;
+mod ranks;
 mod resident;
 mod spill;
 
@@ -47,6 +49,7 @@ impl Program {
             b.backward(layer);
         }
         b.outer_backward();
+        b.update_resident_at_end();
         b.finish()
     }
 }
@@ -60,7 +63,8 @@ impl Builder {
         }
         let (slot, prefetch) = self.walk_use(layer);
         let ready = self.weights_ready(layer, slot);
-        let fwd = self.push(Stream::Compute, Op::Forward { layer, slot }, vec![ready]);
+        let fwd =
+            self.push(Stream::Compute, Op::Forward { layer, slot, keep: self.keeps(layer) }, vec![ready]);
         self.read_slot(slot, fwd);
         self.checkpoints_after_forward(layer, fwd);
         self.fetch_deferred(layer);
@@ -91,20 +95,38 @@ impl Builder {
         waits.extend(self.last.of(Resource::GradBuf(grad_buf)));
         waits.extend(self.reload_of(layer));
         let bwd = self.push(Stream::Compute, Op::Backward { layer, slot, grad_buf: Some(grad_buf) }, waits);
+        let grad = self.gradient_done(Unit::Layer(layer), Some(grad_buf), bwd);
         self.read_slot(slot, bwd);
         self.reload_after(layer, bwd);
         self.copy_grad(layer, grad_buf);
         self.prefetch(prefetch);
-        self.offload(Unit::Layer(layer), Some(grad_buf), landing, bwd);
+        self.offload(Unit::Layer(layer), Some(grad_buf), landing, grad);
     }
 
-    /// The embedding's backward, then the outer gradient downloaded and landed.
+    /// The embedding's backward, then the outer gradient downloaded and landed (it stays on the
+    /// device when the outer unit is resident).
     fn outer_backward(&mut self) {
         let eb = self.push(Stream::Compute, Op::EmbedBackward, vec![]);
-        if self.spec.placement.resident_outer {
-            return self.resident_outer_backward();
+        let grad = self.gradient_done(Unit::Outer, None, eb);
+        if !self.spec.placement.resident_outer {
+            self.offload(Unit::Outer, None, HostBuf::Outer, grad);
         }
-        self.offload(Unit::Outer, None, HostBuf::Outer, eb);
+    }
+
+    /// After the backward `after` that accumulated `unit`'s gradient (into ring buffer
+    /// `grad_buf`, else its own): its sum over the data-parallel ranks, then its share of the
+    /// global norm where the device takes it (a gradient narrowed to bf16, a resident unit's).
+    /// Returns the last of them: what the gradient's download waits for.
+    fn gradient_done(&mut self, unit: Unit, grad_buf: Option<usize>, after: usize) -> usize {
+        let mut last = self.all_reduce(unit, grad_buf).unwrap_or(after);
+        let on_device = match grad_buf {
+            Some(_) => self.spec.narrow_grads,
+            None => unit != Unit::Outer || self.spec.placement.resident_outer,
+        };
+        if on_device {
+            last = self.push(Stream::Compute, Op::SumSquares { unit, grad_buf }, vec![]);
+        }
+        last
     }
 
     /// The outer unit staged and uploaded into its slot (none when it is resident).
@@ -173,8 +195,11 @@ impl Builder {
 
     /// The gradient in `grad_buf` (`None`: the outer one) downloaded after `after` and the
     /// previous land out of `landing`, then landed after the update that reads the gradient it
-    /// overwrites.
+    /// overwrites (by the landing rank only).
     fn offload(&mut self, unit: Unit, grad_buf: Option<usize>, landing: HostBuf, after: usize) {
+        if !self.lands() {
+            return;
+        }
         let mut waits = vec![after];
         waits.extend(self.last.of(Resource::Landing(landing)));
         let dl = self.push(Stream::D2H, Op::Download { unit, grad_buf, landing }, waits);
@@ -321,9 +346,41 @@ impl Builder {
         }
     }
 
-    fn finish(self) -> Program {
+    /// Whether `layer`'s forward keeps what its backward needs (`Placement::kept_layers`, the
+    /// first layers).
+    fn keeps(&self, layer: usize) -> bool {
+        layer < self.spec.placement.kept_layers
+    }
+
+    fn finish(mut self) -> Program {
         self.gpu.check_done();
+        if !self.spec.overlap_optimizer {
+            serialise_host(&mut self.instrs);
+        }
         Program { instrs: self.instrs, spec: self.spec }
+    }
+}
+
+/// The ablation of `ProgramSpec::overlap_optimizer`: every host instruction waits for the
+/// compute before it, and the next compute for every host instruction since the one before, so
+/// the host's work adds to the step.
+fn serialise_host(instrs: &mut [Instr]) {
+    let mut last_compute = None;
+    let mut host_since = Vec::new();
+    for (i, ins) in instrs.iter_mut().enumerate() {
+        match ins.stream {
+            Stream::Host => {
+                ins.waits.extend(last_compute);
+                host_since.push(i);
+            }
+            Stream::Compute => {
+                ins.waits.append(&mut host_since);
+                last_compute = Some(i);
+            }
+            Stream::H2D | Stream::D2H => continue,
+        }
+        ins.waits.sort_unstable();
+        ins.waits.dedup();
     }
 }
 

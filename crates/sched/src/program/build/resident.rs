@@ -1,8 +1,10 @@
 //! Resident units (`Placement::resident_outer`, `Placement::resident_layers`): their weights sit
 //! in their own slot ([`Slot::Resident`]), their gradient accumulates in their own buffer, and
 //! [`Op::UpdateResident`] applies their AdamW step on the compute stream (exact mode: the pending
-//! update, just before their first use in the step; lean mode: right after their backward). They
-//! never cross the bus: no stage, upload, download or land.
+//! update, just before their first use in the step; lean mode: this step's, at the step's end,
+//! each only if its gradient is finite, as the host's lean updates are; decision 0030). They
+//! never cross the bus: no stage, upload, download or land; their share of the global norm is
+//! taken on the device.
 
 use mt_core::Unit;
 
@@ -13,34 +15,43 @@ impl Builder {
     /// Resident `layer`'s forward, after its pending update.
     pub(super) fn resident_forward(&mut self, layer: usize) {
         if self.update {
-            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Layer(layer) }, vec![]);
+            self.push(
+                Stream::Compute,
+                Op::UpdateResident { unit: Unit::Layer(layer), if_finite: false },
+                vec![],
+            );
         }
-        let fwd = self.push(Stream::Compute, Op::Forward { layer, slot: Slot::Resident(layer) }, vec![]);
+        let op = Op::Forward { layer, slot: Slot::Resident(layer), keep: self.keeps(layer) };
+        let fwd = self.push(Stream::Compute, op, vec![]);
         self.checkpoints_after_forward(layer, fwd);
     }
 
-    /// Resident `layer`'s backward into its own gradient buffer (after its input's reload), and
-    /// lean mode's update.
+    /// Resident `layer`'s backward into its own gradient buffer (after its input's reload).
     pub(super) fn resident_backward(&mut self, layer: usize) {
         let op = Op::Backward { layer, slot: Slot::Resident(layer), grad_buf: None };
         let bwd = self.push(Stream::Compute, op, self.reload_of(layer).into_iter().collect());
+        self.gradient_done(Unit::Layer(layer), None, bwd);
         self.reload_after(layer, bwd);
-        if self.spec.mode == OptimMode::Lean {
-            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Layer(layer) }, vec![]);
-        }
     }
 
     /// A resident outer unit's pending update, before the embedding.
     pub(super) fn update_resident_outer(&mut self) {
         if self.spec.placement.resident_outer && self.update {
-            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
+            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer, if_finite: false }, vec![]);
         }
     }
 
-    /// A resident outer unit's lean-mode update, after the embedding's backward.
-    pub(super) fn resident_outer_backward(&mut self) {
-        if self.spec.mode == OptimMode::Lean {
-            self.push(Stream::Compute, Op::UpdateResident { unit: Unit::Outer }, vec![]);
+    /// Lean mode's updates of the resident units, at the step's end (every unit's share of the
+    /// norm is known there), in the order their backward ended: the layers last to first, then
+    /// the outer unit.
+    pub(super) fn update_resident_at_end(&mut self) {
+        if self.spec.mode != OptimMode::Lean {
+            return;
+        }
+        let layers = (0..self.spec.placement.resident_layers).rev().map(Unit::Layer);
+        let outer = self.spec.placement.resident_outer.then_some(Unit::Outer);
+        for unit in layers.chain(outer) {
+            self.push(Stream::Compute, Op::UpdateResident { unit, if_finite: true }, vec![]);
         }
     }
 }
@@ -74,6 +85,9 @@ mod tests {
                     early_ready: false,
                     reload_slots: 0,
                     n_state_bufs: 0,
+                    narrow_grads: false,
+                    rank: None,
+                    overlap_optimizer: true,
                 };
                 let p = Program::build(spec);
                 let resident = |u: Unit| match u {
@@ -86,7 +100,7 @@ mod tests {
                         | Op::Upload { unit, .. }
                         | Op::Download { unit, .. }
                         | Op::Land { unit, .. } => unit,
-                        Op::UpdateResident { unit } => {
+                        Op::UpdateResident { unit, .. } => {
                             assert!(resident(unit) && ins.stream == Stream::Compute, "{spec:?}: {i}");
                             continue;
                         }

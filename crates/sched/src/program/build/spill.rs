@@ -91,6 +91,9 @@ mod tests {
                 early_ready: false,
                 reload_slots: slots,
                 n_state_bufs: 0,
+                narrow_grads: false,
+                rank: None,
+                overlap_optimizer: true,
             };
             let p = Program::build(spec);
             let find = |f: &dyn Fn(&Op) -> bool| {

@@ -41,6 +41,9 @@ fn spec_held(
         pending_update: pending,
         early_ready: false,
         n_state_bufs: 0,
+        narrow_grads: false,
+        rank: None,
+        overlap_optimizer: true,
         reload_slots: 0,
         placement: Placement {
             resident_outer: resident,
@@ -186,7 +189,9 @@ fn gpu_updates(s: &ProgramSpec, layer: usize) -> bool {
 
 fn slot_of(op: &Op) -> Option<(Slot, Unit)> {
     match *op {
-        Op::Forward { layer, slot } | Op::Backward { layer, slot, .. } => Some((slot, Unit::Layer(layer))),
+        Op::Forward { layer, slot, .. } | Op::Backward { layer, slot, .. } => {
+            Some((slot, Unit::Layer(layer)))
+        }
         Op::Embed | Op::Loss | Op::EmbedBackward => Some((Slot::Outer, Unit::Outer)),
         _ => None,
     }
@@ -408,7 +413,9 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
             .collect();
         let land_updates = p.instrs.iter().filter(|i| matches!(i.op, Op::Land { update: true, .. })).count();
         let device_update_of = |unit: Unit| {
-            (0..p.instrs.len()).filter(|&i| p.instrs[i].op == Op::UpdateResident { unit }).collect::<Vec<_>>()
+            (0..p.instrs.len())
+                .filter(|&i| matches!(p.instrs[i].op, Op::UpdateResident { unit: u, .. } if u == unit))
+                .collect::<Vec<_>>()
         };
         let device_updates = device_update_of(Unit::Outer);
         let position = |op: Op| p.instrs.iter().position(|i| i.op == op);
@@ -422,7 +429,13 @@ fn updates_run_in_forward_order_only_where_the_mode_says() {
                 l < s.placement.resident_layers && (s.mode == OptimMode::Lean || s.pending_update);
             assert_eq!(ups.len(), usize::from(resident_update), "{s:?}: layer {l} device updates");
             let Some(&u) = ups.first() else { continue };
-            let fwd = position(Op::Forward { layer: l, slot: Slot::Resident(l) }).unwrap();
+            let fwd = p
+                .instrs
+                .iter()
+                .position(
+                    |i| matches!(i.op, Op::Forward { layer, slot: Slot::Resident(_), .. } if layer == l),
+                )
+                .unwrap();
             let bwd = p.instrs.iter().position(|i| matches!(i.op, Op::Backward { layer, .. } if layer == l));
             match s.mode {
                 // Exact: the pending update before the layer's forward reads its weights.
@@ -581,6 +594,9 @@ fn a_program_waiting_on_a_later_instruction_is_refused() {
 
 /// The GPU-updated layers' state slots: reuse, late downloads, early uploads.
 mod state;
+
+/// Data-parallel ranks, lean mode's resident updates, the serial ablation.
+mod ranks;
 
 /// Spilled checkpoints: each spilled boundary goes down once after the op that wrote it, its
 /// device copy is freed once (after its layer's forward read it and its spill is done), it comes

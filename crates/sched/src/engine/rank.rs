@@ -1,7 +1,7 @@
 //! The engine as one rank of several data-parallel ones (`crate::data_parallel`): joining a
-//! group, and a step on a share of a global batch.
+//! group, and a step on a share of a global batch. (What a rank's step does differently is in
+//! its program: `ProgramSpec::rank`; how the ranks agree on a skip: `commit.rs`.)
 
-use candle_core::Tensor;
 use mt_core::Error as CoreError;
 
 use super::Engine;
@@ -48,38 +48,6 @@ impl<B: Backend> Engine<B> {
         }
         self.dp = Some(dp);
         Ok(())
-    }
-
-    /// The loss and gradient norm a step's skip decision ([`Engine::conclude_step`]) is taken
-    /// from: the same decision on every rank. Alone, they are the step's own. A rank's loss is its
-    /// share of the batch's, and only the landing rank has the norm (of the summed gradient; the
-    /// others land nothing), so the ranks sum, through the same reduction as the gradients, one
-    /// flag each for "my share of the loss is not finite" and "the norm is not finite" (only the
-    /// landing rank's counts). Flags sum exactly, so every rank reads the same two counts and
-    /// decides from them alone: a value it does not have, or has finite while another rank's is
-    /// not, is NaN for the decision ([`crate::Ranks::step`] reports the whole batch's loss as the
-    /// cause). The landing rank's norm is its own, bitwise the one engine's.
-    pub(super) fn agree_on_finite(&self, loss: f64, norm: f64) -> Result<(f64, f64)> {
-        let Some(dp) = &self.dp else { return Ok((loss, norm)) };
-        let flag = |bad: bool| if bad { 1f32 } else { 0f32 };
-        let buf = Tensor::new(
-            &[flag(!loss.is_finite()), flag(self.lands() && !norm.is_finite())],
-            self.backend.device(),
-        )?;
-        dp.reduce.sum(&buf)?;
-        let all = buf.to_vec1::<f32>()?;
-        let (loss_bad, norm_bad) = (all[0] > 0.0, all[1] > 0.0);
-        let loss = match (loss_bad, loss.is_finite()) {
-            (true, true) => f64::NAN,
-            _ => loss,
-        };
-        let norm = match (norm_bad, self.lands()) {
-            (false, true) => norm,
-            (false, false) => 0.0,
-            (true, true) => norm,
-            (true, false) => f64::NAN,
-        };
-        Ok((loss, norm))
     }
 
     /// This engine's rank, if it is one of several data-parallel ones.

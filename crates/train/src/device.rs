@@ -11,8 +11,8 @@ use mt_store::HostStore;
 use crate::error::{Context, Result};
 use crate::{Device, TrainConfig};
 
-/// An opened backend, before the engine starts on it.
-pub(crate) enum Backend {
+/// The device a run opened (its backend), before the engine starts on it.
+pub(crate) enum OpenedDevice {
     Cpu(CpuBackend),
     #[cfg(feature = "cuda")]
     Cuda(mt_sched::CudaBackend),
@@ -52,17 +52,17 @@ impl Device {
     }
 }
 
-impl Backend {
+impl OpenedDevice {
     /// Opens the device `c` asks for; refuses CUDA in a build without the `cuda` feature.
     pub(crate) fn open(c: &TrainConfig) -> Result<Self> {
         let opts = CpuOptions::uniform(c.delay_us, c.seed);
         match c.device {
-            Device::Cpu => Ok(Backend::Cpu(CpuBackend::new(opts))),
+            Device::Cpu => Ok(OpenedDevice::Cpu(CpuBackend::new(opts))),
             #[cfg(feature = "cuda")]
             Device::Cuda => {
                 let b = mt_sched::CudaBackend::new(0, opts)
                     .context_with(|| "--device cuda: cannot open GPU 0".into())?;
-                Ok(Backend::Cuda(b))
+                Ok(OpenedDevice::Cuda(b))
             }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda => Err(crate::Error::Options(
@@ -74,9 +74,9 @@ impl Backend {
     /// What the device is, in one line (`None` on the CPU).
     pub(crate) fn describe(&self) -> Option<String> {
         match self {
-            Backend::Cpu(_) => None,
+            OpenedDevice::Cpu(_) => None,
             #[cfg(feature = "cuda")]
-            Backend::Cuda(b) => Some(b.describe()),
+            OpenedDevice::Cuda(b) => Some(b.describe()),
         }
     }
 
@@ -84,21 +84,23 @@ impl Backend {
     /// (whose "device" buffers are host memory) the host's available memory.
     pub(crate) fn memory_bytes(&self, host_available: u64) -> Result<u64> {
         match self {
-            Backend::Cpu(_) => Ok(host_available),
+            OpenedDevice::Cpu(_) => Ok(host_available),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(b) => Ok(b.mem_info().context_with(|| "reading the GPU's memory".into())?.1 as u64),
+            OpenedDevice::Cuda(b) => {
+                Ok(b.mem_info().context_with(|| "reading the GPU's memory".into())?.1 as u64)
+            }
         }
     }
 
     /// Whether bf16 runs through the fused CUDA kernels here (`mt_layers::fused_kernels`).
     pub(crate) fn fused_kernels(&self, dtype: candle_core::DType) -> bool {
         match self {
-            Backend::Cpu(_) => {
+            OpenedDevice::Cpu(_) => {
                 let _ = dtype;
                 false
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(b) => mt_layers::fused_kernels(mt_sched::Backend::device(b), dtype),
+            OpenedDevice::Cuda(b) => mt_layers::fused_kernels(mt_sched::Backend::device(b), dtype),
         }
     }
 
@@ -116,14 +118,14 @@ impl Backend {
             return self.start_ranks(cfg, store, opts, gpus, cpu);
         }
         Ok(match self {
-            Backend::Cpu(b) => DeviceEngine::Cpu(Engine::new(cfg, store, b, opts).context_with(what)?),
+            OpenedDevice::Cpu(b) => DeviceEngine::Cpu(Engine::new(cfg, store, b, opts).context_with(what)?),
             #[cfg(feature = "cuda")]
-            Backend::Cuda(b) => DeviceEngine::Cuda(Engine::new(cfg, store, b, opts).context_with(what)?),
+            OpenedDevice::Cuda(b) => DeviceEngine::Cuda(Engine::new(cfg, store, b, opts).context_with(what)?),
         })
     }
 }
 
-impl Backend {
+impl OpenedDevice {
     /// `--gpus N` (N > 1): one engine per GPU `0..N`, each on its own thread with its own CUDA
     /// context and streams, over the one host store, its gradients summed through NCCL. GPU 0,
     /// opened for planning, is given back first (rank 0 opens it again on its thread).
@@ -137,7 +139,7 @@ impl Backend {
         cpu: CpuOptions,
     ) -> Result<DeviceEngine> {
         use mt_sched::{CudaBackend, DataParallel, NcclId, NcclReduce};
-        let Backend::Cuda(first) = self else {
+        let OpenedDevice::Cuda(first) = self else {
             return Err(crate::Error::Options(format!("--gpus {gpus} needs --device cuda")));
         };
         drop(first);

@@ -1,16 +1,16 @@
-//! The engine's transfers and host jobs: staging (with the pending update), uploads, state
-//! uploads and downloads, checkpoint spills, gradient downloads and landing (lean mode's update
-//! with it), issued as the step program says.
+//! The host stream's jobs: staging a unit (the cast into its upload buffer, with the pending
+//! AdamW update fused in, exact mode) and landing a gradient (into the store record with its sum
+//! of squares, lean mode's update fused in), issued as the step program says.
 
 use std::sync::{Arc, Mutex};
 
 use mt_core::{StateDtype, Unit};
 use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
-use mt_store::{GradMut, GradRef, RecordGuard, Staging};
+use mt_store::{GradMut, GradRef, RecordGuard, TransferBuf};
 
-use super::{faults, Engine};
+use super::{commit, Engine};
 use crate::backend::{Backend, HostJob};
-use crate::program::{HostBuf, Op, Slot};
+use crate::program::{HostBuf, Op};
 use crate::{Error, Result};
 
 fn grad_view(g: GradRef<'_>) -> Grad<'_> {
@@ -55,37 +55,33 @@ pub(super) fn update_unit(
     Ok(())
 }
 
-fn upload_view(s: &mut Staging, n: usize) -> Upload<'_> {
+fn upload_view(s: &mut TransferBuf, n: usize) -> Upload<'_> {
     match s {
-        Staging::F32(v) => Upload::F32(&mut v[..n]),
-        Staging::Bf16(v) => Upload::Bf16(&mut v[..n]),
-        Staging::F16(v) => Upload::F16(&mut v[..n]),
+        TransferBuf::F32(v) => Upload::F32(&mut v[..n]),
+        TransferBuf::Bf16(v) => Upload::Bf16(&mut v[..n]),
+        TransferBuf::F16(v) => Upload::F16(&mut v[..n]),
     }
 }
 
 impl<B: Backend> Engine<B> {
-    fn staging_of(&self, b: HostBuf) -> Arc<Mutex<Staging>> {
+    pub(super) fn staging_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
         match b {
             HostBuf::Ring(k) => Arc::clone(&self.staging[k]),
             HostBuf::Outer => Arc::clone(&self.outer_staging),
         }
     }
 
-    fn landing_of(&self, b: HostBuf) -> Arc<Mutex<Staging>> {
+    pub(super) fn landing_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
         match b {
             HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
             HostBuf::Outer => Arc::clone(&self.outer_landing),
         }
     }
 
-    pub(super) fn issue_transfer(&self, op: &Op, waits: &[B::Event], args: StepArgs) -> Result<B::Event> {
+    /// Issues host-stream op `op` after `waits`.
+    pub(super) fn issue_host(&self, op: &Op, waits: &[B::Event], args: StepArgs) -> Result<B::Event> {
         let name = format!("{op:?}");
         let hyper = self.opts.adamw;
-        if !self.lands() && matches!(op, Op::Download { .. } | Op::Land { .. }) {
-            // Rank 0 downloads and lands the summed gradient; here the op only keeps the
-            // program's shape (and its waits).
-            return Ok(self.backend.host(waits, Box::new(|| Ok(())), name));
-        }
         Ok(match *op {
             Op::Stage { unit, staging, update } => {
                 let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
@@ -100,50 +96,6 @@ impl<B: Backend> Engine<B> {
                     }
                 });
                 self.backend.host(waits, job, name)
-            }
-            Op::Upload { staging, slot, .. } => {
-                let dst = match slot {
-                    Slot::Ring(k) => self.pool.slots[k].clone(),
-                    Slot::Outer => self.pool.outer_slot.clone(),
-                    Slot::Held(l) => self.held_slot(l)?,
-                    Slot::Resident(l) => {
-                        return Err(Error::Options(format!("upload into resident layer {l}'s slot")))
-                    }
-                };
-                self.backend.upload(waits, self.staging_of(staging), dst, name)
-            }
-            Op::UploadState { unit, buf } => {
-                let (state, grad) = match (self.pool.state.get(buf), self.pool.state_grad.get(buf)) {
-                    (Some(s), Some(g)) => (s.clone(), g.clone()),
-                    _ => {
-                        return Err(Error::Options(format!(
-                            "state slot {buf} does not exist (scheduling bug)"
-                        )))
-                    }
-                };
-                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, Some(grad), name)
-            }
-            Op::UploadMoments { unit, buf } => {
-                let state = self.pool.state.get(buf).cloned().ok_or_else(|| {
-                    Error::Options(format!("state slot {buf} does not exist (scheduling bug)"))
-                })?;
-                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, None, name)
-            }
-            Op::DownloadState { unit, buf } => {
-                let state = self.pool.state.get(buf).cloned().ok_or_else(|| {
-                    Error::Options(format!("state slot {buf} does not exist (scheduling bug)"))
-                })?;
-                self.backend.download_record(waits, state, Arc::clone(&self.store), unit, args.step, name)
-            }
-            Op::SpillCheckpoint { boundary } => self.issue_spill(boundary, waits, &name)?,
-            Op::ReloadCheckpoint { boundary, slot } => self.issue_reload(boundary, slot, waits, &name)?,
-            Op::Download { grad_buf, landing, .. } => {
-                // A layer gradient narrowed to bf16 by its backward downloads from the twin.
-                let src = match grad_buf {
-                    Some(k) => self.pool.grad_narrow.get(k).unwrap_or(&self.pool.grad_bufs[k]).clone(),
-                    None => self.pool.outer_grad.clone(),
-                };
-                self.backend.download(waits, src, self.landing_of(landing), name)
             }
             Op::Land { unit, landing, update } => {
                 let (store, land, sumsq) =
@@ -162,8 +114,8 @@ impl<B: Backend> Engine<B> {
                         });
                     }
                     let src = match &*src {
-                        Staging::F32(v) => v,
-                        Staging::Bf16(v) => {
+                        TransferBuf::F32(v) => v,
+                        TransferBuf::Bf16(v) => {
                             // Narrowed on the device, which also took its sum of squares: store it.
                             return match r.grad_mut() {
                                 Some(GradMut::Bf16(g)) if !update => {
@@ -176,7 +128,7 @@ impl<B: Backend> Engine<B> {
                                 }),
                             };
                         }
-                        Staging::F16(_) => {
+                        TransferBuf::F16(_) => {
                             return Err(Error::Stream { stream: "host", msg: "f16 gradient landing".into() })
                         }
                     };
@@ -185,11 +137,11 @@ impl<B: Backend> Engine<B> {
                     // lean mode, which updates from the landed f32 gradient now, of that one,
                     // with the update in the same pass too (unless a retried step applied it).
                     let ss = if update && r.applied_step() < args.step {
-                        // A non-finite gradient updates nothing (`faults.rs`): checked before
+                        // A non-finite gradient updates nothing (`commit.rs`): checked before
                         // the fused land + update writes the record.
                         let ss = mt_optim::sum_squares(Grad::F32(src));
                         if !ss.is_finite() {
-                            faults::zero_grad(&mut r);
+                            commit::zero_grad(&mut r);
                             sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
                             return Ok(());
                         }
@@ -221,7 +173,7 @@ impl<B: Backend> Engine<B> {
                 });
                 self.backend.host(waits, job, name)
             }
-            _ => return Err(Error::Options(format!("{op:?} is not a transfer or host op"))),
+            _ => return Err(Error::Schedule(format!("{op:?} is not a host op"))),
         })
     }
 }
