@@ -5,8 +5,8 @@
 //! snapshot or manifest write) or in `--out` (inside the export). Every round runs in a fresh
 //! directory; the test counts the kills and where they landed.
 //!
-//! `MT_KILLS` (default 8: CI) sets the kills wanted, `MT_KILL_SEED` (default 1) the seed; the
-//! acceptance run used `MT_KILLS=60` (`results/2026-11-26-faults-cpu/`).
+//! `MT_KILLS` (default 8: CI) sets the kills wanted, `MT_KILL_SEED` (default 1) the seed (the
+//! acceptance run's: docs/decisions/0037).
 
 mod common;
 

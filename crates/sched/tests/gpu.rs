@@ -134,7 +134,7 @@ fn param_agreement(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, r
     (within as f64 / n as f64, worst)
 }
 
-/// Bounds (measured 2026-11-22 on an H100, see the closing note of that session):
+/// Bounds (measured on an H100: docs/decisions/0037):
 /// - fp32 (true fp32 GEMMs): every step's loss ≤ 1e-6, every gradient ≤ 1e-4 per tensor, ≥ 99.5%
 ///   of parameters within 1e-4 after 3 steps and all within 0.25·lr (the eps-regime elements, as in
 ///   tests/golden.rs, differ between any two fp32 implementations);
@@ -368,10 +368,9 @@ fn cuda_eval_loss_matches_the_golden_loss() {
 /// loss within 1e-3; after 3 steps, at least 99.5% of the weights within 2e-2 of their tensor's
 /// largest (a per-tensor bound cannot hold there: where a gradient is near zero, AdamW's first
 /// steps move a weight by up to ±lr whatever its size, as between any two fp32 engines in
-/// `tests/golden.rs`, so single elements differ by a few lr; the 99.5% is that test's). Measured
-/// on an H200 (2026-11-23): worst gradient 1.27e-2, q/k norms 1.23e-2; weights 99.80-99.91%
-/// within 2e-2, worst 3.8·lr (three steps on other batches leave only 37-40% within it: measured
-/// on the CPU engine, bf16). Before the candle attention rounded like the kernels (it rounded
+/// `tests/golden.rs`, so single elements differ by a few lr; the 99.5% is that test's; what an
+/// H200 gave: docs/decisions/0037). Three steps on other batches leave fewer than half of the
+/// weights within it (the CPU engine, bf16), so the bound is not loose. Before the candle attention rounded like the kernels (it rounded
 /// `q kᵀ` to bf16, scaled, and rounded again; likewise `dS K`), Qwen3's k_norm gradient was
 /// 2.29e-2 apart: its gradient is a sum over every token and head of bf16 products that largely
 /// cancel, so one more rounding of dq and dk on one side showed.

@@ -12,9 +12,8 @@ use crate::{Device, TrainConfig};
 /// built-in tiny run holds 36 MB, 13 MB of it store.
 pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
 /// RSS of a CUDA run beyond its planned host bytes (binary, libraries, the CUDA context, cuBLAS
-/// and NVRTC host-side state). Measured on the H200 machines (commit 80e8b16) as RSS at the end
-/// minus store + staging/landing: 513 MB for Llama-3-8B, 524 MB for SmolLM2-135M
-/// (`results/2026-11-22-real-use-h200x4.json`).
+/// and NVRTC host-side state), measured as RSS at the end minus store + staging/landing, about
+/// the same for an 8B and a 135M model (docs/decisions/0037).
 pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
 
 /// Host RAM a run of `plan` holds while it trains: store + staging/landing + the process

@@ -106,8 +106,8 @@ pub struct EstimateArgs {
     pub compute_capability: f64,
     /// Sustained TFLOP/s of the device's compute stream for everything but the attention core
     /// (the GEMMs, norms, activations, the loss; recompute included). 600 fits the H200 runs of
-    /// 2026-11-26 with the attention priced apart (3.6B at 4 x 2048, the 7B at 32k-256k). On the
-    /// CPU, measure your own.
+    /// the 3.6B at 4 x 2048 and the 7B at 32k-256k with the attention priced apart
+    /// (docs/decisions/0037). On the CPU, measure your own.
     #[arg(long, default_value_t = 600.0, value_parser = positive_f64)]
     pub tflops: f64,
     /// The flash attention kernel's forward and backward TFLOP/s (causal FLOPs, the backward as

@@ -4,9 +4,9 @@
 //! Memory is the planner's byte count, place by place. Host RAM adds what the process itself
 //! holds besides the planned buffers (code, libraries, allocator, the CUDA context's host side):
 //! [`mt_train::host::PROCESS_OVERHEAD_CPU`] / [`mt_train::host::PROCESS_OVERHEAD_CUDA`], measured
-//! as the RSS of runs minus their planned bytes (`results/2026-11-22-real-use-h200x4.json`). On the CPU backend the device pool
-//! is host memory too and is added; transients are not, so small CPU runs sit below or above the
-//! figure by the size of their activations.
+//! as the RSS of runs minus their planned bytes. On the CPU backend the device pool is host memory
+//! too and is added; transients are not, so small CPU runs sit below or above the figure by the
+//! size of their activations.
 //!
 //! Step time is a bound from three overlapped pipelines, each at a sustained rate the user can
 //! override (defaults measured by this project on the H200 machine):
@@ -18,10 +18,9 @@
 //! Lean mode overlaps all three. Exact mode cannot start an update before the step's norm is
 //! known, so its forward waits for the update pass and its backward for the re-casts and lands:
 //! `max(forward, update) + max(backward, backward host work, PCIe)`. Either adds the pipeline fill
-//! (one layer's upload and update, which cannot overlap). On the H200 (2026-11-23) this predicted
-//! 0.964 s for the 3.6B at 4 x 2048 with every layer streamed, which ran in 0.952 s; with
-//! attention priced apart (2026-11-26) it predicts the flash runs of
-//! `results/2026-11-26-flash-attention-h200/` within 1-8% (the test below holds it there).
+//! (one layer's upload and update, which cannot overlap). How close it comes to measured H200
+//! runs (streamed and flash-attention steps): `docs/decisions/0037`; the test below holds the
+//! flash runs within 10%.
 
 use anyhow::Result;
 use mt_core::ModelLayout;
@@ -157,8 +156,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16
     // with fp32 moments; `s` B/param of master and moments each way) goes through the same host
     // memory the host's update pass is bound by, in the same window: priced at the same
-    // bandwidth (measured on the 16-core H200: the host's pass per layer slows from 18.4 to
-    // ~24.5 ms beside it, 2026-11-24). Late downloads (`s` B/param) come back in the backward
+    // bandwidth (the host's pass slows beside it by about the DMA's bytes: docs/decisions/0037).
+    // Late downloads (`s` B/param) come back in the backward
     // instead, and early uploads' master and moments (`s` B/param) go up there (their gradient is
     // copied on the device).
     let s = b.state;
@@ -347,8 +346,7 @@ impl std::fmt::Display for Estimate {
                 f,
                 "disk tier: the store pages from its file through a {:.2} GiB window; a step reads and \
                  writes about the store once each ({:.2} GB), the reads more where the window is small \
-                 (1.34x at a third of the store: results/2026-11-26-disk-tier-cpu/); not in the step \
-                 time below",
+                 (about 1.3x at a third of the store); not in the step time below",
                 gib(w),
                 p.host.store as f64 / 1e9
             )?;

@@ -94,12 +94,12 @@ pub fn early_upload_capacity(
 }
 
 /// Host memory traffic the forward window sustains, CPU and DMA together, GB/s (the 16-core
-/// H200 machine: 165-170 with and without state DMA beside the host's pass, 2026-11-24).
+/// H200 machine's, with and without state DMA beside the host's pass: docs/decisions/0037).
 pub const HOST_MEMORY_GBS: f64 = 165.0;
-/// Upload bandwidth of the GPU-updated layers' state beside the host's pass, GB/s (the H200
-/// machine: 1.41 GB in 33-36 ms, 2026-11-24; 48.7-50.9 unloaded).
+/// Upload bandwidth of the GPU-updated layers' state beside the host's pass, GB/s: below PCIe's,
+/// as the host's pass takes the memory bandwidth the DMA reads through (docs/decisions/0037).
 pub const STATE_UPLOAD_GBS: f64 = 40.0;
-/// PCIe bandwidth per direction the planner assumes, GB/s (H200 machine: 48.7-50.9).
+/// PCIe bandwidth per direction the planner assumes, GB/s (the H200 machine's, PCIe Gen5).
 pub const PCIE_GBS: f64 = 50.0;
 /// Model TFLOP/s of the backward the planner assumes for a device it does not measure (an H200
 /// on the 3.6B at 4 x 2048, every layer held and kept: 7.5 ms a layer, ~490).

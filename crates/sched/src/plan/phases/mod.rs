@@ -518,9 +518,8 @@ fn place_kept(c: &Ctx<'_>, per_kept_layer: u64, placed: &mut Placement, running:
     // which is what limits a streamed step; keeping saves the recompute). Kept layers are the
     // leading ones, so auto keeps where that covers only layers whose backward is then
     // compute-bound: the resident ones, and the held ones when every layer is resident or held
-    // (a streamed, not held layer's backward waits on the host's re-cast and land on 16 cores).
-    // 3.6B at 4 x 2048 on an H200: all resident, 24 of 28 kept, 347.9 -> 419.6 model TFLOP/s;
-    // all streamed, held and kept, 201.3 -> 216.1.
+    // (a streamed, not held layer's backward waits on the host's re-cast and land on 16 cores;
+    // what keeping gained where: docs/decisions/0020, 0037).
     let kept_layers = match input.placement.kept_layers {
         Some(k) if k > layout.n_layers => {
             return opt(format!("{k} layers with kept activations asked of a {}-layer model", layout.n_layers))
