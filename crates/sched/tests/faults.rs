@@ -1,4 +1,4 @@
-//! Non-finite steps (`engine/faults.rs`): a NaN or infinity injected into a gradient or the loss
+//! Non-finite steps (`engine/commit.rs`): a NaN or infinity injected into a gradient or the loss
 //! skips the step. In exact mode the store then equals, bitwise (master weights, moments, update
 //! marks, step), that of the run without the bad step, whatever the placement (streamed,
 //! resident, held, kept, GPU-updated with late downloads and early uploads; 8-bit moments in one

@@ -1,4 +1,4 @@
-//! The placement table (`Plan::placement`) and the plan as a run prints it: every decoder layer
+//! The placement table (`Plan::placement_table`) and the plan as a run prints it: every decoder layer
 //! once, picked as the step program picks them, and in the words of the run's device.
 
 use candle_core::DType;

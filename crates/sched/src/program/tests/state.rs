@@ -1,5 +1,5 @@
 //! Schedule invariants of the GPU-updated layers' state slots (late downloads, early uploads),
-//! checked on the program data alone; the shared spec sweep and helpers are in `program_tests.rs`.
+//! checked on the program data alone; the shared spec sweep and helpers are in `tests/mod.rs`.
 
 use super::*;
 
