@@ -155,14 +155,14 @@ impl<B: Backend> Engine<B> {
             }
             Op::UpdateStreamed { unit, buf, slot } => {
                 let _s = tracing::debug_span!("update_streamed", ?unit).entered();
-                let state = self.pool.state.get(buf).ok_or_else(|| no_state(buf))?.clone();
+                let state = self.state_slot(buf)?;
                 let dst = self.slot_tensor(slot)?;
                 if self.store.applied_step(unit) >= args.step {
                     // A retried step: the record already holds the update (and the state slot
                     // what was uploaded from it).
                     mt_layers::device_optim::cast_master_into(&state, &dst)?;
                 } else {
-                    let grad = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
+                    let grad = self.state_grad_slot(buf)?;
                     // bf16 -> f32 is exact: the same gradient the host's update widens.
                     let grad = grad.to_dtype(candle_core::DType::F32)?;
                     let kind = self.state_kind(unit);
@@ -184,7 +184,7 @@ impl<B: Backend> Engine<B> {
                     Some(narrow) => narrow,
                     None => self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_grad_buf(grad_buf))?,
                 };
-                let dst = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
+                let dst = self.state_grad_slot(buf)?;
                 if src.dtype() != dst.dtype() || src.elem_count() != dst.elem_count() {
                     return Err(Error::Schedule(format!(
                         "{unit:?}'s device gradient ({:?}, {}) is not what its state slot keeps ({:?}, {})",
@@ -234,6 +234,16 @@ impl<B: Backend> Engine<B> {
         let v = std::mem::replace(ss, SumSquares::Value(f64::NAN)).value()?;
         *ss = SumSquares::Value(v);
         Ok(v)
+    }
+
+    /// State slot `buf`'s `[master | m | v]`.
+    pub(super) fn state_slot(&self, buf: usize) -> Result<candle_core::Tensor> {
+        self.pool.state.get(buf).cloned().ok_or_else(|| no_state(buf))
+    }
+
+    /// State slot `buf`'s gradient.
+    pub(super) fn state_grad_slot(&self, buf: usize) -> Result<candle_core::Tensor> {
+        self.pool.state_grad.get(buf).cloned().ok_or_else(|| no_state(buf))
     }
 
     /// The device weights behind a compute slot.

@@ -27,28 +27,15 @@ impl<B: Backend> Engine<B> {
                 self.backend.upload(waits, self.staging_of(staging), dst, name)
             }
             Op::UploadState { unit, buf } => {
-                let (state, grad) = match (self.pool.state.get(buf), self.pool.state_grad.get(buf)) {
-                    (Some(s), Some(g)) => (s.clone(), g.clone()),
-                    _ => return Err(Error::Schedule(format!("state slot {buf} does not exist"))),
-                };
+                let (state, grad) = (self.state_slot(buf)?, self.state_grad_slot(buf)?);
                 self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, Some(grad), name)
             }
             Op::UploadMoments { unit, buf } => {
-                let state = self
-                    .pool
-                    .state
-                    .get(buf)
-                    .cloned()
-                    .ok_or_else(|| Error::Schedule(format!("state slot {buf} does not exist")))?;
+                let state = self.state_slot(buf)?;
                 self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, None, name)
             }
             Op::DownloadState { unit, buf } => {
-                let state = self
-                    .pool
-                    .state
-                    .get(buf)
-                    .cloned()
-                    .ok_or_else(|| Error::Schedule(format!("state slot {buf} does not exist")))?;
+                let state = self.state_slot(buf)?;
                 self.backend.download_record(waits, state, Arc::clone(&self.store), unit, applied, name)
             }
             Op::SpillCheckpoint { boundary } => self.issue_spill(boundary, waits, &name)?,

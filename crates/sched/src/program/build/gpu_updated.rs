@@ -263,7 +263,8 @@ mod tests {
     use mt_core::Unit;
 
     use crate::placement::Placement;
-    use crate::program::{Op, OptimMode, Program, ProgramSpec, Stream};
+    use crate::program::tests::spec_with;
+    use crate::program::{Op, OptimMode, Program, Stream};
 
     /// Alone (no held, late or early layers), a GPU-updated layer's state goes up once before its
     /// update, which writes its forward weights (no forward upload), and back once right after
@@ -271,22 +272,12 @@ mod tests {
     #[test]
     fn a_gpu_updated_layer_moves_its_state_up_and_back_in_the_forward() {
         for (n, g, ring) in [(1, 1, 1), (4, 2, 2), (5, 5, 2), (6, 3, 3)] {
-            let spec = ProgramSpec {
-                n_layers: n,
-                ring_depth: ring,
-                n_staging: 2,
-                n_grad_bufs: 2,
-                n_landing: 2,
-                mode: OptimMode::Exact,
-                pending_update: true,
-                placement: Placement { gpu_updated_layers: g, ..Placement::default() },
-                early_ready: false,
-                reload_slots: 0,
-                n_state_bufs: ring,
-                narrow_grads: false,
-                rank: None,
-                overlap_optimizer: true,
-            };
+            let spec = spec_with(
+                n,
+                ring,
+                OptimMode::Exact,
+                Placement { gpu_updated_layers: g, ..Placement::default() },
+            );
             let p = Program::build(spec);
             for l in (0..n).filter(|&l| spec.is_gpu_updated(l)) {
                 let unit = Unit::Layer(l);

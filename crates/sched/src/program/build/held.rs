@@ -35,33 +35,20 @@ mod tests {
     use mt_core::Unit;
 
     use crate::placement::Placement;
-    use crate::program::{Op, OptimMode, Program, ProgramSpec, Slot};
-
-    fn held(n_layers: usize, held_layers: usize) -> ProgramSpec {
-        ProgramSpec {
-            n_layers,
-            ring_depth: 2,
-            n_staging: 2,
-            n_grad_bufs: 2,
-            n_landing: 2,
-            mode: OptimMode::Exact,
-            pending_update: true,
-            placement: Placement { held_layers, ..Placement::default() },
-            early_ready: false,
-            reload_slots: 0,
-            n_state_bufs: 0,
-            narrow_grads: false,
-            rank: None,
-            overlap_optimizer: true,
-        }
-    }
+    use crate::program::tests::spec_with;
+    use crate::program::{Op, OptimMode, Program, Slot};
 
     /// Alone, holding turns the last layers' two uploads into one, into their own slot, which
     /// both their forward and their backward read.
     #[test]
     fn a_held_layer_is_uploaded_once_into_its_own_slot() {
         for (n, h) in [(1, 1), (4, 1), (4, 4), (6, 3)] {
-            let p = Program::build(held(n, h));
+            let p = Program::build(spec_with(
+                n,
+                2,
+                OptimMode::Exact,
+                Placement { held_layers: h, ..Placement::default() },
+            ));
             for l in 0..n {
                 let unit = Unit::Layer(l);
                 let uploads: Vec<Slot> = p

@@ -61,7 +61,8 @@ mod tests {
     use mt_core::Unit;
 
     use crate::placement::Placement;
-    use crate::program::{Op, OptimMode, Program, ProgramSpec, Stream};
+    use crate::program::tests::spec_with;
+    use crate::program::{Op, OptimMode, Program, Stream};
 
     /// Alone, residency takes every resident unit off the copy streams and the host, and
     /// updates each once, on the compute stream, where the mode says.
@@ -69,26 +70,12 @@ mod tests {
     fn resident_units_never_cross_the_bus_and_are_updated_on_the_device() {
         for mode in [OptimMode::Exact, OptimMode::Lean] {
             for (n, k, outer) in [(3, 3, true), (4, 1, false), (4, 2, true)] {
-                let spec = ProgramSpec {
-                    n_layers: n,
-                    ring_depth: 2,
-                    n_staging: 2,
-                    n_grad_bufs: 2,
-                    n_landing: 2,
+                let spec = spec_with(
+                    n,
+                    2,
                     mode,
-                    pending_update: true,
-                    placement: Placement {
-                        resident_outer: outer,
-                        resident_layers: k,
-                        ..Placement::default()
-                    },
-                    early_ready: false,
-                    reload_slots: 0,
-                    n_state_bufs: 0,
-                    narrow_grads: false,
-                    rank: None,
-                    overlap_optimizer: true,
-                };
+                    Placement { resident_outer: outer, resident_layers: k, ..Placement::default() },
+                );
                 let p = Program::build(spec);
                 let resident = |u: Unit| match u {
                     Unit::Outer => outer,

@@ -71,6 +71,7 @@ impl Builder {
 #[cfg(test)]
 mod tests {
     use crate::placement::Placement;
+    use crate::program::tests::spec_with;
     use crate::program::{Op, OptimMode, Program, ProgramSpec};
 
     /// Alone, spilling sends each spilled boundary down once after the op that wrote it, frees
@@ -80,20 +81,13 @@ mod tests {
     fn a_spilled_checkpoint_goes_down_once_and_comes_back_before_its_backward() {
         for (n, k, slots) in [(1, 1, 1), (4, 1, 2), (4, 4, 1), (5, 5, 2), (5, 3, 2)] {
             let spec = ProgramSpec {
-                n_layers: n,
-                ring_depth: 2,
-                n_staging: 2,
-                n_grad_bufs: 2,
-                n_landing: 2,
-                mode: OptimMode::Exact,
-                pending_update: true,
-                placement: Placement { spilled_checkpoints: k, ..Placement::default() },
-                early_ready: false,
                 reload_slots: slots,
-                n_state_bufs: 0,
-                narrow_grads: false,
-                rank: None,
-                overlap_optimizer: true,
+                ..spec_with(
+                    n,
+                    2,
+                    OptimMode::Exact,
+                    Placement { spilled_checkpoints: k, ..Placement::default() },
+                )
             };
             let p = Program::build(spec);
             let find = |f: &dyn Fn(&Op) -> bool| {

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use mt_core::Unit;
 
 use crate::placement::Placement;
-use crate::program::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
+use crate::program::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream, RELOAD_SLOTS};
 use crate::simulate::simulate;
 
 fn spec(n_layers: usize, ring_depth: usize, mode: OptimMode, pending: bool) -> ProgramSpec {
@@ -31,6 +31,20 @@ fn spec_held(
     resident_layers: usize,
     held_layers: usize,
 ) -> ProgramSpec {
+    let placement =
+        Placement { resident_outer: resident, resident_layers, held_layers, ..Placement::default() };
+    ProgramSpec { pending_update: pending, ..spec_with(n_layers, ring_depth, mode, placement) }
+}
+
+/// A step of the engine's buffer counts in `mode` with an update pending, placed as `placement`:
+/// `ring_depth + late` state slots for its GPU-updated layers, two reload buffers for its spilled
+/// checkpoints (the schedule tests here and each placement feature's in `build/`).
+pub(crate) fn spec_with(
+    n_layers: usize,
+    ring_depth: usize,
+    mode: OptimMode,
+    placement: Placement,
+) -> ProgramSpec {
     ProgramSpec {
         n_layers,
         ring_depth,
@@ -38,19 +52,18 @@ fn spec_held(
         n_grad_bufs: 2,
         n_landing: 2,
         mode,
-        pending_update: pending,
+        pending_update: true,
+        placement,
         early_ready: false,
-        n_state_bufs: 0,
+        reload_slots: if placement.spilled_checkpoints > 0 { RELOAD_SLOTS } else { 0 },
+        n_state_bufs: if placement.gpu_updated_layers > 0 {
+            ring_depth + placement.late_state_downloads
+        } else {
+            0
+        },
         narrow_grads: false,
         rank: None,
         overlap_optimizer: true,
-        reload_slots: 0,
-        placement: Placement {
-            resident_outer: resident,
-            resident_layers,
-            held_layers,
-            ..Placement::default()
-        },
     }
 }
 
