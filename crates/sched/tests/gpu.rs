@@ -82,16 +82,7 @@ fn run_model<B: Backend>(
         weight_dtype: dtype,
         n_chunks: 2,
         ring_depth: placement.ring_depth,
-        placement: Placement {
-            resident_outer: placement.resident_outer,
-            resident_layers: placement.resident_layers,
-            kept_layers: placement.kept_layers,
-            held_layers: placement.held_layers,
-            gpu_updated_layers: placement.gpu_updated_layers,
-            late_state_downloads: placement.late_state_downloads,
-            early_state_uploads: placement.early_state_uploads,
-            ..Placement::default()
-        },
+        placement: placement.placement,
         ..golden_opts()
     };
     let mut e = Engine::new(cfg, store.clone(), backend, opts).unwrap();
