@@ -6,7 +6,7 @@
 //! directory; the test counts the kills and where they landed.
 //!
 //! `MT_KILLS` (default 8: CI) sets the kills wanted, `MT_KILL_SEED` (default 1) the seed (the
-//! acceptance run's: docs/decisions/0037).
+//! acceptance run's: docs/decisions/0041).
 
 mod common;
 

@@ -7,7 +7,7 @@
 //! the master, `m` and `v` lines the update is working on. On the H200 machines' 16-core Xeon the
 //! fused bf16 AdamW is bound by DRAM bandwidth (it runs as fast as a loop that only adds the
 //! gradient to `p`, `m` and `v`), and streaming its upload copy made it a few percent faster
-//! (docs/decisions/0006, 0037).
+//! (docs/decisions/0006, 0041).
 //!
 //! Streaming stores are weakly ordered: the thread that issued them must fence before any other
 //! thread or device may read the memory. [`Writer`] fences when it is dropped.

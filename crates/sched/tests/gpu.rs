@@ -125,7 +125,7 @@ fn param_agreement(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, r
     (within as f64 / n as f64, worst)
 }
 
-/// Bounds (measured on an H100: docs/decisions/0037):
+/// Bounds (measured on an H100: docs/decisions/0041):
 /// - fp32 (true fp32 GEMMs): every step's loss ≤ 1e-6, every gradient ≤ 1e-4 per tensor, ≥ 99.5%
 ///   of parameters within 1e-4 after 3 steps and all within 0.25·lr (the eps-regime elements, as in
 ///   tests/golden.rs, differ between any two fp32 implementations);
@@ -360,7 +360,7 @@ fn cuda_eval_loss_matches_the_golden_loss() {
 /// largest (a per-tensor bound cannot hold there: where a gradient is near zero, AdamW's first
 /// steps move a weight by up to ±lr whatever its size, as between any two fp32 engines in
 /// `tests/golden.rs`, so single elements differ by a few lr; the 99.5% is that test's; what an
-/// H200 gave: docs/decisions/0037). Three steps on other batches leave fewer than half of the
+/// H200 gave: docs/decisions/0041). Three steps on other batches leave fewer than half of the
 /// weights within it (the CPU engine, bf16), so the bound is not loose. Before the candle attention rounded like the kernels (it rounded
 /// `q kᵀ` to bf16, scaled, and rounded again; likewise `dS K`), Qwen3's k_norm gradient was
 /// 2.29e-2 apart: its gradient is a sum over every token and head of bf16 products that largely

@@ -22,7 +22,7 @@ use common::*;
 const STEPS: usize = 60;
 /// Largest relative loss difference from the fp32-moment run over those steps (the loss falls
 /// from 4.9 to 0.6-0.8), bf16 moments: about 4x the worst measured over the four fixtures (the
-/// SUMMARY lines; docs/decisions/0037).
+/// SUMMARY lines; docs/decisions/0041).
 const BF16_LOSS_BOUND: f64 = 2e-3;
 /// Likewise for 8-bit moments.
 const INT8_LOSS_BOUND: f64 = 6e-3;

@@ -13,7 +13,7 @@ use crate::{Device, TrainConfig};
 pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
 /// RSS of a CUDA run beyond its planned host bytes (binary, libraries, the CUDA context, cuBLAS
 /// and NVRTC host-side state), measured as RSS at the end minus store + staging/landing, about
-/// the same for an 8B and a 135M model (docs/decisions/0037).
+/// the same for an 8B and a 135M model (docs/decisions/0041).
 pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
 
 /// Host RAM a run of `plan` holds while it trains: store + staging/landing + the process

@@ -107,7 +107,7 @@ pub struct EstimateArgs {
     /// Sustained TFLOP/s of the device's compute stream for everything but the attention core
     /// (the GEMMs, norms, activations, the loss; recompute included). 600 fits the H200 runs of
     /// the 3.6B at 4 x 2048 and the 7B at 32k-256k with the attention priced apart
-    /// (docs/decisions/0037). On the CPU, measure your own.
+    /// (docs/decisions/0041). On the CPU, measure your own.
     #[arg(long, default_value_t = 600.0, value_parser = positive_f64)]
     pub tflops: f64,
     /// The flash attention kernel's forward and backward TFLOP/s (causal FLOPs, the backward as

@@ -7,13 +7,13 @@ use crate::cli::EstimateArgs;
 
 /// Our flash kernel's forward and backward TFLOP/s (causal FLOPs, the backward counted as 2.5x
 /// the forward) by sequence length, measured on an H200 at 28 / 4 heads, head dim 128, one
-/// sequence (`docs/decisions/0037`); interpolated in log2 of the length, the ends held beyond.
+/// sequence (`docs/decisions/0041`); interpolated in log2 of the length, the ends held beyond.
 pub const FLASH_TFLOPS: [(usize, f64, f64); 4] =
     [(4096, 175.2, 115.8), (16384, 229.9, 194.3), (65536, 253.3, 193.0), (131072, 256.9, 195.5)];
 
 /// TFLOP/s of the materialised attention (candle's GEMMs and our softmax kernels, the
 /// `6·L·s·hidden·T` FLOPs and the recompute's forward), as the H200 runs of the 3.6B at 4 / 16 x
-/// 2048 showed with the GEMMs at [`EstimateArgs::tflops`]'s 600 (`docs/decisions/0037`).
+/// 2048 showed with the GEMMs at [`EstimateArgs::tflops`]'s 600 (`docs/decisions/0041`).
 pub const MATERIALISED_ATTENTION_TFLOPS: f64 = 80.0;
 
 /// Attention's own seconds of a step, forward and backward.

@@ -19,7 +19,7 @@
 //! known, so its forward waits for the update pass and its backward for the re-casts and lands:
 //! `max(forward, update) + max(backward, backward host work, PCIe)`. Either adds the pipeline fill
 //! (one layer's upload and update, which cannot overlap). How close it comes to measured H200
-//! runs (streamed and flash-attention steps): `docs/decisions/0037`; the test below holds the
+//! runs (streamed and flash-attention steps): `docs/decisions/0041`; the test below holds the
 //! flash runs within 10%.
 
 use anyhow::Result;
@@ -156,7 +156,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16
     // with fp32 moments; `s` B/param of master and moments each way) goes through the same host
     // memory the host's update pass is bound by, in the same window: priced at the same
-    // bandwidth (the host's pass slows beside it by about the DMA's bytes: docs/decisions/0037).
+    // bandwidth (the host's pass slows beside it by about the DMA's bytes: docs/decisions/0041).
     // Late downloads (`s` B/param) come back in the backward
     // instead, and early uploads' master and moments (`s` B/param) go up there (their gradient is
     // copied on the device).

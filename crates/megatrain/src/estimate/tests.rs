@@ -108,7 +108,7 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
     assert!(early.step_s < late.step_s, "{} vs {}", early.step_s, late.step_s);
     // More GPU-updated layers move more state up in the forward, beside the host's pass, at
     // the planner's slower state-upload rate: 17 ranks behind the planner's 14, as measured
-    // (docs/decisions/0037).
+    // (docs/decisions/0041).
     let n17 = estimate_3_6b(&[&on_time[..4], &["--gpu-updated-layers", "17"]].concat());
     assert!(n17.step_s > early.step_s, "{} vs {}", n17.step_s, early.step_s);
     assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
@@ -126,7 +126,7 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
 }
 
 /// The step times measured on one H200 (every layer resident or held, so compute-bound; where:
-/// docs/decisions/0037) against the estimate of the same command: within 10% each, where
+/// docs/decisions/0041) against the estimate of the same command: within 10% each, where
 /// pricing attention at the GEMMs' rate put the 7B at 128k 2.2x too fast.
 #[test]
 fn the_step_time_follows_the_measured_flash_runs() {

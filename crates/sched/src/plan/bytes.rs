@@ -89,7 +89,7 @@ pub struct LayerPath {
 /// kernels: scores `8·b·heads·s²` ([`FUSED_SCORE_BYTES`]) and no gradient copy (the GEMM
 /// accumulates into the f32 buffer); with flash attention no scores, `2·t·heads` f32. (The
 /// candle-path count, held against the device pool's high-water mark, overestimated the fused
-/// path by gigabytes: docs/decisions/0037.)
+/// path by gigabytes: docs/decisions/0041.)
 ///
 /// A mixture of experts: `ffn` is the routed width `k·f_e` per token (each token's rows reach
 /// `k` experts of width `f_e`), plus the router's `[t, E]` probabilities; the largest weight
@@ -136,7 +136,7 @@ pub fn layer_workspace(
 /// input norm's output `a`, `x1`, `dx1` in pieces and joined, one spare (`5 × hidden`) beside
 /// the attention's `q`, `o` and `k`, `v` (`2 × q_dim + 2 × kv_dim`); in the attention's backward,
 /// `a` and `dx1` (`2 × hidden`) beside the inputs, `dO` and the three gradients (`4 × q_dim +
-/// 4 × kv_dim`): a little above the pool's measured high-water mark (docs/decisions/0037).
+/// 4 × kv_dim`): a little above the pool's measured high-water mark (docs/decisions/0041).
 fn flash_acts(cfg: &ModelConfig, t: u64, e: u64) -> u64 {
     let h = cfg.hidden_size as u64;
     let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);

@@ -94,10 +94,10 @@ pub fn early_upload_capacity(
 }
 
 /// Host memory traffic the forward window sustains, CPU and DMA together, GB/s (the 16-core
-/// H200 machine's, with and without state DMA beside the host's pass: docs/decisions/0037).
+/// H200 machine's, with and without state DMA beside the host's pass: docs/decisions/0041).
 pub const HOST_MEMORY_GBS: f64 = 165.0;
 /// Upload bandwidth of the GPU-updated layers' state beside the host's pass, GB/s: below PCIe's,
-/// as the host's pass takes the memory bandwidth the DMA reads through (docs/decisions/0037).
+/// as the host's pass takes the memory bandwidth the DMA reads through (docs/decisions/0041).
 pub const STATE_UPLOAD_GBS: f64 = 40.0;
 /// PCIe bandwidth per direction the planner assumes, GB/s (the H200 machine's, PCIe Gen5).
 pub const PCIE_GBS: f64 = 50.0;

@@ -289,7 +289,7 @@ impl HostStore {
             .map_err(|source| Error::Io { path: PathBuf::from("<anonymous store>"), source })?;
         // Transparent huge pages where the kernel allows them: a store is tens of GB touched
         // once, and 4 KiB faults made the first AdamW update many times slower than later ones
-        // (docs/decisions/0010, 0037). Advisory only: a kernel without THP ignores or refuses it.
+        // (docs/decisions/0010, 0041). Advisory only: a kernel without THP ignores or refuses it.
         let _ = map.advise(Advice::HugePage);
         let store = Self::assemble(map, None, None, layout, (grad, states), records, total);
         store.init_header();

@@ -519,7 +519,7 @@ fn place_kept(c: &Ctx<'_>, per_kept_layer: u64, placed: &mut Placement, running:
     // leading ones, so auto keeps where that covers only layers whose backward is then
     // compute-bound: the resident ones, and the held ones when every layer is resident or held
     // (a streamed, not held layer's backward waits on the host's re-cast and land on 16 cores;
-    // what keeping gained where: docs/decisions/0020, 0037).
+    // what keeping gained where: docs/decisions/0020, 0041).
     let kept_layers = match input.placement.kept_layers {
         Some(k) if k > layout.n_layers => {
             return opt(format!("{k} layers with kept activations asked of a {}-layer model", layout.n_layers))
