@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Our flash attention kernels (kernels/flash_attn.cu) against PyTorch SDPA, on one GPU, one run.
+"""Our flash attention kernels against PyTorch SDPA, on one GPU, one run.
 
-The kernels are compiled with NVRTC through CuPy from the same source and prelude as the engine
-(crates/layers/src/cuda_kernels/flash.rs: kernels/common.cuh, then kernels/flash_attn.cu; the
-same launch geometry and shared-memory sizes), so what is timed here is what the engine runs.
+Two implementations of ours: `hopper` (kernels/cuda/flash_attn_hopper.cu: wgmma, TMA, warp
+specialisation; compute capability 9.0 only; launched through scripts/hopper_attention.py) and
+`portable` (kernels/cuda/flash_attn.cu: mma.sync, any GPU of capability 8.0+, compiled with NVRTC
+through CuPy). Both are compiled from the same sources and preludes as the engine's and launched
+with its geometry, so what is timed here is what the engine runs. `hopper_nondet` is the Hopper
+backward with its dQ adds in arrival order (not bitwise repeatable).
 
   check:  output, LSE, dQ, dK, dV against an f32 reference (SDPA's f32 path on upcast inputs,
           K/V repeated to the query heads; per document for packed sequences): relative L2 and
@@ -14,8 +17,9 @@ same launch geometry and shared-memory sizes), so what is timed here is what the
 
 Writes one JSON document (schema below) to --out and prints a table. Needs torch and cupy.
 
-  python3 scripts/attention_bench.py --out results.json [--seqs 4096,16384,65536,131072]
-      [--heads 28:4,32:8] [--check-seqs 4096,32768] [--reps 5]
+  python3 scripts/attention_bench.py --out results.json [--seqs 16384,65536,131072]
+      [--heads 28:4,32:8] [--d64-heads 32:8] [--check-seqs 4096,32768] [--reps 5]
+      [--ours hopper,portable] [--sdpa flash,cudnn]
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ BWD_FLOPS = "2.5 x forward"
 
 
 def kernels_source() -> str:
-    common = (ROOT / "kernels" / "common.cuh").read_text()
-    flash = (ROOT / "kernels" / "flash_attn.cu").read_text()
+    common = (ROOT / "kernels" / "cuda" / "common.cuh").read_text()
+    flash = (ROOT / "kernels" / "cuda" / "flash_attn.cu").read_text()
     return f'#line 1 "common.cuh"\n{common}\n#line 1 "flash_attn.cu"\n{flash}'
 
 
@@ -167,7 +171,7 @@ def torch_isfinite(x):
     return torch.isfinite(x).all().item()
 
 
-def check(ours, s, nh, nkv, hd, docs_n, seed):
+def check(ours, s, nh, nkv, hd, docs_n, seed, impl="portable"):
     import torch
 
     torch.manual_seed(seed)
@@ -194,7 +198,7 @@ def check(ours, s, nh, nkv, hd, docs_n, seed):
     ro, _, rdq, rdk, rdv = reference(q, k, v, do, docs)
     # LSE reference from the f32 scores, a row block at a time (whole rows only where s is small).
     res = {
-        "seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "documents": docs_n or 1,
+        "impl": impl, "seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "documents": docs_n or 1,
         "o": errs(o, ro), "dq": errs(dq, rdq), "dk": errs(dk, rdk), "dv": errs(dv, rdv),
         "backward_bitwise_repeatable": det,
     }
@@ -225,7 +229,7 @@ def time_ms(fn, reps):
     return times[len(times) // 2]
 
 
-def bench(ours, s, nh, nkv, hd, reps):
+def bench(impls, s, nh, nkv, hd, reps, sdpa=("flash", "cudnn")):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -239,15 +243,21 @@ def bench(ours, s, nh, nkv, hd, reps):
     fwd_flops = 2.0 * nh * s * s * hd
     out = {"seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "systems": {}}
 
-    o, lse = ours.forward(q, k, v)
-    t_f = time_ms(lambda: ours.forward(q, k, v), reps)
-    t_b = time_ms(lambda: ours.backward(q, k, v, o, lse, do), reps)
-    out["systems"]["ours"] = entry(t_f, t_b, fwd_flops, "ok")
-    del o, lse
+    for name, (ours, kw) in impls.items():
+        try:
+            o, lse = ours.forward(q, k, v)
+            t_f = time_ms(lambda: ours.forward(q, k, v), reps)
+            t_b = time_ms(lambda: ours.backward(q, k, v, o, lse, do, **kw), reps)
+            out["systems"][name] = entry(t_f, t_b, fwd_flops, "ok")
+            del o, lse
+        except Exception as e:
+            out["systems"][name] = {"status": "failed", "reason": str(e).splitlines()[0][:300]}
+        torch.cuda.empty_cache()
 
     qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, do))
-    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for name, be in ((n, backends[n]) for n in sdpa):
         try:
             gqa = "enable_gqa"
             kk, vv = kt, vt
@@ -301,8 +311,12 @@ def machine():
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--seqs", default="4096,16384,65536,131072")
+    p.add_argument("--seqs", default="16384,65536,131072")
     p.add_argument("--heads", default="28:4,32:8", help="NH:NKV pairs, head dim 128")
+    p.add_argument("--d64-heads", default="32:8", help="NH:NKV pairs benchmarked at head dim 64 ('' for none)")
+    p.add_argument("--ours", default="hopper,portable", help="our implementations: hopper, portable")
+    p.add_argument("--sdpa", default="flash,cudnn", help="SDPA backends: flash, cudnn, efficient")
+    p.add_argument("--hopper-variants", default="", help="NAME:MACRO[+MACRO],... extra builds of the Hopper kernels")
     p.add_argument("--check-seqs", default="4096,32768")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-bench", action="store_true")
@@ -310,7 +324,29 @@ def main():
 
     import torch
 
-    ours = Ours()
+    impls = {}
+    wanted = [x for x in a.ours.split(",") if x]
+    cc = torch.cuda.get_device_capability()
+    hopper = None
+    if "hopper" in wanted:
+        if cc != (9, 0):
+            print(f"hopper kernels skipped: compute capability {cc[0]}.{cc[1]} is not 9.0")
+        else:
+            sys.path.insert(0, str(ROOT / "scripts"))
+            import hopper_attention
+
+            hopper = hopper_attention.Hopper()
+            print(f"hopper kernels compiled: fatal ptxas warnings {hopper.problems or 'none'}; "
+                  f"spills {hopper.spills or 'none'}", flush=True)
+            impls["hopper"] = (hopper, {})
+            impls["hopper_nondet"] = (hopper, {"deterministic": False})
+            # Experiments: the same kernels compiled with extra macros (flash_attn_hopper.cu's
+            # MT_HFA_* switches), timed beside the default.
+            for v in [x for x in a.hopper_variants.split(",") if x]:
+                name, defs = v.split(":")
+                impls[f"hopper_{name}"] = (hopper_attention.Hopper(defs.split("+")), {})
+    if "portable" in wanted:
+        impls["portable"] = (Ours(), {})
     doc = {
         "schema_version": SCHEMA_VERSION,
         "suite": "attention",
@@ -318,15 +354,27 @@ def main():
         "commit": os.environ.get("MT_COMMIT"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "flops": {"forward": FWD_FLOPS, "backward": BWD_FLOPS},
+        "ptxas_warnings": hopper.problems if hopper else None,
+        "ptxas_spills": hopper.spills if hopper else None,
         "checks": [],
         "bench": [],
     }
-    heads = [tuple(int(x) for x in h.split(":")) for h in a.heads.split(",")]
+    heads = [tuple(int(x) for x in h.split(":")) for h in a.heads.split(",") if h]
+    heads64 = [tuple(int(x) for x in h.split(":")) for h in a.d64_heads.split(",") if h]
     for s in [int(x) for x in a.check_seqs.split(",") if x]:
-        for nh, nkv, hd, docs in ((28, 4, 128, 0), (32, 8, 128, 0), (8, 2, 64, 0), (28, 4, 128, 7)):
-            r = check(ours, s, nh, nkv, hd, docs, seed=s + nh)
+        for (impl, (ours, _)), (nh, nkv, hd, docs) in ((i, c) for i in impls.items()
+                                                        if i[0] != "hopper_nondet" and "nodq" not in i[0]
+                                                        for c in ((28, 4, 128, 0), (32, 8, 128, 0), (8, 2, 64, 0),
+                                                                  (28, 4, 128, 7))):
+            try:
+                r = check(ours, s, nh, nkv, hd, docs, seed=s + nh, impl=impl)
+            except Exception as e:  # keep going: the other checks and the bench still say something
+                print(f"check {impl} s={s} nh={nh} nkv={nkv} hd={hd} docs={docs}: FAILED {e}", flush=True)
+                doc["checks"].append({"impl": impl, "seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd,
+                                      "documents": docs or 1, "error": str(e)[:500]})
+                continue
             doc["checks"].append(r)
-            print(f"check s={s} nh={nh} nkv={nkv} hd={hd} docs={r['documents']}: "
+            print(f"check {impl} s={s} nh={nh} nkv={nkv} hd={hd} docs={r['documents']}: "
                   + " ".join(f"{n} {r[n]['rel_l2']:.2e}/{r[n]['max_abs_over_max_ref']:.2e}"
                              for n in ("o", "dq", "dk", "dv"))
                   + (f" lse {r['lse']['rel_l2']:.1e}" if "lse" in r else "")
@@ -335,11 +383,12 @@ def main():
     Path(a.out).write_text(json.dumps(doc, indent=1))
     if not a.skip_bench:
         for s in [int(x) for x in a.seqs.split(",") if x]:
-            for nh, nkv in heads:
+            layouts = [(nh, nkv, 128) for nh, nkv in heads] + [(nh, nkv, 64) for nh, nkv in heads64]
+            for nh, nkv, hd in layouts:
                 reps = a.reps if s <= 16384 else max(2, a.reps // 2)
-                r = bench(ours, s, nh, nkv, 128, reps)
+                r = bench(impls, s, nh, nkv, hd, reps, sdpa=[x for x in a.sdpa.split(",") if x])
                 doc["bench"].append(r)
-                line = f"bench s={s} {nh}/{nkv}:"
+                line = f"bench s={s} {nh}/{nkv} d{hd}:"
                 for name, e in r["systems"].items():
                     if e["status"] == "ok":
                         line += f" {name} {e['fwd_tflops']:.0f}/{e['bwd_tflops']:.0f}/{e['fwd_bwd_tflops']:.0f}"

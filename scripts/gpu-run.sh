@@ -12,7 +12,7 @@
 #                                         its progress and packs $OUT/r.tgz
 #
 # A STEP is one argument (quote it), fields separated by `:` (the last field takes the rest):
-#   test:BINARY[:FILTER]        a test binary of $BIN (e.g. `test:gpu-test`, `test:layers-test:cuda_kernels`),
+#   test:BINARY[:FILTER]        a test binary of $BIN (e.g. `test:gpu-test`, `test:kernels-test:flash`),
 #                               one thread, --nocapture, MT_GOLDEN_DIR set; log BINARY.log
 #   train:NAME:TIMEOUT:ARGS     `megatrain train --device cuda --metrics NAME.jsonl $COMMON ARGS`, log
 #                               NAME.log (ARGS word-split)

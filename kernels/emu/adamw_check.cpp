@@ -1,4 +1,4 @@
-// Checks kernels/adamw.cu's kernels for bf16 and 8-bit moments (mt_adamw_bf16, mt_adamw_q8) on the
+// Checks kernels/cuda/adamw.cu's kernels for bf16 and 8-bit moments (mt_adamw_bf16, mt_adamw_q8) on the
 // CPU emulator (emu.h) against mt-optim's host update: three steps of 845 parameters from
 // integer-hash inputs, with the coefficients and stochastic-rounding keys below (the f32 bits and
 // keys mt-optim derives for those steps: crates/optim/src/moments_tests.rs asserts they are), and
@@ -18,8 +18,8 @@ struct uint2 {
 struct float4 {
     float x, y, z, w;
 };
-#include "../common.cuh"
-#include "../adamw.cu"
+#include "../cuda/common.cuh"
+#include "../cuda/adamw.cu"
 
 #include <cstdio>
 #include <vector>

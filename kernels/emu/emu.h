@@ -1,4 +1,4 @@
-// A CPU emulator of the few CUDA features kernels/flash_attn.cu uses, to check the kernels'
+// A CPU emulator of the few CUDA features kernels/cuda/flash_attn.cu uses, to check the kernels'
 // logic (tiling, masks, packed documents, GQA, fragment layouts as the PTX ISA documents them)
 // on a machine without a GPU. Every CUDA thread is an OS thread; a block's threads run together
 // and meet at std::barrier for __syncthreads and for each warp-wide instruction (shuffle,

@@ -1,4 +1,4 @@
-// Checks kernels/flash_attn.cu on the CPU emulator (emu.h) against a float64 evaluation of
+// Checks kernels/cuda/flash_attn.cu on the CPU emulator (emu.h) against a float64 evaluation of
 // attention: O, LSE, dQ, dK, dV for causal GQA attention with and without packed documents, head
 // dims 16..128, lengths that are and are not multiples of the tiles. Build and run:
 //   kernels/emu/run.sh
@@ -6,8 +6,8 @@
 struct uint4 {
     unsigned x, y, z, w;
 };
-#include "../common.cuh"
-#include "../flash_attn.cu"
+#include "../cuda/common.cuh"
+#include "../cuda/flash_attn.cu"
 
 #include <cstdio>
 #include <random>

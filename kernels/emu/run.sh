@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds and runs the CPU emulator check of kernels/flash_attn.cu (needs g++ with C++20).
+# Builds and runs the CPU emulator check of kernels/cuda/flash_attn.cu (needs g++ with C++20).
 set -euo pipefail
 cd "$(dirname "$0")"
 out=${TMPDIR:-/tmp}/mt_flash_check

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds and runs the CPU emulator check of kernels/adamw.cu's bf16 and 8-bit moment kernels
+# Builds and runs the CPU emulator check of kernels/cuda/adamw.cu's bf16 and 8-bit moment kernels
 # against mt-optim's host update (needs g++ with C++20). No FMA contraction, as NVRTC's
 # --fmad=false and Rust.
 set -euo pipefail

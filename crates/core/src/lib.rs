@@ -13,6 +13,7 @@ mod layout;
 mod moe;
 pub mod names;
 mod states;
+pub mod units;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};

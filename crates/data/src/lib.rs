@@ -72,5 +72,5 @@ pub use chat::Message;
 pub use dataset::{Cursor, DataOptions, Dataset, TokenBatch};
 pub use error::{Error, Result, TokenizersError};
 pub use pack::{IGNORE_INDEX, PAD_ID};
-pub use sample::Format;
+pub use sample::{file_format, Format};
 pub use tokenizer::{Encoded, Tokenizer};

@@ -23,6 +23,11 @@ pub enum Format {
 }
 
 impl Format {
+    /// Whether samples of this format are tokenised with the model's tokenizer (text, chat).
+    pub fn needs_tokenizer(self) -> bool {
+        self != Format::InputIds
+    }
+
     /// The JSON key of the format.
     pub fn key(self) -> &'static str {
         match self {
@@ -187,6 +192,21 @@ fn conversation(tok: &Tokenizer, messages: &[Message]) -> Result<(Vec<u32>, Vec<
     let enc = tok.encode_with_offsets(&full, false)?;
     let is_target = enc.offsets.iter().map(|&(start, _)| spans.iter().any(|s| s.contains(&start))).collect();
     Ok((enc.ids, is_target))
+}
+
+/// The format of a JSON Lines data file: its first non-blank line's (`None` when the file cannot
+/// be read or that line is not a sample; reading the whole file says why). A run loads the
+/// model's tokenizer only for formats that need one ([`Format::needs_tokenizer`]).
+pub fn file_format(path: &Path) -> Option<Format> {
+    let file = std::fs::File::open(path).ok()?;
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.ok()?;
+        let line = if i == 0 { line.strip_prefix('\u{feff}').unwrap_or(&line).to_owned() } else { line };
+        if !line.trim().is_empty() {
+            return parse_line(&line).ok().map(|r| r.format());
+        }
+    }
+    None
 }
 
 /// Reads every sample of a JSON Lines file, checking that all lines use one format and that

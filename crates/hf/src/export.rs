@@ -96,6 +96,10 @@ pub struct ExportOptions {
     pub max_shard_bytes: u64,
     /// Directory to copy the [`COPIED_FILES`] from (usually the `--model` directory).
     pub copy_files_from: Option<PathBuf>,
+    /// Test hook: the weights' writes fail with "no space left on device" once this many bytes
+    /// of them are written (a disk that fills during the export).
+    #[doc(hidden)]
+    pub fail_after_bytes: Option<u64>,
 }
 
 impl Default for ExportOptions {
@@ -104,6 +108,7 @@ impl Default for ExportOptions {
             dtype: ExportDtype::F32,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             copy_files_from: None,
+            fail_after_bytes: None,
         }
     }
 }
@@ -208,6 +213,7 @@ fn write_shard(
     dtype: ExportDtype,
     path: &Path,
     written: &mut Written,
+    room: &mut Option<u64>,
 ) -> Result<u64> {
     let mut infos = Vec::with_capacity(tensors.len());
     let mut at = 0usize;
@@ -226,7 +232,19 @@ fn write_shard(
         .map_err(|e| Error::Options(format!("cannot serialise the header of {}: {e}", path.display())))?;
     header.resize(header.len().next_multiple_of(8), b' ');
     write_file(path, written, |w| {
-        let mut put = |bytes: &[u8]| w.write_all(bytes).map_err(Error::io(path));
+        let mut put = |bytes: &[u8]| {
+            if let Some(left) = room {
+                if (bytes.len() as u64) > *left {
+                    let full = std::io::Error::new(
+                        std::io::ErrorKind::StorageFull,
+                        "No space left on device (injected)",
+                    );
+                    return Err(Error::Io { path: path.to_owned(), source: full });
+                }
+                *left -= bytes.len() as u64;
+            }
+            w.write_all(bytes).map_err(Error::io(path))
+        };
         put(&(header.len() as u64).to_le_bytes())?;
         put(&header)?;
         let mut buf = Vec::new();
@@ -337,10 +355,11 @@ pub fn export(
     let mut weight_map = BTreeMap::new();
     let mut total_size = 0u64;
     let mut shard_names = BTreeSet::new();
+    let mut room = opts.fail_after_bytes;
     for (i, tensors) in shards.iter().enumerate() {
         let name = shard_name(i, n_shards);
         let tmp = out.join(tmp_name(&name));
-        bytes_written += write_shard(store, tensors, opts.dtype, &tmp, &mut written)?;
+        bytes_written += write_shard(store, tensors, opts.dtype, &tmp, &mut written, &mut room)?;
         tracing::debug!(shard = %name, tensors = tensors.len(), "wrote shard");
         for t in tensors {
             weight_map.insert(t.name.clone(), name.clone());

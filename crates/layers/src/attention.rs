@@ -1,5 +1,5 @@
 //! Causal grouped-query attention with its backward: the materialised scores of transformers'
-//! eager path (every device), or flash attention (`kernels/flash_attn.cu`: bf16 on CUDA, O(t)
+//! eager path (every device), or flash attention (`kernels/cuda/flash_attn.cu`: bf16 on CUDA, O(t)
 //! memory, for head dims 16, 32, 64, 128). Packed documents (`Docs`) mask keys outside a
 //! query's document on both paths.
 //!
@@ -49,7 +49,7 @@ pub(crate) enum AttnCache {
     /// the output `o: [b, t, nh, hd]` and each row's log-sum-exp (f32 `[b, nh, t]`); the
     /// backward recomputes the probabilities tile by tile.
     #[cfg(feature = "cuda")]
-    Flash { q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor },
+    Flash { q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kernel: mt_kernels::FlashKernel },
 }
 
 impl AttnCache {
@@ -77,7 +77,7 @@ impl AttnCache {
 pub(crate) enum Probs {
     /// In the statistics dtype (the candle path).
     Full(Tensor),
-    /// The fused bf16 CUDA path (`kernels/softmax.cu`) keeps the raw bf16 scores `s = q kᵀ`,
+    /// The fused bf16 CUDA path (`kernels/cuda/softmax.cu`) keeps the raw bf16 scores `s = q kᵀ`,
     /// the bf16 probabilities `pb` (what multiplies `v`) and each row's `(max, sum)` in f32:
     /// its backward recomputes the f32 probabilities from them bit for bit, so no f32 `[.., t, t]`
     /// tensor is ever written.
@@ -107,7 +107,8 @@ fn softmax_last(s: &Tensor) -> Result<Tensor> {
 }
 
 /// Forward. `q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]` (after RoPE), compute dtype; `flash`
-/// takes the flash path where it applies (`crate::flash_attention`), else the materialised one:
+/// (which kernels, `mt_kernels::FlashKernel`) takes the flash path where it applies
+/// (`crate::flash_attention`), `None` or elsewhere the materialised one:
 /// `scores = q kᵀ` in the compute dtype, cast to the statistics dtype and scaled there by
 /// `hd^-1/2` (one rounding, as the fused kernel; transformers' eager path scales in the compute
 /// dtype, rounding twice), causal (and document) mask, softmax in the statistics dtype,
@@ -120,15 +121,15 @@ pub(crate) fn forward(
     v: &Tensor,
     d: Dims,
     docs: Option<&Docs>,
-    flash: bool,
+    flash: Option<mt_kernels::FlashKernel>,
 ) -> Result<(Tensor, AttnCache)> {
     let Dims { b, t, nh, nkv, hd } = d;
     #[cfg(feature = "cuda")]
-    if flash && crate::flash_attention(q.device(), q.dtype(), hd) {
+    if let Some(kernel) = flash.filter(|_| crate::flash_attention(q.device(), q.dtype(), hd)) {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let (o, lse) = crate::cuda_kernels::flash_forward(&q, &k, &v, docs.map(Docs::bounds))?;
+        let (o, lse) = mt_kernels::flash_forward(&q, &k, &v, docs.map(Docs::bounds), kernel)?;
         let out = o.reshape((b, t, nh * hd))?;
-        return Ok((out, AttnCache::Flash { q, k, v, o, lse }));
+        return Ok((out, AttnCache::Flash { q, k, v, o, lse, kernel }));
     }
     let _ = flash;
     let dtype = q.dtype();
@@ -140,15 +141,15 @@ pub(crate) fn forward(
     let v = heads_first(v)?;
     let scale = 1.0 / (hd as f64).sqrt();
     #[cfg(feature = "cuda")]
-    if crate::cuda_kernels::applies(&q) {
-        // One fused kernel for scale, causal mask and softmax (kernels/softmax.cu), bf16 out;
+    if mt_kernels::applies(&q) {
+        // One fused kernel for scale, causal mask and softmax (kernels/cuda/softmax.cu), bf16 out;
         // keys of other documents get -inf scores first.
         let mut s = q.matmul(&k.t()?)?;
         if let Some(docs) = docs {
             let m = docs.mask(dtype)?;
             s = s.reshape((b, nkv, g, t, t))?.broadcast_add(&m)?.reshape((b, nkv, g * t, t))?;
         }
-        let (pb, stats) = crate::cuda_kernels::causal_softmax(&s, scale)?;
+        let (pb, stats) = mt_kernels::causal_softmax(&s, scale)?;
         let o = swap12(&pb.matmul(&v)?.reshape((b, nh, t, hd))?)?.reshape((b, t, nh * hd))?;
         return Ok((o, AttnCache::Dense { q, k, v, p: Probs::Fused { s, pb, stats } }));
     }
@@ -182,9 +183,9 @@ pub(crate) fn backward(
     let (q, k, v, p) = match cache {
         AttnCache::Dense { q, k, v, p } => (q, k, v, p),
         #[cfg(feature = "cuda")]
-        AttnCache::Flash { q, k, v, o, lse } => {
+        AttnCache::Flash { q, k, v, o, lse, kernel } => {
             let d_o = d_o.reshape((b, t, nh, hd))?.contiguous()?;
-            return Ok(crate::cuda_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds))?);
+            return Ok(mt_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds), *kernel)?);
         }
     };
     let _ = docs;
@@ -200,8 +201,8 @@ pub(crate) fn backward(
         Probs::Fused { s, pb, stats } => {
             let dv = pb.t()?.matmul(&d_o)?;
             // dS with the scale folded in, P recomputed from s and the row statistics, in one
-            // kernel (kernels/softmax.cu).
-            let ds = crate::cuda_kernels::softmax_backward(&d_o.matmul(&v.t()?)?, s, stats, scale)?;
+            // kernel (kernels/cuda/softmax.cu).
+            let ds = mt_kernels::softmax_backward(&d_o.matmul(&v.t()?)?, s, stats, scale)?;
             return heads_last(ds.matmul(k)?, ds.t()?.matmul(q)?, dv, d);
         }
     };

@@ -37,6 +37,8 @@ pub struct LayerOptions {
     /// Flash attention where it applies (bf16 on CUDA, head dim 16, 32, 64 or 128:
     /// [`flash_attention`]); the materialised scores elsewhere.
     pub flash: bool,
+    /// Which flash kernels (the Hopper ones wherever they run, by default).
+    pub flash_kernel: mt_kernels::FlashKernel,
     /// Rows (tokens of a chunk, all its sequences together) of each MLP tile; 0 = all at once.
     pub mlp_rows: usize,
 }
@@ -45,7 +47,7 @@ pub struct LayerOptions {
 /// `head_dim`.
 pub fn flash_attention(device: &candle_core::Device, dtype: candle_core::DType, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
-    return crate::cuda_kernels::applies_on(device, dtype) && crate::flash_head_dim(head_dim);
+    return mt_kernels::applies_on(device, dtype) && crate::flash_head_dim(head_dim);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, dtype, head_dim);
@@ -490,7 +492,8 @@ impl DecoderLayer {
         let rotate = |x: Tensor| rope::apply(&x, &cos, &sin);
         let (q, k) = (rotate(q)?, rotate(k)?);
         mark(dev, "fwd 3 qk norm + rope");
-        let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), self.opts.flash)?;
+        let flash = self.opts.flash.then_some(self.opts.flash_kernel);
+        let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), flash)?;
         drop((q, k, v));
         let o = o.reshape((n, nh * hd))?;
         mark(dev, "fwd 4 attention");

@@ -13,9 +13,6 @@ pub enum Error {
     /// An error from the tensor library.
     #[error("tensor backend: {0}")]
     Candle(#[from] candle_core::Error),
-    /// An optimizer setting the device-resident AdamW refuses (as mt-optim's does).
-    #[error("optimizer: {0}")]
-    Optim(#[from] mt_optim::Error),
     /// An error from the shared core crate (unknown parameter, unsupported configuration, ...).
     #[error(transparent)]
     Core(#[from] mt_core::Error),

@@ -112,8 +112,8 @@ impl<'a> GradSink<'a> {
         #[cfg(feature = "cuda")]
         {
             let dst = self.buf.narrow(0, offset, out * inp)?;
-            if crate::cuda_kernels::gemm_applies(&dst, dy, x) {
-                return Ok(crate::cuda_kernels::accumulate_matmul_t(&dst, dy, x)?);
+            if mt_kernels::gemm_applies(&dst, dy, x) {
+                return Ok(mt_kernels::accumulate_matmul_t(&dst, dy, x)?);
             }
         }
         if crate::ops::is_wide(dy) {
@@ -138,7 +138,7 @@ impl<'a> GradSink<'a> {
         #[cfg(feature = "cuda")]
         if dy.device().is_cuda() && dy.dtype() == DType::BF16 && self.buf.dtype() == DType::F32 {
             let dst = self.buf.narrow(0, spec.offset, spec.numel())?;
-            return Ok(crate::cuda_kernels::col_sums_add(&dst, dy)?);
+            return Ok(mt_kernels::col_sums_add(&dst, dy)?);
         }
         self.accumulate(name, &dy.to_dtype(crate::ops::wide_dtype(dy))?.sum(0)?)
     }
@@ -170,7 +170,7 @@ impl<'a> GradSink<'a> {
             && view.dtype() == DType::F32
             && matches!(src.dtype(), DType::BF16 | DType::F32)
         {
-            crate::cuda_kernels::rows_add(&view, rows, src)?;
+            mt_kernels::rows_add(&view, rows, src)?;
             return Ok(());
         }
         let src = src.to_dtype(self.buf.dtype())?.contiguous()?;

@@ -15,16 +15,11 @@
 //!
 //! Architecture Invariant: the loss never materialises `[b·t, V]` logits; at most
 //! `rows_per_block` rows of logits (and of their gradient) are alive at once.
-// `unsafe` only in `cuda_kernels` (allocation and kernel launch), checked by the tidy test.
-#![deny(unsafe_code)]
-
-#[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
-mod cuda_kernels;
+// The CUDA kernels, their launches and their `unsafe` live in mt-kernels.
+#![forbid(unsafe_code)]
 
 mod attention;
 mod decoder;
-pub mod device_optim;
 mod error;
 mod grads;
 mod mlp;
@@ -40,27 +35,42 @@ mod weights;
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
 pub use moe::{RouterGrad, RouterStats};
 
-/// Whether the fused CUDA kernels (`kernels/*.cu`, compiled by NVRTC for the device's compute
+/// Whether the fused CUDA kernels (`kernels/cuda/*.cu`, compiled by NVRTC for the device's compute
 /// capability) run for tensors of `dtype` on `device`: bf16 on a GPU of compute capability 8.0
 /// or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). Elsewhere candle's ops run, which
 /// keep more for the backward ([`DecoderLayer::kept_state_bytes`]).
 pub fn fused_kernels(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
     #[cfg(feature = "cuda")]
-    return cuda_kernels::applies_on(device, dtype);
+    return mt_kernels::applies_on(device, dtype);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, dtype);
         false
     }
 }
-pub use error::{Error, Result};
 
-/// Whether flash attention is built for head dim `hd` (it also needs bf16 on a CUDA device:
-/// [`flash_attention`]).
-pub fn flash_head_dim(hd: usize) -> bool {
-    matches!(hd, 16 | 32 | 64 | 128)
+/// Whether flash attention of activations of `dtype` on `device` at head dim `head_dim` runs the
+/// Hopper kernels with `kernel` (`mt_kernels::hopper_applies`: compute capability 9.0, head dim
+/// 64 or 128; never when forced portable). `Hopper` where they cannot run is refused at the
+/// first attention (the planner says so first: `megatrain train --attention hopper`).
+pub fn hopper_attention(
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+    head_dim: usize,
+    kernel: FlashKernel,
+) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return kernel != FlashKernel::Portable
+            && flash_attention(device, dtype, head_dim)
+            && mt_kernels::hopper_applies(d, head_dim);
+    }
+    let _ = (device, dtype, head_dim, kernel);
+    false
 }
+pub use error::{Error, Result};
 pub use grads::GradSink;
+pub use mt_kernels::{flash_head_dim, hopper_dq_buffer_bytes, FlashKernel};
 pub use outer::Outer;
 pub use positions::Positions;
 pub use rope::{Rope, RopeAngles};

@@ -126,8 +126,8 @@ pub(crate) fn backward(
 /// `(silu(gate), silu(gate) ⊙ up)`; on CUDA in bf16 one fused kernel that keeps no `silu(gate)`.
 pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
     #[cfg(feature = "cuda")]
-    if crate::cuda_kernels::applies(gate) {
-        return Ok((None, crate::cuda_kernels::swiglu(gate, up)?));
+    if mt_kernels::applies(gate) {
+        return Ok((None, mt_kernels::swiglu(gate, up)?));
     }
     let act = gate.silu()?;
     let mid = (&act * up)?;
@@ -148,7 +148,7 @@ pub(crate) fn swiglu_backward(
             Ok(((d_act * silu_grad(gate)?)?, d_up))
         }
         #[cfg(feature = "cuda")]
-        None => Ok(crate::cuda_kernels::swiglu_backward(d, gate, up)?),
+        None => Ok(mt_kernels::swiglu_backward(d, gate, up)?),
         #[cfg(not(feature = "cuda"))]
         None => unreachable!("silu(gate) is only dropped by the cuda feature's fused path"),
     }

@@ -59,19 +59,19 @@ pub(crate) fn matmul_wide(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// `a + b` for tensors of one shape; on CUDA in bf16 one vectorised kernel, bit for bit
-/// candle's add (`cuda_kernels::add`).
+/// candle's add (`mt_kernels::add`).
 pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    return Ok(crate::cuda_kernels::add(a, b)?);
+    return Ok(mt_kernels::add(a, b)?);
     #[cfg(not(feature = "cuda"))]
     Ok((a + b)?)
 }
 
 /// `x.transpose(1, 2).contiguous()` of a 4-D tensor; on CUDA in bf16 one vectorised copy kernel
-/// (`cuda_kernels::swap12`).
+/// (`mt_kernels::swap12`).
 pub(crate) fn swap12(x: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    return Ok(crate::cuda_kernels::swap12(x)?);
+    return Ok(mt_kernels::swap12(x)?);
     #[cfg(not(feature = "cuda"))]
     Ok(x.transpose(1, 2)?.contiguous()?)
 }
@@ -115,8 +115,8 @@ impl RmsCache {
 /// dtype, `x * r` cast back to the input dtype, then multiplied by the weight in that dtype.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsCache)> {
     #[cfg(feature = "cuda")]
-    if crate::cuda_kernels::applies(x) && w.dtype() == DType::BF16 {
-        let (y, r) = crate::cuda_kernels::rms_norm(x, w, eps)?;
+    if mt_kernels::applies(x) && w.dtype() == DType::BF16 {
+        let (y, r) = mt_kernels::rms_norm(x, w, eps)?;
         return Ok((y, RmsCache { xs: x.clone(), r, xhat: None, xs_is_input: true, eps }));
     }
     if is_wide(x) {
@@ -173,7 +173,7 @@ pub(crate) fn rms_norm_backward(dy: &Tensor, w: &Tensor, cache: &RmsCache) -> Re
 
 #[cfg(feature = "cuda")]
 fn fused_rms_backward(dy: &Tensor, w: &Tensor, cache: &RmsCache) -> Result<(Tensor, Tensor)> {
-    Ok(crate::cuda_kernels::rms_norm_backward(dy, &cache.xs, w, &cache.r)?)
+    Ok(mt_kernels::rms_norm_backward(dy, &cache.xs, w, &cache.r)?)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -203,7 +203,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 /// candle's broadcasting add (which ran at a tenth of the memory bandwidth on the 14B's q bias).
 fn add_bias(y: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    return Ok(crate::cuda_kernels::add_row(y, b)?);
+    return Ok(mt_kernels::add_row(y, b)?);
     #[cfg(not(feature = "cuda"))]
     Ok(y.broadcast_add(b)?)
 }

@@ -163,14 +163,14 @@ impl Outer {
             let tb = tg.narrow(0, r0, r)?;
             let wb = wt.narrow(0, r0, r)?;
             #[cfg(feature = "cuda")]
-            if crate::cuda_kernels::applies(&xb) {
-                // Fused cross-entropy (kernels/fused.cu): bf16 logits are read, never cast.
+            if mt_kernels::applies(&xb) {
+                // Fused cross-entropy (kernels/cuda/fused.cu): bf16 logits are read, never cast.
                 let logits = linear(&xb, head, None)?;
-                let ce = crate::cuda_kernels::ce_loss(&logits, &tb)?.reshape((r, 1))?;
+                let ce = mt_kernels::ce_loss(&logits, &tb)?.reshape((r, 1))?;
                 let wce = (ce.to_dtype(DType::F64)? * wb.to_dtype(DType::F64)?)?;
                 loss = (loss + wce.sum_all()?)?;
                 if let Some(grads) = grads {
-                    let dl = crate::cuda_kernels::ce_grad(&logits, &tb, &wb)?;
+                    let dl = mt_kernels::ce_grad(&logits, &tb, &wb)?;
                     dxn.push(dl.matmul(head)?);
                     grads.accumulate_matmul(w.head_name(), &dl, &xb)?;
                 }

@@ -192,8 +192,8 @@ pub(crate) fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         return Ok(y.reshape((b, t, heads, hd))?);
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda_kernels::applies(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() {
-        return Ok(crate::cuda_kernels::rope(x, cos, sin, false)?);
+    if mt_kernels::applies(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() {
+        return Ok(mt_kernels::rope(x, cos, sin, false)?);
     }
     let cos = cos.reshape((1, t, 1, hd))?;
     let sin = sin.reshape((1, t, 1, hd))?;
@@ -213,8 +213,8 @@ pub(crate) fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<
         return Ok(y.reshape((b, t, heads, hd))?);
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda_kernels::applies(dy) && cos.dtype() == dy.dtype() && sin.dtype() == dy.dtype() {
-        return Ok(crate::cuda_kernels::rope(dy, cos, sin, true)?);
+    if mt_kernels::applies(dy) && cos.dtype() == dy.dtype() && sin.dtype() == dy.dtype() {
+        return Ok(mt_kernels::rope(dy, cos, sin, true)?);
     }
     apply(dy, cos, &sin.neg()?)
 }

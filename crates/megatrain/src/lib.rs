@@ -1,6 +1,7 @@
 //! The `megatrain` command line, a thin layer over [`mt_train`]: option parsing ([`cli`]), the
 //! observer that shows a run and writes its metrics and trace ([`report`], [`metrics`],
-//! [`trace`]), `train` ([`train()`]), `estimate` ([`estimate`]) and `init`. `src/main.rs` only
+//! [`trace`]), `train` ([`train()`]), `estimate` ([`estimate`]), `init` and `verify`
+//! ([`verify`]). `src/main.rs` only
 //! parses, sets up logging and calls [`run`].
 //!
 //! Architecture Invariant: this is the only crate that prints to the terminal, and the only one
@@ -14,6 +15,7 @@ pub mod metrics;
 pub mod report;
 pub mod trace;
 pub mod train;
+pub mod verify;
 
 pub use cli::{Cli, Command, TrainArgs};
 pub use mt_train::TrainSummary;
@@ -36,12 +38,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             let r =
                 mt_train::init::init_model_dir(&args.config, &args.out, args.seed, args.export_dtype.into())?;
             println!(
-                "wrote {} ({} shard(s), {:.2} GB)",
+                "wrote {} ({} shard(s), {})",
                 args.out.display(),
                 r.n_shards,
-                r.bytes_written as f64 / 1e9
+                mt_core::units::bytes(r.bytes_written as f64)
             );
         }
+        Command::Verify(args) => verify::run(&args)?,
     }
     Ok(())
 }

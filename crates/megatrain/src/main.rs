@@ -2,6 +2,7 @@
 //! `warn`) and runs the library; on failure prints the error chain and exits with status 1.
 #![forbid(unsafe_code)]
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use tracing_subscriber::EnvFilter;
@@ -16,7 +17,9 @@ fn main() -> ExitCode {
         }
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colour codes only where a terminal shows them, not in a log redirected to a file.
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
     match megatrain::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -1,18 +1,25 @@
 //! The kill loop: a CPU run of the fixture model on a file-backed store (`--store`), with a
-//! checkpoint every step, is SIGKILLed at seeded random instants and resumed (`--resume`) after
-//! each kill until it finishes; its export must equal an uninterrupted run's bit for bit. Some
-//! kills are aimed: at the first sight of a `.tmp` file in the checkpoint directory (inside a
-//! snapshot or manifest write) or in `--out` (inside the export). Every round runs in a fresh
-//! directory; the test counts the kills and where they landed.
+//! checkpoint every step or every third, is SIGKILLed at seeded random instants and resumed
+//! (`--resume`) after each kill until it finishes; its export must equal an uninterrupted run's
+//! bit for bit, and every checkpoint left must verify. Some kills are aimed: at the first sight
+//! of a `.tmp` file in the checkpoint directory (inside a snapshot or manifest write), of the last
+//! step's snapshot when it is the final checkpoint (a checkpoint every third step: the eighth is
+//! written before the export), or in `--out` (inside the export); at the moment a resumed run has
+//! said it checks its newest checkpoint and is verifying and restoring it (inside `--resume`).
+//! Between attempts, `megatrain verify` is run on the directory and killed at a random instant.
+//! Every round runs in a fresh directory; the test counts the kills and where they landed.
 //!
 //! `MT_KILLS` (default 8: CI) sets the kills wanted, `MT_KILL_SEED` (default 1) the seed (the
-//! acceptance run's: docs/decisions/0041).
+//! acceptance runs': docs/decisions/0041).
 
 mod common;
 
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -38,9 +45,10 @@ fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
-fn args(model: &Path, data: &Path, out: &Path, store: &Path) -> Vec<String> {
+fn args(model: &Path, data: &Path, out: &Path, store: &Path, save_every: u64) -> Vec<String> {
     let run = ["train", "--model", s(model), "--data", s(data), "--out", s(out), "--store", s(store)];
-    let more = ["--save-every", "1", "--resume", "--steps", "8"];
+    let every = save_every.to_string();
+    let more = ["--save-every", every.as_str(), "--resume", "--steps", "8"];
     run.iter().chain(&more).chain(&FINE_TUNE).map(|a| a.to_string()).collect()
 }
 
@@ -71,6 +79,9 @@ fn has_tmp(dir: &Path) -> bool {
     !tmps(dir).is_empty()
 }
 
+/// The last step's snapshot, as the final checkpoint writes it.
+const FINAL: &str = "step-000000008.store.tmp";
+
 /// Where a kill is aimed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Aim {
@@ -78,35 +89,66 @@ enum Aim {
     After(f64),
     /// At the first `.tmp` seen in the checkpoint directory after this many checkpoints exist.
     CheckpointWrite(usize),
+    /// At the first sight of the last step's snapshot being written.
+    FinalCheckpoint,
     /// At the first `.tmp` seen in `--out` (the export's files).
     Export,
+    /// This many microseconds after the run has said it checks its newest checkpoint: it is
+    /// verifying and restoring it, or starting its engine.
+    Resume(u64),
 }
 
 /// What one attempt did.
-#[derive(Debug, PartialEq)]
-enum Outcome {
-    Finished,
-    /// Killed; whether inside a checkpoint's write, inside the export's.
-    Killed {
-        in_ckpt: bool,
-        in_export: bool,
-    },
+#[derive(Debug, Default, PartialEq)]
+struct Killed {
+    in_ckpt: bool,
+    in_final: bool,
+    in_export: bool,
+    in_resume: bool,
 }
 
-fn attempt(args: &[String], out: &Path, aim: Aim, limit: Duration) -> Outcome {
+/// The run's stderr, read as it comes: the whole text, and how far the set-up has got (1: the
+/// newest checkpoint being checked against its hashes, 2: the engine ready).
+fn watch(child: &mut Child) -> (Arc<Mutex<String>>, Arc<AtomicU8>) {
+    let (text, phase) = (Arc::new(Mutex::new(String::new())), Arc::new(AtomicU8::new(0)));
+    let (t, p) = (Arc::clone(&text), Arc::clone(&phase));
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            if line.starts_with("--resume: checking") {
+                p.store(1, Ordering::SeqCst);
+            } else if line.starts_with("engine ready") {
+                p.store(2, Ordering::SeqCst);
+            }
+            let mut t = t.lock().unwrap();
+            t.push_str(&line);
+            t.push('\n');
+        }
+    });
+    (text, phase)
+}
+
+fn attempt(args: &[String], out: &Path, aim: Aim, limit: Duration) -> Option<Killed> {
     let ckpt = out.join("checkpoints");
     // Debris of earlier kills is not a write of this run.
     let debris: Vec<_> = tmps(&ckpt).into_iter().chain(tmps(out)).collect();
     let writing = |dir: &Path| tmps(dir).iter().any(|t| !debris.contains(t));
+    let final_write = || tmps(&ckpt).iter().any(|t| !debris.contains(t) && t.0.ends_with(FINAL));
+    let had_checkpoint = fs::read_dir(&ckpt)
+        .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".json")))
+        .unwrap_or(false);
     let mut child = spawn(args);
+    let (text, phase) = watch(&mut child);
     let t = Instant::now();
+    let mut planned_at = None;
     loop {
         if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            use std::io::Read;
-            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-            assert!(status.success(), "a resumed run failed: {err}");
-            return Outcome::Finished;
+            std::thread::sleep(Duration::from_millis(20)); // the reader's last lines
+            assert!(status.success(), "a resumed run failed: {}", text.lock().unwrap());
+            return None;
+        }
+        if planned_at.is_none() && phase.load(Ordering::SeqCst) >= 1 {
+            planned_at = Some(Instant::now());
         }
         let fire = match aim {
             Aim::After(s) => t.elapsed().as_secs_f64() >= s,
@@ -118,21 +160,43 @@ fn attempt(args: &[String], out: &Path, aim: Aim, limit: Duration) -> Outcome {
                     .unwrap_or(0);
                 done >= n.min(2) && writing(&ckpt)
             }
+            Aim::FinalCheckpoint => final_write(),
             Aim::Export => writing(out),
+            Aim::Resume(us) => planned_at.is_some_and(|p| p.elapsed() >= Duration::from_micros(us)),
         };
         if fire {
             child.kill().unwrap(); // SIGKILL
             child.wait().unwrap();
-            // Whether the kill fell inside a write: a file of this run's still under its `.tmp`
-            // name (its rename had not happened).
-            let (in_ckpt, in_export) = (writing(&ckpt), writing(out));
-            return Outcome::Killed { in_ckpt, in_export };
+            std::thread::sleep(Duration::from_millis(5)); // the reader's last lines
+                                                          // Whether the kill fell inside a write: a file of this run's still under its `.tmp`
+                                                          // name (its rename had not happened); inside the resume: checking or restoring its
+                                                          // checkpoint, the engine not yet ready.
+            let p = phase.load(Ordering::SeqCst);
+            return Some(Killed {
+                in_ckpt: writing(&ckpt),
+                in_final: final_write(),
+                in_export: writing(out),
+                in_resume: had_checkpoint && p == 1,
+            });
         }
         assert!(t.elapsed() < limit, "an attempt ran for {:?} without finishing", t.elapsed());
-        if matches!(aim, Aim::After(_)) {
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        std::thread::sleep(Duration::from_micros(100));
     }
+}
+
+/// Runs `megatrain verify` on `out` and kills it after `after`; whether it was still running.
+fn kill_verify(out: &Path, after: Duration) -> bool {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["verify", s(out)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(after);
+    let alive = child.try_wait().unwrap().is_none();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    alive
 }
 
 #[test]
@@ -146,45 +210,76 @@ fn a_run_killed_at_random_instants_resumes_to_the_uninterrupted_runs_weights() {
 
     let reference = t.path().join("reference");
     let t0 = Instant::now();
-    let mut child = spawn(&args(&model, &data, &reference, &t.path().join("reference.store")));
+    let mut child = spawn(&args(&model, &data, &reference, &t.path().join("reference.store"), 1));
     assert!(child.wait().unwrap().success(), "the uninterrupted run failed");
     let whole = t0.elapsed().as_secs_f64();
     let want = fs::read(reference.join("model.safetensors")).unwrap();
+    let t0 = Instant::now();
+    assert!(megatrain(&["verify", s(&reference)]).status.success());
+    let verify_s = t0.elapsed().as_secs_f64();
 
-    let (mut kills, mut in_write, mut in_export, mut rounds, mut attempts) = (0, 0, 0, 0, 0);
+    let (mut kills, mut rounds, mut attempts) = (0u64, 0, 0usize);
+    let (mut in_write, mut in_final, mut in_export, mut in_resume, mut in_verify) = (0, 0, 0, 0, 0);
     while kills < kills_wanted {
         rounds += 1;
         let dir: PathBuf = t.path().join(format!("round{rounds}"));
         let out = dir.join("out");
         fs::create_dir_all(&dir).unwrap();
-        let a = args(&model, &data, &out, &dir.join("run.store"));
+        // Every other round checkpoints every third step: its last checkpoint is the final one.
+        let every = if rounds % 2 == 1 { 3 } else { 1 };
+        let a = args(&model, &data, &out, &dir.join("run.store"), every);
         loop {
             attempts += 1;
-            let aim = match rng.next() % 8 {
-                0 | 1 => Aim::CheckpointWrite((rng.next() % 8) as usize),
-                2 => Aim::Export,
+            if out.join("checkpoints").is_dir() && (rng.next().is_multiple_of(3) || attempts == 3) {
+                // A verify killed at a random instant changes nothing.
+                if kill_verify(&out, Duration::from_secs_f64(rng.unit() * verify_s * 1.2)) {
+                    kills += 1;
+                    in_verify += 1;
+                }
+            }
+            // The first attempts take each aim once (CI's few kills see them all), then at random.
+            let pick = if attempts <= 6 { attempts - 1 } else { (rng.next() % 12) as usize };
+            // A run with no checkpoint yet has nothing to resume from: a write is aimed at instead.
+            let resumable = fs::read_dir(out.join("checkpoints"))
+                .is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".json")));
+            let aim = match pick {
+                0 | 4 | 5 if !resumable => Aim::CheckpointWrite(0),
+                0 => Aim::Resume(rng.next() % 3000),
+                1 => Aim::CheckpointWrite((rng.next() % 8) as usize),
+                2 if every == 3 => Aim::FinalCheckpoint,
+                3 => Aim::Export,
+                4 | 5 => Aim::Resume(rng.next() % 3000),
+                6 | 7 => Aim::CheckpointWrite((rng.next() % 8) as usize),
+                8 if every == 3 => Aim::FinalCheckpoint,
                 _ => Aim::After(rng.unit() * whole * 1.2),
             };
             match attempt(&a, &out, aim, Duration::from_secs_f64(60.0 + 20.0 * whole)) {
-                Outcome::Finished => break,
-                Outcome::Killed { in_ckpt, in_export: e } => {
+                None => break,
+                Some(k) => {
                     kills += 1;
-                    in_write += usize::from(in_ckpt);
-                    in_export += usize::from(e);
+                    in_write += usize::from(k.in_ckpt);
+                    in_final += usize::from(k.in_final);
+                    in_export += usize::from(k.in_export);
+                    in_resume += usize::from(k.in_resume);
                 }
             }
-            assert!(attempts < 40 * kills_wanted + 100, "no progress: {attempts} attempts");
+            assert!((attempts as u64) < 40 * kills_wanted + 100, "no progress: {attempts} attempts");
         }
         assert!(
             fs::read(out.join("model.safetensors")).unwrap() == want,
             "round {rounds}: the resumed run's weights differ from the uninterrupted run's"
         );
         assert!(out.join("config.json").exists() && !has_tmp(&out), "round {rounds}: a complete export");
+        let v = megatrain(&["verify", s(&out)]);
+        assert!(v.status.success(), "round {rounds}: a checkpoint left is damaged:\n{}", stdout(&v));
+        assert!(!out.join("checkpoints/damaged").exists(), "round {rounds}: no kill damages a checkpoint");
     }
     eprintln!(
-        "SUMMARY kill loop: {kills} SIGKILLs in {rounds} rounds ({attempts} runs), {in_write} inside a \
-         checkpoint write, {in_export} inside the export; every round's export bitwise equal \
-         to the uninterrupted run's ({whole:.2} s)"
+        "SUMMARY kill loop: {kills} SIGKILLs in {rounds} rounds ({attempts} runs): {in_write} inside a \
+         checkpoint write ({in_final} of them the final checkpoint's), {in_export} inside the export, \
+         {in_resume} inside a resume (checking or restoring its checkpoint, before its engine was ready), {in_verify} inside \
+         megatrain verify; every round's export bitwise equal to the uninterrupted run's ({whole:.2} s) \
+         and every checkpoint left intact"
     );
 }
 

@@ -10,6 +10,9 @@ pub enum Error {
     /// Template (layer math) error.
     #[error("layer template: {0}")]
     Layers(#[from] mt_layers::Error),
+    /// Device optimizer error (a unit updated on the device).
+    #[error("device optimizer: {0}")]
+    Kernels(#[from] mt_kernels::Error),
     /// Device buffer pool error.
     #[error(transparent)]
     Pool(#[from] mt_pool::Error),

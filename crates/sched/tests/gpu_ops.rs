@@ -102,7 +102,7 @@ fn cuda_bias_gradient_column_sums_match_the_cpu() {
 #[test]
 fn cuda_fused_adamw_writes_the_cast_of_its_master_and_matches_the_cpu() {
     use mt_core::StateDtype;
-    use mt_layers::device_optim::{adamw_step_into, StateKind};
+    use mt_kernels::device_optim::{adamw_step_into, StateKind};
     use mt_optim::{AdamW, StepArgs};
     let gpu = Device::new_cuda(0).unwrap();
     let (h, a) = (AdamW::default(), StepArgs { step: 3, lr: 1e-3, grad_scale: 0.5 });

@@ -23,7 +23,7 @@ use common::*;
 #[test]
 fn cuda_adamw_over_bf16_and_int8_moments_is_bitwise_the_cpus() {
     use mt_core::StateDtype;
-    use mt_layers::device_optim::{adamw_step_into, StateKind};
+    use mt_kernels::device_optim::{adamw_step_into, StateKind};
     use mt_optim::{AdamW, StepArgs};
     let gpu = Device::new_cuda(0).unwrap();
     let h = AdamW { weight_decay: 0.1, ..AdamW::default() };

@@ -40,6 +40,7 @@ fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
         rows_per_block: 1024,
         fused_kernels: true,
         flash_attention: Some(false),
+        hopper_attention: false,
         mlp_rows: Some(0),
         store_file: false,
         host_reserved: 0,

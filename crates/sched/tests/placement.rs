@@ -28,6 +28,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         rows_per_block: 1024,
         fused_kernels: true,
         flash_attention: Some(false),
+        hopper_attention: false,
         mlp_rows: Some(0),
         store_file: false,
         host_reserved: 0,

@@ -35,6 +35,7 @@ pub use grad::{GradDtype, GradMut, GradRef};
 pub use host_vec::{par_copy, HostVec, PinError};
 pub use pager::PagingStats;
 pub use pinned::PinnedRecords;
+pub use snapshot::SnapshotWritten;
 pub use transfer_buf::{TransferBuf, TransferDtype};
 
 /// Records a paged store may hold beyond its window, on their way to disk or from it (the

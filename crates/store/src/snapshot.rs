@@ -12,6 +12,10 @@
 //! Crash consistency: the file is written as `PATH.tmp`, synced, and renamed to `PATH`; a reader
 //! never sees a half-written snapshot under the final name. Writing the manifest that points at
 //! it (and syncing the directory) is the caller's job.
+//!
+//! Integrity: the BLAKE3 hash of the file's bytes (the holes and padding as the zeros a reader
+//! sees) is computed from what is written, in file order, as it is written, and returned; the
+//! caller records it so that a later read of the file can be checked against it.
 
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -23,11 +27,22 @@ use crate::arena::HostStore;
 use crate::header::{self, off};
 use crate::{GradDtype, StoreState, PAGE};
 
+/// What [`HostStore::write_snapshot`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotWritten {
+    /// Bytes of data written (the header page and the master and moment regions).
+    pub bytes: u64,
+    /// The file's length (holes included).
+    pub len: u64,
+    /// BLAKE3 of the file's bytes.
+    pub blake3: blake3::Hash,
+}
+
 impl HostStore {
     /// Writes a snapshot of the whole training state to `path` (see the module docs) and
-    /// returns the bytes written. Refuses while an update is pending (apply it first: the
-    /// engine's `flush_pending`) and refuses to overwrite an existing `path`.
-    pub fn write_snapshot(&self, path: &Path) -> Result<u64> {
+    /// returns what it wrote, with the file's hash. Refuses while an update is pending (apply it
+    /// first: the engine's `flush_pending`) and refuses to overwrite an existing `path`.
+    pub fn write_snapshot(&self, path: &Path) -> Result<SnapshotWritten> {
         let io = |p: &Path| {
             let p = p.to_owned();
             move |source| Error::Io { path: p, source }
@@ -46,17 +61,20 @@ impl HostStore {
         let file = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp).map_err(io(&tmp))?;
         let result = (|| {
             file.set_len(self.total_len as u64).map_err(io(&tmp))?;
+            let mut hash = FileHasher::default();
             let mut page = vec![0u8; PAGE];
             self.with_header(|h| page.copy_from_slice(h));
             // A snapshot is no run's live state.
             header::put_u64(&mut page, off::RUN_OPEN, 0);
             file.write_all_at(&page, 0).map_err(io(&tmp))?;
+            hash.bytes(0, &page);
             let mut written = PAGE as u64;
             for (i, loc) in self.records.iter().enumerate() {
                 let r = self.record(self.unit_at(i));
                 let mut meta = [0u8; 8];
                 meta.copy_from_slice(&r.applied_step().to_le_bytes());
                 file.write_all_at(&meta, loc.base as u64).map_err(io(&tmp))?;
+                hash.bytes(loc.base as u64, &meta);
                 let n = r.master().len();
                 let regions: [(&[u8], usize, StateDtype); 3] = [
                     (bytemuck::cast_slice(r.master()), loc.master_off(), StateDtype::F32),
@@ -78,6 +96,7 @@ impl HostStore {
                         });
                     }
                     file.write_all_at(region, (loc.base + off) as u64).map_err(io(&tmp))?;
+                    hash.bytes((loc.base + off) as u64, region);
                     written += region.len() as u64;
                 }
                 drop(r);
@@ -94,7 +113,8 @@ impl HostStore {
                 }
             }
             file.sync_all().map_err(io(&tmp))?;
-            Ok(written)
+            let len = self.total_len as u64;
+            Ok(SnapshotWritten { bytes: written, len, blake3: hash.finish(len) })
         })();
         drop(file);
         match result {
@@ -200,6 +220,49 @@ impl HostStore {
 
     fn unit_at(&self, i: usize) -> Unit {
         self.layout().units().nth(i).expect("record index within the layout's units")
+    }
+}
+
+/// The BLAKE3 hash of a file from the bytes written into it in increasing offsets: the gaps
+/// between them (holes, padding) are hashed as the zeros a reader of the file sees.
+#[derive(Default)]
+struct FileHasher {
+    hasher: blake3::Hasher,
+    at: u64,
+}
+
+/// Zeros for the gaps (1 MiB: large enough for the multi-threaded update to pay off).
+static ZEROS: [u8; 1 << 20] = [0; 1 << 20];
+
+impl FileHasher {
+    fn update(&mut self, bytes: &[u8]) {
+        // Below ~128 KiB the thread pool costs more than it saves (BLAKE3's documentation).
+        if bytes.len() >= 1 << 17 {
+            self.hasher.update_rayon(bytes);
+        } else {
+            self.hasher.update(bytes);
+        }
+        self.at += bytes.len() as u64;
+    }
+
+    fn zeros_to(&mut self, to: u64) {
+        while self.at < to {
+            let n = (to - self.at).min(ZEROS.len() as u64) as usize;
+            self.update(&ZEROS[..n]);
+        }
+    }
+
+    /// `bytes` written at offset `at`, at or after everything before.
+    fn bytes(&mut self, at: u64, bytes: &[u8]) {
+        assert!(at >= self.at, "snapshot regions are written in file order ({at} after {})", self.at);
+        self.zeros_to(at);
+        self.update(bytes);
+    }
+
+    /// The hash of the whole file of `len` bytes.
+    fn finish(mut self, len: u64) -> blake3::Hash {
+        self.zeros_to(len);
+        self.hasher.finalize()
     }
 }
 

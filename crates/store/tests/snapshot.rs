@@ -57,7 +57,7 @@ fn a_snapshot_restores_the_training_state_bitwise() {
     let src = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
     fill(&src, 1.5);
     let path = dir.path().join("step-7.store");
-    let n = src.write_snapshot(&path).unwrap();
+    let n = src.write_snapshot(&path).unwrap().bytes;
     assert_eq!(n as usize, 4096 + 12 * layout().units().map(|u| layout().unit(u).len).sum::<usize>());
     assert!(!dir.path().join("step-7.store.tmp").exists());
 
@@ -88,7 +88,7 @@ fn snapshots_of_every_state_dtype_round_trip_and_refuse_another() {
         assert_eq!(src.state_dtype(), states);
         fill(&src, 3.0);
         let path = dir.path().join(format!("{states}.store"));
-        let n = src.write_snapshot(&path).unwrap() as usize;
+        let n = src.write_snapshot(&path).unwrap().bytes as usize;
         let want: usize = l.units().map(|u| 4 * len(u) + 2 * states.moment_bytes(len(u))).sum();
         assert_eq!(n, 4096 + want, "{states}");
         let dst = HostStore::anonymous_with(&l, GradDtype::Bf16, states).unwrap();
@@ -117,6 +117,29 @@ fn snapshots_leave_gradients_as_holes() {
     // 16 B/param logical, about 12 on disk (filesystems without holes would fail this).
     let on_disk = md.blocks() * 512;
     assert!((on_disk as f64) < 0.85 * md.len() as f64, "{on_disk} of {}", md.len());
+}
+
+/// The hash returned while writing is the hash of the file as a reader sees it (the holes as
+/// zeros), for every moments' encoding and gradient dtype; one flipped byte changes it.
+#[test]
+fn a_snapshots_hash_is_the_hash_of_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (grad, states)) in [GradDtype::F32, GradDtype::Bf16, GradDtype::None]
+        .into_iter()
+        .flat_map(|g| StateDtype::ALL.map(|s| (g, s)))
+        .enumerate()
+    {
+        let src = HostStore::anonymous_with(&layout(), grad, states).unwrap();
+        fill(&src, 0.5 + i as f32);
+        let path = dir.path().join(format!("{i}.store"));
+        let w = src.write_snapshot(&path).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        assert_eq!(w.len, bytes.len() as u64);
+        assert_eq!(w.blake3, blake3::hash(&bytes), "{grad:?} {states}");
+        let at = bytes.len() / 3;
+        bytes[at] ^= 0x10;
+        assert_ne!(w.blake3, blake3::hash(&bytes));
+    }
 }
 
 #[test]

@@ -43,6 +43,16 @@ pub(crate) fn check_outputs(args: &TrainConfig) -> Result<()> {
     if (args.save_every > 0 || args.resume) && args.checkpoint_dir().is_none() {
         refuse!("--save-every and --resume need --out DIR or --checkpoint-dir DIR (where checkpoints live)");
     }
+    Ok(())
+}
+
+/// Refuses a run that is not `--resume` where another run's checkpoints are (checked once the
+/// run holds the directory's lock, so a run in progress is named as such instead). A run that
+/// continues an existing `--store` file continues the run those checkpoints are of.
+pub(crate) fn check_fresh_start(args: &TrainConfig) -> Result<()> {
+    if args.store.as_ref().is_some_and(|s| s.is_file()) {
+        return Ok(());
+    }
     if let (Some(dir), false) = (args.checkpoint_dir(), args.resume) {
         if let Some((path, m)) = checkpoint::latest(&dir)? {
             refuse!(
@@ -96,7 +106,7 @@ pub(crate) struct Output {
 
 /// Everything a run will write, with its size: the export into `--out` (the weights in the export
 /// dtype), the checkpoints (`--keep-checkpoints` + 1 snapshots of 12, 8 or 6 B/param at once, less those
-/// already there) and a new `--store` file.
+/// already there; without `--save-every`, the one of the last step) and a new `--store` file.
 pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
     let mut out = Vec::new();
     if let Some(dir) = &c.out {
@@ -110,7 +120,7 @@ pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
             bytes: per * layout.n_params() as u64,
         });
     }
-    if let (Some(dir), true) = (c.checkpoint_dir(), c.save_every > 0) {
+    if let Some(dir) = c.checkpoint_dir() {
         let snapshot = mt_sched::plan::store_bytes(layout, GradDtype::None, c.optim_states);
         let there: u64 = std::fs::read_dir(&dir)
             .map(|d| {
@@ -121,13 +131,17 @@ pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
                     .sum()
             })
             .unwrap_or(0);
-        let n = c.keep_checkpoints as u64 + 1;
+        let n = if c.save_every > 0 { c.keep_checkpoints as u64 + 1 } else { 1 };
         out.push(Output {
             dir,
-            what: format!(
-                "{n} checkpoints (--keep-checkpoints {} and the one being written)",
-                c.keep_checkpoints
-            ),
+            what: if c.save_every > 0 {
+                format!(
+                    "{n} checkpoints (--keep-checkpoints {} and the one being written)",
+                    c.keep_checkpoints
+                )
+            } else {
+                "the checkpoint of the last step".into()
+            },
             bytes: (n * snapshot).saturating_sub(there),
         });
     }
@@ -197,7 +211,7 @@ pub(crate) fn room_refusal(outs: &[&Output], free: u64) -> Option<String> {
     if need <= free {
         return None;
     }
-    let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
+    let gb = |b: u64| mt_core::units::bytes(b as f64);
     let parts: Vec<String> =
         outs.iter().map(|o| format!("{} {} in {}", o.what, gb(o.bytes), o.dir.display())).collect();
     Some(format!(

@@ -200,6 +200,8 @@ pub struct TrainConfig {
     // Long sequences
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide.
     pub attention: Option<bool>,
+    /// Which flash kernels: the Hopper ones wherever they run (`Auto`), or one set forced.
+    pub flash_kernel: mt_layers::FlashKernel,
     /// Rows of each MLP tile (0: a chunk at once), or decide.
     pub mlp_rows: Option<usize>,
     /// How RoPE angles are formed.
@@ -213,6 +215,9 @@ pub struct TrainConfig {
     /// NaN or infinities injected into global steps (tests only).
     #[doc(hidden)]
     pub inject_faults: Vec<(u64, mt_sched::Fault)>,
+    /// The export's writes fail as a full disk would after this many bytes (tests only).
+    #[doc(hidden)]
+    pub inject_export_failure: Option<u64>,
 }
 
 impl Default for TrainConfig {
@@ -260,11 +265,13 @@ impl Default for TrainConfig {
             ring_depth: 2,
             overlap_optimizer: true,
             attention: None,
+            flash_kernel: mt_layers::FlashKernel::Auto,
             mlp_rows: None,
             rope_angles: mt_layers::RopeAngles::Transformers,
             rows_per_block: 4096,
             delay_us: 0,
             inject_faults: Vec::new(),
+            inject_export_failure: None,
         }
     }
 }

@@ -38,7 +38,7 @@ pub enum TrainData {
 
 impl TrainData {
     /// Loads the data of `c` for a model with `vocab_size` tokens; the tokenizer (for text and
-    /// chat data) comes from the model directory `model_dir`.
+    /// chat data only) comes from the model directory `model_dir`.
     pub fn new(c: &TrainConfig, vocab_size: usize, model_dir: Option<&Path>) -> Result<Self> {
         match &c.data {
             DataSource::Builtin(kind) => {
@@ -51,8 +51,12 @@ impl TrainData {
                 Ok(TrainData::Builtin(Dataset::new(*kind, vocab_size).context_with(|| "--data".into())?))
             }
             DataSource::File(path) => {
+                // The tokenizer only for data that needs one: pre-tokenised data trains with a
+                // model directory whose tokenizer is missing, or one this build cannot load.
+                let needs = |p: &Path| mt_data::file_format(p).is_none_or(|f| f.needs_tokenizer());
+                let needed = needs(path) || c.eval_data.as_deref().is_some_and(needs);
                 let tok = match model_dir {
-                    Some(dir) if dir.join("tokenizer.json").is_file() => Some(
+                    Some(dir) if needed && dir.join("tokenizer.json").is_file() => Some(
                         mt_data::Tokenizer::from_model_dir(dir)
                             .context_with(|| format!("loading the tokenizer of {}", dir.display()))?,
                     ),

@@ -92,15 +92,27 @@ impl OpenedDevice {
         }
     }
 
-    /// Whether bf16 runs through the fused CUDA kernels here (`mt_layers::fused_kernels`).
-    pub(crate) fn fused_kernels(&self, dtype: candle_core::DType) -> bool {
+    /// Which of our kernels run here for activations of `dtype` and a head dim of `head_dim`
+    /// (`mt_layers::fused_kernels`, `mt_layers::hopper_attention`).
+    pub(crate) fn kernels(
+        &self,
+        dtype: candle_core::DType,
+        head_dim: usize,
+        flash_kernel: mt_layers::FlashKernel,
+    ) -> crate::DeviceKernels {
         match self {
             OpenedDevice::Cpu(_) => {
-                let _ = dtype;
-                false
+                let _ = (dtype, head_dim, flash_kernel);
+                crate::DeviceKernels::default()
             }
             #[cfg(feature = "cuda")]
-            OpenedDevice::Cuda(b) => mt_layers::fused_kernels(mt_sched::Backend::device(b), dtype),
+            OpenedDevice::Cuda(b) => {
+                let d = mt_sched::Backend::device(b);
+                crate::DeviceKernels {
+                    fused: mt_layers::fused_kernels(d, dtype),
+                    hopper_attention: mt_layers::hopper_attention(d, dtype, head_dim, flash_kernel),
+                }
+            }
         }
     }
 

@@ -51,18 +51,27 @@ pub fn gib_to_bytes(g: f64) -> u64 {
     (g * (1u64 << 30) as f64) as u64
 }
 
+/// Which of our kernels the device runs, as the planner prices them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceKernels {
+    /// The fused bf16 kernels (`mt_layers::fused_kernels`).
+    pub fused: bool,
+    /// Flash attention on the Hopper kernels (`mt_layers::hopper_attention`).
+    pub hopper_attention: bool,
+}
+
 /// The step `c` asks for, planned for a device of `device_bytes` (the GPU's; on the CPU, host
-/// memory) and a host of `host_bytes`, with `fused_kernels` where the device runs them
-/// (`mt_layers::fused_kernels`); the placement's `auto`s resolved for `c.device` and its store.
+/// memory) and a host of `host_bytes`, with the `kernels` the device runs; the placement's
+/// `auto`s resolved for `c.device` and its store.
 pub fn plan_for(
     c: &TrainConfig,
     cfg: &ModelConfig,
     device_bytes: u64,
     host_bytes: u64,
-    fused_kernels: bool,
+    kernels: DeviceKernels,
 ) -> Result<Plan> {
     let reserve = paged_reserve(c, cfg);
-    let p = plan_with(c, cfg, (device_bytes, host_bytes, reserve), fused_kernels)?;
+    let p = plan_with(c, cfg, (device_bytes, host_bytes, reserve), kernels)?;
     if p.host.store_window.is_none() {
         return Ok(p);
     }
@@ -75,7 +84,7 @@ pub fn plan_for(
     if c.device == Device::Cpu {
         // The CPU backend's device buffers (its compute's transient heap included) are host
         // memory too: planned again with them left out of the window.
-        return plan_with(c, cfg, (device_bytes, host_bytes, reserve + p.gpu.total), fused_kernels);
+        return plan_with(c, cfg, (device_bytes, host_bytes, reserve + p.gpu.total), kernels);
     }
     Ok(p)
 }
@@ -101,7 +110,7 @@ fn plan_with(
     c: &TrainConfig,
     cfg: &ModelConfig,
     bytes: (u64, u64, u64),
-    fused_kernels: bool,
+    kernels: DeviceKernels,
 ) -> Result<Plan> {
     let (device_bytes, host_bytes, host_reserved) = bytes;
     let mut placement = c.placement.for_run(c.device.kind(), c.store.is_some());
@@ -124,8 +133,9 @@ fn plan_with(
         ring_depth: Some(c.ring_depth),
         n_chunks: c.chunks,
         rows_per_block: c.rows_per_block,
-        fused_kernels,
+        fused_kernels: kernels.fused,
         flash_attention: c.attention,
+        hopper_attention: kernels.hopper_attention,
         mlp_rows: c.mlp_rows,
         store_file: c.store.is_some(),
         host_reserved,

@@ -105,7 +105,7 @@ pub fn init_model_dir(
     let opts = mt_hf::ExportOptions {
         dtype,
         max_shard_bytes: mt_hf::DEFAULT_MAX_SHARD_BYTES,
-        copy_files_from: None,
+        ..mt_hf::ExportOptions::default()
     };
     mt_hf::export(&store, &model.config_json, out, &opts)
         .context_with(|| format!("writing --out {}", out.display()))

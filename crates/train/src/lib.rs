@@ -29,6 +29,7 @@ mod device;
 mod error;
 pub mod host;
 pub mod init;
+pub mod lock;
 mod model;
 mod observer;
 mod oom;
@@ -43,11 +44,11 @@ pub use config::{
     Precision, ScheduleKind, TrainConfig,
 };
 pub use error::{Error, Result};
-pub use host::plan_for;
+pub use host::{plan_for, DeviceKernels};
 pub use model::{ModelSource, BUILTIN_MODEL};
 pub use mt_core::StateDtype;
 pub use mt_hf::ExportDtype;
-pub use mt_layers::RopeAngles;
+pub use mt_layers::{FlashKernel, RopeAngles};
 pub use mt_sched::placement::DeviceKind;
 pub use mt_sched::{OptimMode, StepReport};
 pub use mt_store::GradDtype;

@@ -201,6 +201,29 @@ pub enum Event<'a> {
         /// Share of all sections' time.
         share: f64,
     },
+    /// `--resume` is reading a checkpoint whole to check it against its hashes.
+    CheckingCheckpoint {
+        /// Its manifest.
+        manifest: &'a Path,
+    },
+    /// `--resume` found a checkpoint whose files do not match their hashes (or are missing): it
+    /// was moved aside and the one before it tried.
+    CheckpointDamaged {
+        /// What is wrong, with which file.
+        damaged: &'a crate::checkpoint::Damaged,
+        /// Where its manifest went.
+        moved_to: &'a Path,
+    },
+    /// The checkpoint of the last step, written before the export so that a failed export
+    /// loses no trained step.
+    FinalCheckpoint(&'a CheckpointWritten),
+    /// A resumed run that was already complete found its export in place and left it alone.
+    ExportKept {
+        /// The directory.
+        dir: &'a Path,
+        /// The step it holds.
+        step: u64,
+    },
     /// The last pending update applied and the store written back.
     Flushed {
         /// Seconds it took.
@@ -231,6 +254,8 @@ impl Event<'_> {
                 | Event::Imported { .. }
                 | Event::Initialised { .. }
                 | Event::EngineReady { .. }
+                | Event::CheckingCheckpoint { .. }
+                | Event::CheckpointDamaged { .. }
         )
     }
 }
@@ -247,7 +272,7 @@ impl fmt::Display for Event<'_> {
             Event::Device(d) => write!(f, "device: {d}"),
             Event::Planned { plan, device } => write!(f, "{}", plan.display_on(*device)),
             Event::Prefaulted { bytes, secs } => {
-                write!(f, "host store: {:.2} GB pre-faulted in {secs:.1} s", *bytes as f64 / 1e9)
+                write!(f, "host store: {} pre-faulted in {secs:.1} s", mt_core::units::bytes(*bytes as f64))
             }
             Event::NotPrefaulted(e) => {
                 write!(f, "host store: not pre-faulted ({e}); the first update will fault its pages in")
@@ -269,8 +294,8 @@ impl fmt::Display for Event<'_> {
                 if *pinned_record_bytes > 0 {
                     write!(
                         f,
-                        "; the GPU-updated layers' store records page-locked in place ({:.2} GiB, part of the store)",
-                        *pinned_record_bytes as f64 / (1u64 << 30) as f64
+                        "; the GPU-updated layers' store records page-locked in place ({}, part of the store)",
+                        mt_core::units::bytes_binary(*pinned_record_bytes as f64)
                     )?;
                 }
                 Ok(())
@@ -292,14 +317,28 @@ impl fmt::Display for Event<'_> {
                 1e3 * secs,
                 100.0 * share
             ),
+            Event::CheckingCheckpoint { manifest } => {
+                write!(f, "--resume: checking {} against its hashes", manifest.display())
+            }
+            Event::CheckpointDamaged { damaged, moved_to } => write!(
+                f,
+                "--resume: skipping {damaged}; moved aside to {} (delete it when you no longer need it)",
+                moved_to.display()
+            ),
+            Event::FinalCheckpoint(c) => {
+                write!(f, "checkpoint of the last step: {} ({:.1} s)", c.manifest.display(), c.secs)
+            }
+            Event::ExportKept { dir, step } => {
+                write!(f, "{} already holds the export of step {step}: left as it is", dir.display())
+            }
             Event::Flushed { secs } => {
                 write!(f, "last update applied and the store written back in {secs:.1} s")
             }
             Event::Exported { dir, n_shards, bytes, secs } => write!(
                 f,
-                "exported {} ({n_shards} shard(s), {:.2} GB) in {secs:.1} s",
+                "exported {} ({n_shards} shard(s), {}) in {secs:.1} s",
                 dir.display(),
-                *bytes as f64 / 1e9
+                mt_core::units::bytes(*bytes as f64)
             ),
         }
     }

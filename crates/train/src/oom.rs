@@ -54,6 +54,7 @@ mod tests {
             rows_per_block: 1024,
             fused_kernels: true,
             flash_attention: None,
+            hopper_attention: false,
             mlp_rows: None,
             store_file: false,
             host_reserved: 0,

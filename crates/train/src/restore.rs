@@ -1,16 +1,17 @@
 //! The phases of a run's set-up that decide what its host store starts from: the store opened
 //! (anonymous, a new or an existing `--store` file, refused if a killed run left it mid-step),
-//! pre-faulted, and filled from the newest checkpoint (`--resume`), the store file's own state,
-//! the model directory's weights or a seeded initialisation.
+//! pre-faulted, and filled from the newest intact checkpoint (`--resume`: each one's files
+//! checked against their hashes, a damaged one moved aside), the store file's own state, the
+//! model directory's weights or a seeded initialisation.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use mt_core::ModelLayout;
 use mt_store::HostStore;
 use serde_json::Value;
 
-use crate::checkpoint::{self, Manifest};
+use crate::checkpoint::{self, Manifest, Verified};
 use crate::data::TrainData;
 use crate::error::{Context, Error, Result};
 use crate::init::init_store;
@@ -23,6 +24,8 @@ pub(crate) struct Restored {
     pub(crate) resumed: bool,
     pub(crate) note: Option<String>,
     pub(crate) no_checkpoint_yet: bool,
+    /// The step of the checkpoint restored.
+    pub(crate) checkpoint_step: Option<u64>,
 }
 
 /// How the store was found.
@@ -92,13 +95,28 @@ pub(crate) fn restore_or_initialise<O: Observer>(
     observer: &mut O,
 ) -> Result<Restored> {
     let latest = match (c.checkpoint_dir(), c.resume) {
-        (Some(dir), true) => checkpoint::latest(&dir)?,
+        (Some(dir), true) => newest_intact(&dir, observer)?,
         _ => None,
     };
-    if let Some((path, m)) = &latest {
+    if let Some((path, v)) = &latest {
+        let m = &v.manifest;
         restore_checkpoint(c, store, data, defining, path, m)?;
-        let note = format!("resumed from checkpoint {} at step {}", path.display(), m.step);
-        return Ok(Restored { resumed: true, note: Some(note), no_checkpoint_yet: false });
+        let checked = if v.hashed {
+            format!(
+                "its files match their hashes: {} read in {:.1} s",
+                mt_core::units::bytes(v.bytes as f64),
+                v.secs
+            )
+        } else {
+            "written before checkpoints were hashed: not verified".to_owned()
+        };
+        let note = format!("resumed from checkpoint {} at step {} ({checked})", path.display(), m.step);
+        return Ok(Restored {
+            resumed: true,
+            note: Some(note),
+            no_checkpoint_yet: false,
+            checkpoint_step: Some(m.step),
+        });
     }
     let no_checkpoint_yet = c.resume;
     if opened == Opened::Reused {
@@ -108,7 +126,7 @@ pub(crate) fn restore_or_initialise<O: Observer>(
     if opened == Opened::Continued {
         let note =
             c.store.as_ref().map(|p| format!("resumed from {} at step {}", p.display(), store.state().step));
-        return Ok(Restored { resumed: true, note, no_checkpoint_yet });
+        return Ok(Restored { resumed: true, note, no_checkpoint_yet, checkpoint_step: None });
     }
     match &model.hf {
         Some(hf) => {
@@ -124,7 +142,24 @@ pub(crate) fn restore_or_initialise<O: Observer>(
             notify(observer, &event)?;
         }
     }
-    Ok(Restored { resumed: false, note: None, no_checkpoint_yet })
+    Ok(Restored { resumed: false, note: None, no_checkpoint_yet, checkpoint_step: None })
+}
+
+/// The newest checkpoint in `dir` whose files match their hashes; each damaged one newer than
+/// it is moved aside into `damaged/` (so the run that retrains its steps can write them again),
+/// and the observer told which, why, and where it went.
+fn newest_intact<O: Observer>(dir: &Path, observer: &mut O) -> Result<Option<(PathBuf, Verified)>> {
+    for (step, path) in checkpoint::manifests(dir)?.into_iter().rev() {
+        notify(observer, &Event::CheckingCheckpoint { manifest: &path })?;
+        match checkpoint::verify(&path) {
+            Ok(v) => return Ok(Some((path, v))),
+            Err(damaged) => {
+                let moved_to = checkpoint::move_aside(dir, step)?;
+                notify(observer, &Event::CheckpointDamaged { damaged: &damaged, moved_to: &moved_to })?;
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Zeroes everything of a store that a run writes (moments, gradients, update marks, the header's

@@ -87,6 +87,8 @@ pub struct TrainSummary {
     pub skipped_steps: u64,
     /// Where the model was exported (`--out`).
     pub exported: Option<PathBuf>,
+    /// The run was already complete and `exported` already held its export, left as it was.
+    pub export_kept: bool,
     /// The device it ran on (the summary's wording).
     pub device: DeviceKind,
 }
@@ -215,11 +217,27 @@ impl TrainSummary {
 }
 
 fn mb(bytes: f64) -> String {
-    format!("{:.2} MB", bytes / 1e6)
+    mt_core::units::bytes(bytes)
 }
 
 impl fmt::Display for TrainSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.steps() == 0 {
+            writeln!(
+                f,
+                "nothing to train: the run of {} ({} parameters, {} layers) is complete at global step {}",
+                self.model, self.n_params, self.n_layers, self.end_step
+            )?;
+            return match (&self.exported, self.export_kept) {
+                (Some(out), true) => {
+                    writeln!(f, "its export in {} is of that step: left as it is", out.display())
+                }
+                (Some(out), false) => {
+                    writeln!(f, "model exported to {} (Hugging Face format)", out.display())
+                }
+                (None, _) => Ok(()),
+            };
+        }
         writeln!(
             f,
             "trained {} steps (global steps {}..={}) of {} ({} parameters, {} layers) in {:.1} s",
@@ -453,10 +471,11 @@ mod tests {
             evals: vec![(1, 3.0), (2, 2.5)],
             skipped_steps: 2,
             exported: Some(PathBuf::from("/tmp/out")),
+            export_kept: false,
             device: DeviceKind::Gpu,
         }
         .to_string();
-        assert!(s.contains("counted 0.00 MB: RSS is 111.1% of it"), "{s}");
+        assert!(s.contains("counted 180 B: RSS is 111.1% of it"), "{s}");
         assert!(s.contains("eval loss: 3.000000 at step 1 -> 2.500000 at step 2 (2 evaluations)"), "{s}");
         assert!(s.contains("model exported to /tmp/out"), "{s}");
         assert!(s.contains("skipped steps: 2 (a non-finite loss or gradient norm"), "{s}");
@@ -477,7 +496,7 @@ mod tests {
             s.contains("steady state (steps after the first): 2000.0 ms/step, 4 tokens/s, 4.0 model TFLOP/s"),
             "{s}"
         );
-        assert!(s.contains("host RSS at end: 0.00 MB = 20.00 bytes/param"), "{s}");
+        assert!(s.contains("host RSS at end: 200 B = 20.00 bytes/param"), "{s}");
         assert!(s.contains("compute busy 75.0% max gap 150.00 ms"), "{s}");
         assert!(s.contains("compute idle: 25.0% of step time, longest gap 150.00 ms (mean per step), 300.00 ms (worst step)"), "{s}");
     }

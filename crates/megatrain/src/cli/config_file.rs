@@ -4,7 +4,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, FromArgMatches};
 
 use super::Cli;
 
@@ -43,7 +43,52 @@ where
         let extra = config_file_options(&path)?;
         argv.splice(sub + 1..sub + 1, extra);
     }
-    Cli::try_parse_from(argv).map_err(ArgsError::Clap)
+    let argv = join_negative_values(argv);
+    let matches = command().try_get_matches_from(argv).map_err(ArgsError::Clap)?;
+    Cli::from_arg_matches(&matches).map_err(|e| ArgsError::Clap(e.format(&mut command())))
+}
+
+/// `--flag -1e-3` as `--flag=-1e-3` where `--flag` takes a value: clap takes `-1` for a number but
+/// not `-1e-3`, which it would read as flags; joined, every negative number reaches the option's
+/// own check.
+fn join_negative_values(argv: Vec<OsString>) -> Vec<OsString> {
+    let cmd = command();
+    let sub = argv.get(1).and_then(|a| a.to_str()).and_then(|a| cmd.find_subcommand(a));
+    let takes_value = |flag: &str| {
+        let found = |c: &clap::Command| {
+            c.get_arguments().find(|a| a.get_long() == Some(flag)).map(|a| a.get_action().takes_values())
+        };
+        sub.and_then(found).or_else(|| found(&cmd)).unwrap_or(false)
+    };
+    let mut out: Vec<OsString> = Vec::with_capacity(argv.len());
+    let mut it = argv.into_iter().peekable();
+    while let Some(a) = it.next() {
+        let flag = a.to_str().and_then(|s| s.strip_prefix("--")).filter(|f| !f.contains('='));
+        let negative = it
+            .peek()
+            .and_then(|v| v.to_str())
+            .is_some_and(|v| v.starts_with('-') && v.parse::<f64>().is_ok());
+        match flag {
+            Some(f) if negative && takes_value(f) => {
+                let mut joined = a.clone();
+                joined.push("=");
+                joined.push(it.next().unwrap_or_default());
+                out.push(joined);
+            }
+            _ => out.push(a),
+        }
+    }
+    out
+}
+
+/// The command line's parser: every option that takes a value takes a negative number too, so
+/// that `--eps -1` reaches the option's own check (which says what the range is) instead of
+/// being read as an unknown flag `-1`.
+pub fn command() -> clap::Command {
+    fn negatives(c: clap::Command) -> clap::Command {
+        c.mut_args(|a| if a.get_action().takes_values() { a.allow_negative_numbers(true) } else { a })
+    }
+    negatives(Cli::command()).mut_subcommands(negatives)
 }
 
 /// The value of `--config-file PATH` or `--config-file=PATH`, if given.

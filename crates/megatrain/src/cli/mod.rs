@@ -9,7 +9,7 @@ mod config_file;
 mod placement_args;
 mod train_args;
 mod values;
-pub use config_file::{config_file_options, config_text_options, parse_args, ArgsError};
+pub use config_file::{command, config_file_options, config_text_options, parse_args, ArgsError};
 pub use mt_train::{DataKind, DataSource};
 pub use placement_args::PlacementArgs;
 pub use train_args::{default_grad_dtype, TrainArgs};
@@ -40,6 +40,8 @@ pub enum Command {
     Estimate(EstimateArgs),
     /// Write a seeded random initialisation of a model config as a Hugging Face directory.
     Init(InitArgs),
+    /// Check every checkpoint in a directory against the hashes its manifest records.
+    Verify(crate::verify::VerifyArgs),
 }
 
 /// Options of `megatrain estimate`.
@@ -105,11 +107,12 @@ pub struct EstimateArgs {
     #[arg(long, default_value_t = 9.0, value_name = "MAJOR.MINOR", value_parser = positive_f64)]
     pub compute_capability: f64,
     /// Sustained TFLOP/s of the device's compute stream for everything but the attention core
-    /// (the GEMMs, norms, activations, the loss; recompute included). 600 fits the H200 runs of
-    /// the 3.6B at 4 x 2048 and the 7B at 32k-256k with the attention priced apart
-    /// (docs/decisions/0041). On the CPU, measure your own.
-    #[arg(long, default_value_t = 600.0, value_parser = positive_f64)]
-    pub tflops: f64,
+    /// (the GEMMs, norms, activations, the loss; recompute included) [default on cuda: 600, which
+    /// fits the H200 runs of the 3.6B at 4 x 2048 and the 7B at 32k-256k with the attention
+    /// priced apart (docs/decisions/0041); on the CPU none: measure yours (a short `megatrain
+    /// train` prints it)].
+    #[arg(long, value_parser = positive_f64)]
+    pub tflops: Option<f64>,
     /// The flash attention kernel's forward and backward TFLOP/s (causal FLOPs, the backward as
     /// 2.5x the forward), e.g. `250,195` [default: our kernel's H200 rates at the sequence length,
     /// 175,116 at 4k to 257,196 at 128k].
@@ -119,12 +122,12 @@ pub struct EstimateArgs {
     #[arg(long, default_value_t = 50.0, value_parser = positive_f64)]
     pub pcie_gbs: f64,
     /// Host memory bandwidth in GB/s that the optimizer's passes sustain (AdamW, the casts into
-    /// staging, the gradient land; each priced by its bytes read and written per parameter).
-    /// Measured on the 16-core H200 machine: the fused AdamW pass at 5.0 Gparam/s x 28 B inside
-    /// a streamed step (the backward's casts and land, under concurrent DMA, run at ~60% of it
-    /// but hide behind the GPU's backward).
-    #[arg(long, default_value_t = 140.0, value_parser = positive_f64)]
-    pub host_gbs: f64,
+    /// staging, the gradient land; each priced by its bytes read and written per parameter)
+    /// [default on cuda: 140, measured on the 16-core H200 machine: the fused AdamW pass at 5.0
+    /// Gparam/s x 28 B inside a streamed step (the backward's casts and land, under concurrent
+    /// DMA, run at ~60% of it but hide behind the GPU's backward); on the CPU none].
+    #[arg(long, value_parser = positive_f64)]
+    pub host_gbs: Option<f64>,
     /// GPUs of one host, data parallel (as `megatrain train --gpus`): each plans for its share of
     /// the batch; NCCL's all-reduce of every gradient, the host's casts once per GPU.
     #[arg(long, default_value_t = 1, value_parser = at_least_one, value_name = "N")]

@@ -174,7 +174,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "PATH", help_heading = "Device and memory")]
     pub store: Option<PathBuf>,
 
-    /// Export the trained model here as a Hugging Face directory.
+    /// Export the trained model here as a Hugging Face directory (the last step checkpointed first).
     #[arg(long, value_name = "DIR", help_heading = "Outputs and checkpoints")]
     pub out: Option<PathBuf>,
 
@@ -194,7 +194,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 2, value_parser = at_least_one, help_heading = "Outputs and checkpoints", value_name = "N")]
     pub keep_checkpoints: usize,
 
-    /// Continue from the newest checkpoint (same options; starts afresh when there is none).
+    /// Continue from the newest intact checkpoint (same options; starts afresh when there is none).
     #[arg(long, help_heading = "Outputs and checkpoints")]
     pub resume: bool,
 
@@ -253,6 +253,10 @@ pub struct TrainArgs {
     /// Test hook: a NaN or infinity in global step N (`N:nan-grad`, `N:inf-grad`, `N:nan-loss`; repeatable).
     #[arg(long, value_name = "N:WHAT", value_parser = fault, hide = true)]
     pub inject_fault: Vec<(u64, mt_sched::Fault)>,
+
+    /// Test hook: the export's writes fail as a full disk would after BYTES bytes.
+    #[arg(long, value_name = "BYTES", hide = true)]
+    pub inject_export_failure: Option<u64>,
 }
 
 impl TrainArgs {
@@ -311,11 +315,13 @@ impl TrainArgs {
             ring_depth: self.ring_depth,
             overlap_optimizer: !self.no_optimizer_overlap,
             attention: self.attention.choice(),
+            flash_kernel: self.attention.kernel(),
             mlp_rows: self.mlp_rows.choice(),
             rope_angles: self.rope_angles.into(),
             rows_per_block: self.rows_per_block,
             delay_us: self.delay_us,
             inject_faults: self.inject_fault.clone(),
+            inject_export_failure: self.inject_export_failure,
         }
     }
 }

@@ -142,8 +142,14 @@ pub enum AttentionArg {
     /// Flash attention wherever it runs (bf16 on a CUDA GPU, head dim 16, 32, 64 or 128), the
     /// materialised scores elsewhere.
     Auto,
-    /// Flash attention; refused where it cannot run.
+    /// Flash attention, on the Hopper kernels on an H100 / H200 (head dim 64 or 128) and the
+    /// portable ones elsewhere; refused where it cannot run.
     Flash,
+    /// Flash attention on the Hopper kernels (compute capability 9.0, head dim 64 or 128);
+    /// refused elsewhere.
+    Hopper,
+    /// Flash attention on the portable kernels (compute capability 8.0 and later), also on Hopper.
+    Portable,
     /// The materialised `[batch, heads, seq, seq]` scores (transformers' eager path).
     Materialized,
 }
@@ -153,8 +159,17 @@ impl AttentionArg {
     pub fn choice(self) -> Option<bool> {
         match self {
             AttentionArg::Auto => None,
-            AttentionArg::Flash => Some(true),
+            AttentionArg::Flash | AttentionArg::Hopper | AttentionArg::Portable => Some(true),
             AttentionArg::Materialized => Some(false),
+        }
+    }
+
+    /// Which flash kernels.
+    pub fn kernel(self) -> mt_train::FlashKernel {
+        match self {
+            AttentionArg::Hopper => mt_train::FlashKernel::Hopper,
+            AttentionArg::Portable => mt_train::FlashKernel::Portable,
+            _ => mt_train::FlashKernel::Auto,
         }
     }
 }
@@ -294,6 +309,9 @@ impl From<GradDtypeArg> for GradDtype {
 }
 
 pub(super) fn at_least_one(s: &str) -> Result<usize, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!("must be at least 1, found {s}"));
+    }
     let n: usize = s.parse().map_err(|e| format!("expected a whole number, found {s:?} ({e})"))?;
     if n == 0 {
         return Err("must be at least 1".into());

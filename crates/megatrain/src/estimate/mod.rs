@@ -28,7 +28,7 @@ use mt_sched::plan::Plan;
 use serde_json::{json, Value};
 
 use mt_train::host::{available_bytes, gib_to_bytes, planned_host_bytes};
-use mt_train::{plan_for, ModelChoice, ModelSource, TrainConfig};
+use mt_train::{plan_for, DeviceKernels, ModelChoice, ModelSource, TrainConfig};
 
 use crate::cli::{DeviceKind, EstimateArgs, Precision};
 
@@ -38,6 +38,23 @@ pub use attention::{FLASH_TFLOPS, MATERIALISED_ATTENTION_TFLOPS};
 
 /// Default GPU memory: one H200 as the driver reports it.
 pub const DEFAULT_GPU_GIB: f64 = 139.8;
+
+/// `--tflops` on a GPU when not given: the H200 runs' compute rate (the option's help says which).
+pub const DEFAULT_GPU_TFLOPS: f64 = 600.0;
+
+/// `--host-gbs` on a GPU machine when not given: the H200 machine's (the option's help says which).
+pub const DEFAULT_HOST_GBS: f64 = 140.0;
+
+/// The rates a step is priced at, `(tflops, host_gbs)`: as given, else a GPU machine's defaults.
+/// The CPU backend's speed is not modelled: without both rates measured on the machine there is
+/// no step time (`None`).
+pub fn rates(args: &EstimateArgs) -> Option<(f64, f64)> {
+    match (args.device, args.tflops, args.host_gbs) {
+        (DeviceKind::Cuda, t, h) => Some((t.unwrap_or(DEFAULT_GPU_TFLOPS), h.unwrap_or(DEFAULT_HOST_GBS))),
+        (DeviceKind::Cpu, Some(t), Some(h)) => Some((t, h)),
+        (DeviceKind::Cpu, _, _) => None,
+    }
+}
 
 /// An estimate of a run.
 #[derive(Debug, Clone)]
@@ -58,8 +75,11 @@ pub struct Estimate {
     pub host_s: f64,
     /// Of which the update pass (exact mode: serial with the forward).
     pub host_update_s: f64,
-    /// Expected seconds per step.
+    /// Expected seconds per step (the CPU backend's without measured rates: `NaN`, and
+    /// `timed` false).
     pub step_s: f64,
+    /// Whether the step was priced (on the CPU only with `--tflops` and `--host-gbs` given).
+    pub timed: bool,
     /// The device it is for (the words the plan is printed with).
     pub device: mt_train::DeviceKind,
     /// GPUs of the data-parallel run (1: one engine); the plan is each GPU's.
@@ -75,6 +95,18 @@ pub struct Estimate {
 /// more, as `mt_layers::fused_kernels` requires of a real device).
 fn fused_kernels(args: &EstimateArgs) -> bool {
     args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 8.0
+}
+
+/// The kernels the estimate's device runs for a head dim of `head_dim`: the fused ones, and
+/// flash attention on the Hopper kernels at compute capability 9.0 (as
+/// `mt_layers::hopper_attention` decides on a real device).
+fn device_kernels(args: &EstimateArgs, head_dim: usize) -> DeviceKernels {
+    let fused = fused_kernels(args);
+    let hopper_attention = fused
+        && args.compute_capability == 9.0
+        && matches!(head_dim, 64 | 128)
+        && args.attention.kernel() != mt_train::FlashKernel::Portable;
+    DeviceKernels { fused, hopper_attention }
 }
 
 /// Plans the run and prices it.
@@ -97,6 +129,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         gpus: args.gpus,
         placement: args.placement.choice(),
         attention: args.attention.choice(),
+        flash_kernel: args.attention.kernel(),
         mlp_rows: args.mlp_rows.choice(),
         store: args.store.clone(),
         ..TrainConfig::default()
@@ -111,7 +144,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
     // With --gpus N the plan is each GPU's, for its share of the batch (`plan_for`).
-    let p = plan_for(&config, cfg, gpu, host_avail, fused_kernels(args))?;
+    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg.head_dim))?;
     let n_gpus = args.gpus as f64;
     // Each GPU has its own staging and landing rings; the store is one.
     let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;
@@ -135,12 +168,14 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // Data parallel: every gradient summed by NCCL on the compute stream, after its backward.
     let nccl_bytes =
         if args.gpus > 1 { 2.0 * (n_gpus - 1.0) / n_gpus * 4.0 * layout.n_params() as f64 } else { 0.0 };
-    let compute_s = (gemm + recompute) / (args.tflops * 1e12)
+    let timed = rates(args);
+    let (tflops, host_gbs) = timed.unwrap_or((f64::NAN, f64::NAN));
+    let compute_s = (gemm + recompute) / (tflops * 1e12)
         + attn.forward
         + attn.backward
         + nccl_bytes / (args.nccl_gbs * 1e9);
     // The forward is a third of the GEMM FLOPs and attention's forward; the backward the rest.
-    let fwd_s = gemm / 3.0 / (args.tflops * 1e12) + attn.forward;
+    let fwd_s = gemm / 3.0 / (tflops * 1e12) + attn.forward;
     let bwd_s = compute_s - fwd_s;
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer works on the streamed units only: resident ones are updated on the GPU.
@@ -151,7 +186,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
     let states = mt_core::StateDtype::from(args.optim_states);
     let b = HostTraffic::of(mode, grad, args.precision.bytes(), states.nominal_state_bytes() as f64);
-    let secs = |bytes: f64| bytes / (args.host_gbs * 1e9);
+    let secs = |bytes: f64| bytes / (host_gbs * 1e9);
     // GPU-updated layers' updates run on the GPU from their streamed state, but the DMA of that
     // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16
     // with fp32 moments; `s` B/param of master and moments each way) goes through the same host
@@ -232,6 +267,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         host_s,
         host_update_s,
         step_s,
+        timed: timed.is_some(),
         device: device.kind(),
         gpus: args.gpus,
         nccl_bytes_per_gpu: nccl_bytes as u64,
@@ -306,6 +342,9 @@ impl Estimate {
     /// The estimate as JSON (bytes and seconds; the plan's figures included).
     pub fn to_json(&self, args: &EstimateArgs) -> Value {
         let p = &self.plan;
+        // Not priced (the CPU without measured rates): null, not NaN.
+        let secs = |x: f64| if self.timed { json!(x) } else { Value::Null };
+        let (tflops, host_gbs) = rates(args).unzip();
         json!({
             "n_params": p.n_params,
             "batch_size": p.batch, "seq_len": p.seq, "n_chunks": p.n_chunks, "ring_depth": p.ring_depth,
@@ -315,27 +354,44 @@ impl Estimate {
             "pinned_bytes": self.pinned_bytes, "device_bytes": self.device_bytes,
             "pcie_h2d_bytes_per_step": p.pcie_h2d_per_step, "pcie_d2h_bytes_per_step": p.pcie_d2h_per_step,
             "model_flops_per_step": p.flops_per_step,
-            "compute_s": self.compute_s, "pcie_s": self.pcie_s, "host_optimizer_s": self.host_s,
-            "host_update_s": self.host_update_s,
-            "step_s": self.step_s,
-            "tokens_per_s": self.tokens_per_step as f64 / self.step_s,
-            "model_tflops": self.global_flops() / self.step_s / 1e12,
+            "compute_s": secs(self.compute_s), "pcie_s": self.pcie_s, "host_optimizer_s": secs(self.host_s),
+            "host_update_s": secs(self.host_update_s),
+            "step_s": secs(self.step_s),
+            "tokens_per_s": secs(self.tokens_per_step as f64 / self.step_s),
+            "model_tflops": secs(self.global_flops() / self.step_s / 1e12),
             "gpus": self.gpus, "nccl_bytes_per_gpu_per_step": self.nccl_bytes_per_gpu,
-            "assumed": {"tflops": args.tflops, "attention_tflops": args.attention_tflops.map(|r| [r.0, r.1]),
-                        "pcie_gbs": args.pcie_gbs, "host_gbs": args.host_gbs,
+            "assumed": {"tflops": tflops, "attention_tflops": args.attention_tflops.map(|r| [r.0, r.1]),
+                        "pcie_gbs": args.pcie_gbs, "host_gbs": host_gbs,
                         "compute_capability": args.compute_capability, "fused_kernels": fused_kernels(args)},
         })
     }
 }
 
+/// `x` with three significant digits.
+fn sig3(x: f64) -> String {
+    let digits = if x == 0.0 { 0 } else { (2 - x.abs().log10().floor() as i32).clamp(0, 6) as usize };
+    format!("{x:.digits$}")
+}
+
+/// Seconds with three significant digits, in ms or µs below a second: a tiny model's step is not
+/// "0.000 s".
+fn secs(s: f64) -> String {
+    match s {
+        0.0 => "0 s".to_owned(),
+        s if s >= 1.0 => format!("{} s", sig3(s)),
+        s if s >= 1e-3 => format!("{} ms", sig3(s * 1e3)),
+        s => format!("{} µs", sig3(s * 1e6)),
+    }
+}
+
 impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let gib = |b: u64| mt_core::units::bytes_binary(b as f64);
         let p = &self.plan;
         writeln!(f, "{}", p.display_on(self.device))?;
         writeln!(
             f,
-            "host RAM: {:.2} GiB ({:.2} bytes/param; store {:.2}, staging/landing {:.2}, process)",
+            "host RAM: {} ({:.2} bytes/param; store {}, staging/landing {}, process)",
             gib(self.host_bytes),
             self.host_bytes as f64 / p.n_params.max(1) as f64,
             gib(p.host.store_window.map_or(p.host.store, |_| p.host.total - p.host.pinned)),
@@ -344,18 +400,18 @@ impl std::fmt::Display for Estimate {
         if let Some(w) = p.host.store_window {
             writeln!(
                 f,
-                "disk tier: the store pages from its file through a {:.2} GiB window; a step reads and \
-                 writes about the store once each ({:.2} GB), the reads more where the window is small \
+                "disk tier: the store pages from its file through a {} window; a step reads and \
+                 writes about the store once each ({}), the reads more where the window is small \
                  (about 1.3x at a third of the store); not in the step time below",
                 gib(w),
-                p.host.store as f64 / 1e9
+                mt_core::units::bytes(p.host.store as f64)
             )?;
         }
         let pcie = match self.device {
             mt_train::DeviceKind::Gpu => {
                 writeln!(
                     f,
-                    "pinned RAM: {:.2} GiB   GPU memory: {:.2} GiB",
+                    "pinned RAM: {}   GPU memory: {}",
                     gib(self.pinned_bytes),
                     gib(self.device_bytes)
                 )?;
@@ -363,22 +419,31 @@ impl std::fmt::Display for Estimate {
             }
             mt_train::DeviceKind::Cpu => "copies",
         };
-        write!(
-            f,
-            "step time: {:.3} s (compute {:.3} s, {pcie} {:.3} s, host optimizer {:.3} s of which update {:.3} s) -> {:.0} tokens/s, {:.1} model TFLOP/s",
-            self.step_s,
-            self.compute_s,
-            self.pcie_s,
-            self.host_s,
-            self.host_update_s,
-            self.tokens_per_step as f64 / self.step_s,
-            self.global_flops() / self.step_s / 1e12
-        )?;
+        if !self.timed {
+            write!(
+                f,
+                "step time: not estimated: the CPU backend's speed is not modelled. Give this machine's \
+                 rates to price it: --tflops (the model TFLOP/s a short `megatrain train` run prints) \
+                 and --host-gbs (its memory bandwidth)"
+            )?;
+        } else {
+            write!(
+                f,
+                "step time: {} (compute {}, {pcie} {}, host optimizer {} of which update {}) -> {:.0} tokens/s, {} model TFLOP/s",
+                secs(self.step_s),
+                secs(self.compute_s),
+                secs(self.pcie_s),
+                secs(self.host_s),
+                secs(self.host_update_s),
+                self.tokens_per_step as f64 / self.step_s,
+                sig3(self.global_flops() / self.step_s / 1e12)
+            )?;
+        }
         if self.gpus > 1 {
             write!(
                 f,
                 "\ndata parallel: {} GPUs, each as planned above (its share of the batch, its own PCIe \
-                 uploads; GPU 0 downloads the summed gradients); NCCL all-reduce {:.2} GiB per GPU per step \
+                 uploads; GPU 0 downloads the summed gradients); NCCL all-reduce {} per GPU per step \
                  (on the compute stream, in the compute time); host casts once per GPU",
                 self.gpus,
                 gib(self.nccl_bytes_per_gpu)

@@ -18,7 +18,7 @@
 //!
 //! Random draws are a pure function of `(step, stream, moment, element)`: the stream is the
 //! unit (store record index), so an update is bitwise reproducible across thread counts, on
-//! resume, and between the host and the device (`kernels/adamw.cu` draws the same numbers).
+//! resume, and between the host and the device (`kernels/cuda/adamw.cu` draws the same numbers).
 //!
 //! Every decode and encode is plain IEEE f32 arithmetic (products, quotients, square roots,
 //! floor) in a fixed order, so the CUDA kernels, compiled with `--fmad=false`, give the same bits.

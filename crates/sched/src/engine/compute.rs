@@ -3,7 +3,7 @@
 //! templates, the pool's buffers and the chunks.
 
 use mt_core::Unit;
-use mt_layers::device_optim::SumSquares;
+use mt_kernels::device_optim::SumSquares;
 use mt_layers::{GradSink, LayerWeights, OuterWeights};
 use mt_optim::StepArgs;
 use mt_pool::DevicePool;
@@ -146,10 +146,10 @@ impl<B: Backend> Engine<B> {
                                 "{op:?}: gradient buffer {k} has no bf16 twin to narrow into"
                             ))
                         })?;
-                        mt_layers::device_optim::narrow_bf16_sum_squares(&gbuf, narrow)?
+                        mt_kernels::device_optim::narrow_bf16_sum_squares(&gbuf, narrow)?
                     }
                     // A resident unit's gradient never lands on the host.
-                    None => mt_layers::device_optim::sum_squares(&gbuf)?,
+                    None => mt_kernels::device_optim::sum_squares(&gbuf)?,
                 };
                 self.device_sumsq.push((unit, ss));
             }
@@ -160,13 +160,13 @@ impl<B: Backend> Engine<B> {
                 if self.store.applied_step(unit) >= args.step {
                     // A retried step: the record already holds the update (and the state slot
                     // what was uploaded from it).
-                    mt_layers::device_optim::cast_master_into(&state, &dst)?;
+                    mt_kernels::device_optim::cast_master_into(&state, &dst)?;
                 } else {
                     let grad = self.state_grad_slot(buf)?;
                     // bf16 -> f32 is exact: the same gradient the host's update widens.
                     let grad = grad.to_dtype(candle_core::DType::F32)?;
                     let kind = self.state_kind(unit);
-                    mt_layers::device_optim::adamw_step_into(
+                    mt_kernels::device_optim::adamw_step_into(
                         &state,
                         &grad,
                         &self.opts.adamw,

@@ -94,7 +94,7 @@ pub struct Engine<B: Backend> {
     spill_host: Vec<Vec<Arc<Mutex<TransferBuf>>>>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     /// Resident units' shares of the global norm, still on the device until the step ends.
-    device_sumsq: Vec<(Unit, mt_layers::device_optim::SumSquares)>,
+    device_sumsq: Vec<(Unit, mt_kernels::device_optim::SumSquares)>,
     /// Forward activations kept for the backward, by `layer * n_chunks + chunk` (only layers
     /// `0..opts.placement.kept_layers`; empty outside a step).
     kept: Vec<Option<mt_layers::LayerState>>,
@@ -224,7 +224,11 @@ impl<B: Backend> Engine<B> {
             router_grad: None,
             layer_t: DecoderLayer::with_options(
                 cfg,
-                LayerOptions { flash: opts.flash_attention, mlp_rows: opts.mlp_rows },
+                LayerOptions {
+                    flash: opts.flash_attention,
+                    flash_kernel: opts.flash_kernel,
+                    mlp_rows: opts.mlp_rows,
+                },
             ),
             outer_t: Outer::new(cfg, opts.rows_per_block),
             rope: None,

@@ -34,10 +34,13 @@ pub struct EngineOptions {
     /// Where the step keeps what (`crate::placement::Placement`: resident units, held, kept and
     /// GPU-updated layers with their state moves, spilled checkpoints).
     pub placement: Placement,
-    /// Flash attention (`kernels/flash_attn.cu`) where it applies (`mt_layers::flash_attention`:
-    /// bf16 on a CUDA device, head dim 16, 32, 64 or 128): O(t) memory instead of the
-    /// materialised `[b, heads, t, t]` scores; elsewhere the materialised path runs regardless.
+    /// Flash attention where it applies (`mt_layers::flash_attention`: bf16 on a CUDA device,
+    /// head dim 16, 32, 64 or 128): O(t) memory instead of the materialised `[b, heads, t, t]`
+    /// scores; elsewhere the materialised path runs regardless.
     pub flash_attention: bool,
+    /// Which flash kernels (`mt_layers::FlashKernel`): the Hopper ones wherever they run, or one
+    /// set forced.
+    pub flash_kernel: mt_layers::FlashKernel,
     /// How RoPE angles are formed (`mt_layers::RopeAngles`: transformers' f32 product by default).
     pub rope_angles: mt_layers::RopeAngles,
     /// Rows of each decoder layer's MLP tile (`mt_layers::LayerOptions::mlp_rows`; 0 = a chunk's
@@ -64,6 +67,7 @@ impl Default for EngineOptions {
             overlap_optimizer: true,
             placement: Placement::default(),
             flash_attention: false,
+            flash_kernel: mt_layers::FlashKernel::Auto,
             rope_angles: mt_layers::RopeAngles::Transformers,
             mlp_rows: 0,
             device_narrowing: true,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use mt_core::Unit;
-use mt_layers::device_optim::StateKind;
+use mt_kernels::device_optim::StateKind;
 use mt_optim::{StepArgs, Upload};
 use mt_store::GradMut;
 
@@ -131,7 +131,7 @@ impl<B: Backend> Engine<B> {
     pub(super) fn update_resident(&mut self, unit: Unit, args: &StepArgs) -> Result<()> {
         let bufs = self.resident_bufs(unit)?;
         if self.applied[unit.index()] < args.step {
-            mt_layers::device_optim::adamw_step_into(
+            mt_kernels::device_optim::adamw_step_into(
                 &bufs.state,
                 &bufs.grad,
                 &self.opts.adamw,
@@ -224,5 +224,5 @@ pub(crate) fn state_words<'r>(r: &'r mt_store::RecordGuard<'_>) -> [&'r [f32]; 3
 
 /// A resident unit's master weights cast into its slot (compute stream).
 fn cast_weights(b: &ResidentBufs) -> Result<()> {
-    Ok(mt_layers::device_optim::cast_master_into(&b.state, &b.slot)?)
+    Ok(mt_kernels::device_optim::cast_master_into(&b.state, &b.slot)?)
 }

@@ -19,7 +19,7 @@ pub use table::{DeviceKind, LayerPlacement, PlacementTable, StateMove, Update, W
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Placement<N = usize, B = bool> {
     /// The outer unit (embedding, final norm, LM head) keeps its fp32 master weights and AdamW
-    /// moments on the device and is updated there (`mt_layers::device_optim`): it never crosses
+    /// moments on the device and is updated there (`mt_kernels::device_optim`): it never crosses
     /// the bus, and the step boundary no longer waits for its download, host update and upload.
     /// The store's copy is brought up to date by `Engine::sync_store`. Auto: resident when that
     /// costs no extra chunk (0018).

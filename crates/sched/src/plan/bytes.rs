@@ -77,6 +77,8 @@ pub struct LayerPath {
     pub fused: bool,
     /// Flash attention (`mt_layers::flash_attention`; fused only).
     pub flash: bool,
+    /// ... on the Hopper kernels (their fp32 dQ buffer: `mt_layers::hopper_dq_buffer_bytes`).
+    pub hopper: bool,
     /// Rows of an MLP tile (`mt_layers::LayerOptions::mlp_rows`), 0 = all of a chunk's.
     pub mlp_rows: usize,
 }
@@ -116,7 +118,15 @@ pub fn layer_workspace(
     let heads = cfg.num_attention_heads as u64;
     let score_elems = b as u64 * heads * (s * s) as u64;
     if path.fused && path.flash {
-        return flash_acts(cfg, t, e) + e * rows * FFN_TENSORS * f + router + FLASH_ROW_F32 * 4 * t * heads;
+        let dq = if path.hopper {
+            mt_layers::hopper_dq_buffer_bytes(b, s, cfg.num_attention_heads, cfg.head_dim)
+        } else {
+            0
+        };
+        return flash_acts(cfg, t, e, dq)
+            + e * rows * FFN_TENSORS * f
+            + router
+            + FLASH_ROW_F32 * 4 * t * heads;
     }
     if path.fused {
         return acts + FUSED_SCORE_BYTES * score_elems;
@@ -136,13 +146,14 @@ pub fn layer_workspace(
 /// input norm's output `a`, `x1`, `dx1` in pieces and joined, one spare (`5 × hidden`) beside
 /// the attention's `q`, `o` and `k`, `v` (`2 × q_dim + 2 × kv_dim`); in the attention's backward,
 /// `a` and `dx1` (`2 × hidden`) beside the inputs, `dO` and the three gradients (`4 × q_dim +
-/// 4 × kv_dim`): a little above the pool's measured high-water mark (docs/decisions/0041).
-fn flash_acts(cfg: &ModelConfig, t: u64, e: u64) -> u64 {
+/// 4 × kv_dim`): a little above the pool's measured high-water mark (docs/decisions/0041). The
+/// Hopper kernels' backward adds its fp32 dQ buffer (`dq_buffer` bytes) to the attention's.
+fn flash_acts(cfg: &ModelConfig, t: u64, e: u64, dq_buffer: u64) -> u64 {
     let h = cfg.hidden_size as u64;
     let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
     let mlp_peak = FLASH_MLP_PEAK_HIDDEN * h + 2 * qd + 2 * kvd;
     let attn_peak = FLASH_ATTN_PEAK_HIDDEN * h + 4 * qd + 4 * kvd;
-    e * t * mlp_peak.max(attn_peak)
+    (e * t * mlp_peak).max(e * t * attn_peak + dq_buffer)
 }
 
 /// Peak transient bytes of the loss over a chunk of `t` tokens: one block of logits

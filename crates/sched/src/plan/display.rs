@@ -71,7 +71,11 @@ impl fmt::Display for PlanDisplay<'_> {
             p.batch,
             p.seq,
             p.ring_depth,
-            if p.flash_attention { "flash" } else { "materialised" },
+            match (p.flash_attention, p.hopper_attention) {
+                (true, true) => "flash (Hopper kernels)",
+                (true, false) => "flash",
+                (false, _) => "materialised",
+            },
             if p.mlp_rows == 0 { "whole chunks".to_string() } else { format!("tiles of {} rows", p.mlp_rows) },
         )?;
         writeln!(f, "{}", p.placement_table().display_on(self.device))?;

@@ -43,6 +43,7 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
         rows_per_block: 4096,
         fused_kernels: true,
         flash_attention: None,
+        hopper_attention: false,
         mlp_rows: None,
         store_file: false,
         host_reserved: 0,

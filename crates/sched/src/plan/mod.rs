@@ -100,6 +100,10 @@ pub struct PlanInput {
     /// Flash attention (`Some(true)`), the materialised scores (`Some(false)`), or decide
     /// (`None`): flash wherever it runs (the fused kernels and a head dim of 16, 32, 64 or 128).
     pub flash_attention: Option<bool>,
+    /// Flash attention here runs the Hopper kernels (`mt_layers::hopper_attention`: compute
+    /// capability 9.0, head dim 64 or 128, not forced portable), whose backward needs an fp32 dQ
+    /// buffer beside its other transients (`mt_layers::hopper_dq_buffer_bytes`).
+    pub hopper_attention: bool,
     /// The store is a file (`--store`): where it does not fit `host_bytes`, it is paged through
     /// a RAM window (the disk tier, `HostStore::start_paging`) instead of refused.
     pub store_file: bool,
@@ -197,6 +201,8 @@ pub struct Plan {
     pub placement: Placement,
     /// Attention runs as flash attention (no `[s, s]` scores).
     pub flash_attention: bool,
+    /// ... on the Hopper kernels (`PlanInput::hopper_attention`).
+    pub hopper_attention: bool,
     /// Rows of each MLP tile (0 = a chunk's rows at once).
     pub mlp_rows: usize,
     /// GPU bytes.

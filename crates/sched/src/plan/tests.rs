@@ -43,6 +43,7 @@ pub(super) fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) 
         // The materialised attention and untiled MLPs, which the tests below were written for;
         // `long_sequences_*` plan flash attention and MLP tiles.
         flash_attention: Some(false),
+        hopper_attention: false,
         mlp_rows: Some(0),
         store_file: false,
         host_reserved: 0,

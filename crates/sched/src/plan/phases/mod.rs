@@ -176,6 +176,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         n_layers: c.layout.n_layers,
         placement: placed,
         flash_attention: chunks.flash,
+        hopper_attention: chunks.flash && input.hopper_attention,
         mlp_rows: chunks.mlp_rows,
         gpu,
         host,
@@ -361,7 +362,12 @@ fn choose_chunking(
             None => MLP_TILE_ROWS.to_vec(),
         };
         let ws = |mlp_rows: usize| {
-            let path = LayerPath { fused: input.fused_kernels, flash, mlp_rows };
+            let path = LayerPath {
+                fused: input.fused_kernels,
+                flash,
+                hopper: flash && input.hopper_attention,
+                mlp_rows,
+            };
             layer_workspace(cfg, layout, b, seq, e, path).max(loss_workspace(
                 cfg,
                 b * seq,

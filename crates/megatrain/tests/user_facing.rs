@@ -1,0 +1,122 @@
+//! What a user sees: help that fits the terminal, no colour codes in redirected output, sizes in
+//! human units, negative values explained by the option's own check, the tokenizer asked for
+//! only by data that needs one, and an estimate on the CPU that does not invent a step time.
+
+mod common;
+
+use std::fs;
+use std::process::Command;
+
+use common::*;
+
+/// Runs `megatrain` with `args` and the environment variable `env` set.
+fn megatrain_env(args: &[&str], env: (&str, &str)) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_megatrain")).args(args).env(env.0, env.1).output().unwrap()
+}
+
+#[test]
+fn help_is_wrapped_to_the_terminal_width() {
+    for (cmd, width) in [("train", 80), ("train", 100), ("estimate", 80), ("verify", 60)] {
+        let o = megatrain_env(&[cmd, "--help"], ("COLUMNS", &width.to_string()));
+        assert!(o.status.success(), "{}", stderr(&o));
+        let text = stdout(&o);
+        let widest = text.lines().map(|l| l.chars().count()).max().unwrap();
+        assert!(widest <= width, "{cmd} --help at {width} columns has a line of {widest}:\n{text}");
+        assert!(text.lines().count() > 5, "{text}");
+    }
+}
+
+#[test]
+fn redirected_output_has_no_colour_codes() {
+    // A warning (tracing) and an error, both to a pipe.
+    let t = tempfile::tempdir().unwrap();
+    let o = megatrain_env(
+        &["train", "--steps", "1", "--batch-size", "1", "--seq-len", "8"],
+        ("RUST_LOG", "info"),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).is_empty(), "info logs were written");
+    let bad = megatrain(&["train", "--data", &t.path().join("missing.jsonl").display().to_string()]);
+    for text in [stdout(&o), stderr(&o), stderr(&bad)] {
+        assert!(!text.contains('\u{1b}'), "an escape code in redirected output: {text:?}");
+    }
+}
+
+#[test]
+fn negative_values_reach_the_range_checks() {
+    for (flag, value, says) in [
+        ("--eps", "-1", "must be a finite number > 0, found -1"),
+        ("--beta1", "-0.5", "must be in [0, 1), found -0.5"),
+        ("--steps", "-3", "must be at least 1, found -3"),
+        ("--lr", "-1e-3", "must be a finite number >= 0, found -0.001"),
+    ] {
+        let o = megatrain(&["train", flag, value]);
+        assert_eq!(o.status.code(), Some(2), "{flag} {value}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains(flag) && e.contains(says), "{flag} {value}: {e}");
+    }
+    let o = megatrain(&["estimate", "--gpu-mem", "-2"]);
+    assert!(stderr(&o).contains("must be a finite number > 0, found -2"), "{}", stderr(&o));
+}
+
+#[test]
+fn small_sizes_are_shown_in_small_units() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("tiny");
+    let config = model_fixture().join("config.json");
+    let o = megatrain(&["init", "--config", s(&config), "--out", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains(" KB)") && !stdout(&o).contains("0.00 GB"), "{}", stdout(&o));
+    let data = t.path().join("data.jsonl");
+    write_data(&data);
+    let o_dir = t.path().join("o");
+    let run = ["train", "--model", s(&out), "--data", s(&data), "--out", s(&o_dir), "--steps", "1"];
+    let o = megatrain(&run);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let all = stdout(&o) + &stderr(&o);
+    assert!(!all.contains("0.00 GB") && !all.contains("0.00 MB"), "{all}");
+    assert!(stdout(&o).contains("exported") && stdout(&o).contains(" KB)"), "{}", stdout(&o));
+}
+
+/// `input_ids` data needs no tokenizer: a model directory whose tokenizer.json this build cannot
+/// load still trains on it; text data there is refused, naming the tokenizer.
+#[test]
+fn the_tokenizer_is_loaded_only_for_data_that_needs_one() {
+    let t = tempfile::tempdir().unwrap();
+    let model = t.path().join("model");
+    fs::create_dir_all(&model).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        fs::copy(model_fixture().join(f), model.join(f)).unwrap();
+    }
+    fs::write(model.join("tokenizer.json"), b"{ not a tokenizer").unwrap();
+    let ids = t.path().join("ids.jsonl");
+    write_data(&ids);
+    let run = |data: &std::path::Path| {
+        let args = ["train", "--model", s(&model), "--data", s(data), "--steps", "1"];
+        megatrain(&[&args[..], &["--batch-size", "2", "--seq-len", "16"]].concat())
+    };
+    let o = run(&ids);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = t.path().join("text.jsonl");
+    fs::write(&text, "{\"text\": \"hello\"}\n").unwrap();
+    let o = run(&text);
+    assert!(!o.status.success() && stderr(&o).contains("tokenizer"), "{}", stderr(&o));
+}
+
+#[test]
+fn estimate_on_the_cpu_prices_the_step_only_from_measured_rates() {
+    let o = megatrain(&["estimate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("step time: not estimated") && stdout(&o).contains("--tflops"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(!stdout(&o).contains("0.000 s"), "{}", stdout(&o));
+    let o = megatrain(&["estimate", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["step_s"].is_null() && v["assumed"]["tflops"].is_null(), "{v}");
+    let o = megatrain(&["estimate", "--tflops", "0.05", "--host-gbs", "5"]);
+    let line = stdout(&o).lines().find(|l| l.starts_with("step time:")).unwrap_or_default().to_owned();
+    assert!(line.contains(" ms (compute") && line.contains("model TFLOP/s"), "{line}");
+}

@@ -1,0 +1,874 @@
+// Flash attention on Hopper (compute capability 9.0, `sm_90a`): the same operation, layouts and
+// outputs as flash_attn.cu (causal, grouped-query, packed documents, head dims 64 and 128, LSE
+// saved, deterministic backward), rebuilt around what the H100/H200 has and the Ampere-style
+// kernels cannot use:
+//   - wgmma: asynchronous warpgroup matrix multiply (64 rows per warpgroup), operands read from
+//     shared memory through descriptors (or A from registers), accumulators in registers;
+//   - TMA: bulk tensor copies global -> shared (`cp.async.bulk.tensor`), 128-byte swizzled, their
+//     completion counted on an mbarrier; a bulk reduce-add shared -> global for the fp32 dQ;
+//   - warp specialisation: warpgroup 0 only moves data (a producer warp issues the copies; in the
+//     backward a second warp adds the dQ partials to global memory), warpgroups 1 and 2 compute,
+//     with `setmaxnreg` moving registers from the producer to the consumers.
+// Compiled by NVRTC for `sm_90a` after common.cuh and flash_attn.cu (whose helpers and
+// `mt_flash_bwd_dot` it reuses) into a CUBIN, so ptxas's warnings are seen at compile time.
+// Written from the PTX ISA and the FlashAttention-2/3 papers' algorithms, not from their code.
+//
+// Layouts (as flash_attn.cu): Q, O, dO [B, T, NH, HD] bf16; K, V, dK, dV [B, T, NKV, HD] bf16;
+// LSE, D [B, NH, T] f32; seg_lo / seg_hi [B, T] int (optional). The host describes Q, K, V and
+// dO to the TMA as 4-d tensors {HD, heads, T, B} (innermost first) with a box of {64, 1, rows, 1}
+// and 128-byte swizzle, so a tile of `rows` x HD lands in shared memory as HD / 64 "chunks" of
+// rows x 64 elements, each row 128 bytes, the 16-byte piece c of row r stored at piece
+// c ^ (r mod 8). That is the canonical 128B-swizzled layout wgmma reads both as K-major (the
+// contraction along the row: Q and K in S = Q K^T) and as MN-major (the contraction down the
+// rows: V in O = P V, dO and Q in dV / dK, K in dQ), by descriptor alone, with no transposes.
+//
+// Forward (mt_hfa_fwd_hdN): a CTA takes 128 query rows of one head (64 per consumer warpgroup)
+//   and walks the key tiles of 128 from the diagonal down; K and V tiles stream through a
+//   2-stage ring. Each consumer overlaps its softmax of tile n with the tensor cores' P V of tile
+//   n - 1 (S_n = Q K_n^T and O += P_{n-1} V_{n-1} issued back to back, then waited one at a time).
+//   Online softmax in f32 in the log2 domain; P rounded to bf16 (what multiplies V). Writes O and
+//   LSE.
+// Backward (mt_hfa_bwd_hdN), fused: a CTA takes 128 keys of one KV head (64 per consumer) and
+//   walks every query tile of 64 that sees them, for each query head of the group, the last tile
+//   first: S^T = K Q^T and dP^T = V dO^T, P^T = exp(S^T - LSE), dS^T = P^T (dP^T - D); dV += P^T
+//   dO and dK += dS^T Q stay in registers for the whole walk; dS^T goes through shared memory to
+//   dQ_partial = dS K (each consumer half of the head dim), which the dQ warp adds into an fp32
+//   buffer with one bulk reduce per tile. Deterministic (the default): the adds into each dQ tile
+//   happen in key-block order, a per-tile counter saying whose turn it is; otherwise in arrival
+//   order. mt_hfa_dq_convert_hdN then writes dQ = scale * buffer as bf16.
+// Scheduling: every CTA takes its tile from a global counter when it starts (the host zeroes
+//   it), longest work first (the last query tiles forward; the first key blocks backward), so a
+//   CTA only ever waits for CTAs that started before it: the ordered dQ adds cannot deadlock.
+//
+// Hooks for later (GPT-OSS): a per-head sink logit joins the forward's running max and sum once
+// per row before the epilogue and adds exp(sink - LSE) to nothing else (its own gradient is
+// -sum_rows P_sink D); a sliding window w bounds the key walk at q - w + 1 (the loop's low tile)
+// and masks the one or two tiles it cuts, as documents do today.
+
+#define MT_HFA_THREADS 384
+#define MT_HFA_BM 128  // forward: query rows per CTA
+#define MT_HFA_BN 128  // forward: keys per tile; backward: keys per CTA
+#define MT_HFA_BQ 64   // backward: query rows per tile
+
+// ---------------------------------------------------------------------------------------------
+// Hopper PTX wrappers.
+
+// A CUtensorMap: 128 opaque bytes made by cuTensorMapEncodeTiled on the host, passed by value.
+struct __align__(64) MtTmaMap {
+    unsigned long long w[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival that also tells the barrier to expect `bytes` more from the copy engine.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Tells the barrier to expect `bytes` more from the copy engine, without arriving.
+__device__ __forceinline__ void mbar_expect_tx_only(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// Box {c0 .. c0+63, c1, c2 .. c2+rows-1, c3} of a 4-d tensor map -> shared memory at dst
+// (1024-byte aligned), completion counted on `bar`. Elements outside the tensor read as zero.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const MtTmaMap* map, int c0, int c1, int c2, int c3,
+                                            unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+// global[dst .. dst + bytes) += shared[src ..) as f32, element by element (each add atomic).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until every committed bulk operation of this thread has completed (writes performed);
+// all but the newest; until every one has finished reading its source.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all_but_one() {
+    asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Orders this thread's ordinary shared-memory writes before later async-proxy (wgmma, TMA) reads.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Orders generic-proxy and async-proxy accesses to global memory (the dQ buffer and its counters).
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Named barrier over `count` threads (barrier 0 is __syncthreads): wait, or arrive only.
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// The value, opaque to the compiler: what is computed from it is recomputed where it is used
+// instead of being kept in a register across a loop.
+__device__ __forceinline__ unsigned launder(unsigned x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// wgmma: a warpgroup's asynchronous 64 x N x 16 product. `wg_fence` before the first of a batch
+// (registers it reads or accumulates were written by ordinary instructions), `wg_commit` closes a
+// group, `wg_wait<N>` returns once at most N groups are in flight. The accumulators are asm
+// operands, so the compiler believes them final right after the mma: `fence_regs` after each wait
+// (and before each issue) pins every later use behind the wait.
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(unsigned* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (contraction along the
+// 128-byte rows): lbo unused (16), sbo = 1024 (8 rows); the k16 step inside a 64-element chunk
+// moves the start by 32 bytes, the next chunk by its size. MN-major operands (contraction down
+// the rows): lbo = bytes from one 64-element chunk to the next along M/N, sbo = 1024; the k16 step
+// moves the start by 16 rows (2048 bytes).
+__device__ __forceinline__ unsigned long long desc_sw128(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+#define MT_ACC8(a, i) \
+    "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
+#define MT_ACC16(a) MT_ACC8(a, 0), MT_ACC8(a, 8)
+#define MT_ACC32(a) MT_ACC8(a, 0), MT_ACC8(a, 8), MT_ACC8(a, 16), MT_ACC8(a, 24)
+#define MT_ACC64(a)                                                                                            \
+    MT_ACC8(a, 0), MT_ACC8(a, 8), MT_ACC8(a, 16), MT_ACC8(a, 24), MT_ACC8(a, 32), MT_ACC8(a, 40), MT_ACC8(a, 48), \
+        MT_ACC8(a, 56)
+
+// Accumulator layout of every m64nN product (f32, N / 2 registers a thread): thread t of the
+// warpgroup (warp w = t / 32, lane l) holds rows 16 w + l / 4 + 8 i (i = 0, 1) and columns
+// 8 j + 2 (l mod 4) + e (e = 0, 1) at register 4 j + 2 i + e. The A operand from registers (four
+// bf16 pairs a thread for 64 x 16) has the layout of two adjacent 8-column blocks of it.
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], both from shared memory (descriptors).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n128(float* d, unsigned long long da, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %67, %68;\n}\n"
+        : MT_ACC64(d)
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (a[4], bf16 pairs), B from shared memory.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n128(float* d, const unsigned* a, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : MT_ACC64(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(TB));
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], both from shared memory (descriptors).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n64(float* d, unsigned long long da, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        : MT_ACC32(d)
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (a[4], bf16 pairs), B from shared memory.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n64(float* d, const unsigned* a, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : MT_ACC32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(TB));
+}
+
+// D[64 x 32] (+)= A[64 x 16] B[16 x 32], both from shared memory (descriptors).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n32(float* d, unsigned long long da, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, %19, %20;\n}\n"
+        : MT_ACC16(d)
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
+}
+
+// D[64 x 32] (+)= A[64 x 16] B[16 x 32], A from registers (a[4], bf16 pairs), B from shared memory.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n32(float* d, const unsigned* a, unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+        : MT_ACC16(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(TB));
+}
+
+template <int N, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int accumulate) {
+    static_assert(N == 128 || N == 64 || N == 32, "wgmma_ss: N is 32, 64 or 128");
+    if constexpr (N == 128) wgmma_ss_n128<TA, TB>(d, da, db, accumulate);
+    else if constexpr (N == 64) wgmma_ss_n64<TA, TB>(d, da, db, accumulate);
+    else wgmma_ss_n32<TA, TB>(d, da, db, accumulate);
+}
+template <int N, int TB>
+__device__ __forceinline__ void wgmma_rs(float* d, const unsigned* a, unsigned long long db, int accumulate) {
+    static_assert(N == 128 || N == 64 || N == 32, "wgmma_rs: N is 32, 64 or 128");
+    if constexpr (N == 128) wgmma_rs_n128<TB>(d, a, db, accumulate);
+    else if constexpr (N == 64) wgmma_rs_n64<TB>(d, a, db, accumulate);
+    else wgmma_rs_n32<TB>(d, a, db, accumulate);
+}
+
+// The A operand (bf16 pairs) of k-step kk from an f32 accumulator of N columns: columns
+// [16 kk, 16 kk + 16) are its 8-column blocks 2 kk and 2 kk + 1.
+template <int N>
+__device__ __forceinline__ void acc_to_frag(unsigned* a, const float* c) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        a[4 * kk + 0] = pack_bf16(c[8 * kk + 0], c[8 * kk + 1]);
+        a[4 * kk + 1] = pack_bf16(c[8 * kk + 2], c[8 * kk + 3]);
+        a[4 * kk + 2] = pack_bf16(c[8 * kk + 4], c[8 * kk + 5]);
+        a[4 * kk + 3] = pack_bf16(c[8 * kk + 6], c[8 * kk + 7]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = 0.0f;
+}
+
+extern __shared__ __align__(1024) unsigned char mt_hfa_smem[];
+
+// The dynamic shared memory's first 1024-byte boundary (the launcher asks for 1 KiB more; the
+// kernels have no static shared memory, which would be padded to the array's alignment).
+__device__ __forceinline__ unsigned hfa_smem_base() { return (smem_addr(mt_hfa_smem) + 1023u) & ~1023u; }
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+#ifndef MT_HFA_FWD_STAGES
+#define MT_HFA_FWD_STAGES 3
+#endif
+
+template <int HD>
+struct HfaFwd {
+    static constexpr int BM = MT_HFA_BM, BN = MT_HFA_BN, STAGES = MT_HFA_FWD_STAGES, NCH = HD / 64;
+    static constexpr int TQ = BM * HD * 2, TK = BN * HD * 2;  // tile bytes
+    static constexpr int Q = 0, K = TQ, V = K + STAGES * TK, BAR = V + STAGES * TK;
+    // barriers: Q, K full [STAGES], V full [STAGES], K empty [STAGES], V empty [STAGES]; then the
+    // CTA's tile
+    static constexpr int TILE = BAR + 8 * (1 + 4 * STAGES);
+    static constexpr int SMEM = TILE + 8 + 1024;
+    static_assert(SMEM <= 232448, "a CTA has at most 227 KiB of shared memory");
+};
+
+template <int HD>
+__device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk, const MtTmaMap* tmv,
+                                        unsigned short* __restrict__ O, float* __restrict__ LSE,
+                                        const int* __restrict__ seg_lo, int T, int B, int NH, int NKV,
+                                        float scale_log2, int* counter) {
+    using L = HfaFwd<HD>;
+    constexpr int BM = L::BM, BN = L::BN, S = L::STAGES, NCH = L::NCH;
+    const unsigned base = hfa_smem_base();
+    int* s_tile = (int*)(mt_hfa_smem + (base + L::TILE - smem_addr(mt_hfa_smem)));
+    const unsigned sQ = base + L::Q, sK = base + L::K, sV = base + L::V;
+    // K and V have barriers of their own: a K stage is free once its S = Q K^T is done, a V stage
+    // only once P V is, a tile later.
+    const unsigned barQ = base + L::BAR, barK = barQ + 8, barV = barK + 8 * S, barEK = barV + 8 * S,
+                   barEV = barEK + 8 * S;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbar_init(barQ, 1);
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            mbar_init(barK + 8 * s, 1);
+            mbar_init(barV + 8 * s, 1);
+            mbar_init(barEK + 8 * s, 8);  // lane 0 of each consumer warp
+            mbar_init(barEV + 8 * s, 8);
+        }
+        fence_barrier_init();
+        *s_tile = atomicAdd(counter, 1);
+    }
+    __syncthreads();
+
+    // Tile -> (query tile, head, batch): the last query tiles (the most keys) first, the heads of
+    // one KV group next to each other (they read the same K and V).
+    const int nqt = (T + BM - 1) / BM;
+    const int t = *s_tile, hb = t % (NH * B);
+    const int qt = nqt - 1 - t / (NH * B), h = hb % NH, b = hb / NH;
+    const int kvh = h / (NH / NKV), q0 = qt * BM;
+    const int* seg = seg_lo ? seg_lo + (long long)b * T : nullptr;
+    const int q_last = min(q0 + BM, T) - 1;
+    const int jt_hi = q_last / BN, jt_lo = seg ? seg[q0] / BN : 0;
+    const int ntiles = jt_hi - jt_lo + 1;
+    const int wg = tid >> 7;
+
+    if (wg == 0) {
+        setmaxnreg_dec<24>();
+        if (tid == 0) {
+            mbar_expect_tx(barQ, L::TQ);
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) tma_load_4d(sQ + c * BM * 128, tmq, c * 64, h, q0, b, barQ);
+            // In the order the consumers need them: K of tile n, then V of tile n - 1.
+            for (int n = 0; n <= ntiles; ++n) {
+                if (n < ntiles) {
+                    const int s = n % S, j0 = (jt_hi - n) * BN;
+                    if (n >= S) mbar_wait(barEK + 8 * s, ((n / S) - 1) & 1);
+                    mbar_expect_tx(barK + 8 * s, L::TK);
+#pragma unroll
+                    for (int c = 0; c < NCH; ++c)
+                        tma_load_4d(sK + s * L::TK + c * BN * 128, tmk, c * 64, kvh, j0, b, barK + 8 * s);
+                }
+                if (n > 0) {
+                    const int m = n - 1, s = m % S, j0 = (jt_hi - m) * BN;
+                    if (m >= S) mbar_wait(barEV + 8 * s, ((m / S) - 1) & 1);
+                    mbar_expect_tx(barV + 8 * s, L::TK);
+#pragma unroll
+                    for (int c = 0; c < NCH; ++c)
+                        tma_load_4d(sV + s * L::TK + c * BN * 128, tmv, c * 64, kvh, j0, b, barV + 8 * s);
+                }
+            }
+        }
+        return;
+    }
+    setmaxnreg_inc<240>();
+
+    // Consumer warpgroup w: rows q0 + 64 w .. + 63; this thread's rows r[i] = row0 + 16 wq + g + 8 i.
+    const int w = wg - 1, lt = tid & 127, wq = lt >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    const int row0 = q0 + 64 * w;
+    int r[2], rseg[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        r[i] = row0 + 16 * wq + g + 8 * i;
+        rseg[i] = seg ? seg[min(r[i], T - 1)] : 0;
+    }
+    const int seg_max = seg ? seg[min(row0 + 63, T - 1)] : 0;
+    float m[2] = {MT_NEG_INF, MT_NEG_INF}, l[2] = {0.0f, 0.0f};
+    float o[HD / 2], s[BN / 2];
+    unsigned p[BN / 4];
+    zero<HD / 2>(o);
+    const unsigned qa = sQ + 64 * w * 128;  // this warpgroup's 64 rows of each Q chunk
+
+    auto issue_qk = [&](int st) {
+        fence_regs<BN / 2>(s);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const unsigned off = (kk & 3) * 32;
+            const unsigned long long da = desc_sw128(qa + (kk >> 2) * BM * 128 + off, 16, 1024);
+            const unsigned long long db = desc_sw128(sK + st * L::TK + (kk >> 2) * BN * 128 + off, 16, 1024);
+            wgmma_ss<BN, 0, 0>(s, da, db, kk > 0);
+        }
+        wg_commit();
+    };
+    auto issue_pv = [&](int st) {
+        fence_regs<HD / 2>(o);
+        fence_regs<BN / 4>(p);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const unsigned long long db = desc_sw128(sV + st * L::TK + kk * 2048, BN * 128, 1024);
+            wgmma_rs<HD, 1>(o, &p[4 * kk], db, 1);
+        }
+        wg_commit();
+    };
+    // Masks tile jt's scores, updates the running max and sum, turns s into probabilities (f32)
+    // and returns each row's rescale factor for O.
+    auto softmax = [&](int jt, float* alpha) {
+        const int j0 = jt * BN;
+        const bool masked = j0 + BN - 1 > row0 || j0 < seg_max;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = MT_NEG_INF;
+#pragma unroll
+            for (int jb = 0; jb < BN / 8; ++jb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = s[4 * jb + 2 * i + e];
+                    if (masked) {
+                        const int key = j0 + 8 * jb + 2 * tq + e;
+                        if (key > r[i] || key < rseg[i]) x = MT_NEG_INF;
+                        s[4 * jb + 2 * i + e] = x;
+                    }
+                    mx = fmaxf(mx, x);
+                }
+            mx = quad_max(mx) * scale_log2;
+            const float m_new = fmaxf(m[i], mx);
+            const float m_use = m_new == MT_NEG_INF ? 0.0f : m_new;
+            alpha[i] = fast_exp2(m[i] - m_use);
+            m[i] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int jb = 0; jb < BN / 8; ++jb)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pv = fast_exp2(fmaf(s[4 * jb + 2 * i + e], scale_log2, -m_use));
+                    s[4 * jb + 2 * i + e] = pv;
+                    sum += pv;
+                }
+            l[i] = l[i] * alpha[i] + sum;
+        }
+    };
+
+    // Ping-pong: the two consumers take turns issuing their products (named barriers 3 and 4),
+    // so one's softmax runs while the other's products keep the tensor cores busy. Turns: the
+    // first QK^T, one per later tile, the last PV; consumer 1 gives consumer 0 the first turn and
+    // skips its own last hand-back.
+#ifdef MT_HFA_PINGPONG
+    if (w == 1) named_arrive(3, 256);
+    auto turn = [&]() { named_sync(3 + w, 256); };
+    auto pass = [&](bool last) {
+        if (!(last && w == 1)) named_arrive(4 - w, 256);
+    };
+#else
+    auto turn = [&]() {};
+    auto pass = [&](bool) {};
+#endif
+    mbar_wait(barQ, 0);
+    float alpha[2];
+    mbar_wait(barK, 0);
+    turn();
+    issue_qk(0);
+    pass(false);
+    wg_wait<0>();
+    fence_regs<BN / 2>(s);
+    if (lane == 0) mbar_arrive(barEK);
+    softmax(jt_hi, alpha);
+    acc_to_frag<BN>(p, s);
+    for (int n = 1; n < ntiles; ++n) {
+        const int sc = n % S, sp = (n - 1) % S;
+        mbar_wait(barK + 8 * sc, (n / S) & 1);
+        mbar_wait(barV + 8 * sp, ((n - 1) / S) & 1);
+        turn();
+        issue_qk(sc);
+        issue_pv(sp);
+        pass(false);
+        wg_wait<1>();
+        fence_regs<BN / 2>(s);
+        if (lane == 0) mbar_arrive(barEK + 8 * sc);
+        softmax(jt_hi - n, alpha);
+        wg_wait<0>();
+        fence_regs<HD / 2>(o);
+        fence_regs<BN / 4>(p);
+        if (lane == 0) mbar_arrive(barEV + 8 * sp);
+        // Once the running maxima settle, most tiles leave them unchanged: skip the rescale where
+        // no row of the warp moved (alpha = 1 exactly).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+            for (int jb = 0; jb < HD / 8; ++jb)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    o[4 * jb + 2 * i] *= alpha[i];
+                    o[4 * jb + 2 * i + 1] *= alpha[i];
+                }
+        }
+        acc_to_frag<BN>(p, s);
+    }
+    const int sl = (ntiles - 1) % S;
+    mbar_wait(barV + 8 * sl, ((ntiles - 1) / S) & 1);
+    turn();
+    issue_pv(sl);
+    pass(true);
+    wg_wait<0>();
+    fence_regs<HD / 2>(o);
+
+    // Epilogue: O = acc / l as bf16, LSE = ln(sum) of the scaled scores.
+    float* Lrow = LSE + ((long long)b * NH + h) * T;
+    const long long ldo = (long long)NH * HD;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float lsum = quad_sum(l[i]);
+        if (r[i] >= T) continue;
+        const float inv = 1.0f / lsum;
+        if (tq == 0) {
+            const float mm = m[i] == MT_NEG_INF ? 0.0f : m[i];
+            Lrow[r[i]] = (mm + log2f(lsum)) * MT_LN2;
+        }
+        unsigned* dst = (unsigned*)(O + ((long long)b * T + r[i]) * ldo + (long long)h * HD);
+#pragma unroll
+        for (int jb = 0; jb < HD / 8; ++jb)
+            dst[jb * 4 + tq] = pack_bf16(o[4 * jb + 2 * i] * inv, o[4 * jb + 2 * i + 1] * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+template <int HD>
+struct HfaBwd {
+    static constexpr int BN = MT_HFA_BN, BQ = MT_HFA_BQ, NCH = HD / 64;
+    static constexpr int TK = BN * HD * 2, TQ = BQ * HD * 2;  // tile bytes
+    static constexpr int DS = BN * BQ * 2;                     // dS^T, bf16, keys x queries
+    static constexpr int DQ = BQ * HD * 4;                     // a dQ partial, f32
+    static constexpr int K = 0, V = TK, Q = 2 * TK, DO = Q + 2 * TQ, DSO = DO + 2 * TQ, DQO = DSO + 2 * DS;
+    static constexpr int LD = DQO + 2 * DQ;  // LSE (log2 domain) and D of a stage's queries, f32
+    static constexpr int BAR = LD + 2 * 2 * BQ * 4;
+    // barriers: K+V, Q/dO full [2], Q/dO empty [2], dQ partial written [2], dQ partial read [2];
+    // then the block
+    static constexpr int BLOCK = BAR + 8 * 9;
+    static constexpr int SMEM = BLOCK + 8 + 1024;
+    static_assert(SMEM <= 232448, "a CTA has at most 227 KiB of shared memory");
+    // Registers of a consumer's half of the dQ partial (64 rows x HD / 2) and their float4 groups.
+    static constexpr int DQR = HD / 4, DQG = HD / 16;
+};
+
+template <int HD>
+__device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk, const MtTmaMap* tmv,
+                                        const MtTmaMap* tmdo, const float* __restrict__ LSE,
+                                        const float* __restrict__ D, float* __restrict__ dq_acc, int* sync,
+                                        unsigned short* __restrict__ dK, unsigned short* __restrict__ dV,
+                                        const int* __restrict__ seg_lo, const int* __restrict__ seg_hi, int T,
+                                        int B, int NH, int NKV, float scale, float scale_log2, int deterministic) {
+    using L = HfaBwd<HD>;
+    constexpr int BN = L::BN, BQ = L::BQ, NCH = L::NCH;
+    const unsigned base = hfa_smem_base();
+    int* s_block = (int*)(mt_hfa_smem + (base + L::BLOCK - smem_addr(mt_hfa_smem)));
+    const unsigned sK = base + L::K, sV = base + L::V, sQ = base + L::Q, sdO = base + L::DO;
+    const unsigned sdS = base + L::DSO, sdQ = base + L::DQO;
+    const unsigned barKV = base + L::BAR, barF = barKV + 8, barE = barF + 16, barQF = barE + 16, barQE = barQF + 16;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbar_init(barKV, 1);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(barF + 8 * s, 32);  // the load warp's lanes
+            mbar_init(barE + 8 * s, 8);   // lane 0 of each consumer warp
+            mbar_init(barQF + 8 * s, 8);  // lane 0 of each consumer warp
+            mbar_init(barQE + 8 * s, 1);  // the dQ warp
+        }
+        fence_barrier_init();
+        *s_block = atomicAdd(sync, 1);
+    }
+    __syncthreads();
+
+    // Block -> (key block, KV head, batch): the first key blocks (the most query tiles) first.
+    const int blk = *s_block, rest = blk % (NKV * B);
+    const int jb = blk / (NKV * B), kvh = rest % NKV, b = rest / NKV;
+    const int G = NH / NKV, j0 = jb * BN;
+    const int nqt = (T + BQ - 1) / BQ;
+    const int* slo = seg_lo ? seg_lo + (long long)b * T : nullptr;
+    const int* shi = seg_hi ? seg_hi + (long long)b * T : nullptr;
+    const int k_last = min(j0 + BN, T) - 1;
+    const int q_end = shi ? shi[k_last] : T;  // queries [j0, q_end) see some key of the block
+    const int it_lo = j0 / BQ, it_hi = (q_end - 1) / BQ, n_it = it_hi - it_lo + 1, n_items = G * n_it;
+    const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
+
+    if (wg == 0) {
+        setmaxnreg_dec<40>();  // the load warp's and the dQ warp's loops fit in 40
+        if (warp == 0) {  // loads: lane 0 the tiles, every lane two queries' LSE and D
+            if (lane == 0) {
+                mbar_expect_tx(barKV, 2 * L::TK);
+#pragma unroll
+                for (int c = 0; c < NCH; ++c) {
+                    tma_load_4d(sK + c * BN * 128, tmk, c * 64, kvh, j0, b, barKV);
+                    tma_load_4d(sV + c * BN * 128, tmv, c * 64, kvh, j0, b, barKV);
+                }
+            }
+            float* ld = (float*)(mt_hfa_smem + (base + L::LD - smem_addr(mt_hfa_smem)));
+            for (int n = 0; n < n_items; ++n) {
+                const int s = n & 1, h = kvh * G + n / n_it, i0 = (it_hi - n % n_it) * BQ;
+                if (n >= 2) mbar_wait(barE + 8 * s, ((n >> 1) - 1) & 1);
+                if (lane == 0) {
+                    mbar_expect_tx_only(barF + 8 * s, 2 * L::TQ);
+#pragma unroll
+                    for (int c = 0; c < NCH; ++c) {
+                        tma_load_4d(sQ + s * L::TQ + c * BQ * 128, tmq, c * 64, h, i0, b, barF + 8 * s);
+                        tma_load_4d(sdO + s * L::TQ + c * BQ * 128, tmdo, c * 64, h, i0, b, barF + 8 * s);
+                    }
+                }
+                // A query past T gets P = 0 (exp2(x - inf)) and D = 0.
+                const long long ro = ((long long)b * NH + h) * T;
+#pragma unroll
+                for (int e = 0; e < BQ / 32; ++e) {
+                    const int qi = lane + 32 * e, q = i0 + qi;
+                    ld[(2 * s) * BQ + qi] = q < T ? LSE[ro + q] * MT_LOG2E : MT_POS_INF;
+                    ld[(2 * s + 1) * BQ + qi] = q < T ? D[ro + q] : 0.0f;
+                }
+                mbar_arrive(barF + 8 * s);
+            }
+        } else if (warp == 1 && lane == 0) {
+            // dQ adds: each item's partial into its tile, after the blocks below this one when
+            // deterministic. A tile's counter is released once the add is done, which is waited for
+            // only after the next item's add is issued.
+            int* prev_sem = sync;
+            for (int n = 0; n < n_items; ++n) {
+                const int s = n & 1, h = kvh * G + n / n_it, it = it_hi - n % n_it;
+                mbar_wait(barQF + 8 * s, (n >> 1) & 1);
+                const long long tile = ((long long)b * NH + h) * nqt + it;
+                int* sem = sync + 1 + tile;
+                if (deterministic) {
+                    const int first = slo ? slo[it * BQ] / BN : 0;  // the lowest key block this tile sees
+                    while (ld_acquire(sem) != jb - first) {
+                    }
+                    fence_async_global();
+                }
+#ifndef MT_HFA_NO_DQ_ADD
+                bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
+#endif
+                bulk_commit();
+                bulk_wait_read();
+                mbar_arrive(barQE + 8 * s);
+                if (deterministic) {
+                    if (n > 0) {
+                        bulk_wait_all_but_one();
+                        fence_async_global();
+                        red_release_add(prev_sem, 1);
+                    }
+                    prev_sem = sem;
+                }
+            }
+            bulk_wait_all();
+            if (deterministic && n_items > 0) {
+                fence_async_global();
+                red_release_add(prev_sem, 1);
+            }
+        }
+        return;
+    }
+    setmaxnreg_inc<232>();  // 2 x 128 x 232 + 128 x 40 = the 384 x 168 a CTA starts with
+
+    // Consumer warpgroup w: keys j0 + 64 w .. + 63; this thread's keys kr[i] (rows of S^T).
+    const int w = wg - 1, lt = tid & 127, wq = lt >> 5, g = lane >> 2, tq = lane & 3;
+    const int key0 = j0 + 64 * w;
+    int kr[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) kr[i] = key0 + 16 * wq + g + 8 * i;
+    float dk[HD / 2], dv[HD / 2], st[BQ / 2], dp[BQ / 2], dq[L::DQR];
+    unsigned pa[BQ / 4], da[BQ / 4];
+    zero<HD / 2>(dk);
+    zero<HD / 2>(dv);
+    const unsigned ka = sK + 64 * w * 128, va = sV + 64 * w * 128;  // this warpgroup's keys
+    // dQ half: columns [w HD / 2, (w + 1) HD / 2) of K (a whole chunk for HD 128, half of one
+    // chunk's row for HD 64).
+    const unsigned kb = sK + (HD == 128 ? w * BN * 128 : w * 64);
+    const float* ldsm = (const float*)(mt_hfa_smem + (base + L::LD - smem_addr(mt_hfa_smem)));
+
+    mbar_wait(barKV, 0);
+    for (int n = 0; n < n_items; ++n) {
+        const int s = n & 1, i0 = (it_hi - n % n_it) * BQ;
+        const unsigned ds = sdS + s * L::DS;
+        // Laundered so that the descriptors are rebuilt here rather than kept live across the loop.
+        const unsigned kan = launder(ka), van = launder(va), q_s = launder(sQ + s * L::TQ), do_s = sdO + s * L::TQ;
+        mbar_wait(barF + 8 * s, (n >> 1) & 1);
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), one group.
+        fence_regs<BQ / 2>(st);
+        fence_regs<BQ / 2>(dp);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            wgmma_ss<BQ, 0, 0>(st, desc_sw128(kan + off, 16, 1024), desc_sw128(q_s + offq, 16, 1024), kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
+            wgmma_ss<BQ, 0, 0>(dp, desc_sw128(van + off, 16, 1024), desc_sw128(do_s + offq, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        // This thread's queries: i0 + 8 jq + 2 tq + e; their LSE (log2 domain) and D.
+        const float2* lse2 = (const float2*)(ldsm + (2 * s) * BQ) + tq;
+        const float2* dd = (const float2*)(ldsm + (2 * s + 1) * BQ) + tq;
+        const bool masked = i0 < key0 + 63 || i0 + BQ > T || (slo && slo[min(i0 + BQ - 1, T - 1)] > key0);
+        wg_wait<0>();
+        fence_regs<BQ / 2>(st);
+        fence_regs<BQ / 2>(dp);
+#pragma unroll
+        for (int jq = 0; jq < BQ / 8; ++jq) {
+            const float2 l2 = lse2[4 * jq], d2 = dd[4 * jq];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int x = 4 * jq + 2 * i + e;
+                    float pv = fast_exp2(fmaf(st[x], scale_log2, -(e ? l2.y : l2.x)));
+                    if (masked) {
+                        const int q = i0 + 8 * jq + 2 * tq + e;
+                        if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i])) pv = 0.0f;
+                    }
+                    st[x] = pv;
+                    dp[x] = pv * (dp[x] - (e ? d2.y : d2.x));
+                }
+        }
+        acc_to_frag<BQ>(pa, st);
+        acc_to_frag<BQ>(da, dp);
+        // dV += P^T dO, dK += dS^T Q (64 keys x HD, contraction over the 64 queries): one group.
+        fence_regs<HD / 2>(dv);
+        fence_regs<HD / 2>(dk);
+        fence_regs<BQ / 4>(pa);
+        fence_regs<BQ / 4>(da);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk)
+            wgmma_rs<HD, 1>(dv, &pa[4 * kk], desc_sw128(do_s + kk * 2048, BQ * 128, 1024), 1);
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk)
+            wgmma_rs<HD, 1>(dk, &da[4 * kk], desc_sw128(q_s + kk * 2048, BQ * 128, 1024), 1);
+        wg_commit();
+        // dS^T into this item's shared buffer (keys x queries, bf16, swizzled: row = key within the
+        // block, 16-byte piece = query / 8). The buffer's last reader, item n - 2's dQ product in
+        // both consumers, finished before either passed item n - 1's barrier below.
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int row = 64 * w + 16 * wq + g + 8 * i, piece = 2 * kk + half;
+                    const unsigned addr = ds + row * 128 + ((piece ^ (row & 7)) << 4) + tq * 4;
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[4 * kk + 2 * half + i]) : "memory");
+                }
+        fence_async_shared();
+        named_sync(1, 256);  // both consumers' halves of dS^T are written
+        // dQ half = dS K: 64 queries x HD / 2, contraction over the block's 128 keys: one group.
+        fence_regs<L::DQR>(dq);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_ss<HD / 2, 1, 1>(dq, desc_sw128(ds + kk * 2048, BN * 128, 1024),
+                                   desc_sw128(kb + kk * 2048, BN * 128, 1024), kk > 0);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs<HD / 2>(dv);
+        fence_regs<HD / 2>(dk);
+        fence_regs<BQ / 4>(pa);
+        fence_regs<BQ / 4>(da);
+        fence_regs<L::DQR>(dq);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
+        // The partial into shared memory in the registers' own order (each warp writes 512
+        // contiguous bytes: no bank conflicts), once the dQ warp has read the previous one; the
+        // dQ buffer keeps that order, the convert kernel undoes it.
+        if (n >= 2) mbar_wait(barQE + 8 * s, ((n >> 1) - 1) & 1);
+        float4* part = (float4*)(mt_hfa_smem + (sdQ + s * L::DQ - smem_addr(mt_hfa_smem)));
+#pragma unroll
+        for (int q4 = 0; q4 < L::DQG; ++q4)
+            part[(w * L::DQG + q4) * 128 + lt] = make_float4(dq[4 * q4], dq[4 * q4 + 1], dq[4 * q4 + 2], dq[4 * q4 + 3]);
+        fence_async_shared();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(barQF + 8 * s);
+    }
+
+    // dK (times the softmax scale) and dV as bf16.
+    const long long ldk = (long long)NKV * HD;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (kr[i] >= T) continue;
+        const long long off = ((long long)b * T + kr[i]) * ldk + (long long)kvh * HD;
+        unsigned* k_out = (unsigned*)(dK + off);
+        unsigned* v_out = (unsigned*)(dV + off);
+#pragma unroll
+        for (int jd = 0; jd < HD / 8; ++jd) {
+            k_out[jd * 4 + tq] = pack_bf16(dk[4 * jd + 2 * i] * scale, dk[4 * jd + 2 * i + 1] * scale);
+            v_out[jd * 4 + tq] = pack_bf16(dv[4 * jd + 2 * i], dv[4 * jd + 2 * i + 1]);
+        }
+    }
+}
+
+// dQ [B, T, NH, HD] bf16 = scale x the fp32 buffer [B, NH, T / 64 tiles, 64 x HD in the consumers'
+// register order]. One thread writes 8 consecutive elements of a row.
+template <int HD>
+__device__ __forceinline__ void hfa_dq_convert(const float* __restrict__ acc, unsigned short* __restrict__ dQ, int T,
+                                               int NH, float scale, long long groups) {
+    constexpr int BQ = MT_HFA_BQ, DQG = HD / 16;
+    const long long gi = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= groups) return;
+    const int c0 = (int)(gi % (HD / 8)) * 8;
+    const long long row = gi / (HD / 8);  // (b * T + t) * NH + h
+    const int h = (int)(row % NH);
+    const long long bt = row / NH;
+    const int t = (int)(bt % T);
+    const long long b = bt / T;
+    const int nqt = (T + BQ - 1) / BQ, it = t / BQ, rr = t % BQ;
+    const float* tile = acc + (((long long)b * NH + h) * nqt + it) * (BQ * HD);
+    // Element (rr, c) lives in consumer w = c / (HD / 2), thread 32 (rr / 16) + 4 (rr mod 8) + tq,
+    // register 4 jb + 2 i + e, where c mod HD / 2 = 8 jb + 2 tq + e and i = (rr / 8) mod 2.
+    const int w = c0 / (HD / 2), jb = (c0 % (HD / 2)) / 8, i = (rr >> 3) & 1;
+    unsigned out[4];
+#pragma unroll
+    for (int tq = 0; tq < 4; ++tq) {
+        const int lt = 32 * (rr >> 4) + 4 * (rr & 7) + tq;
+        const float2 v = *(const float2*)(tile + ((w * DQG + jb) * 128 + lt) * 4 + 2 * i);
+        out[tq] = pack_bf16(v.x * scale, v.y * scale);
+    }
+    *(uint4*)(dQ + row * HD + c0) = make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+#define MT_HFA_KERNELS(HD)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MT_HFA_THREADS, 1) mt_hfa_fwd_hd##HD(                             \
+        const __grid_constant__ MtTmaMap tq, const __grid_constant__ MtTmaMap tk,                                   \
+        const __grid_constant__ MtTmaMap tv, unsigned short* O, float* LSE, const int* seg_lo, int T, int B, int NH, \
+        int NKV, float scale_log2, int* counter) {                                                                 \
+        hfa_fwd<HD>(&tq, &tk, &tv, O, LSE, seg_lo, T, B, NH, NKV, scale_log2, counter);                            \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(MT_HFA_THREADS, 1) mt_hfa_bwd_hd##HD(                             \
+        const __grid_constant__ MtTmaMap tq, const __grid_constant__ MtTmaMap tk,                                   \
+        const __grid_constant__ MtTmaMap tv, const __grid_constant__ MtTmaMap tdo, const float* LSE, const float* D, \
+        float* dq_acc, int* sync, unsigned short* dK, unsigned short* dV, const int* seg_lo, const int* seg_hi,      \
+        int T, int B, int NH, int NKV, float scale, float scale_log2, int deterministic) {                          \
+        hfa_bwd<HD>(&tq, &tk, &tv, &tdo, LSE, D, dq_acc, sync, dK, dV, seg_lo, seg_hi, T, B, NH, NKV, scale,        \
+                    scale_log2, deterministic);                                                                     \
+    }                                                                                                              \
+    extern "C" __global__ void mt_hfa_dq_convert_hd##HD(const float* acc, unsigned short* dQ, int T, int NH,       \
+                                                        float scale, long long groups) {                           \
+        hfa_dq_convert<HD>(acc, dQ, T, NH, scale, groups);                                                         \
+    }
+
+MT_HFA_KERNELS(64)
+MT_HFA_KERNELS(128)

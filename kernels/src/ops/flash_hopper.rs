@@ -1,0 +1,371 @@
+//! Flash attention on Hopper (`kernels/cuda/flash_attn_hopper.cu`): the same operation and
+//! outputs as the portable kernels of `flash.rs`, on wgmma, TMA and warp-specialised CTAs, for
+//! compute capability 9.0 and head dims 64 and 128. [`flash.rs`](super::flash) decides which runs.
+//!
+//! The source is compiled once per process by NVRTC for `sm_90a` into a CUBIN (`nvrtc.rs`'s
+//! [`compile_cubin`](super::nvrtc::compile_cubin), which refuses ptxas's warnings that the kernels
+//! lost their Hopper features) and loaded once per GPU. Each launch describes Q, K, V and dO to
+//! the copy engine as 4-d tensor maps (`cuTensorMapEncodeTiled`), passed by value. The backward
+//! adds each query tile's dQ into an fp32 buffer `[b, heads, ⌈t / 64⌉, 64 × hd]` (what the planner
+//! counts as the attention backward's extra workspace: [`crate::hopper_dq_buffer_bytes`]) in key-block order, so
+//! two runs give the same bits. `scripts/hopper_attention.py` launches the same kernels the same
+//! way for the kernel benchmark.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    self, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
+    CUtensorMapSwizzle,
+};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, DType, Tensor};
+use half::bf16;
+
+use super::flash::{cuda_dev, scales, view, wrap, NULL};
+use super::msg;
+use super::nvrtc::compile_cubin;
+use super::sources::{COMMON, FLASH, FLASH_HOPPER};
+
+/// Threads of the forward and backward kernels (`MT_HFA_THREADS`: a producer warpgroup and two
+/// consumers).
+const THREADS: u32 = 384;
+/// Query rows of a forward CTA, keys of a backward CTA, query rows of a backward tile
+/// (`MT_HFA_BM`, `MT_HFA_BN`, `MT_HFA_BQ`).
+const BM: usize = 128;
+const BN: usize = 128;
+const BQ: usize = crate::HOPPER_BQ;
+/// Forward K/V stages (`MT_HFA_FWD_STAGES`).
+const FWD_STAGES: usize = 3;
+
+/// Dynamic shared memory of the forward (`HfaFwd::SMEM`): Q, the K and V stages, barriers, the
+/// tile number, and 1 KiB to align the start to 1024 bytes.
+fn smem_fwd(hd: usize) -> u32 {
+    let (tq, tk) = (BM * hd * 2, BN * hd * 2);
+    (tq + 2 * FWD_STAGES * tk + 8 * (1 + 4 * FWD_STAGES) + 8 + 1024) as u32
+}
+
+/// Dynamic shared memory of the backward (`HfaBwd::SMEM`): K, V, two Q / dO stages, two dS^T
+/// buffers, two dQ partials, the stages' LSE and D, barriers, the block number, alignment.
+fn smem_bwd(hd: usize) -> u32 {
+    let (tk, tq, ds, dq) = (BN * hd * 2, BQ * hd * 2, BN * BQ * 2, BQ * hd * 4);
+    (2 * tk + 4 * tq + 2 * ds + 2 * dq + 4 * BQ * 4 + 8 * 9 + 8 + 1024) as u32
+}
+
+/// Whether the Hopper kernels run on `dev` for head dim `hd`: a GPU of compute capability 9.0
+/// exactly (sm_90a code runs on nothing else), head dim 64 or 128, and no `MEGATRAIN_NVRTC_CC`
+/// below 90 (which asks for an older GPU's code, the portable kernels, on this one).
+pub fn hopper_applies(dev: &CudaDevice, hd: usize) -> bool {
+    let cc = dev.cuda_stream().context().compute_capability().ok();
+    let forced = std::env::var("MEGATRAIN_NVRTC_CC").ok().and_then(|s| s.trim().parse::<i32>().ok());
+    cc == Some((9, 0)) && forced.is_none_or(|f| f >= 90) && matches!(hd, 64 | 128)
+}
+
+/// The CUBIN, compiled once per process (its compile log kept for the error of a failure).
+pub(super) fn compiled_cubin() -> candle_core::Result<&'static [u8]> {
+    static CUBIN: OnceLock<Result<Vec<u8>, String>> = OnceLock::new();
+    let r = CUBIN.get_or_init(|| {
+        // The portable file first: the Hopper file reuses its helpers and `mt_flash_bwd_dot`.
+        let src = format!(
+            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}\n#line 1 \"{}\"\n{}",
+            FLASH.file, FLASH.text, FLASH_HOPPER.file, FLASH_HOPPER.text
+        );
+        compile_cubin(&src, FLASH_HOPPER.file, "sm_90a")
+    });
+    r.as_deref().map_err(|e| msg(format!("NVRTC compiling kernels/cuda/{}: {e}", FLASH_HOPPER.file)))
+}
+
+/// `name` of the module loaded on `dev`'s GPU (once per GPU of the process).
+fn function(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
+    static MODULES: Mutex<Vec<(usize, Arc<CudaModule>)>> = Mutex::new(Vec::new());
+    let ctx = dev.cuda_stream().context().clone();
+    let ordinal = ctx.ordinal();
+    let mut mods = MODULES.lock().map_err(|_| msg("flash attention: the module cache was poisoned"))?;
+    let module = match mods.iter().find(|(o, _)| *o == ordinal) {
+        Some((_, m)) => m.clone(),
+        None => {
+            let m = ctx.load_module(Ptx::from_binary(compiled_cubin()?.to_vec())).w()?;
+            mods.push((ordinal, m.clone()));
+            m
+        }
+    };
+    module.load_function(name).w()
+}
+
+/// A CUtensorMap: 128 opaque bytes the kernel takes by value (`MtTmaMap`).
+#[repr(C, align(128))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+
+// SAFETY: plain bytes, `#[repr(C)]`, passed by value as the kernels' `const __grid_constant__
+// MtTmaMap` parameters (128 bytes; the kernel's type is 64-byte aligned, this one more).
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The tensor map of a `[b, t, heads, hd]` bf16 tensor at `ptr` for boxes of `rows` x 64:
+/// dimensions {hd, heads, t, b} innermost first, 128-byte swizzle (the layout the kernels'
+/// descriptors read), zeros past the end.
+fn tensor_map(
+    ptr: u64,
+    b: usize,
+    t: usize,
+    heads: usize,
+    hd: usize,
+    rows: usize,
+) -> candle_core::Result<TmaMap> {
+    let mut map = TmaMap([0; 16]);
+    let dims: [u64; 4] = [hd as u64, heads as u64, t as u64, b as u64];
+    let strides: [u64; 3] = [(hd * 2) as u64, (heads * hd * 2) as u64, (t * heads * hd * 2) as u64];
+    let boxes: [u32; 4] = [64, 1, rows as u32, 1];
+    let elem_strides: [u32; 4] = [1; 4];
+    // SAFETY: `map` is 128 writable bytes aligned to 128 (the driver asks for 64); the arrays are
+    // the rank (4) long, strides rank - 1; `ptr` is a live device allocation of b·t·heads·hd bf16
+    // (the caller's view), which the driver only records.
+    let rc = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            (&mut map as *mut TmaMap).cast(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if rc != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(msg(format!(
+            "flash attention: the copy engine cannot describe a [{b}, {t}, {heads}, {hd}] tensor ({rc:?})"
+        )));
+    }
+    Ok(map)
+}
+
+/// `name`'s function with its dynamic shared memory limit raised to `smem`.
+fn kernel(dev: &CudaDevice, name: &str, smem: u32) -> candle_core::Result<CudaFunction> {
+    let f = function(dev, name)?;
+    f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+        .w()?;
+    Ok(f)
+}
+
+fn stream(dev: &CudaDevice) -> Arc<CudaStream> {
+    dev.cuda_stream()
+}
+
+/// Forward (`flash.rs`'s contract): `(o [b, t, nh, hd] bf16, lse [b, nh, t] f32)`.
+pub(super) fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: Option<(&Tensor, &Tensor)>,
+    (b, t, nh, nkv, hd): (usize, usize, usize, usize, usize),
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let dev = cuda_dev(q)?;
+    let st = stream(&dev);
+    let (qs, _) = q.storage_and_layout();
+    let (ks, _) = k.storage_and_layout();
+    let (vs, _) = v.storage_and_layout();
+    let qv = view::<bf16>(&qs, q, DType::BF16, &[b, t, nh, hd], "q")?;
+    let kv = view::<bf16>(&ks, k, DType::BF16, &[b, t, nkv, hd], "k")?;
+    let vv = view::<bf16>(&vs, v, DType::BF16, &[b, t, nkv, hd], "v")?;
+    let lo_st = docs.map(|(lo, _)| lo.storage_and_layout());
+    let lo_v = match (&lo_st, docs) {
+        (Some((s, _)), Some((lo, _))) => Some(view::<u32>(s, lo, DType::U32, &[b, t], "document starts")?),
+        _ => None,
+    };
+    // SAFETY: every element is written by the kernel (rows < t of every head).
+    let o = unsafe { dev.alloc::<bf16>(b * t * nh * hd)? };
+    // SAFETY: as above, one value per (sequence, head, row).
+    let lse = unsafe { dev.alloc::<f32>(b * nh * t)? };
+    // The CTAs take their tiles from this counter as they start.
+    let counter = dev.alloc_zeros::<i32>(1)?;
+    let (qp, _gq) = qv.device_ptr(&st);
+    let (kp, _gk) = kv.device_ptr(&st);
+    let (vp, _gv) = vv.device_ptr(&st);
+    let (tq, tk, tv) = (
+        tensor_map(qp, b, t, nh, hd, BM)?,
+        tensor_map(kp, b, t, nkv, hd, BN)?,
+        tensor_map(vp, b, t, nkv, hd, BN)?,
+    );
+    let sm = smem_fwd(hd);
+    let f = kernel(&dev, &format!("mt_hfa_fwd_hd{hd}"), sm)?;
+    let (_, sl2) = scales(hd);
+    let (t32, b32, nh32, nkv32) = (t as i32, b as i32, nh as i32, nkv as i32);
+    let mut a = st.launch_builder(&f);
+    a.arg(&tq);
+    a.arg(&tk);
+    a.arg(&tv);
+    a.arg(&o);
+    a.arg(&lse);
+    match &lo_v {
+        Some(lo) => a.arg(lo),
+        None => a.arg(&NULL),
+    };
+    a.arg(&t32);
+    a.arg(&b32);
+    a.arg(&nh32);
+    a.arg(&nkv32);
+    a.arg(&sl2);
+    a.arg(&counter);
+    let tiles = t.div_ceil(BM) * nh * b;
+    let cfg =
+        LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: sm };
+    // SAFETY: signature (MtTmaMap Q, K, V by value, bf16* O, float* LSE, int* seg_lo or null, int
+    // T, B, NH, NKV, float scale_log2, int* counter); the maps describe q, k, v as checked above
+    // (the views stay borrowed, their guards alive, until after the launch); O holds b·t·nh·hd,
+    // LSE b·nh·t, seg_lo b·t; one CTA per 128-row tile of each head, each taking a distinct tile
+    // from the zeroed counter; `sm` bytes of shared memory, allowed above.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok((wrap(o, &dev, (b, t, nh, hd)), wrap(lse, &dev, (b, nh, t))))
+}
+
+/// Backward (`flash.rs`'s contract): `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    docs: Option<(&Tensor, &Tensor)>,
+    (b, t, nh, nkv, hd): (usize, usize, usize, usize, usize),
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let dev = cuda_dev(q)?;
+    let st = stream(&dev);
+    let (qs, _) = q.storage_and_layout();
+    let (ks, _) = k.storage_and_layout();
+    let (vs, _) = v.storage_and_layout();
+    let (os, _) = o.storage_and_layout();
+    let (ls, _) = lse.storage_and_layout();
+    let (ds, _) = d_o.storage_and_layout();
+    let qv = view::<bf16>(&qs, q, DType::BF16, &[b, t, nh, hd], "q")?;
+    let kv = view::<bf16>(&ks, k, DType::BF16, &[b, t, nkv, hd], "k")?;
+    let vv = view::<bf16>(&vs, v, DType::BF16, &[b, t, nkv, hd], "v")?;
+    let ov = view::<bf16>(&os, o, DType::BF16, &[b, t, nh, hd], "o")?;
+    let lv = view::<f32>(&ls, lse, DType::F32, &[b, nh, t], "lse")?;
+    let dov = view::<bf16>(&ds, d_o, DType::BF16, &[b, t, nh, hd], "d_o")?;
+    let bounds_st = docs.map(|(lo, hi)| (lo.storage_and_layout(), hi.storage_and_layout()));
+    let bounds = match (&bounds_st, docs) {
+        (Some(((lst, _), (hst, _))), Some((lo, hi))) => Some((
+            view::<u32>(lst, lo, DType::U32, &[b, t], "document starts")?,
+            view::<u32>(hst, hi, DType::U32, &[b, t], "document ends")?,
+        )),
+        _ => None,
+    };
+
+    // D = rowsum(dO ⊙ O), the portable file's kernel (one warp per row).
+    let rows = b * t * nh;
+    // SAFETY: one value per (sequence, token, head) row, every one written by the kernel.
+    let d = unsafe { dev.alloc::<f32>(rows)? };
+    let (t32, b32, nh32, nkv32, hd32, rows64) =
+        (t as i32, b as i32, nh as i32, nkv as i32, hd as i32, rows as i64);
+    let f = function(&dev, "mt_flash_bwd_dot")?;
+    let mut a = st.launch_builder(&f);
+    a.arg(&dov);
+    a.arg(&ov);
+    a.arg(&d);
+    a.arg(&t32);
+    a.arg(&nh32);
+    a.arg(&hd32);
+    a.arg(&rows64);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(4) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: signature (bf16* dO, O, float* D, int T, NH, HD, long long rows); one warp per row of
+    // hd elements, `rows` of them in dO and O, D holds `rows`.
+    unsafe { a.launch(cfg) }.w()?;
+
+    // The fp32 dQ buffer and, before it, the block counter and one turn counter per dQ tile.
+    let nqt = t.div_ceil(BQ);
+    let dq_acc = dev.alloc_zeros::<f32>(b * nh * nqt * BQ * hd)?;
+    let sync = dev.alloc_zeros::<i32>(1 + b * nh * nqt)?;
+    // SAFETY: every element of each is written by the kernels below (rows < t of every head).
+    let dk = unsafe { dev.alloc::<bf16>(b * t * nkv * hd)? };
+    // SAFETY: as above.
+    let dv = unsafe { dev.alloc::<bf16>(b * t * nkv * hd)? };
+    // SAFETY: as above, by the convert kernel.
+    let dq = unsafe { dev.alloc::<bf16>(b * t * nh * hd)? };
+    let (qp, _gq) = qv.device_ptr(&st);
+    let (kp, _gk) = kv.device_ptr(&st);
+    let (vp, _gv) = vv.device_ptr(&st);
+    let (dop, _gdo) = dov.device_ptr(&st);
+    let maps = [
+        tensor_map(qp, b, t, nh, hd, BQ)?,
+        tensor_map(kp, b, t, nkv, hd, BN)?,
+        tensor_map(vp, b, t, nkv, hd, BN)?,
+        tensor_map(dop, b, t, nh, hd, BQ)?,
+    ];
+    let (scale, sl2) = scales(hd);
+    let deterministic = 1i32;
+    let sm = smem_bwd(hd);
+    let f = kernel(&dev, &format!("mt_hfa_bwd_hd{hd}"), sm)?;
+    let mut a = st.launch_builder(&f);
+    for m in &maps {
+        a.arg(m);
+    }
+    a.arg(&lv);
+    a.arg(&d);
+    a.arg(&dq_acc);
+    a.arg(&sync);
+    a.arg(&dk);
+    a.arg(&dv);
+    match &bounds {
+        Some((lo, hi)) => {
+            a.arg(lo);
+            a.arg(hi);
+        }
+        None => {
+            a.arg(&NULL);
+            a.arg(&NULL);
+        }
+    }
+    a.arg(&t32);
+    a.arg(&b32);
+    a.arg(&nh32);
+    a.arg(&nkv32);
+    a.arg(&scale);
+    a.arg(&sl2);
+    a.arg(&deterministic);
+    let blocks = t.div_ceil(BN) * nkv * b;
+    let cfg =
+        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: sm };
+    // SAFETY: signature (MtTmaMap Q, K, V, dO by value, float* LSE, D, dQ buffer, int* sync, bf16*
+    // dK, dV, int* seg_lo, seg_hi (both or neither null), int T, B, NH, NKV, float scale,
+    // scale_log2, int deterministic); the maps describe q, k, v, dO as checked above (their guards
+    // alive until after the launch); LSE and D hold b·nh·t, the dQ buffer b·nh·⌈t/64⌉·64·hd
+    // zeroed, sync 1 + b·nh·⌈t/64⌉ zeroed (the block counter, then each tile's turn), dK/dV
+    // b·t·nkv·hd; one CTA per 128-key block of each KV head, each taking a distinct block from the
+    // counter as it starts, so the ordered adds wait only for CTAs already running; `sm` bytes of
+    // shared memory, allowed above.
+    unsafe { a.launch(cfg) }.w()?;
+
+    let groups = b * t * nh * hd / 8;
+    let f = function(&dev, &format!("mt_hfa_dq_convert_hd{hd}"))?;
+    let mut a = st.launch_builder(&f);
+    a.arg(&dq_acc);
+    a.arg(&dq);
+    a.arg(&t32);
+    a.arg(&nh32);
+    a.arg(&scale);
+    let groups64 = groups as i64;
+    a.arg(&groups64);
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: signature (float* buffer, bf16* dQ, int T, NH, float scale, long long groups); one
+    // thread per 8 elements of dQ (b·t·nh·hd of them), reading the buffer filled above.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok((wrap(dq, &dev, (b, t, nh, hd)), wrap(dk, &dev, (b, t, nkv, hd)), wrap(dv, &dev, (b, t, nkv, hd))))
+}
