@@ -158,8 +158,8 @@ fn moe_three_adamw_steps_match_torch() {
 
 /// The GPU's default precision on the CPU backend (bf16 weights and activations, f32 routing
 /// and statistics, 2 chunks): the loss within 1e-2 and every gradient within 3e-2 of the exact
-/// gradient of the same weights rounded to bf16 (measured 2026-11-26: worst 1.8e-2, 1.2e-2,
-/// 1.9e-2 for qwen3_moe, mixtral, olmoe). bf16 rounding of the router's input may move a token
+/// gradient of the same weights rounded to bf16 (the worst per fixture: docs/decisions/0041).
+/// bf16 rounding of the router's input may move a token
 /// whose top-k margin is below bf16's precision to another expert; none does on these fixtures.
 #[test]
 fn moe_bf16_engine_matches_within_bf16_tolerance() {
