@@ -131,8 +131,8 @@ impl<B: Backend> Engine<B> {
         Ok((loss, norm))
     }
 
-    /// Ends a step whose gradients have landed: decides whether it is skipped (module docs),
-    /// runs lean mode's deferred resident updates, and writes the store's new state.
+    /// Ends a step whose gradients have landed: decides whether it is skipped (module docs) and
+    /// writes the store's new state (lean mode's resident updates are the program's own ops).
     pub(super) fn conclude_step(
         &mut self,
         state: StoreState,

@@ -5,8 +5,11 @@
 //! Which layers a count picks is decided here too ([`Placement::is_gpu_updated`] and its
 //! siblings), and [`Placement::table`] gives one row per layer.
 //!
-//! A new setting is a field here and the code that implements it (the program's pass, the
-//! planner's phase); every struct on the way holds a `Placement`.
+//! A new setting is a field here (with its line in `PlacementChoice::AUTO`, `map` and, if it keeps
+//! state on the device, `with_device_state`), its flag in the CLI's `PlacementArgs`, and the code
+//! that implements it (the program's pass, the planner's phase); every struct of mt-sched and above
+//! holds a `Placement`, and mt-pool's `PoolSpec`, below it, copies the three counts that size
+//! device buffers.
 
 mod table;
 
