@@ -53,19 +53,27 @@ impl Extras<'_> {
 }
 
 /// Refuses to run `cfg`'s layers on `device` when its attention needs what only the CPU path
-/// has: GPT-OSS's sink logits and sliding-window layers are in neither the flash nor the
+/// has ([`check_gpu`]).
+pub fn check_device(cfg: &ModelConfig, device: &Device) -> Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    Ok(check_gpu(cfg)?)
+}
+
+/// Refuses to run `cfg`'s layers on a GPU when its attention needs what only the CPU path has:
+/// GPT-OSS's sink logits and sliding-window layers are in neither the flash nor the
 /// fused-softmax CUDA kernels, and the materialised fallback would hold `t x t` scores that the
 /// planner does not count.
-pub fn check_device(cfg: &ModelConfig, device: &Device) -> Result<()> {
-    if device.is_cpu() || (!cfg.attention_sinks && cfg.layer_windows.is_none()) {
+pub fn check_gpu(cfg: &ModelConfig) -> mt_core::Result<()> {
+    if !cfg.attention_sinks && cfg.layer_windows.is_none() {
         return Ok(());
     }
     Err(mt_core::Error::Unsupported(
         "gpt_oss on a GPU: its attention sinks and sliding-window layers are not in the CUDA attention kernels \
-         yet; train it on the CPU backend"
+         yet; train it on the CPU backend (--device cpu)"
             .into(),
-    )
-    .into())
+    ))
 }
 
 /// What the backward needs from the forward.

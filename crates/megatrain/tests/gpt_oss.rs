@@ -57,3 +57,20 @@ fn an_imported_released_layout_trains() {
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
     assert!(losses[7] < 0.8 * losses[0], "the loss falls on a repeated batch: {losses:?}");
 }
+
+/// `--device cuda` refuses GPT-OSS by name before anything is allocated: its sinks and windows
+/// are not in the CUDA attention kernels.
+#[test]
+fn the_gpu_is_refused_for_gpt_oss_with_a_sentence() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
+        .args(["train", "--device", "cuda", "--steps", "1", "--model"])
+        .arg(fixture().join("model"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--device cuda") && err.contains("gpt_oss on a GPU") && err.contains("--device cpu"),
+        "{err}"
+    );
+}
