@@ -212,7 +212,7 @@ pub(crate) fn forward(
         // keys of other documents get -inf scores first.
         let mut s = q.matmul(&k.t()?)?;
         if let Some(docs) = docs {
-            let m = docs.mask(dtype)?;
+            let m = docs.mask(dtype, None)?;
             s = s.reshape((b, nkv, g, t, t))?.broadcast_add(&m)?.reshape((b, nkv, g * t, t))?;
         }
         let (pb, stats) = mt_kernels::causal_softmax(&s, scale)?;
