@@ -158,8 +158,8 @@ fn moe_three_adamw_steps_match_torch() {
 
 /// The GPU's default precision on the CPU backend (bf16 weights and activations, f32 routing
 /// and statistics, 2 chunks): the loss within 1e-2 and every gradient within 3e-2 of the exact
-/// gradient of the same weights rounded to bf16 (measured 2026-11-26: worst 1.8e-2, 1.2e-2,
-/// 1.9e-2 for qwen3_moe, mixtral, olmoe; 2.4e-2 for gpt_oss). bf16 rounding of the router's input may move a token
+/// gradient of the same weights rounded to bf16 (the worst per fixture: docs/decisions/0041).
+/// bf16 rounding of the router's input may move a token
 /// whose top-k margin is below bf16's precision to another expert; none does on these fixtures.
 /// GPT-OSS's fixture sets its GLU clamp at 0.1 so that the clamps bind in f32, and bf16
 /// rounding then moves many gate and up values across that bound (whose gradient is zero on one
