@@ -89,6 +89,9 @@ pub struct Estimate {
     pub nccl_bytes_per_gpu: u64,
     /// Tokens of the global batch per step.
     pub tokens_per_step: usize,
+    /// Why `megatrain train` on this device refuses the model today (GPT-OSS on a GPU), if it
+    /// does: the plan is then what the model will get once the device runs it.
+    pub refused: Option<String>,
 }
 
 /// Whether the estimate's device runs the fused bf16 kernels (`--compute-capability` 8.0 or
@@ -272,6 +275,10 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         gpus: args.gpus,
         nccl_bytes_per_gpu: nccl_bytes as u64,
         tokens_per_step: args.batch_size * args.seq_len,
+        refused: match args.device {
+            DeviceKind::Cuda => mt_layers::check_gpu(cfg).err().map(|e| e.to_string()),
+            DeviceKind::Cpu => None,
+        },
     })
 }
 
@@ -360,6 +367,7 @@ impl Estimate {
             "tokens_per_s": secs(self.tokens_per_step as f64 / self.step_s),
             "model_tflops": secs(self.global_flops() / self.step_s / 1e12),
             "gpus": self.gpus, "nccl_bytes_per_gpu_per_step": self.nccl_bytes_per_gpu,
+            "refused_by_train": self.refused,
             "assumed": {"tflops": tflops, "attention_tflops": args.attention_tflops.map(|r| [r.0, r.1]),
                         "pcie_gbs": args.pcie_gbs, "host_gbs": host_gbs,
                         "compute_capability": args.compute_capability, "fused_kernels": fused_kernels(args)},
@@ -438,6 +446,9 @@ impl std::fmt::Display for Estimate {
                 self.tokens_per_step as f64 / self.step_s,
                 sig3(self.global_flops() / self.step_s / 1e12)
             )?;
+        }
+        if let Some(why) = &self.refused {
+            write!(f, "\nnote: `megatrain train` refuses this model on this device today ({why}); the plan above is what it will get once the device runs it")?;
         }
         if self.gpus > 1 {
             write!(

@@ -37,12 +37,13 @@ impl<B: Backend> Engine<B> {
             Op::Forward { layer, slot, keep } => {
                 let _s = tracing::debug_span!("forward", layer).entered();
                 let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let layer_t = self.layer_t.for_layer(layer)?;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
                     let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
                     let y = if let Some(stats) = self.router_stats.as_mut() {
                         // A MoE model: the router statistics of the load-balancing loss too.
-                        let (y, state) = self.layer_t.forward_routed(&w, &x, pos, keep, stats)?;
+                        let (y, state) = layer_t.forward_routed(&w, &x, pos, keep, stats)?;
                         if let Some(state) = state {
                             self.kept_bytes += state.bytes();
                             *self
@@ -52,14 +53,14 @@ impl<B: Backend> Engine<B> {
                         }
                         y
                     } else if keep {
-                        let (y, state) = self.layer_t.forward_keep_pos(&w, &x, pos)?;
+                        let (y, state) = layer_t.forward_keep_pos(&w, &x, pos)?;
                         let entry =
                             self.kept.get_mut(layer * chunks.len() + c).ok_or_else(|| no_kept(layer, c))?;
                         self.kept_bytes += state.bytes();
                         *entry = Some(state);
                         y
                     } else {
-                        self.layer_t.forward_pos(&w, &x, pos)?
+                        layer_t.forward_pos(&w, &x, pos)?
                     };
                     self.pool.put_checkpoint(layer + 1, c, y);
                 }
@@ -98,15 +99,16 @@ impl<B: Backend> Engine<B> {
                 DevicePool::zero(&gbuf)?;
                 let sink = GradSink::new(&layout.layer, &gbuf)?;
                 let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let layer_t = self.layer_t.for_layer(layer)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.backward_input(layer, c, ch)?;
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
                     let aux = self.router_grad.as_ref();
                     let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
-                        Some(state) => self.layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?,
+                        Some(state) => layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?,
                         None => {
                             let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
-                            self.layer_t.backward_routed(&w, &x, &dy, pos, &sink, aux)?
+                            layer_t.backward_routed(&w, &x, &dy, pos, &sink, aux)?
                         }
                     };
                     self.pool.put_act_grad(c, dx);

@@ -58,10 +58,11 @@ impl<B: Backend> Engine<B> {
                 }
             };
             let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &slot)?;
+            let layer_t = self.layer_t.for_layer(l)?;
             if router {
-                routers.extend(self.layer_t.router_logits(&w, &x, &pos)?);
+                routers.extend(layer_t.router_logits(&w, &x, &pos)?);
             }
-            x = self.layer_t.forward_pos(&w, &x, &pos)?;
+            x = layer_t.forward_pos(&w, &x, &pos)?;
         }
         let logits = self.outer_t.logits(&ow, &x)?;
         // The slots are read on the compute stream; the next step's uploads must not overtake.

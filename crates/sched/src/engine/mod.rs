@@ -157,6 +157,7 @@ impl<B: Backend> Engine<B> {
         if store.layout() != &layout {
             return Err(Error::Options("the host store was built for a different model layout".into()));
         }
+        mt_layers::check_device(cfg, backend.device())?;
         opts.check(&layout, store.grad_dtype())?;
         if backend.pins_host_buffers() && opts.placement.gpu_updated_layers > 0 && store.is_file_backed() {
             // A file's pages written by DMA are not marked dirty (and recent kernels refuse

@@ -12,7 +12,6 @@ impl HostStore {
     /// under its checkpoint name, [`mt_core::ModelLayout::resolve_piece`]) and zeroes its moments.
     pub fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
         let spec = self.layout.resolve_piece(hf_name)?;
-        let u = spec.unit;
         if data.len() != spec.numel() {
             return Err(Error::Shape {
                 what: hf_name.to_owned(),
@@ -20,12 +19,28 @@ impl HostStore {
                 found: vec![data.len()],
             });
         }
+        self.write_param_part(hf_name, 0, data)
+    }
+
+    /// Writes `data` into a parameter's master value from its element `start` on (row-major,
+    /// by HF name as [`HostStore::write_param`]) and zeroes the moments there: a parameter
+    /// filled piece by piece, e.g. a dequantised checkpoint tensor expert by expert.
+    pub fn write_param_part(&self, hf_name: &str, start: usize, data: &[f32]) -> Result<()> {
+        let spec = self.layout.resolve_piece(hf_name)?;
+        let u = spec.unit;
+        if start.checked_add(data.len()).is_none_or(|end| end > spec.numel()) {
+            return Err(Error::Shape {
+                what: format!("{hf_name}[{start}..{start} + {}]", data.len()),
+                expected: spec.shape.clone(),
+                found: vec![start.saturating_add(data.len())],
+            });
+        }
         use rayon::prelude::*;
         // In blocks on every core: a 14B model writes 59 GB of master weights and reads 118 GB
         // of moments here, which one thread (faulting pages in as it goes) takes minutes over.
         const BLOCK: usize = 1 << 20;
         let mut r = self.record(u);
-        let range = spec.offset..spec.offset + data.len();
+        let range = spec.offset + start..spec.offset + start + data.len();
         let p = r.parts();
         crate::par_copy(&mut p.master[range.clone()], data);
         // Zero the moments only where they are not zero already: reading a never-written page

@@ -5,8 +5,14 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use crate::gpt_oss::{self, LayerWindows};
 use crate::moe::{parse_moe, MoeConfig};
 use crate::{Error, Result};
+
+mod rope;
+
+use rope::parse_rope;
+pub use rope::RopeScaling;
 
 /// Decoder family. Each differs only in which optional parameters a layer has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,27 +29,11 @@ pub enum Arch {
     Mixtral,
     /// OLMoE (`olmoe`): RMSNorm over the whole q and k projections, a mixture-of-experts MLP.
     Olmoe,
-}
-
-/// RoPE frequency scaling, as `rope_scaling` / `rope_parameters` in config.json.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    /// Positions divided by `factor` (`rope_type: "linear"`).
-    Linear {
-        /// Scaling factor.
-        factor: f64,
-    },
-    /// Llama 3.x frequency-dependent scaling (`rope_type: "llama3"`).
-    Llama3 {
-        /// Overall scaling factor for low frequencies.
-        factor: f64,
-        /// Wavelength threshold (in units of the original context) below which no scaling applies.
-        low_freq_factor: f64,
-        /// Wavelength threshold above which full scaling applies.
-        high_freq_factor: f64,
-        /// Context length the model was pre-trained with.
-        original_max_position_embeddings: f64,
-    },
+    /// GPT-OSS (`gpt_oss`): biases on q, k, v and o, a learned sink logit per query head, a
+    /// sliding window on some layers (`layer_types`), YaRN RoPE, and a mixture of experts with a
+    /// biased router (top-k of the logits, then their softmax) and biased experts with a clamped
+    /// GLU; RMSNorm multiplies its weight before the cast back to the activations' dtype.
+    GptOss,
 }
 
 /// Everything the engine needs to know about a model's shape and numerics.
@@ -90,6 +80,12 @@ pub struct ModelConfig {
     /// Sliding-window attention width, if the model uses one (Mistral); the engine refuses
     /// sequences longer than this rather than silently attending further.
     pub sliding_window: Option<usize>,
+    /// A learned sink logit per query head (`self_attn.sinks`, GPT-OSS): one more softmax term
+    /// `e^{s_h}` in each row's denominator, with no value vector.
+    pub attention_sinks: bool,
+    /// The layers that attend over a sliding window of keys (GPT-OSS's `layer_types`); `None`
+    /// when every layer attends causally over the whole sequence.
+    pub layer_windows: Option<LayerWindows>,
 }
 
 pub(crate) fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
@@ -137,66 +133,6 @@ pub(crate) fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<boo
     }
 }
 
-fn parse_rope(obj: &Map<String, Value>, field: &str) -> Result<(Option<f64>, Option<RopeScaling>)> {
-    let Some(v) = get(obj, field) else { return Ok((None, None)) };
-    let r = v.as_object().ok_or_else(|| Error::config(field, format!("expected an object, found {v}")))?;
-    let theta = opt_f64(r, "rope_theta")?;
-    let kind = get(r, "rope_type")
-        .or_else(|| get(r, "type"))
-        .map(|t| t.as_str().ok_or_else(|| Error::config(field, "rope_type must be a string")))
-        .transpose()?
-        .unwrap_or("default");
-    let need = |k: &str| -> Result<f64> {
-        opt_f64(r, k)?.ok_or_else(|| Error::config(format!("{field}.{k}"), "missing (required)"))
-    };
-    let scaling = match kind {
-        "default" => None,
-        "linear" => Some(RopeScaling::Linear { factor: need("factor")? }),
-        "llama3" => Some(RopeScaling::Llama3 {
-            factor: need("factor")?,
-            low_freq_factor: need("low_freq_factor")?,
-            high_freq_factor: need("high_freq_factor")?,
-            original_max_position_embeddings: {
-                // An integer (a length), also written back as one: a fraction or a value past
-                // 2^53 would export a config other than the one trained.
-                let k = format!("{field}.original_max_position_embeddings");
-                let x = need("original_max_position_embeddings")?;
-                if x.fract() != 0.0 || x > 9_007_199_254_740_992.0 {
-                    return Err(Error::config(k, format!("{x} is not an integer of at most 2^53")));
-                }
-                x
-            },
-        }),
-        other => {
-            return Err(Error::Unsupported(format!(
-                "{field}.rope_type = {other:?}; supported: default, linear, llama3"
-            )))
-        }
-    };
-    match &scaling {
-        Some(RopeScaling::Linear { factor }) if *factor <= 0.0 => {
-            return Err(Error::config(format!("{field}.factor"), "linear rope scaling needs factor > 0"));
-        }
-        Some(RopeScaling::Llama3 {
-            low_freq_factor,
-            high_freq_factor,
-            factor,
-            original_max_position_embeddings,
-        }) if high_freq_factor <= low_freq_factor
-            || *factor <= 0.0
-            || *low_freq_factor <= 0.0
-            || *original_max_position_embeddings <= 0.0 =>
-        {
-            return Err(Error::config(
-                field,
-                "llama3 rope scaling needs factor > 0, original_max_position_embeddings > 0 and high_freq_factor > low_freq_factor > 0",
-            ));
-        }
-        _ => {}
-    }
-    Ok((theta, scaling))
-}
-
 impl ModelConfig {
     /// Reads and validates an HF `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -221,12 +157,17 @@ impl ModelConfig {
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
             "olmoe" => Arch::Olmoe,
+            "gpt_oss" => Arch::GptOss,
             other => {
                 return Err(Error::Unsupported(format!(
-                    "model_type {other:?}; supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe"
+                    "model_type {other:?}; supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, olmoe, gpt_oss"
                 )))
             }
         };
+        gpt_oss::check_quantization(obj, arch == Arch::GptOss)?;
+        if arch == Arch::GptOss {
+            gpt_oss::check_unsupported(obj)?;
+        }
         if let Some(act) = get(obj, "hidden_act") {
             if act.as_str() != Some("silu") {
                 return Err(Error::Unsupported(format!("hidden_act {act}; only \"silu\" is implemented")));
@@ -262,8 +203,13 @@ impl ModelConfig {
         // transformers 5 moved rope_theta and rope_scaling into `rope_parameters`.
         let (theta5, scaling5) = parse_rope(obj, "rope_parameters")?;
         let (theta4, scaling4) = parse_rope(obj, "rope_scaling")?;
-        // Mixtral's transformers default is 1e6 (transformers writes it into config.json anyway).
-        let default_theta = if arch == Arch::Mixtral { 1e6 } else { 10_000.0 };
+        // Mixtral's transformers default is 1e6 (transformers writes it into config.json anyway),
+        // GPT-OSS's 150000.
+        let default_theta = match arch {
+            Arch::Mixtral => 1e6,
+            Arch::GptOss => gpt_oss::DEFAULT_THETA,
+            _ => 10_000.0,
+        };
         let rope_theta = opt_f64(obj, "rope_theta")?.or(theta5).or(theta4).unwrap_or(default_theta);
         if rope_theta <= 0.0 {
             return Err(Error::config("rope_theta", "must be positive"));
@@ -272,9 +218,10 @@ impl ModelConfig {
         if rms_norm_eps <= 0.0 {
             return Err(Error::config("rms_norm_eps", "must be positive"));
         }
-        let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(false);
+        // GPT-OSS's default is true, everyone else's false.
+        let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(arch == Arch::GptOss);
         let (qkv_bias, o_bias, qk_norm) = match arch {
-            Arch::Llama | Arch::Mixtral => (attention_bias, attention_bias, false),
+            Arch::Llama | Arch::Mixtral | Arch::GptOss => (attention_bias, attention_bias, false),
             Arch::Qwen2 => (true, false, false),
             Arch::Qwen3 | Arch::Qwen3Moe | Arch::Olmoe => (attention_bias, attention_bias, true),
         };
@@ -286,9 +233,23 @@ impl ModelConfig {
                 None
             }
             Arch::Llama | Arch::Mixtral => opt_usize(obj, "sliding_window")?,
-            Arch::Olmoe => None,
+            // GPT-OSS's window applies to some layers only (`layer_windows`).
+            Arch::Olmoe | Arch::GptOss => None,
         };
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
+        let layer_windows =
+            (arch == Arch::GptOss).then(|| gpt_oss::parse_windows(obj, num_hidden_layers)).transpose()?;
+        // transformers 5's GptOssConfig sets YaRN when config.json names no RoPE scaling.
+        let rope_scaling = scaling5.or(scaling4).or_else(|| {
+            (arch == Arch::GptOss).then_some(RopeScaling::Yarn {
+                factor: 32.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                original_max_position_embeddings: 4096.0,
+                truncate: false,
+                attention_factor: None,
+            })
+        });
         let moe = parse_moe(obj, arch, num_hidden_layers)?;
         if arch == Arch::Olmoe && head_dim.checked_mul(num_attention_heads) != Some(hidden_size) {
             // transformers sizes OLMoE's q/k norms from hidden_size / num_attention_heads.
@@ -308,7 +269,7 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps,
             rope_theta,
-            rope_scaling: scaling5.or(scaling4),
+            rope_scaling,
             max_position_embeddings: opt_usize(obj, "max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
@@ -317,6 +278,8 @@ impl ModelConfig {
             qk_norm_full: arch == Arch::Olmoe,
             moe,
             sliding_window,
+            attention_sinks: arch == Arch::GptOss,
+            layer_windows,
         };
         crate::layout::check_magnitudes(&cfg)?;
         Ok(cfg)
@@ -345,6 +308,8 @@ impl ModelConfig {
             qk_norm_full: false,
             moe: None,
             sliding_window: None,
+            attention_sinks: false,
+            layer_windows: None,
         }
     }
 
@@ -360,27 +325,9 @@ impl ModelConfig {
             Arch::Qwen3Moe => ("qwen3_moe", "Qwen3MoeForCausalLM"),
             Arch::Mixtral => ("mixtral", "MixtralForCausalLM"),
             Arch::Olmoe => ("olmoe", "OlmoeForCausalLM"),
+            Arch::GptOss => ("gpt_oss", "GptOssForCausalLM"),
         };
-        let mut rope = serde_json::json!({ "rope_type": "default", "rope_theta": self.rope_theta });
-        match &self.rope_scaling {
-            None => {}
-            Some(RopeScaling::Linear { factor }) => {
-                rope["rope_type"] = "linear".into();
-                rope["factor"] = (*factor).into();
-            }
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => {
-                rope["rope_type"] = "llama3".into();
-                rope["factor"] = (*factor).into();
-                rope["low_freq_factor"] = (*low_freq_factor).into();
-                rope["high_freq_factor"] = (*high_freq_factor).into();
-                rope["original_max_position_embeddings"] = (*original_max_position_embeddings as u64).into();
-            }
-        }
+        let rope = rope::to_json(self.rope_theta, self.rope_scaling.as_ref());
         let mut v = serde_json::json!({
             "architectures": [class],
             "model_type": model_type,
@@ -403,7 +350,9 @@ impl ModelConfig {
             v["rope_scaling"] = rope;
         }
         match self.arch {
-            Arch::Llama | Arch::Mixtral | Arch::Olmoe => v["attention_bias"] = self.qkv_bias.into(),
+            Arch::Llama | Arch::Mixtral | Arch::Olmoe | Arch::GptOss => {
+                v["attention_bias"] = self.qkv_bias.into()
+            }
             Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
                 v["use_sliding_window"] = false.into();
                 if self.arch != Arch::Qwen2 {
@@ -417,7 +366,28 @@ impl ModelConfig {
         if let Some(w) = self.sliding_window {
             v["sliding_window"] = w.into();
         }
+        if let Some(w) = &self.layer_windows {
+            v["sliding_window"] = w.window.into();
+            if let Some(listed) = &w.listed {
+                let kinds = listed.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" });
+                v["layer_types"] = kinds.collect::<Vec<_>>().into();
+            }
+        }
         v
+    }
+
+    /// The window of layer `i`'s attention (GPT-OSS's sliding layers), `None` for a causal layer
+    /// over the whole sequence (and for a layer index past the config's `layer_types`).
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        let w = self.layer_windows.as_ref()?;
+        w.windowed(i).unwrap_or(false).then_some(w.window)
+    }
+
+    /// Whether RMSNorm multiplies its weight in the statistics dtype before the cast back to the
+    /// activations' dtype (GPT-OSS), rather than after it (Llama and the others). The two agree
+    /// in f32; in bf16 they round differently.
+    pub fn norm_weight_before_cast(&self) -> bool {
+        self.arch == Arch::GptOss
     }
 
     /// Query width (`num_attention_heads * head_dim`).
@@ -444,139 +414,4 @@ impl ModelConfig {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn base() -> Value {
-        json!({
-            "model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5, "hidden_act": "silu"
-        })
-    }
-
-    #[test]
-    fn to_hf_json_round_trips_every_golden_config() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testkit/fixtures/golden");
-        let mut n = 0;
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.to_string_lossy().ends_with(".config.json") {
-                let c = ModelConfig::from_file(&p).unwrap();
-                assert_eq!(ModelConfig::from_json(&c.to_hf_json()).unwrap(), c, "{}", p.display());
-                n += 1;
-            }
-        }
-        assert_eq!(n, 7);
-        let t = ModelConfig::tiny_llama();
-        assert_eq!(ModelConfig::from_json(&t.to_hf_json()).unwrap(), t);
-    }
-
-    #[test]
-    fn parses_minimal_llama_with_defaults() {
-        let c = ModelConfig::from_json(&base()).unwrap();
-        assert_eq!(c.arch, Arch::Llama);
-        assert_eq!(c.head_dim, 4);
-        assert_eq!(c.rope_theta, 10_000.0);
-        assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
-    }
-
-    #[test]
-    fn reads_rope_from_transformers5_rope_parameters() {
-        let mut v = base();
-        v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
-        let c = ModelConfig::from_json(&v).unwrap();
-        assert_eq!(c.rope_theta, 500000.0);
-        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
-    }
-
-    #[test]
-    fn qwen_flags() {
-        let mut v = base();
-        v["model_type"] = json!("qwen2");
-        assert!(ModelConfig::from_json(&v).unwrap().qkv_bias);
-        v["model_type"] = json!("qwen3");
-        v["head_dim"] = json!(8);
-        let c = ModelConfig::from_json(&v).unwrap();
-        assert!(c.qk_norm && !c.qkv_bias);
-        assert_eq!(c.q_dim(), 32);
-    }
-
-    #[test]
-    fn bad_configs_name_the_problem() {
-        let cases: Vec<(Value, &str)> = vec![
-            (json!([1, 2]), "JSON object"),
-            (
-                {
-                    let mut v = base();
-                    v["model_type"] = json!("gpt2");
-                    v
-                },
-                "gpt2",
-            ),
-            (
-                {
-                    let mut v = base();
-                    v.as_object_mut().unwrap().remove("hidden_size");
-                    v
-                },
-                "hidden_size",
-            ),
-            (
-                {
-                    let mut v = base();
-                    v["hidden_size"] = json!("big");
-                    v
-                },
-                "hidden_size",
-            ),
-            (
-                {
-                    let mut v = base();
-                    v["num_key_value_heads"] = json!(3);
-                    v
-                },
-                "num_key_value_heads",
-            ),
-            (
-                {
-                    let mut v = base();
-                    v["hidden_act"] = json!("gelu");
-                    v
-                },
-                "gelu",
-            ),
-            (
-                {
-                    let mut v = base();
-                    v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-                    v
-                },
-                "yarn",
-            ),
-            (
-                {
-                    let mut v = base();
-                    v["vocab_size"] = json!(0);
-                    v
-                },
-                "vocab_size",
-            ),
-        ];
-        for (v, needle) in cases {
-            let err = ModelConfig::from_json(&v).unwrap_err().to_string();
-            assert!(err.contains(needle), "error {err:?} should mention {needle:?}");
-        }
-    }
-
-    #[test]
-    fn sliding_window_refuses_longer_sequences() {
-        let mut v = base();
-        v["sliding_window"] = json!(8);
-        let c = ModelConfig::from_json(&v).unwrap();
-        assert!(c.check_seq_len(8).is_ok());
-        assert!(c.check_seq_len(9).unwrap_err().to_string().contains("sliding_window"));
-    }
-}
+mod tests;

@@ -12,23 +12,33 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use mt_core::ModelConfig;
 
-use crate::attention::{self, AttnCache, Dims};
-use crate::mlp::{self, MlpSaved};
+use crate::attention::{self, Dims, Extras};
+use crate::mlp;
 use crate::moe::{RouterGrad, RouterStats};
 use crate::ops::{add, linear, linear_backward, rms_norm, rms_norm_backward, RmsCache};
-use crate::positions::{Docs, Positions};
+use crate::positions::Positions;
 use crate::profile::{mark, start as prof_start};
 use crate::rope::{self, Rope};
 use crate::weights::{names, LayerWeights};
 use crate::{Error, GradSink, Result};
 
+mod state;
+
+pub use state::LayerState;
+use state::Saved;
+
 /// Template for one decoder layer (Llama / Mistral / Qwen2 / Qwen3, and the mixture-of-experts
-/// Qwen3-MoE / Mixtral / OLMoE, whose MLP is [`crate::moe`]'s). Stateless: it holds only
-/// the configuration and how to run it; weights are passed in as views on every call.
+/// Qwen3-MoE / Mixtral / OLMoE / GPT-OSS, whose MLP is [`crate::moe`]'s). Stateless: it holds
+/// only the configuration and how to run it; weights are passed in as views on every call.
+///
+/// GPT-OSS's layers differ by index (a sliding window on some, `layer_types`): its template
+/// runs a layer once told which ([`DecoderLayer::for_layer`]), and refuses to run otherwise.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
-    cfg: ModelConfig,
+    cfg: Arc<ModelConfig>,
     opts: LayerOptions,
+    /// The layer this template runs, when the model's layers differ.
+    layer: Option<usize>,
 }
 
 /// How a decoder layer runs.
@@ -55,59 +65,6 @@ pub fn flash_attention(device: &candle_core::Device, dtype: candle_core::DType, 
     }
 }
 
-/// What a forward kept for its backward ([`DecoderLayer::forward_keep`]): device activations
-/// only, no view of the weights, so it outlives the ring slot the forward ran from.
-pub struct LayerState(Saved);
-
-impl LayerState {
-    /// Bytes of the tensors it holds, beyond what it shares: the layer input (which the fused
-    /// CUDA path's input norm keeps itself) and RoPE's `cos`, `sin` (views of the model's table).
-    pub fn bytes(&self) -> u64 {
-        let s = &self.0;
-        let t = |x: &Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
-        let norm = |c: &RmsCache| c.bytes();
-        let qk = s.q_norm.as_ref().map_or(0, norm) + s.k_norm.as_ref().map_or(0, norm);
-        let input_shared = if s.norm1.shares_input() { t(s.norm1.input()) } else { 0 };
-        let mlp: u64 = s.mlp.iter().map(MlpSaved::bytes).sum();
-        norm(&s.norm1) - input_shared
-            + t(&s.a)
-            + qk
-            + s.attn.bytes()
-            + t(&s.o)
-            + s.x1.as_ref().map_or(0, t)
-            + mlp
-    }
-}
-
-impl std::fmt::Debug for LayerState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "LayerState({} rows, {} B)", self.0.rows, self.bytes())
-    }
-}
-
-/// Everything the backward needs, from the forward or recomputed from the layer input.
-struct Saved {
-    rows: usize,
-    dims: Dims,
-    cos: Tensor,
-    sin: Tensor,
-    docs: Option<Arc<Docs>>,
-    norm1: RmsCache,
-    /// Input-norm output `[N, h]`.
-    a: Tensor,
-    q_norm: Option<RmsCache>,
-    k_norm: Option<RmsCache>,
-    attn: AttnCache,
-    /// Attention output before `o_proj` `[N, nh·hd]`.
-    o: Tensor,
-    /// The attention block's output `x1 = x + o_proj(o)` `[N, h]`, when the MLP tiles are to be
-    /// recomputed from it (`mlp` empty).
-    x1: Option<Tensor>,
-    /// The MLP's saved tensors, tile by tile (`tile_ranges`), or none: recomputed in the
-    /// backward.
-    mlp: Vec<MlpSaved>,
-}
-
 impl DecoderLayer {
     /// A template for layers of this model, materialised attention, no MLP tiles.
     pub fn new(cfg: &ModelConfig) -> Self {
@@ -116,7 +73,31 @@ impl DecoderLayer {
 
     /// A template that runs as `opts` says.
     pub fn with_options(cfg: &ModelConfig, opts: LayerOptions) -> Self {
-        DecoderLayer { cfg: cfg.clone(), opts }
+        DecoderLayer { cfg: Arc::new(cfg.clone()), opts, layer: None }
+    }
+
+    /// The template of layer `i` (a cheap copy): for a model whose layers differ by index
+    /// (GPT-OSS's sliding-window layers) the only way to run one; for the others the same
+    /// template. An index past the model's layers is refused.
+    pub fn for_layer(&self, i: usize) -> Result<Self> {
+        if i >= self.cfg.num_hidden_layers {
+            return Err(Error::shape(
+                "layer index",
+                format!("< num_hidden_layers = {}", self.cfg.num_hidden_layers),
+                &[i],
+            ));
+        }
+        if let Some(w) = &self.cfg.layer_windows {
+            if w.windowed(i).is_none() {
+                return Err(Error::shape("layer index", "an index that layer_types lists", &[i]));
+            }
+        }
+        Ok(DecoderLayer { cfg: Arc::clone(&self.cfg), opts: self.opts, layer: Some(i) })
+    }
+
+    /// The attention window of the layer this template runs (`None`: causal, whole sequence).
+    fn window(&self) -> Option<usize> {
+        self.layer.and_then(|i| self.cfg.layer_window(i))
     }
 
     /// The configuration the template was built for.
@@ -164,11 +145,11 @@ impl DecoderLayer {
     /// A MoE layer's router logits `[b·t, E]` (the compute dtype) for the input `x`, what
     /// transformers returns as the layer's `router_logits`; `None` for a dense layer.
     pub fn router_logits(&self, w: &LayerWeights, x: &Tensor, pos: &Positions) -> Result<Option<Tensor>> {
-        let crate::MlpWeights::Moe { router, .. } = &w.mlp else { return Ok(None) };
+        let crate::MlpWeights::Moe { router, router_bias, .. } = &w.mlp else { return Ok(None) };
         let (_, s) = self.run(w, x, pos, Output::Skip, None)?;
         let x1 = s.x1.expect("the recompute keeps x1");
-        let (c, _) = rms_norm(&x1, &w.post_norm, self.cfg.rms_norm_eps)?;
-        Ok(Some(linear(&c, router, None)?))
+        let (c, _) = rms_norm(&x1, &w.post_norm, self.cfg.rms_norm_eps, self.cfg.norm_weight_before_cast())?;
+        Ok(Some(linear(&c, router, router_bias.as_ref())?))
     }
 
     /// Forward that keeps what the backward needs ([`LayerState`]), so that
@@ -223,59 +204,6 @@ impl DecoderLayer {
             ));
         }
         self.backward_saved(w, s, dy, grads, aux)
-    }
-
-    /// Bytes a [`LayerState`] of `b` sequences of `s` tokens holds (weights and activations of
-    /// `e` bytes), beyond the layer's input checkpoint when it shares it: exactly
-    /// [`LayerState::bytes`]. `fused`: the CUDA bf16 kernels of compute capability 8.0+
-    /// ([`fused_kernels`]): the input-norm output, q (and Qwen3's pre-norm q, k), k, v, the raw
-    /// scores and bf16 probabilities (`2 × b·heads·s²`) with f32 row statistics, the attention
-    /// output, `x1`, the post-norm output, gate, up and their product, the norms' f32 reciprocal
-    /// RMS; `flash` (fused only, [`flash_attention`]): each row's f32 log-sum-exp instead of the
-    /// scores and probabilities. Otherwise (candle's ops) also each norm's statistics-dtype
-    /// input copy and normalised input, `silu(gate)`, and f32 probabilities instead of the
-    /// scores. Linear in `b`: a batch's chunks together hold what the whole batch would.
-    ///
-    /// [`fused_kernels`]: crate::fused_kernels
-    pub fn kept_state_bytes(cfg: &ModelConfig, b: usize, s: usize, e: u64, fused: bool, flash: bool) -> u64 {
-        let (n, sq) = ((b * s) as u64, (s * s) as u64);
-        let (h, f, hd) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.head_dim as u64);
-        let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
-        let heads = (b * cfg.num_attention_heads) as u64;
-        // The MLP's gate, up and mid, and (unfused) silu(gate): per token for a dense MLP; per
-        // routed (token, expert) pair for a mixture of experts, which also keeps each pair's
-        // u32 row index (its router probabilities and routing stay on the host).
-        let (mlp, act) = match &cfg.moe {
-            None => (n * e * 3 * f, n * f * e),
-            Some(m) => {
-                let (pairs, fe) = (n * m.num_experts_per_tok as u64, m.moe_intermediate_size as u64);
-                (pairs * (3 * fe * e + 4), pairs * fe * e)
-            }
-        };
-        // a, c, q, k, v, o, the MLP's; the norms' f32 reciprocal RMS per row.
-        let common = n * e * (2 * h + 2 * qd + 2 * kvd) + mlp + 2 * n * 4;
-        // Qwen3: the q and k norms keep their pre-norm input and an f32 reciprocal RMS per head
-        // (OLMoE: per row).
-        let qk_rows = if cfg.qk_norm_full { n * 2 * 4 } else { n * ((qd + kvd) / hd) * 4 };
-        if fused {
-            // x1 (the post-norm's input); raw scores and bf16 probabilities, (max, sum) per row,
-            // or, flash, each row's log-sum-exp.
-            let scores =
-                if flash { heads * s as u64 * 4 } else { heads * sq * 2 * e + heads * s as u64 * 2 * 4 };
-            let qk = if cfg.qk_norm { n * (qd + kvd) * e + qk_rows } else { 0 };
-            return common + n * h * e + scores + qk;
-        }
-        // The statistics dtype: f32 for f32, bf16 and f16 weights.
-        let sd = 4;
-        // Input norm: an f32 copy of the input unless it is f32 already (then the input itself),
-        // and x·r in the weights' dtype; post norm: x1 in the statistics dtype (a copy or x1
-        // itself) and x·r; silu(gate); the probabilities in the statistics dtype.
-        let norm1 = if e == sd { 0 } else { n * h * sd } + n * h * e;
-        let norm2 = n * h * sd + n * h * e;
-        let scores = heads * sq * sd;
-        // Qwen3: the norms' inputs in the statistics dtype and x·r in the weights' dtype.
-        let qk = if cfg.qk_norm { n * (qd + kvd) * (sd + e) + qk_rows } else { 0 };
-        common + norm1 + norm2 + act + scores + qk
     }
 
     /// Recomputes the forward from the checkpointed input `x`, back-propagates `dy: [b, t, h]`,
@@ -377,7 +305,7 @@ impl DecoderLayer {
                 }
             };
             let dy_t = dy.narrow(0, r.start, r.len())?;
-            dx1_parts.push(mlp::backward(w, m, &dy_t, grads, aux)?);
+            dx1_parts.push(mlp::backward(&self.cfg, w, m, &dy_t, grads, aux)?);
         }
         drop(x1);
         let dx1 = join_rows(dx1_parts, n, &tiles)?;
@@ -386,8 +314,12 @@ impl DecoderLayer {
         let d_o = linear_backward(&dx1, &o, &w.o, grads, names::O, bias(&w.o_bias, names::O_BIAS))?;
         drop(o);
         mark(dev, "bwd 5 o proj (2 GEMMs + accumulate)");
-        let (dq, dk, dv) = attention::backward(&d_o.reshape((b, t, nh * hd))?, &attn, dims, docs.as_deref())?;
+        let (dq, dk, dv, dsinks) =
+            attention::backward(&d_o.reshape((b, t, nh * hd))?, &attn, dims, docs.as_deref())?;
         drop((d_o, attn));
+        if let Some(ds) = dsinks {
+            grads.accumulate(names::SINKS, &ds)?;
+        }
         mark(dev, "bwd 4 attention");
         let unrotate = |x: Tensor| rope::apply_backward(&x, &cos, &sin);
         let (mut dq, mut dk) = (unrotate(dq)?, unrotate(dk)?);
@@ -451,6 +383,13 @@ impl DecoderLayer {
             return Err(Error::shape("RoPE rows of the positions", format!("{t} or {}", b * t), &[rows]));
         }
         self.cfg.check_seq_len(t)?;
+        if self.cfg.layer_windows.is_some() && self.layer.is_none() {
+            return Err(Error::Options(
+                "this model's layers differ by index (gpt_oss's layer_types): run each with DecoderLayer::for_layer(i)"
+                    .into(),
+            ));
+        }
+        attention::check_device(&self.cfg, x.device())?;
         Ok((b, t))
     }
 
@@ -478,7 +417,7 @@ impl DecoderLayer {
         let dev = x.device();
         prof_start(dev);
 
-        let (a, norm1) = rms_norm(&xf, &w.input_norm, eps)?;
+        let (a, norm1) = rms_norm(&xf, &w.input_norm, eps, cfg.norm_weight_before_cast())?;
         mark(dev, "fwd 1 input norm");
         let q = linear(&a, &w.q, w.q_bias.as_ref())?.reshape((b, t, nh, hd))?;
         let k = linear(&a, &w.k, w.k_bias.as_ref())?.reshape((b, t, nkv, hd))?;
@@ -493,7 +432,8 @@ impl DecoderLayer {
         let (q, k) = (rotate(q)?, rotate(k)?);
         mark(dev, "fwd 3 qk norm + rope");
         let flash = self.opts.flash.then_some(self.opts.flash_kernel);
-        let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), flash)?;
+        let extras = Extras { window: self.window(), sinks: w.sinks.as_ref() };
+        let (o, attn) = attention::forward(&q, &k, &v, dims, docs.as_deref(), flash, extras)?;
         drop((q, k, v));
         let o = o.reshape((n, nh * hd))?;
         mark(dev, "fwd 4 attention");
@@ -563,7 +503,7 @@ fn norm_shape(x: Tensor, full: bool) -> Result<Tensor> {
 fn norm_opt(x: Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Option<RmsCache>)> {
     match w {
         Some(w) => {
-            let (y, cache) = rms_norm(&x, w, eps)?;
+            let (y, cache) = rms_norm(&x, w, eps, false)?;
             Ok((y, Some(cache)))
         }
         None => Ok((x, None)),
