@@ -493,9 +493,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             n_grad_bufs: grad_bufs(p.placement.late_state_downloads),
             n_layers: layout.n_layers,
             n_chunks: p.n_chunks,
-            resident_outer: false,
-            resident_layers: 0,
-            held_layers: p.placement.held_layers,
+            placement: Placement { resident_outer: false, resident_layers: 0, ..p.placement },
             land_bf16: lands_bf16(mode, grad),
             state_slots: if p.placement.gpu_updated_layers > 0 {
                 p.ring_depth + p.placement.late_state_downloads
