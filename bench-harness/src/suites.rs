@@ -43,6 +43,26 @@ pub enum Suite {
     Replot,
 }
 
+impl Suite {
+    /// Tokens per step as (batch, seq) when `--tokens` is not given.
+    pub fn default_tokens(self) -> Vec<(usize, usize)> {
+        match self {
+            Suite::Smoke => vec![(4, 64)],
+            Suite::Paper => vec![(4, 2048), (16, 2048)],
+            Suite::Longctx => vec![(1, 32768), (1, 131072), (1, 262144), (1, 524288)],
+            // Four sequences per GPU at 4 GPUs.
+            Suite::Scale => vec![(16, 2048)],
+            _ => vec![(4, 2048)],
+        }
+    }
+
+    /// Model labels when `--models` is not given (paper, longctx, scale).
+    pub fn default_models(self) -> Vec<String> {
+        let labels: &[&str] = if self == Suite::Longctx { &["7b"] } else { &["3.6b", "14b"] };
+        labels.iter().map(|m| m.to_string()).collect()
+    }
+}
+
 /// A system under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
