@@ -400,6 +400,23 @@ impl ModelConfig {
         self.num_key_value_heads * self.head_dim
     }
 
+    /// Checks that a training run may use sequences of `seq_len` tokens: within the positions the
+    /// config declares (`max_position_embeddings`) and without changing semantics
+    /// ([`Self::check_seq_len`]). The first is a policy, not a limit of the engine (RoPE has no
+    /// table to run out of): a model whose weights never saw a position past that length is a
+    /// different model there, so training it longer is refused unless its config says so.
+    pub fn check_train_seq_len(&self, seq_len: usize) -> Result<()> {
+        if seq_len > self.max_position_embeddings {
+            return Err(Error::Unsupported(format!(
+                "sequence length {seq_len} exceeds the model's max_position_embeddings ({}); use shorter \
+                 sequences, or raise max_position_embeddings in config.json to train the model at this length \
+                 (with a RoPE scaling where its weights were trained shorter)",
+                self.max_position_embeddings
+            )));
+        }
+        self.check_seq_len(seq_len)
+    }
+
     /// Checks that a sequence of `seq_len` tokens can be trained without changing semantics.
     pub fn check_seq_len(&self, seq_len: usize) -> Result<()> {
         if let Some(w) = self.sliding_window {
