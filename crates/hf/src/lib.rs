@@ -15,6 +15,7 @@ mod export;
 mod header;
 mod import;
 mod mxfp4;
+pub mod peft;
 
 pub use error::{Error, Result};
 pub use export::{export, ExportDtype, ExportOptions, ExportReport, COPIED_FILES, DEFAULT_MAX_SHARD_BYTES};
