@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use half::{bf16, f16};
 use mt_core::{names, ModelConfig, ModelLayout};
-use mt_store::ParamSink;
+use mt_store::{HostStore, ParamSink};
 use safetensors::Dtype;
 use serde_json::Value;
 
@@ -287,7 +287,13 @@ impl Item<'_> {
 /// config.json declares MXFP4 weights (the released GPT-OSS checkpoints), an expert matrix may
 /// be stored as its `_blocks` and `_scales` (`crate::mxfp4`): it is dequantised exactly, one
 /// expert at a time (peak extra memory: one expert's matrix in f32).
-pub fn import_weights(src: &HfModelDir, store: &dyn ParamSink) -> Result<ImportReport> {
+pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportReport> {
+    import_weights_into(src, store)
+}
+
+/// [`import_weights`] into any [`ParamSink`] of the model's layout: the host store, or a LoRA
+/// run's frozen base (`mt_store::FrozenBase`).
+pub fn import_weights_into(src: &HfModelDir, store: &dyn ParamSink) -> Result<ImportReport> {
     let _span = tracing::info_span!("hf_import", dir = %src.dir.display()).entered();
     let layout = ModelLayout::new(&src.config);
     if *store.layout() != layout {

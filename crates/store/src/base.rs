@@ -13,8 +13,19 @@ use mt_core::{Error, ModelLayout, Result, Unit};
 pub trait ParamSink: Sync {
     /// The layout the parameters are written into.
     fn layout(&self) -> &ModelLayout;
-    /// Writes a parameter's value (by HF name, as [`crate::HostStore::write_param`]).
-    fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()>;
+    /// Writes a parameter's whole value (by HF name: a layout tensor, or one expert's matrix
+    /// under its checkpoint name, [`mt_core::ModelLayout::resolve_piece`]).
+    fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
+        let spec = self.layout().resolve_piece(hf_name)?;
+        if data.len() != spec.numel() {
+            return Err(Error::Shape {
+                what: hf_name.to_owned(),
+                expected: spec.shape.clone(),
+                found: vec![data.len()],
+            });
+        }
+        self.write_param_part(hf_name, 0, data)
+    }
     /// Writes `data` from element `start` of a parameter on ([`crate::HostStore::write_param_part`]).
     fn write_param_part(&self, hf_name: &str, start: usize, data: &[f32]) -> Result<()>;
 }
@@ -22,9 +33,6 @@ pub trait ParamSink: Sync {
 impl ParamSink for crate::HostStore {
     fn layout(&self) -> &ModelLayout {
         crate::HostStore::layout(self)
-    }
-    fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
-        crate::HostStore::write_param(self, hf_name, data)
     }
     fn write_param_part(&self, hf_name: &str, start: usize, data: &[f32]) -> Result<()> {
         crate::HostStore::write_param_part(self, hf_name, start, data)

@@ -64,7 +64,7 @@ pub(crate) fn base_config(cfg: &ModelConfig) -> ModelConfig {
 pub(crate) fn load_base(model: &ModelSource) -> Result<Arc<FrozenBase>> {
     let hf = model.hf.as_ref().ok_or_else(|| Error::Options("LoRA needs a model directory".into()))?;
     let base = FrozenBase::zeroed(&ModelLayout::new(&base_config(&model.cfg)));
-    mt_hf::import_weights(hf, &base)
+    mt_hf::import_weights_into(hf, &base)
         .context_with(|| format!("importing the base weights of {}", model.name))?;
     Ok(Arc::new(base))
 }

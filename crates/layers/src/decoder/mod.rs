@@ -314,13 +314,9 @@ impl DecoderLayer {
 
         // Attention: x1 = x + o_proj(attn(rope(q), rope(k), v)).
         let lora = w.lora.as_ref();
-        let d_o = Adapted::of(lora, LoraTarget::O).backward(
-            &dx1,
-            &o,
-            &w.o,
-            grads,
-            bias(&w.o_bias, names::O_BIAS),
-        )?;
+        let back =
+            |t, dy: &Tensor, x: &Tensor, wt: &Tensor, b| Adapted::of(lora, t).backward(dy, x, wt, grads, b);
+        let d_o = back(LoraTarget::O, &dx1, &o, &w.o, bias(&w.o_bias, names::O_BIAS))?;
         drop(o);
         mark(dev, "bwd 5 o proj (2 GEMMs + accumulate)");
         let (dq, dk, dv, dsinks) =
@@ -348,31 +344,13 @@ impl DecoderLayer {
         let dk = dk.reshape((n, nkv * hd))?;
         let dv = dv.reshape((n, nkv * hd))?;
         // a feeds q, k and v: its gradient is the sum of the three (added as they come).
-        let da_q = Adapted::of(lora, LoraTarget::Q).backward(
-            &dq,
-            &a,
-            &w.q,
-            grads,
-            bias(&w.q_bias, names::Q_BIAS),
-        )?;
+        let da_q = back(LoraTarget::Q, &dq, &a, &w.q, bias(&w.q_bias, names::Q_BIAS))?;
         drop(dq);
-        let da_k = Adapted::of(lora, LoraTarget::K).backward(
-            &dk,
-            &a,
-            &w.k,
-            grads,
-            bias(&w.k_bias, names::K_BIAS),
-        )?;
+        let da_k = back(LoraTarget::K, &dk, &a, &w.k, bias(&w.k_bias, names::K_BIAS))?;
         drop(dk);
         let da = add(&da_q, &da_k)?;
         drop((da_q, da_k));
-        let da_v = Adapted::of(lora, LoraTarget::V).backward(
-            &dv,
-            &a,
-            &w.v,
-            grads,
-            bias(&w.v_bias, names::V_BIAS),
-        )?;
+        let da_v = back(LoraTarget::V, &dv, &a, &w.v, bias(&w.v_bias, names::V_BIAS))?;
         drop((dv, a));
         let da = add(&da, &da_v)?;
         drop(da_v);
