@@ -83,10 +83,13 @@ impl<O: Observer> std::fmt::Debug for Trainer<O> {
 impl<O: Observer> Trainer<O> {
     /// Sets up the run `config` describes, telling `observer` each stage; refuses options that
     /// cannot work before anything large is allocated.
-    pub fn new(config: TrainConfig, mut observer: O) -> Result<Self> {
+    pub fn new(mut config: TrainConfig, mut observer: O) -> Result<Self> {
         let t0 = Instant::now();
         let mut model = ModelSource::load(&config.model)?;
         model.cfg.lora = crate::lora::resolve(&config, &model)?;
+        if model.cfg.lora.is_some() {
+            crate::lora::stream_everything(&mut config.placement);
+        }
         checks::check_sizes(&config, &model.cfg)?;
         checks::check_outputs(&config)?;
         // One run per output, from here to the end (`Drop`); refused at once if another holds one.
