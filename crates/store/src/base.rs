@@ -80,18 +80,6 @@ impl ParamSink for FrozenBase {
         FrozenBase::layout(self)
     }
 
-    fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
-        let spec = self.layout.resolve_piece(hf_name)?;
-        if data.len() != spec.numel() {
-            return Err(Error::Shape {
-                what: hf_name.to_owned(),
-                expected: spec.shape.clone(),
-                found: vec![data.len()],
-            });
-        }
-        self.write_param_part(hf_name, 0, data)
-    }
-
     fn write_param_part(&self, hf_name: &str, start: usize, data: &[f32]) -> Result<()> {
         let spec = self.layout.resolve_piece(hf_name)?;
         if start.checked_add(data.len()).is_none_or(|end| end > spec.numel()) {
