@@ -11,6 +11,7 @@ mod error;
 mod gpt_oss;
 mod hf_names;
 mod layout;
+mod lora;
 mod moe;
 pub mod names;
 mod states;
@@ -23,5 +24,6 @@ pub use hf_names::{ExpertNames, HfPiece, MoeLayout};
 pub use layout::{
     active_params, model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS,
 };
+pub use lora::{LoraConfig, LoraTarget};
 pub use moe::{ExpertKind, MoeConfig};
 pub use states::{StateDtype, Q8_BLOCK};

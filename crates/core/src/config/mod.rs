@@ -86,6 +86,9 @@ pub struct ModelConfig {
     /// The layers that attend over a sliding window of keys (GPT-OSS's `layer_types`); `None`
     /// when every layer attends causally over the whole sequence.
     pub layer_windows: Option<LayerWindows>,
+    /// LoRA adapters on the decoder layers (a training option, not read from `config.json`):
+    /// the layout then holds each layer's adapters after its base tensors, and only they train.
+    pub lora: Option<crate::LoraConfig>,
 }
 
 pub(crate) fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
@@ -280,6 +283,7 @@ impl ModelConfig {
             sliding_window,
             attention_sinks: arch == Arch::GptOss,
             layer_windows,
+            lora: None,
         };
         crate::layout::check_magnitudes(&cfg)?;
         Ok(cfg)
@@ -310,6 +314,7 @@ impl ModelConfig {
             sliding_window: None,
             attention_sinks: false,
             layer_windows: None,
+            lora: None,
         }
     }
 
