@@ -13,6 +13,7 @@ mod error;
 mod gpt_oss;
 mod hf_names;
 mod layout;
+mod lora;
 mod moe;
 pub mod names;
 pub mod placement;
@@ -26,6 +27,7 @@ pub use hf_names::{ExpertNames, HfPiece, MoeLayout};
 pub use layout::{
     active_params, model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS,
 };
+pub use lora::{LoraConfig, LoraTarget};
 pub use moe::{ExpertKind, MoeConfig};
 pub use placement::{Placement, PlacementChoice};
 pub use states::{StateDtype, Q8_BLOCK};

@@ -57,6 +57,9 @@ pub struct PoolSpec {
     pub layer_len: usize,
     /// Elements of the outer record.
     pub outer_len: usize,
+    /// Elements of a layer's and of the outer unit's gradient buffers: `layer_len` and
+    /// `outer_len`, but only the adapters' of a LoRA run (its base is frozen: no gradient).
+    pub grad_lens: (usize, usize),
     /// Weight dtype on the device.
     pub weight_dtype: DType,
     /// Gradient accumulation dtype on the device.
@@ -208,18 +211,18 @@ impl DevicePool {
             .map(|_| Tensor::zeros(spec.layer_len, spec.weight_dtype, device))
             .collect::<candle_core::Result<_>>()?;
         let grad_bufs = (0..spec.n_grad_bufs)
-            .map(|_| Tensor::zeros(spec.layer_len, spec.grad_dtype, device))
+            .map(|_| Tensor::zeros(spec.grad_lens.0, spec.grad_dtype, device))
             .collect::<candle_core::Result<_>>()?;
         let narrow_bufs = if spec.land_bf16 { spec.n_grad_bufs } else { 0 };
         let grad_narrow = (0..narrow_bufs)
-            .map(|_| Tensor::zeros(spec.layer_len, DType::BF16, device))
+            .map(|_| Tensor::zeros(spec.grad_lens.0, DType::BF16, device))
             .collect::<candle_core::Result<_>>()?;
         Ok(DevicePool {
             slots,
             outer_slot: Tensor::zeros(spec.outer_len, spec.weight_dtype, device)?,
             grad_bufs,
             grad_narrow,
-            outer_grad: Tensor::zeros(spec.outer_len, spec.grad_dtype, device)?,
+            outer_grad: Tensor::zeros(spec.grad_lens.1, spec.grad_dtype, device)?,
             outer_state: if p.resident_outer {
                 Some(Tensor::zeros(spec.state_dtype.state_words(spec.outer_len), DType::F32, device)?)
             } else {
@@ -341,6 +344,7 @@ mod tests {
             ring_depth: 2,
             layer_len: 128,
             outer_len: 64,
+            grad_lens: (128, 64),
             weight_dtype: DType::F32,
             grad_dtype: DType::F32,
             n_grad_bufs: 2,

@@ -22,13 +22,15 @@ impl<B: Backend> Engine<B> {
         losses: &mut Vec<candle_core::Tensor>,
         args: &StepArgs,
     ) -> Result<()> {
-        let (cfg, layout) = (&self.cfg, &self.layout);
+        let (cfg, layout, slots) = (&self.cfg, &self.layout, &self.slot_layout);
+        // Gradients of what trains only: a LoRA run's base is frozen.
+        let sink_of = |l, buf| sink(cfg.lora.is_some(), l, buf);
         let n_layers = layout.n_layers;
         match *op {
             Op::Embed => {
                 let _s = tracing::debug_span!("embed").entered();
                 DevicePool::zero(&self.pool.outer_grad)?;
-                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
+                let w = OuterWeights::bind(cfg, &slots.outer, &self.pool.outer_slot)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.outer_t.embed(&w, &ch.ids)?;
                     self.pool.put_checkpoint(0, c, x);
@@ -36,7 +38,7 @@ impl<B: Backend> Engine<B> {
             }
             Op::Forward { layer, slot, keep } => {
                 let _s = tracing::debug_span!("forward", layer).entered();
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let w = LayerWeights::bind(cfg, &slots.layer, &self.slot_tensor(slot)?)?;
                 let layer_t = self.layer_t.for_layer(layer)?;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
@@ -67,9 +69,9 @@ impl<B: Backend> Engine<B> {
             }
             Op::Loss => {
                 let _s = tracing::debug_span!("loss").entered();
-                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
+                let w = OuterWeights::bind(cfg, &slots.outer, &self.pool.outer_slot)?;
                 let gbuf = self.pool.outer_grad.clone();
-                let sink = GradSink::new(&layout.outer, &gbuf)?;
+                let sink = sink_of(&layout.outer, &gbuf)?;
                 // The load-balancing loss (transformers': over every layer's router rows) and
                 // its gradient at the router probabilities, which every layer's backward adds.
                 if let (Some(stats), Some(coef)) =
@@ -97,8 +99,8 @@ impl<B: Backend> Engine<B> {
                     None => self.resident_bufs(Unit::Layer(layer))?.grad,
                 };
                 DevicePool::zero(&gbuf)?;
-                let sink = GradSink::new(&layout.layer, &gbuf)?;
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let sink = sink_of(&layout.layer, &gbuf)?;
+                let w = LayerWeights::bind(cfg, &slots.layer, &self.slot_tensor(slot)?)?;
                 let layer_t = self.layer_t.for_layer(layer)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
@@ -129,7 +131,7 @@ impl<B: Backend> Engine<B> {
             Op::EmbedBackward => {
                 let _s = tracing::debug_span!("embed_backward").entered();
                 let gbuf = self.pool.outer_grad.clone();
-                let sink = GradSink::new(&layout.outer, &gbuf)?;
+                let sink = sink_of(&layout.outer, &gbuf)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
                     self.outer_t.embed_backward(&ch.host_ids, &dx, &sink)?;
@@ -302,4 +304,17 @@ fn missing_positions(chunk: usize) -> Error {
 
 fn missing_grad(layer: usize, chunk: usize) -> Error {
     Error::Schedule(format!("activation gradient for layer {layer}, chunk {chunk} missing"))
+}
+
+/// The gradient sink of a unit: over what trains ([`GradSink::trainable`]) in a LoRA run.
+fn sink<'a>(
+    lora: bool,
+    l: &'a mt_core::UnitLayout,
+    buf: &'a candle_core::Tensor,
+) -> mt_layers::Result<GradSink<'a>> {
+    if lora {
+        GradSink::trainable(l, buf)
+    } else {
+        GradSink::new(l, buf)
+    }
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use mt_core::{StateDtype, Unit};
 use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
-use mt_store::{GradMut, GradRef, RecordGuard, TransferBuf};
+use mt_store::{FrozenBase, GradMut, GradRef, RecordGuard, TransferBuf};
 
 use super::{commit, Engine};
 use crate::backend::{Backend, HostJob};
@@ -55,12 +55,21 @@ pub(super) fn update_unit(
     Ok(())
 }
 
-fn upload_view(s: &mut TransferBuf, n: usize) -> Upload<'_> {
+fn upload_view(s: &mut TransferBuf, range: std::ops::Range<usize>) -> Upload<'_> {
     match s {
-        TransferBuf::F32(v) => Upload::F32(&mut v[..n]),
-        TransferBuf::Bf16(v) => Upload::Bf16(&mut v[..n]),
-        TransferBuf::F16(v) => Upload::F16(&mut v[..n]),
+        TransferBuf::F32(v) => Upload::F32(&mut v[range]),
+        TransferBuf::Bf16(v) => Upload::Bf16(&mut v[range]),
+        TransferBuf::F16(v) => Upload::F16(&mut v[range]),
     }
+}
+
+/// Casts `unit`'s frozen base (a LoRA run's) into the start of its upload copy; returns where
+/// the unit's trainable record goes in it (0 without a base).
+pub(super) fn stage_base(base: Option<&FrozenBase>, unit: Unit, s: &mut TransferBuf) -> Result<usize> {
+    let Some(b) = base else { return Ok(0) };
+    let w = b.unit(unit);
+    mt_optim::cast_into(&w, upload_view(s, 0..w.len()))?;
+    Ok(w.len())
 }
 
 impl<B: Backend> Engine<B> {
@@ -85,10 +94,12 @@ impl<B: Backend> Engine<B> {
         Ok(match *op {
             Op::Stage { unit, staging, update } => {
                 let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
+                let base = self.opts.frozen_base.clone();
                 let job: HostJob = Box::new(move || {
                     let mut r = store.record(unit);
                     let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
-                    let up = upload_view(&mut s, r.master().len());
+                    let at = stage_base(base.as_deref(), unit, &mut s)?;
+                    let up = upload_view(&mut s, at..at + r.master().len());
                     if update {
                         update_unit(unit, &mut r, &hyper, &args, up)
                     } else {

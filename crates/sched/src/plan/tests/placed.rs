@@ -36,6 +36,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             ring_depth: p.ring_depth,
             layer_len: layout.layer.len,
             outer_len: layout.outer.len,
+            grad_lens: (layout.layer.len, layout.outer.len),
             weight_dtype: DType::BF16,
             grad_dtype: DType::F32,
             n_grad_bufs: grad_bufs(p.placement.late_state_downloads),
