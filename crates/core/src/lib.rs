@@ -1,9 +1,11 @@
 //! Shared vocabulary of megatrain-rs: model configuration (parsed from a Hugging Face
 //! `config.json`), the parameter layout table (names, shapes and offsets of every tensor in a
-//! unit's flat record), and the error type used by the crates below the engine.
+//! unit's flat record), the placement (where a step keeps each unit: [`Placement`]), and the
+//! error type used by the crates below the engine.
 //!
 //! Architecture Invariant: this crate knows nothing about tensors, devices, memory maps or
-//! streams. It is pure data and arithmetic on sizes.
+//! streams (a placement says which units live on "the device", a `DeviceKind` how a plan words
+//! it; neither touches one). It is pure data and arithmetic on sizes and layer indices.
 #![forbid(unsafe_code)]
 
 mod config;
@@ -14,6 +16,7 @@ mod layout;
 mod lora;
 mod moe;
 pub mod names;
+pub mod placement;
 mod states;
 pub mod units;
 
@@ -26,4 +29,5 @@ pub use layout::{
 };
 pub use lora::{LoraConfig, LoraTarget};
 pub use moe::{ExpertKind, MoeConfig};
+pub use placement::{Placement, PlacementChoice};
 pub use states::{StateDtype, Q8_BLOCK};

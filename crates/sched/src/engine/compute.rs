@@ -11,7 +11,7 @@ use mt_pool::DevicePool;
 use super::Engine;
 use crate::backend::Backend;
 use crate::batch::Chunk;
-use crate::program::{Op, Slot};
+use crate::program::{BackwardInput, Op, Slot};
 use crate::{Error, Result};
 
 impl<B: Backend> Engine<B> {
@@ -92,7 +92,7 @@ impl<B: Backend> Engine<B> {
                 }
                 self.pool.drop_checkpoints(n_layers);
             }
-            Op::Backward { layer, slot, grad_buf } => {
+            Op::Backward { layer, slot, grad_buf, input } => {
                 let _s = tracing::debug_span!("backward", layer).entered();
                 let gbuf = match grad_buf {
                     Some(k) => self.pool.grad_bufs[k].clone(),
@@ -103,12 +103,19 @@ impl<B: Backend> Engine<B> {
                 let w = LayerWeights::bind(cfg, &slots.layer, &self.slot_tensor(slot)?)?;
                 let layer_t = self.layer_t.for_layer(layer)?;
                 for (c, ch) in chunks.iter().enumerate() {
-                    let x = self.backward_input(layer, c, ch)?;
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
                     let aux = self.router_grad.as_ref();
-                    let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
-                        Some(state) => layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?,
-                        None => {
+                    let dx = match input {
+                        BackwardInput::Kept => {
+                            let state = self
+                                .kept
+                                .get_mut(layer * chunks.len() + c)
+                                .and_then(Option::take)
+                                .ok_or_else(|| not_kept(layer, c))?;
+                            layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?
+                        }
+                        BackwardInput::Checkpoint | BackwardInput::Reload(_) => {
+                            let x = self.backward_input(layer, c, ch, input)?;
                             let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
                             layer_t.backward_routed(&w, &x, &dy, pos, &sink, aux)?
                         }
@@ -116,7 +123,10 @@ impl<B: Backend> Engine<B> {
                     self.pool.put_act_grad(c, dx);
                 }
                 self.inject_gradient(Unit::Layer(layer), &gbuf)?;
-                self.pool.drop_checkpoints(layer);
+                // Its last reader, unless it was spilled (freed after its forward).
+                if !matches!(input, BackwardInput::Reload(_)) {
+                    self.pool.drop_checkpoints(layer);
+                }
             }
             Op::EmbedBackward => {
                 let _s = tracing::debug_span!("embed_backward").entered();
@@ -280,6 +290,12 @@ fn no_state(buf: usize) -> Error {
 
 fn no_kept(layer: usize, chunk: usize) -> Error {
     Error::Schedule(format!("no place to keep layer {layer}, chunk {chunk}"))
+}
+
+fn not_kept(layer: usize, chunk: usize) -> Error {
+    Error::Schedule(format!(
+        "layer {layer}, chunk {chunk}: a backward of kept activations its forward did not keep"
+    ))
 }
 
 fn missing_positions(chunk: usize) -> Error {

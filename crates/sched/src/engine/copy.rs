@@ -40,11 +40,16 @@ impl<B: Backend> Engine<B> {
             }
             Op::SpillCheckpoint { boundary } => self.issue_spill(boundary, waits, &name)?,
             Op::ReloadCheckpoint { boundary, slot } => self.issue_reload(boundary, slot, waits, &name)?,
-            Op::Download { grad_buf, landing, .. } => {
-                // A layer gradient narrowed to bf16 by its backward downloads from the twin.
-                let src = match grad_buf {
-                    Some(k) => self.pool.grad_narrow.get(k).unwrap_or(&self.pool.grad_bufs[k]).clone(),
-                    None => self.pool.outer_grad.clone(),
+            Op::Download { grad_buf, landing, narrowed, .. } => {
+                let src = match (grad_buf, narrowed) {
+                    (Some(k), true) => self.pool.grad_narrow.get(k).cloned().ok_or_else(|| {
+                        Error::Schedule(format!("{op:?}: gradient buffer {k} has no bf16 twin"))
+                    })?,
+                    (Some(k), false) => self.pool.grad_bufs[k].clone(),
+                    (None, false) => self.pool.outer_grad.clone(),
+                    (None, true) => {
+                        return Err(Error::Schedule(format!("{op:?}: the outer gradient is never narrowed")))
+                    }
                 };
                 self.backend.download(waits, src, self.landing_of(landing), name)
             }

@@ -185,9 +185,7 @@ impl<B: Backend> Engine<B> {
                 n_grad_bufs: crate::plan::grad_bufs(opts.placement.late_state_downloads),
                 n_layers: layout.n_layers,
                 n_chunks: opts.n_chunks,
-                resident_outer: opts.placement.resident_outer,
-                resident_layers: opts.placement.resident_layers,
-                held_layers: opts.placement.held_layers,
+                placement: opts.placement,
                 land_bf16,
                 state_slots: if opts.placement.gpu_updated_layers > 0 {
                     opts.ring_depth + opts.placement.late_state_downloads
