@@ -190,13 +190,18 @@ impl<B: Backend> Engine<B> {
                     )?;
                 }
             }
-            Op::CopyGrad { unit, grad_buf, buf } => {
+            Op::CopyGrad { unit, grad_buf, buf, narrowed } => {
                 let _s = tracing::debug_span!("copy_grad", ?unit).entered();
-                // What the layer's download moves and its land stores: the bf16 twin, else the
-                // f32 buffer (options refuse early uploads where the store keeps neither).
-                let src = match self.pool.grad_narrow.get(grad_buf) {
-                    Some(narrow) => narrow,
-                    None => self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_grad_buf(grad_buf))?,
+                // What the layer's download moves and its land stores: the bf16 twin or the f32
+                // buffer, as the op says.
+                let src = if narrowed {
+                    self.pool.grad_narrow.get(grad_buf).ok_or_else(|| {
+                        Error::Schedule(format!(
+                            "{unit:?}'s copy: gradient buffer {grad_buf} has no bf16 twin"
+                        ))
+                    })?
+                } else {
+                    self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_grad_buf(grad_buf))?
                 };
                 let dst = self.state_grad_slot(buf)?;
                 if src.dtype() != dst.dtype() || src.elem_count() != dst.elem_count() {

@@ -187,6 +187,9 @@ pub enum Op {
         grad_buf: usize,
         /// State slot.
         buf: usize,
+        /// From the ring buffer's bf16 twin, as the layer's [`Op::Download`] reads
+        /// ([`ProgramSpec::narrow_grads`]), not from the f32 buffer.
+        narrowed: bool,
     },
     /// D2H (GPU-updated layers): state slot `buf`'s master, m and v back into the unit's host
     /// record; once they are there, the record is marked updated (so a retried step does not
