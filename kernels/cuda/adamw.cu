@@ -140,10 +140,35 @@ __device__ __forceinline__ float block_max(float x, float* sh) {
     return r;
 }
 
+// What scales a block's values into code units: top / max, 0 for a block whose step is 0, at
+// most FLT_MAX (mt-optim's block_inverse).
+__device__ __forceinline__ float block_inverse(float s, float mx, float top) {
+    return s == 0.0f ? 0.0f : fminf(top / mx, 3.40282347e38f);
+}
+
+// k^4 as the fourth-root code computes it (mt-optim's fourth).
+__device__ __forceinline__ float fourth(float k) { return (k * k) * (k * k); }
+
+// The largest k in 0..=126 with k*k <= y, for y >= 0 (mt-optim's m_floor: the same
+// operations, though any exact way of finding k gives the same k).
+__device__ __forceinline__ float m_floor(float y) {
+    const float k = fminf(floorf(sqrtf(y)), 126.0f);
+    return k * k > y ? k - 1.0f : k;
+}
+
+// The largest k in 0..=254 with fourth(k) <= y, for y >= 0 (mt-optim's v_floor).
+__device__ __forceinline__ float v_floor(float y) {
+    const float k = fminf(floorf(sqrtf(sqrtf(y))), 254.0f);
+    if (fourth(k) > y) return k - 1.0f;
+    if (k < 254.0f && fourth(k + 1.0f) <= y) return k + 1.0f;
+    return k;
+}
+
 // One block of Q8_BLOCK threads per 8-bit block (grid-stride over blocks): decode, update, the
-// block's maxima, encode (m: square-root code in -127..127, step max|m| / 127^2; v: fourth-root
-// code in 0..255, step max v / 255^4), each element rounded to one of its two neighbouring codes
-// with probability that keeps its value unbiased.
+// block's maxima, encode (mt-optim's code_m and code_v: m, square-root code in -127..127, step
+// max|m| / 127^2; v, fourth-root code in 0..255, step max v / 255^4; each element scaled by the
+// block's inverse step, a NaN as 0, and rounded to one of its two neighbouring codes with the
+// probability that keeps its value unbiased).
 extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* __restrict__ grad, long long n,
                                        float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
                                        float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
@@ -161,10 +186,9 @@ extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* _
         const bool in = i < n;
         float pi = 0.0f, mi = 0.0f, vi = 0.0f;
         if (in) {
-            const signed char q = (signed char)mc[i];
-            const float a = (float)(q < 0 ? -(int)q : (int)q);
-            const float xm = (a * a) * ms[b];
-            mi = q < 0 ? -xm : xm;
+            // q*|q| is +-q^2, exact.
+            const float a = (float)(signed char)mc[i];
+            mi = (a * fabsf(a)) * ms[b];
             const float av = (float)vc[i];
             vi = ((av * av) * (av * av)) * vs[b];
             pi = state[i];
@@ -172,28 +196,20 @@ extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* _
             state[i] = pi;
             if (w) w[i] = f2bf(pi);
         }
-        const float sm = block_max(in ? fabsf(mi) : 0.0f, sh) / M_TOP;
-        const float sv = block_max(in ? vi : 0.0f, sh) / V_TOP;
+        const float am = block_max(in ? fabsf(mi) : 0.0f, sh);
+        const float vm = block_max(in ? vi : 0.0f, sh);
+        const float sm = am / M_TOP, sv = vm / V_TOP;
         if (in) {
-            unsigned char cm = 0, cv = 0;
-            if (sm != 0.0f) {
-                const float y = fabsf(mi) / sm;
-                const float lo = fminf(floorf(sqrtf(y)), 126.0f), hi = lo + 1.0f;
-                const float p = (y - lo * lo) / (hi * hi - lo * lo);
-                const float u = unit_float(mix32((unsigned)i ^ key_m));
-                const int q = (int)(u < p ? hi : lo);
-                cm = (unsigned char)(signed char)(mi < 0.0f ? -q : q);
-            }
-            if (sv != 0.0f) {
-                const float y = vi / sv;
-                const float lo = fminf(floorf(sqrtf(sqrtf(y))), 254.0f), hi = lo + 1.0f;
-                const float lo4 = (lo * lo) * (lo * lo), hi4 = (hi * hi) * (hi * hi);
-                const float p = (y - lo4) / (hi4 - lo4);
-                const float u = unit_float(mix32((unsigned)i ^ key_v));
-                cv = (unsigned char)(int)(u < p ? hi : lo);
-            }
-            mc[i] = cm;
-            vc[i] = cv;
+            const float ym = fmaxf(fabsf(mi) * block_inverse(sm, am, M_TOP), 0.0f);
+            const float lm = m_floor(ym);
+            const float um = unit_float(mix32((unsigned)i ^ key_m));
+            const int q = (int)(um * (2.0f * lm + 1.0f) < ym - lm * lm ? lm + 1.0f : lm);
+            const float yv = fmaxf(vi * block_inverse(sv, vm, V_TOP), 0.0f);
+            const float lv = v_floor(yv);
+            const float t_lo = fourth(lv), t_hi = fourth(lv + 1.0f);
+            const float uv = unit_float(mix32((unsigned)i ^ key_v));
+            mc[i] = (unsigned char)(signed char)(mi < 0.0f ? -q : q);
+            vc[i] = (unsigned char)(int)(uv * (t_hi - t_lo) < yv - t_lo ? lv + 1.0f : lv);
         }
         if (threadIdx.x == 0) {
             ms[b] = sm;

@@ -270,14 +270,12 @@ pub(crate) fn unit_float(h: u32) -> f32 {
     (h >> 8) as f32 * (1.0 / 16_777_216.0)
 }
 
-/// Decodes one block of `m` (square-root code) into `out`.
+/// Decodes one block of `m` (square-root code) into `out`: `(q·|q|)·s` (`q·|q|` is `±q²`, exact).
 #[inline(always)]
 pub(crate) fn decode_m(codes: &[u8], s: f32, out: &mut [f32]) {
     for (o, &c) in out.iter_mut().zip(codes) {
-        let q = c as i8;
-        let a = f32::from(q.unsigned_abs());
-        let x = (a * a) * s;
-        *o = if q < 0 { -x } else { x };
+        let a = f32::from(c as i8);
+        *o = (a * a.abs()) * s;
     }
 }
 
@@ -290,47 +288,109 @@ pub(crate) fn decode_v(codes: &[u8], s: f32, out: &mut [f32]) {
     }
 }
 
-/// Encodes one block of `m` (square-root code, stochastic) from `x`; returns its step. `base`
-/// is the block's first element index in the unit.
+/// The largest element of a block, NaNs ignored: `max` of the magnitudes (`m`) or of the values
+/// (`v`, never negative). Exact, so any order of evaluation gives it (the vector kernels' lanes,
+/// the CUDA kernel's tree).
+#[inline(always)]
+pub(crate) fn block_max(x: &[f32], magnitude: bool) -> f32 {
+    x.iter().fold(0.0f32, |a, &b| a.max(if magnitude { b.abs() } else { b }))
+}
+
+/// What scales a block's values into code units: `top / max` (the step `s = max / top` is what is
+/// stored), 0 for a block whose step is 0 (every code 0), at most `f32::MAX` (a block whose
+/// largest value is so small that `top / max` overflows). One division per block: every element
+/// is then scaled by a product, not a quotient.
+#[inline(always)]
+pub(crate) fn block_inverse(s: f32, max: f32, top: f32) -> f32 {
+    if s == 0.0 {
+        0.0
+    } else {
+        (top / max).min(f32::MAX)
+    }
+}
+
+/// `k⁴` as the fourth-root code computes it: `(k·k)·(k·k)` in f32 (`k·k` exact; the square
+/// rounded).
+#[inline(always)]
+pub(crate) fn fourth(k: f32) -> f32 {
+    (k * k) * (k * k)
+}
+
+/// The largest `k` in `0..=126` with `k·k <= y`, for `y >= 0` (not NaN). `floor(sqrt(y))` is
+/// at least that `k` (a correctly rounded square root of `k²` is `k`) and at most one more (a
+/// `y` just below `(k+1)²` may round up to `k + 1`); the comparison takes the one back.
+#[inline(always)]
+pub(crate) fn m_floor(y: f32) -> f32 {
+    let k = y.sqrt().floor().min(126.0);
+    if k * k > y {
+        k - 1.0
+    } else {
+        k
+    }
+}
+
+/// The largest `k` in `0..=254` with [`fourth`]`(k) <= y`, for `y >= 0` (not NaN).
+/// `floor(sqrt(sqrt(y)))` is within one of it (two correctly rounded square roots, and the
+/// rounding of `k⁴`, move a value by a few units in its last place, never across more than one
+/// integer); the comparisons take that one back.
+#[inline(always)]
+pub(crate) fn v_floor(y: f32) -> f32 {
+    let k = y.sqrt().sqrt().floor().min(254.0);
+    if fourth(k) > y {
+        k - 1.0
+    } else if k < 254.0 && fourth(k + 1.0) <= y {
+        k + 1.0
+    } else {
+        k
+    }
+}
+
+/// One element of `m` in the square-root code, scaled by `inv` ([`block_inverse`]), with the
+/// draw `h`: `y = |x|·inv` (a NaN as 0), `lo` = [`m_floor`]`(y)`, and the code `lo + 1` when
+/// `u·(2·lo + 1) < y − lo²` (`u` the draw in `[0, 1)`, `2·lo + 1` the distance to the next
+/// code's `q²`), else `lo`: unbiased in `q²`, to rounding. The sign is `x`'s.
+#[inline(always)]
+pub(crate) fn code_m(x: f32, inv: f32, h: u32) -> u8 {
+    let y = (x.abs() * inv).max(0.0);
+    let lo = m_floor(y);
+    let q = if unit_float(h) * (2.0 * lo + 1.0) < y - lo * lo { lo + 1.0 } else { lo };
+    let q = q as i8;
+    (if x < 0.0 { -q } else { q }) as u8
+}
+
+/// One element of `v` in the fourth-root code, scaled by `inv` ([`block_inverse`]), with the
+/// draw `h`: `y = x·inv` (a NaN as 0), `lo` = [`v_floor`]`(y)`, and the code `lo + 1` when
+/// `u·(T(lo+1) − T(lo)) < y − T(lo)` (`T` = [`fourth`]), else `lo`.
+#[inline(always)]
+pub(crate) fn code_v(x: f32, inv: f32, h: u32) -> u8 {
+    let y = (x * inv).max(0.0);
+    let lo = v_floor(y);
+    let (t_lo, t_hi) = (fourth(lo), fourth(lo + 1.0));
+    (if unit_float(h) * (t_hi - t_lo) < y - t_lo { lo + 1.0 } else { lo }) as u8
+}
+
+/// Encodes one block of `m` (square-root code, stochastic) from `x`; returns its step
+/// `max|x| / 127²`. `base` is the block's first element index in the unit.
 #[inline(always)]
 pub(crate) fn encode_m(x: &[f32], codes: &mut [u8], key: u32, base: usize) -> f32 {
-    let amax = x.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
+    let amax = block_max(x, true);
     let s = amax / M_TOP;
-    if s == 0.0 {
-        codes.fill(0);
-        return s;
-    }
+    let inv = block_inverse(s, amax, M_TOP);
     for (j, (c, &x)) in codes.iter_mut().zip(x).enumerate() {
-        let y = x.abs() / s;
-        let lo = y.sqrt().floor().min(126.0);
-        let hi = lo + 1.0;
-        let p = (y - lo * lo) / (hi * hi - lo * lo);
-        let u = unit_float(mix32((base + j) as u32 ^ key));
-        let q = if u < p { hi } else { lo };
-        let q = q as i8;
-        *c = (if x < 0.0 { -q } else { q }) as u8;
+        *c = code_m(x, inv, mix32((base + j) as u32 ^ key));
     }
     s
 }
 
 /// Encodes one block of `v` (fourth-root code, stochastic) from `x` (non-negative); returns its
-/// step. `base` is the block's first element index in the unit.
+/// step `max x / 255⁴`. `base` is the block's first element index in the unit.
 #[inline(always)]
 pub(crate) fn encode_v(x: &[f32], codes: &mut [u8], key: u32, base: usize) -> f32 {
-    let vmax = x.iter().fold(0.0f32, |a, &b| a.max(b));
+    let vmax = block_max(x, false);
     let s = vmax / V_TOP;
-    if s == 0.0 {
-        codes.fill(0);
-        return s;
-    }
+    let inv = block_inverse(s, vmax, V_TOP);
     for (j, (c, &x)) in codes.iter_mut().zip(x).enumerate() {
-        let y = x / s;
-        let lo = y.sqrt().sqrt().floor().min(254.0);
-        let hi = lo + 1.0;
-        let (lo4, hi4) = ((lo * lo) * (lo * lo), (hi * hi) * (hi * hi));
-        let p = (y - lo4) / (hi4 - lo4);
-        let u = unit_float(mix32((base + j) as u32 ^ key));
-        *c = (if u < p { hi } else { lo }) as u8;
+        *c = code_v(x, inv, mix32((base + j) as u32 ^ key));
     }
     s
 }
