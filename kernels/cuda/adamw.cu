@@ -79,11 +79,29 @@ extern "C" __global__ void mt_adamw(float* __restrict__ state, const float* __re
 
 // ---- Moments in bf16 or 8 bits (`--optim-states`, crates/optim/src/moments.rs) ----
 //
-// The update is adamw1 on the decoded moments; the new moments are encoded with stochastic
-// rounding whose draw for element i (its index in the unit, as a 32-bit unsigned) is
-// mix32(i ^ key), key_m and key_v from mt_optim::rounding_keys(step, unit). Every operation is the
-// one mt-optim's encode/decode does, in its order, so the state comes back bitwise the host's.
-// state = [master: n f32 | m | v], each moment moment_bytes(n) long (crates/core/src/states.rs).
+// The update is adamw1_coded on the decoded moments (mt-optim's update_block_coded: adamw1 but
+// for a product by 1 / bc2_sqrt where adamw1 divides); the new moments are encoded with
+// stochastic rounding whose draw for element i (its index in the unit, as a 32-bit unsigned) is
+// mix32(i ^ key), key from mt_optim::rounding_key(step, unit): m rounds with its low 16 bits, v
+// with its high 16. state = [master: n f32 | m | v], each moment moment_bytes(n) long
+// (crates/core/src/states.rs).
+//
+// Bitwise the host's (mt-optim's scalar definitions and its AVX2 / AVX-512 kernels, which give
+// the scalar bits), because every operation below is one the host performs, on the same operands,
+// in the same order, and each is exactly rounded the same way on both:
+// - add, sub, mul, div and sqrt are IEEE single precision, round to nearest even, on both (NVRTC's
+//   defaults --prec-div=true, --prec-sqrt=true; Rust and the x86 vector instructions are IEEE);
+// - no multiply-add is fused (NVRTC --fmad=false; Rust never contracts, and the host kernels
+//   call one instruction per operation) and nothing is reassociated;
+// - subnormals are kept on both (NVRTC's default --ftz=false; the host never sets FTZ/DAZ);
+// - fmaxf / fminf return the other operand for a NaN, as Rust's f32::max / min and the operand
+//   order the host kernels give vmaxps / vminps; a block's maximum is exact, so the tree order
+//   here and the lane order there agree;
+// - floorf and the float <-> integer conversions of whole numbers are exact;
+// - the host kernels' only inexact instructions (rsqrt / rcp estimates) start a search that an
+//   exact comparison finishes, so they find the same code as m_floor / v_floor here.
+// A NaN's payload is the one thing that may differ (the GPU makes canonical NaNs); an update
+// that makes one is a non-finite step, which the engine skips.
 
 __device__ __forceinline__ unsigned mix32(unsigned h) {
     h ^= h >> 16;
@@ -93,8 +111,23 @@ __device__ __forceinline__ unsigned mix32(unsigned h) {
     return h ^ (h >> 16);
 }
 
-// A draw as a uniform in [0, 1): its top 24 bits.
-__device__ __forceinline__ float unit_float(unsigned h) { return (float)(h >> 8) * (1.0f / 16777216.0f); }
+// 16 bits of a draw as a uniform in [0, 1) (mt-optim's unit16).
+__device__ __forceinline__ float unit16(unsigned r) { return (float)r * (1.0f / 65536.0f); }
+
+// adamw1 over decoded coded moments (mt-optim's update_block_coded): the same expressions but
+// sqrt(v) * inv_bc2, inv_bc2 = 1 / bc2_sqrt, for sqrt(v) / bc2_sqrt.
+__device__ __forceinline__ void adamw1_coded(float& p, float& m, float& v, float graw, const AdamWCoeffs& c,
+                                             float inv_bc2) {
+    const float g = graw * c.grad_scale;
+    const float mi = m;
+    const float base = c.lerp_small ? mi : g;
+    const float m_new = base + c.lerp_coeff * (g - mi);
+    const float v_new = v * c.beta2 + c.one_minus_beta2 * g * g;
+    const float denom = sqrtf(v_new) * inv_bc2 + c.eps;
+    p = p * c.decay - c.step_size * m_new / denom;
+    m = m_new;
+    v = v_new;
+}
 
 // f32 -> bf16 rounded stochastically with the draw r (its low 16 bits); a NaN as f2bf keeps it.
 __device__ __forceinline__ unsigned short bf16_sr(float x, unsigned r) {
@@ -106,17 +139,19 @@ __device__ __forceinline__ unsigned short bf16_sr(float x, unsigned r) {
 extern "C" __global__ void mt_adamw_bf16(float* __restrict__ state, const float* __restrict__ grad, long long n,
                                          float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
                                          float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
-                                         unsigned key_m, unsigned key_v, unsigned long long w_out) {
+                                         unsigned key, unsigned long long w_out) {
     const AdamWCoeffs c = {grad_scale, decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size};
+    const float inv_bc2 = 1.0f / bc2_sqrt;
     unsigned short* m = (unsigned short*)(state + n);
     unsigned short* v = (unsigned short*)((char*)m + ((2 * n + 3) / 4) * 4);
     unsigned short* w = (unsigned short*)w_out;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float pi = state[i], mi = bf2f(m[i]), vi = bf2f(v[i]);
-        adamw1(pi, mi, vi, grad[i], c);
+        adamw1_coded(pi, mi, vi, grad[i], c, inv_bc2);
         state[i] = pi;
-        m[i] = bf16_sr(mi, mix32((unsigned)i ^ key_m));
-        v[i] = bf16_sr(vi, mix32((unsigned)i ^ key_v));
+        const unsigned h = mix32((unsigned)i ^ key);
+        m[i] = bf16_sr(mi, h & 0xffffu);
+        v[i] = bf16_sr(vi, h >> 16);
         if (w) w[i] = f2bf(pi);
     }
 }
@@ -172,9 +207,10 @@ __device__ __forceinline__ float v_floor(float y) {
 extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* __restrict__ grad, long long n,
                                        float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
                                        float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
-                                       unsigned key_m, unsigned key_v, unsigned long long w_out) {
+                                       unsigned key, unsigned long long w_out) {
     __shared__ float sh[Q8_BLOCK];
     const AdamWCoeffs c = {grad_scale, decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size};
+    const float inv_bc2 = 1.0f / bc2_sqrt;
     const long long codes = ((n + 3) / 4) * 4, blocks = (n + Q8_BLOCK - 1) / Q8_BLOCK;
     unsigned char* mc = (unsigned char*)(state + n);
     float* ms = (float*)(mc + codes);
@@ -192,7 +228,7 @@ extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* _
             const float av = (float)vc[i];
             vi = ((av * av) * (av * av)) * vs[b];
             pi = state[i];
-            adamw1(pi, mi, vi, grad[i], c);
+            adamw1_coded(pi, mi, vi, grad[i], c, inv_bc2);
             state[i] = pi;
             if (w) w[i] = f2bf(pi);
         }
@@ -202,12 +238,13 @@ extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* _
         if (in) {
             const float ym = fmaxf(fabsf(mi) * block_inverse(sm, am, M_TOP), 0.0f);
             const float lm = m_floor(ym);
-            const float um = unit_float(mix32((unsigned)i ^ key_m));
+            const unsigned h = mix32((unsigned)i ^ key);
+            const float um = unit16(h & 0xffffu);
             const int q = (int)(um * (2.0f * lm + 1.0f) < ym - lm * lm ? lm + 1.0f : lm);
             const float yv = fmaxf(vi * block_inverse(sv, vm, V_TOP), 0.0f);
             const float lv = v_floor(yv);
             const float t_lo = fourth(lv), t_hi = fourth(lv + 1.0f);
-            const float uv = unit_float(mix32((unsigned)i ^ key_v));
+            const float uv = unit16(h >> 16);
             mc[i] = (unsigned char)(signed char)(mi < 0.0f ? -q : q);
             vc[i] = (unsigned char)(int)(uv * (t_hi - t_lo) < yv - t_lo ? lv + 1.0f : lv);
         }

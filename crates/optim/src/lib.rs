@@ -65,7 +65,7 @@ mod simd;
 pub use adamw::{cast_into, step_fused, step_reference, AdamW, Coeffs, Grad, StepArgs, Upload, CHUNK};
 pub use error::Error;
 pub use land::land_and_step;
-pub use moments::{decode_moments, rounding_keys, Moments, Q8Moment};
+pub use moments::{decode_moments, rounding_key, Moments, Q8Moment};
 pub use norm::{cast_sum_squares, clip_coef, sum_squares};
 
 /// The vector instruction set the update over bf16 and 8-bit moments runs on: `avx512`, `avx2`

@@ -16,9 +16,11 @@
 //!   their updates to `m / eps` (measured: NaN losses). Each element picks one of its two
 //!   neighbouring codes stochastically, unbiased in value.
 //!
-//! Random draws are a pure function of `(step, stream, moment, element)`: the stream is the
-//! unit (store record index), so an update is bitwise reproducible across thread counts, on
-//! resume, and between the host and the device (`kernels/cuda/adamw.cu` draws the same numbers).
+//! Random draws are a pure function of `(step, stream, element)`: the stream is the unit (store
+//! record index), so an update is bitwise reproducible across thread counts, on resume, and
+//! between the host and the device (`kernels/cuda/adamw.cu` draws the same numbers). One 32-bit
+//! draw per element rounds both moments: `m` with its low 16 bits, `v` with its high 16 (one
+//! hash instead of two: the update over coded moments is bound by arithmetic on few cores).
 //!
 //! Every decode and encode is plain IEEE f32 arithmetic (products, quotients, square roots,
 //! floor) in a fixed order, so the CUDA kernels, compiled with `--fmad=false`, give the same bits.
@@ -227,7 +229,8 @@ pub(crate) fn widen(b: u16) -> f32 {
     f32::from_bits(u32::from(b) << 16)
 }
 
-/// `x` rounded to bf16 stochastically with the draw `r` (its low 16 bits): up with probability
+/// `x` rounded to bf16 stochastically with the 16-bit draw `r` ([`m_bits`], [`v_bits`]; bits
+/// above them are ignored): up with probability
 /// equal to the dropped fraction. A NaN stays a quiet NaN with its sign and top payload bits
 /// (as the round-to-nearest cast keeps it).
 #[inline(always)]
@@ -239,7 +242,7 @@ pub(crate) fn bf16_sr(x: f32, r: u32) -> u16 {
 }
 
 /// murmur3's 32-bit finaliser: the stochastic rounding's draw for element `i` is
-/// `mix32(i ^ key)`.
+/// `mix32(i ^ key)` ([`draw`]).
 #[inline(always)]
 pub(crate) fn mix32(mut h: u32) -> u32 {
     h ^= h >> 16;
@@ -256,18 +259,34 @@ fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The stochastic rounding's keys of `m` and `v` for optimizer step `step` of `stream` (a
-/// unit's record index): element `i`'s draw is `mix32(i ^ key)`. A device kernel takes them as
-/// arguments.
-pub fn rounding_keys(step: u64, stream: u64) -> [u32; 2] {
-    let base = splitmix64(splitmix64(step) ^ stream);
-    [splitmix64(base ^ 1) as u32, splitmix64(base ^ 2) as u32]
+/// The stochastic rounding's key for optimizer step `step` of `stream` (a unit's record index):
+/// element `i`'s draw is `mix32(i ^ key)` ([`draw`]). A device kernel takes it as an argument.
+pub fn rounding_key(step: u64, stream: u64) -> u32 {
+    splitmix64(splitmix64(splitmix64(step) ^ stream) ^ 1) as u32
 }
 
-/// A draw as a uniform in `[0, 1)` (its top 24 bits).
+/// Element `i`'s draw under `key` (`i` the element's index in its unit, modulo 2³²).
 #[inline(always)]
-pub(crate) fn unit_float(h: u32) -> f32 {
-    (h >> 8) as f32 * (1.0 / 16_777_216.0)
+pub(crate) fn draw(i: u32, key: u32) -> u32 {
+    mix32(i ^ key)
+}
+
+/// The 16 bits of a draw that round `m`: its low half.
+#[inline(always)]
+pub(crate) fn m_bits(h: u32) -> u32 {
+    h & 0xFFFF
+}
+
+/// The 16 bits of a draw that round `v`: its high half.
+#[inline(always)]
+pub(crate) fn v_bits(h: u32) -> u32 {
+    h >> 16
+}
+
+/// 16 bits of a draw as a uniform in `[0, 1)` (exact).
+#[inline(always)]
+pub(crate) fn unit16(r: u32) -> f32 {
+    r as f32 * (1.0 / 65_536.0)
 }
 
 /// Decodes one block of `m` (square-root code) into `out`: `(q·|q|)·s` (`q·|q|` is `±q²`, exact).
@@ -346,27 +365,29 @@ pub(crate) fn v_floor(y: f32) -> f32 {
 }
 
 /// One element of `m` in the square-root code, scaled by `inv` ([`block_inverse`]), with the
-/// draw `h`: `y = |x|·inv` (a NaN as 0), `lo` = [`m_floor`]`(y)`, and the code `lo + 1` when
-/// `u·(2·lo + 1) < y − lo²` (`u` the draw in `[0, 1)`, `2·lo + 1` the distance to the next
-/// code's `q²`), else `lo`: unbiased in `q²`, to rounding. The sign is `x`'s.
+/// 16-bit draw `r` ([`m_bits`]): `y = |x|·inv` (a NaN as 0), `lo` = [`m_floor`]`(y)`, and the
+/// code `lo + 1` when `u·(2·lo + 1) < y − lo²` (`u` = [`unit16`]`(r)` in `[0, 1)`, `2·lo + 1` the
+/// distance to the next code's `q²`), else `lo`: unbiased in `q²`, to rounding. The sign is
+/// `x`'s.
 #[inline(always)]
-pub(crate) fn code_m(x: f32, inv: f32, h: u32) -> u8 {
+pub(crate) fn code_m(x: f32, inv: f32, r: u32) -> u8 {
     let y = (x.abs() * inv).max(0.0);
     let lo = m_floor(y);
-    let q = if unit_float(h) * (2.0 * lo + 1.0) < y - lo * lo { lo + 1.0 } else { lo };
+    let q = if unit16(r) * (2.0 * lo + 1.0) < y - lo * lo { lo + 1.0 } else { lo };
     let q = q as i8;
     (if x < 0.0 { -q } else { q }) as u8
 }
 
 /// One element of `v` in the fourth-root code, scaled by `inv` ([`block_inverse`]), with the
-/// draw `h`: `y = x·inv` (a NaN as 0), `lo` = [`v_floor`]`(y)`, and the code `lo + 1` when
-/// `u·(T(lo+1) − T(lo)) < y − T(lo)` (`T` = [`fourth`]), else `lo`.
+/// 16-bit draw `r` ([`v_bits`]): `y = x·inv` (a NaN as 0), `lo` = [`v_floor`]`(y)`, and the code
+/// `lo + 1` when `u·(T(lo+1) − T(lo)) < y − T(lo)` (`T` = [`fourth`], `u` = [`unit16`]`(r)`),
+/// else `lo`.
 #[inline(always)]
-pub(crate) fn code_v(x: f32, inv: f32, h: u32) -> u8 {
+pub(crate) fn code_v(x: f32, inv: f32, r: u32) -> u8 {
     let y = (x * inv).max(0.0);
     let lo = v_floor(y);
     let (t_lo, t_hi) = (fourth(lo), fourth(lo + 1.0));
-    (if unit_float(h) * (t_hi - t_lo) < y - t_lo { lo + 1.0 } else { lo }) as u8
+    (if unit16(r) * (t_hi - t_lo) < y - t_lo { lo + 1.0 } else { lo }) as u8
 }
 
 /// Encodes one block of `m` (square-root code, stochastic) from `x`; returns its step
@@ -377,7 +398,7 @@ pub(crate) fn encode_m(x: &[f32], codes: &mut [u8], key: u32, base: usize) -> f3
     let s = amax / M_TOP;
     let inv = block_inverse(s, amax, M_TOP);
     for (j, (c, &x)) in codes.iter_mut().zip(x).enumerate() {
-        *c = code_m(x, inv, mix32((base + j) as u32 ^ key));
+        *c = code_m(x, inv, m_bits(draw((base + j) as u32, key)));
     }
     s
 }
@@ -390,7 +411,7 @@ pub(crate) fn encode_v(x: &[f32], codes: &mut [u8], key: u32, base: usize) -> f3
     let s = vmax / V_TOP;
     let inv = block_inverse(s, vmax, V_TOP);
     for (j, (c, &x)) in codes.iter_mut().zip(x).enumerate() {
-        *c = code_v(x, inv, mix32((base + j) as u32 ^ key));
+        *c = code_v(x, inv, v_bits(draw((base + j) as u32, key)));
     }
     s
 }

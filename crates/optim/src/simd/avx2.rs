@@ -216,10 +216,19 @@ fn add_i(a: I, b: I) -> I {
     _mm256_add_epi32(a, b)
 }
 
+/// `a + 1` in the lanes of `m` (a true lane of a mask is −1 as an integer).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn sub_i(a: I, b: I) -> I {
-    _mm256_sub_epi32(a, b)
+fn inc_where(m: M, a: I) -> I {
+    _mm256_sub_epi32(a, _mm256_castps_si256(m))
+}
+
+/// `−a` in the lanes whose `x` has its sign bit set (`vpsignd`, which also gives 0 where `x`'s
+/// bits are 0: callers pass an `a` that is 0 there).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn negate_where_negative(a: I, x: F) -> I {
+    _mm256_sign_epi32(a, _mm256_castps_si256(x))
 }
 
 /// The low 32 bits of the product (wrapping).

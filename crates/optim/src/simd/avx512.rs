@@ -204,10 +204,19 @@ fn add_i(a: I, b: I) -> I {
     _mm512_add_epi32(a, b)
 }
 
+/// `a + 1` in the lanes of `m`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn sub_i(a: I, b: I) -> I {
-    _mm512_sub_epi32(a, b)
+fn inc_where(m: M, a: I) -> I {
+    _mm512_mask_add_epi32(a, m, a, _mm512_set1_epi32(1))
+}
+
+/// `−a` in the lanes whose `x` has its sign bit set.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn negate_where_negative(a: I, x: F) -> I {
+    let neg = _mm512_cmplt_epi32_mask(_mm512_castps_si512(x), _mm512_setzero_si512());
+    _mm512_mask_sub_epi32(a, neg, _mm512_setzero_si512(), a)
 }
 
 /// The low 32 bits of the product (wrapping).

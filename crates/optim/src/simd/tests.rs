@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use super::Isa;
 use crate::adamw::Coeffs;
 use crate::coded::{mom_chunks, run_coded, update_coded};
-use crate::moments::{code_m, code_v, fourth, Moments, M_TOP, V_TOP};
+use crate::moments::{code_m, code_v, fourth, m_bits, v_bits, Moments, M_TOP, V_TOP};
 use crate::{AdamW, StepArgs};
 
 /// Values over many orders of magnitude, both signs, and the special ones: zeros, subnormals,
@@ -123,8 +123,8 @@ fn draw_indices_wrap_at_2_pow_32_alike_on_every_instruction_set() {
             // Warm moments, from a first update at index 0.
             for base in [0, base] {
                 let (p, mom) = Moments::split_state(dtype, n, &mut state, 7).unwrap();
-                let (mut chunks, keys) = mom_chunks(mom, a.step);
-                update_coded::<f32, f32>(isa, &c, keys, base, &g, p, chunks.remove(0), None);
+                let (mut chunks, key) = mom_chunks(mom, a.step);
+                update_coded::<f32, f32>(isa, &c, key, base, &g, p, chunks.remove(0), None);
             }
             bits(&state)
         };
@@ -153,7 +153,7 @@ fn codes_at_every_boundary_are_the_scalar_ones() {
             }
         }
     }
-    let draws = [0u32, 0xFF, 0x100, 0x7FFF_FFFF, 0x8000_0000, 0xFFFF_FF00, u32::MAX];
+    let draws = [0u32, 0xFFFF, 0x1_0000, 0x7FFF_FFFF, 0x8000_0000, 0xFFFF_0000, 0x0000_8000, u32::MAX];
     check_codes(&ys, &draws);
 }
 
@@ -198,7 +198,8 @@ fn check_codes_paired(ys: &[f32], draws: &[u32]) {
             let (mut m, mut v) = (vec![0u8; x.len()], vec![0u8; x.len()]);
             let done = super::codes(isa, &x, 1.0, draws, &mut m, &mut v);
             for i in 0..done {
-                let (want_m, want_v) = (code_m(x[i], 1.0, draws[i]), code_v(x[i], 1.0, draws[i]));
+                let (want_m, want_v) =
+                    (code_m(x[i], 1.0, m_bits(draws[i])), code_v(x[i], 1.0, v_bits(draws[i])));
                 let what = |w| {
                     format!("{isa:?}: {w} code of {:e} ({:#x}), draw {:#x}", x[i], x[i].to_bits(), draws[i])
                 };
