@@ -226,8 +226,21 @@ fn q8_partial(
     *vs = encode_v(v, vc, key, base);
 }
 
-/// Splits the (length-checked) slices into [`CHUNK`]s and runs them on the rayon pool.
+/// Splits the (length-checked) slices into [`CHUNK`]s and runs them on the rayon pool, on the
+/// widest instruction set the CPU has ([`Isa::detect`]).
 pub(crate) fn run_coded<G: GradElem, U: UploadElem>(
+    c: &Coeffs,
+    step: u64,
+    g: &[G],
+    p: &mut [f32],
+    mom: Moments<'_>,
+    up: Option<&mut [U]>,
+) {
+    run_coded_on(Isa::detect(), c, step, g, p, mom, up);
+}
+
+/// [`run_coded`] on `isa`.
+pub(crate) fn run_coded_on<G: GradElem, U: UploadElem>(
     isa: Isa,
     c: &Coeffs,
     step: u64,

@@ -9,9 +9,9 @@ use rand::{Rng, SeedableRng};
 
 use super::Isa;
 use crate::adamw::Coeffs;
-use crate::coded::{mom_chunks, run_coded, update_coded};
+use crate::coded::{mom_chunks, run_coded_on, update_coded};
 use crate::moments::{code_m, code_v, fourth, m_bits, v_bits, Moments, M_TOP, V_TOP};
-use crate::{AdamW, StepArgs};
+use crate::{AdamW, StepArgs, CHUNK};
 
 /// Values over many orders of magnitude, both signs, and the special ones: zeros, subnormals,
 /// infinities and NaNs (with payloads), at positions that fall inside and at the ends of vectors.
@@ -41,10 +41,12 @@ fn bits(x: &[f32]) -> Vec<u32> {
 }
 
 /// A whole pass over bf16 and 8-bit moments on each instruction set gives the scalar pass's
-/// master, moments and upload copy bit for bit: several steps (warm moments), lengths that end
-/// inside a vector and inside an 8-bit block, finite and non-finite gradients, and 8-bit blocks
-/// whose gradients are all zero, mostly subnormal (the block's `top / max` overflows and is
-/// clamped), tiny, or huge enough that `g²` overflows.
+/// master, moments and upload copy bit for bit: several steps (warm moments), f32 and bf16
+/// gradients (signalling NaNs among the latter), no upload copy, a bf16 one (written by the
+/// kernels) and an f32 one (cast after), lengths that end inside a vector and inside an 8-bit
+/// block and span two chunks, finite and non-finite gradients, and 8-bit blocks whose gradients
+/// are all zero, mostly subnormal (the block's `top / max` overflows and is clamped), tiny, or
+/// huge enough that `g²` overflows.
 #[test]
 fn every_instruction_set_gives_the_scalar_bits() {
     let isas = Isa::available();
@@ -56,8 +58,10 @@ fn every_instruction_set_gives_the_scalar_bits() {
         (5 * Q8_BLOCK, true, false),
         (2 * 1024 + 7, false, false),
         (13, true, false),
+        (CHUNK + 3 * Q8_BLOCK + 5, true, false),
+        (6 * Q8_BLOCK + 9, true, true),
     ];
-    for (n, finite, scaled_blocks) in cases.into_iter().chain([(6 * Q8_BLOCK + 9, true, true)]) {
+    for (n, finite, scaled_blocks) in cases {
         let grads: Vec<Vec<f32>> = (0..4)
             .map(|_| {
                 let g = nasty(&mut rng, n, 1e-2);
@@ -74,29 +78,56 @@ fn every_instruction_set_gives_the_scalar_bits() {
                 g.iter().enumerate().map(|(i, &x)| x * scale[i / Q8_BLOCK]).collect()
             })
             .collect();
+        let grads_bf16: Vec<Vec<bf16>> = grads
+            .iter()
+            .map(|g| {
+                let nan = |i: usize| !finite && i % 97 == 5;
+                // A signalling NaN (quiet bit clear) where the gradient may be non-finite.
+                g.iter()
+                    .enumerate()
+                    .map(|(i, &x)| if nan(i) { bf16::from_bits(0x7F81) } else { bf16::from_f32(x) })
+                    .collect()
+            })
+            .collect();
         let p0: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        for dtype in [StateDtype::Bf16, StateDtype::Int8] {
+        for (dtype, bf16_grads, upload) in [StateDtype::Bf16, StateDtype::Int8]
+            .into_iter()
+            .flat_map(|d| [false, true].into_iter().flat_map(move |b| [0, 1, 2].map(|u| (d, b, u))))
+        {
             let run = |isa: Isa| {
                 let mut state = vec![0f32; dtype.state_words(n)];
                 state[..n].copy_from_slice(&p0);
-                let mut up = vec![bf16::ZERO; n];
-                for (t, g) in grads.iter().enumerate() {
+                let (mut up16, mut up32) = (vec![bf16::ZERO; n], vec![0f32; n]);
+                for t in 0..grads.len() {
                     let a = StepArgs { step: t as u64 + 1, lr: 1e-3, grad_scale: 0.5 };
                     let c = Coeffs::of(&h, &a).unwrap();
                     let (p, mom) = Moments::split_state(dtype, n, &mut state, 7).unwrap();
-                    run_coded(isa, &c, a.step, g, p, mom, Some(&mut up[..]));
+                    match (bf16_grads, upload) {
+                        (false, 0) => run_coded_on::<f32, f32>(isa, &c, a.step, &grads[t], p, mom, None),
+                        (false, 1) => run_coded_on(isa, &c, a.step, &grads[t], p, mom, Some(&mut up16[..])),
+                        (false, _) => run_coded_on(isa, &c, a.step, &grads[t], p, mom, Some(&mut up32[..])),
+                        (true, 0) => run_coded_on::<bf16, f32>(isa, &c, a.step, &grads_bf16[t], p, mom, None),
+                        (true, 1) => {
+                            run_coded_on(isa, &c, a.step, &grads_bf16[t], p, mom, Some(&mut up16[..]))
+                        }
+                        (true, _) => {
+                            run_coded_on(isa, &c, a.step, &grads_bf16[t], p, mom, Some(&mut up32[..]))
+                        }
+                    }
                 }
-                (bits(&state), up.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                let up: Vec<u32> = up16.iter().map(|x| u32::from(x.to_bits())).chain(bits(&up32)).collect();
+                (bits(&state), up)
             };
             let scalar = run(Isa::SCALAR);
+            let what = format!("{dtype} n={n} finite={finite} bf16 grads={bf16_grads} upload={upload}");
+            if upload > 0 {
+                assert!(scalar.1.iter().any(|&x| x != 0), "{what}: an upload copy is written");
+            }
             for &isa in &isas[1..] {
                 let got = run(isa);
                 let first = scalar.0.iter().zip(&got.0).position(|(a, b)| a != b);
-                assert_eq!(
-                    first, None,
-                    "{dtype} n={n} finite={finite}: {isa:?} state differs at word {first:?}"
-                );
-                assert!(scalar.1 == got.1, "{dtype} n={n}: {isa:?} upload differs");
+                assert_eq!(first, None, "{what}: {isa:?} state differs at word {first:?}");
+                assert!(scalar.1 == got.1, "{what}: {isa:?} upload differs");
             }
         }
     }
