@@ -275,6 +275,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--log", help="write the full NVRTC/ptxas log here")
+    p.add_argument("--define", action="append", default=[], metavar="MACRO[=VALUE]",
+                   help="compile a variant (e.g. MT_HFA_BWD_SPLIT); repeatable")
     p.add_argument("--run", metavar="S:NH:NKV:HD", help="run one forward and one backward of this shape "
                    "(for a profiler to watch), e.g. 16384:28:4:128")
     a = p.parse_args()
@@ -292,7 +294,8 @@ def main():
         torch.cuda.synchronize()
         print("ran", a.run)
         return 0
-    cubin, log = compile_cubin(source())
+    prefix = "".join(f"#define {d.replace('=', ' ')}\n" for d in a.define)
+    cubin, log = compile_cubin(prefix + source())
     if a.log:
         Path(a.log).write_text(log)
     for line in log.splitlines():

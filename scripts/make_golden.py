@@ -37,6 +37,23 @@ Mixture-of-experts models (smaller, to keep the fixtures a few hundred KB: vocab
   relative at every step (checked), so that float32 rounding cannot change which experts a
   token reaches.
 
+GPT-OSS (vocab 64, hidden 32, 2 layers, 4 query heads, 2 KV heads, head_dim 16, 8 experts of
+width 16, top-4):
+  gpt_oss       GptOssConfig with every feature the released models have: q/k/v/o biases, a sink
+                logit per head (set to randn, std 1, so that the sinks take a visible share of
+                each row), layer 0 a sliding window of 4 keys (shorter than T = 16), layer 1 full,
+                YaRN RoPE (theta 150000, factor 32, beta_fast 32, beta_slow 1, original context
+                4096, truncate false: at head_dim 16 the eight frequencies are 3 kept, 2 blended,
+                3 interpolated, checked), a biased router (weights x 10) whose top-4 logits are
+                softmaxed, biased experts with the clamped GLU at swiglu_limit 0.1 (small, so that
+                the clamps bind: every step, some routed gate values lie above it and some up
+                values outside +-0.1, checked, and none within 1e-6 relative of a bound, so that
+                float32 rounding cannot flip a clamp), the load-balancing loss (coef 0.1,
+                transformers 5's: over the router logits) in the loss. Its attention softmax and
+                router run in float64 (no float32 island); its RMSNorm normalises in float32 and
+                multiplies the weight in float64.
+  `--only gpt_oss` writes just this fixture (the others stay as committed).
+
 Initialisation (deterministic, seeded per model): `torch.manual_seed(seed)`, then the model is
 built in float32 by transformers' own init (normal(0, 0.02) for Linear/Embedding, ones for norms,
 zeros for biases). Then, from a generator seeded with `seed + 1`, in named_parameters() order,
@@ -89,6 +106,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import struct
 import sys
 import tempfile
@@ -103,6 +121,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    GptOssConfig,
     LlamaConfig,
     MixtralConfig,
     OlmoeConfig,
@@ -161,6 +180,23 @@ MOE_COMMON = dict(
 )
 
 
+GPT_OSS_COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    num_experts_per_tok=4,
+    tie_word_embeddings=False,
+)
+SINK_STD = 1.0  # GPT-OSS's sink logits: randn times this (transformers' init is 0.02)
+MIN_CLAMP_MARGIN = 1e-6
+
+
 @dataclass
 class Spec:
     """One tiny model: its config and seed."""
@@ -175,7 +211,10 @@ class Spec:
         return self.config_cls(**self.common, **self.kwargs)
 
     def is_moe(self) -> bool:
-        return self.common is MOE_COMMON
+        return self.common is MOE_COMMON or self.common is GPT_OSS_COMMON
+
+    def is_gpt_oss(self) -> bool:
+        return self.common is GPT_OSS_COMMON
 
 
 SPECS = [
@@ -271,6 +310,30 @@ SPECS = [
         ),
         MOE_COMMON,
     ),
+    Spec(
+        "gpt_oss",
+        GptOssConfig,
+        1008,
+        dict(
+            num_local_experts=8,
+            attention_bias=True,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            swiglu_limit=0.1,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+            ),
+        ),
+        GPT_OSS_COMMON,
+    ),
 ]
 IDLE_EXPERT = {"olmoe": (0, 0)}  # (layer, expert) that receives no token at step 0
 MIN_ROUTING_MARGIN = 1e-5
@@ -294,7 +357,7 @@ def check_saved_config(spec: Spec, path: Path, verbose: bool) -> None:
             continue
         assert saved.get(key) == value, f"{path}: {key} = {saved.get(key)!r}, expected {value!r}"
     assert saved.get("use_sliding_window", False) is False, path
-    assert saved.get("attention_bias", False) is False, path
+    assert saved.get("attention_bias", False) is spec.is_gpt_oss(), path
     assert saved.get("mlp_bias", False) is False, path
     rope = saved["rope_parameters"]
     want = spec.kwargs["rope_parameters"]
@@ -332,7 +395,11 @@ def build_model(spec: Spec):
         if spec.is_moe():
             # Sharper routing (router logits of order 1 rather than 0.1): wider routing margins.
             for layer in model.model.layers:
-                layer.mlp.gate.weight.mul_(ROUTER_SCALE)
+                router = layer.mlp.router if spec.is_gpt_oss() else layer.mlp.gate
+                router.weight.mul_(ROUTER_SCALE)
+        if spec.is_gpt_oss():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(SINK_STD * torch.randn(layer.self_attn.sinks.shape, generator=gen))
         if spec.name in IDLE_EXPERT:
             layer, expert = IDLE_EXPERT[spec.name]
             assert expert == 0
@@ -356,6 +423,15 @@ def check_rope(spec: Spec, model) -> None:
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     used = model.model.rotary_emb.inv_freq.float()
+    if rope["rope_type"] == "yarn":
+        # Kept (extrapolated), blended by the ramp, and interpolated (divided by the factor).
+        ratio = used / plain
+        kept = int(torch.isclose(ratio, torch.tensor(1.0), rtol=1e-6).sum())
+        divided = int(torch.isclose(ratio, torch.tensor(1.0 / rope["factor"]), rtol=1e-6).sum())
+        blended = dim // 2 - kept - divided
+        assert kept > 0 and divided > 0 and blended > 0, (spec.name, ratio)
+        print(f"{spec.name}: yarn rope: of {dim // 2} frequencies {kept} kept, {blended} blended, {divided} interpolated")
+        return
     if rope["rope_type"] != "llama3":
         assert torch.equal(used, plain), f"{spec.name}: unexpected rope scaling"
         return
@@ -388,7 +464,14 @@ def forward_loss(model, input_ids, targets):
     position_ids = torch.arange(T, dtype=torch.int64).expand(B, T)
     moe = hasattr(model.config, "router_aux_loss_coef")
     extra = dict(output_router_logits=True) if moe else {}
+    clamp_inputs = []
+    hooks = []
+    if model.config.model_type == "gpt_oss":
+        for layer in model.model.layers:
+            hooks.append(layer.mlp.register_forward_hook(lambda m, args, out: clamp_inputs.append(args[0])))
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+    for h in hooks:
+        h.remove()
     logits = out.logits
     vocab = logits.shape[-1]
     loss = F.cross_entropy(
@@ -398,6 +481,8 @@ def forward_loss(model, input_ids, targets):
     if moe:
         router = [r.detach().clone() for r in out.router_logits]
         check_routing(model, router)
+        if clamp_inputs:
+            check_clamps(model, clamp_inputs, router)
         if model.config.output_router_logits:
             loss = loss + model.config.router_aux_loss_coef * out.aux_loss
     return logits, loss, router
@@ -410,6 +495,31 @@ def check_routing(model, router_logits) -> None:
         p = torch.softmax(r.double(), dim=-1).sort(dim=-1, descending=True).values
         margin = float(((p[:, k - 1] - p[:, k]) / p[:, k - 1]).min())
         assert margin > MIN_ROUTING_MARGIN, f"routing margin {margin:.2e}: pick another seed"
+
+
+def check_clamps(model, mlp_inputs, router_logits) -> None:
+    """GPT-OSS: for every routed (token, expert), the clamped GLU's bounds bind on some gate and
+    up values and leave others free, and no value lies within MIN_CLAMP_MARGIN (relative) of a
+    bound, so that float32 rounding cannot change which values are clamped."""
+    k, limit = model.config.num_experts_per_tok, model.config.swiglu_limit
+    above = outside = inside = 0
+    for layer, x, r in zip(model.model.layers, mlp_inputs, router_logits):
+        ex = layer.mlp.experts
+        x = x.detach().reshape(-1, x.shape[-1])
+        picked = torch.topk(r, k, dim=-1).indices
+        for e in range(ex.num_experts):
+            rows = (picked == e).any(dim=-1)
+            gu = x[rows] @ ex.gate_up_proj[e].detach() + ex.gate_up_proj_bias[e].detach()
+            gate, up = gu[:, ::2], gu[:, 1::2]
+            margin = min(
+                float((gate - limit).abs().min() / limit) if gate.numel() else math.inf,
+                float((up.abs() - limit).abs().min() / limit) if up.numel() else math.inf,
+            )
+            assert margin > MIN_CLAMP_MARGIN, f"clamp margin {margin:.2e}: pick another seed"
+            above += int((gate > limit).sum())
+            outside += int((up.abs() > limit).sum())
+            inside += int((up.abs() < limit).sum())
+    assert above > 0 and outside > 0 and inside > 0, (above, outside, inside)
 
 
 def train(model, input_ids, targets) -> dict[str, torch.Tensor]:
@@ -535,6 +645,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=repo / "crates/testkit/fixtures/golden")
     ap.add_argument("--check", action="store_true", help="run twice and compare sha256")
     ap.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="write only this fixture (repeatable); the others are left as they are",
+    )
+    ap.add_argument(
         "--precision-report",
         action="store_true",
         help="also measure the effect of transformers' float32 islands (writes nothing extra)",
@@ -556,11 +672,15 @@ def main() -> int:
     # it imports this module's model, batch and training functions).
     from golden_precision import f32_control, precision_report
 
+    specs = [s for s in SPECS if not args.only or s.name in args.only]
+    if args.only and len(specs) != len(set(args.only)):
+        print(f"error: --only names {args.only}; models: {[s.name for s in SPECS]}", file=sys.stderr)
+        return 1
     if args.f32_control:
-        for spec in SPECS:
+        for spec in specs:
             f32_control(spec, args.out)
         return 0
-    results = [make_one(spec, args.out, verbose=True) for spec in SPECS]
+    results = [make_one(spec, args.out, verbose=True) for spec in specs]
     total = 0
     for r in results:
         size = r["path"].stat().st_size
@@ -578,7 +698,7 @@ def main() -> int:
 
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            again = [make_one(spec, Path(tmp), verbose=False) for spec in SPECS]
+            again = [make_one(spec, Path(tmp), verbose=False) for spec in specs]
             for r, s in zip(results, again):
                 for ext in (".safetensors", ".config.json"):
                     a = r["path"].with_name(r["name"] + ext)
@@ -589,7 +709,7 @@ def main() -> int:
         print("check: a second run produced byte-identical files")
 
     if args.precision_report:
-        for spec in SPECS:
+        for spec in specs:
             if not spec.is_moe():  # its float64 patches cover the dense families only
                 precision_report(spec)
     return 0

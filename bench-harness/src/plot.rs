@@ -105,6 +105,85 @@ fn lines<DB: DrawingBackend>(root: &Area<DB>, title: &str, axes: (&str, &str), s
     draw_legend(&mut chart)
 }
 
+/// A curve of a chart: its name, a colour key (one colour per distinct key: the system) and a
+/// style key (one line style and marker per distinct key: the head layout or variant).
+struct Curve {
+    name: String,
+    colour: String,
+    style: String,
+    points: Vec<(f64, f64)>,
+}
+
+/// The index of `key` among the distinct keys in order of first appearance.
+fn key_index<'a>(keys: impl Iterator<Item = &'a str>, key: &str) -> usize {
+    let mut seen: Vec<&str> = Vec::new();
+    for k in keys {
+        if !seen.contains(&k) {
+            seen.push(k);
+        }
+    }
+    seen.iter().position(|k| *k == key).unwrap_or(0)
+}
+
+/// Curves against a base-2 logarithmic x axis (context lengths): one colour per system, one line
+/// style and marker per layout (solid with circles, dashed with triangles, dotted with squares),
+/// every point marked so that a curve of one point still shows.
+fn log2_curves<DB: DrawingBackend>(
+    root: &Area<DB>,
+    title: &str,
+    axes: (&str, &str),
+    curves: &[Curve],
+) -> Draw {
+    let pts = || curves.iter().flat_map(|c| c.points.iter());
+    let (x0, x1) = pts().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let y1 = pts().fold(0.0f64, |a, p| a.max(p.1));
+    // Half an octave of room at each end.
+    let (lo, hi) = (x0 / std::f64::consts::SQRT_2, x1 * std::f64::consts::SQRT_2);
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 22))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(80)
+        .build_cartesian_2d((lo..hi).log_scale().base(2.0), 0.0..(y1 * 1.2).max(1e-9))
+        .map_err(msg)?;
+    chart
+        .configure_mesh()
+        .x_desc(axes.0)
+        .y_desc(axes.1)
+        .x_label_formatter(&|v| format!("{}", v.round()))
+        .label_style(("sans-serif", 15))
+        .draw()
+        .map_err(msg)?;
+    for c in curves {
+        let colour = color(key_index(curves.iter().map(|c| c.colour.as_str()), &c.colour));
+        let style = key_index(curves.iter().map(|c| c.style.as_str()), &c.style) % 3;
+        let line = colour.stroke_width(2);
+        let pts = c.points.iter().copied();
+        let series = match style {
+            0 => chart.draw_series(LineSeries::new(pts, line)),
+            1 => chart.draw_series(DashedLineSeries::new(pts, 10, 6, line)),
+            _ => chart.draw_series(DashedLineSeries::new(pts, 3, 4, line)),
+        };
+        series.map_err(msg)?.label(c.name.as_str()).legend(move |(x, y)| {
+            let mark: DynElement<'static, DB, (i32, i32)> = match style {
+                0 => Circle::new((x + 10, y), 4, colour.filled()).into_dyn(),
+                1 => TriangleMarker::new((x + 10, y), 5, colour.filled()).into_dyn(),
+                _ => Rectangle::new([(x + 6, y - 4), (x + 14, y + 4)], colour.filled()).into_dyn(),
+            };
+            EmptyElement::at((0, 0)) + PathElement::new(vec![(x, y), (x + 20, y)], line) + mark
+        });
+        let marks = c.points.iter().map(|&p| -> DynElement<'static, DB, (f64, f64)> {
+            match style {
+                0 => Circle::new(p, 5, colour.filled()).into_dyn(),
+                1 => TriangleMarker::new(p, 6, colour.filled()).into_dyn(),
+                _ => Cross::new(p, 5, colour.stroke_width(2)).into_dyn(),
+            }
+        });
+        chart.draw_series(marks).map_err(msg)?;
+    }
+    draw_legend(&mut chart)
+}
+
 /// A bar: its label and stacked segments (value, legend index).
 type Bar = (String, Vec<(f64, usize)>);
 
@@ -361,50 +440,55 @@ pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
         .iter()
         .filter(|r| r.part == "context" && (ok(r) || r.status == Status::Published))
         .collect();
-    let ctx_name = |r: &Run| match r.status {
-        Status::Published => "MegaTrain, GH200 (published)".to_owned(),
-        _ => format!("{} {}", r.system, r.variant),
+    // One colour per system (MegaTrain's published points their own), one style per model.
+    let ctx_curves = |y: &dyn Fn(&Run) -> Option<f64>| -> Vec<Curve> {
+        let mut curves: Vec<Curve> = Vec::new();
+        for r in &context {
+            let Some(v) = y(r) else { continue };
+            let (colour, name) = match r.status {
+                Status::Published => {
+                    ("published".to_owned(), format!("MegaTrain {} published (GH200)", r.model))
+                }
+                _ => (r.system.to_string(), format!("{} {} {}", r.system, r.model, r.variant)),
+            };
+            let point = (r.seq_len as f64 / 1024.0, v);
+            match curves.iter_mut().find(|c| c.name == name) {
+                Some(c) => c.points.push(point),
+                None => curves.push(Curve { name, colour, style: r.model.clone(), points: vec![point] }),
+            }
+        }
+        for c in &mut curves {
+            c.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        curves
     };
-    let kilo = |r: &Run| r.seq_len as f64 / 1024.0;
-    let steps = group(&context, ctx_name, |r| Some((kilo(r), r.measured.step_ms? / 1e3)));
+    let steps = ctx_curves(&|r| Some(r.measured.step_ms? / 1e3));
     if !steps.is_empty() {
         let title = format!("Step time vs context length, one sequence a step ({machine})");
-        render!(out, "context-step-time", files, |root| lines(
+        render!(out, "context-step-time", files, |root| log2_curves(
             &root,
             &title,
-            ("context length (k tokens)", "seconds per step"),
+            ("context length (k tokens, log2)", "seconds per step"),
             &steps
         ));
-        let tf = group(&context, ctx_name, |r| Some((kilo(r), r.measured.model_tflops?)));
+        let tf = ctx_curves(&|r| r.measured.model_tflops);
         let title = format!("Model TFLOP/s vs context length ({machine})");
-        render!(out, "context-tflops", files, |root| lines(
+        render!(out, "context-tflops", files, |root| log2_curves(
             &root,
             &title,
-            ("context length (k tokens)", "model TFLOP/s (6NT + 6LSHT, causal)"),
+            ("context length (k tokens, log2)", "model TFLOP/s (6NT + 6LSHT, causal)"),
             &tf
         ));
     }
     if let Some(doc) = &results.attention {
-        let mut series: Vec<Series> = Vec::new();
-        for b in doc["bench"].as_array().into_iter().flatten() {
-            let (s, h, kv) = (b["seq_len"].as_f64(), b["heads"].as_u64(), b["kv_heads"].as_u64());
-            let (Some(s), Some(h), Some(kv)) = (s, h, kv) else { continue };
-            for (sys, e) in b["systems"].as_object().into_iter().flatten() {
-                let Some(tf) = e["fwd_bwd_tflops"].as_f64() else { continue };
-                let name = format!("{sys} {h}/{kv}");
-                match series.iter_mut().find(|x| x.0 == name) {
-                    Some(x) => x.1.push((s / 1024.0, tf)),
-                    None => series.push((name, vec![(s / 1024.0, tf)])),
-                }
-            }
-        }
-        if !series.is_empty() {
-            let title = format!("Causal attention fwd+bwd, d 128, bf16 ({machine})");
-            render!(out, "attention-kernel", files, |root| lines(
+        let curves = attention_curves(doc);
+        if !curves.is_empty() {
+            let title = format!("Causal attention fwd+bwd, bf16 ({machine})");
+            render!(out, "attention-kernel", files, |root| log2_curves(
                 &root,
                 &title,
-                ("sequence length (k tokens)", "TFLOP/s (fwd 2BHS^2D, bwd 2.5x)"),
-                &series
+                ("sequence length (k tokens, log2)", "TFLOP/s (fwd 2BHS^2D, bwd 2.5x)"),
+                &curves
             ));
         }
     }
@@ -434,4 +518,29 @@ pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
         ));
     }
     Ok(files.iter().map(|p| p.strip_prefix(out).unwrap_or(p).display().to_string()).collect())
+}
+
+/// The kernel benchmark's fwd+bwd TFLOP/s (`scripts/attention_bench.py`'s document): one curve per
+/// system and head layout, coloured by system, styled by layout (`heads/kv_heads d head_dim`).
+fn attention_curves(doc: &serde_json::Value) -> Vec<Curve> {
+    let mut curves: Vec<Curve> = Vec::new();
+    for b in doc["bench"].as_array().into_iter().flatten() {
+        let (s, h, kv) = (b["seq_len"].as_f64(), b["heads"].as_u64(), b["kv_heads"].as_u64());
+        let (Some(s), Some(h), Some(kv)) = (s, h, kv) else { continue };
+        let layout = format!("{h}/{kv} d{}", b["head_dim"].as_u64().unwrap_or(128));
+        for (sys, e) in b["systems"].as_object().into_iter().flatten() {
+            let Some(tf) = e["fwd_bwd_tflops"].as_f64() else { continue };
+            let name = format!("{sys} {layout}");
+            match curves.iter_mut().find(|c| c.name == name) {
+                Some(c) => c.points.push((s / 1024.0, tf)),
+                None => curves.push(Curve {
+                    name,
+                    colour: sys.clone(),
+                    style: layout.clone(),
+                    points: vec![(s / 1024.0, tf)],
+                }),
+            }
+        }
+    }
+    curves
 }

@@ -2,7 +2,7 @@
 // outer unit and the leading decoder layers the planner keeps resident; GPU-updated streamed
 // layers). Compiled at run time with NVRTC after common.cuh, no CUDA headers.
 //
-// mt_adamw evaluates exactly the expressions of mt-optim's fused loop (crates/optim/src/adamw.rs,
+// mt_adamw evaluates exactly the expressions of mt-optim's fused loop (crates/optim/src/adamw/mod.rs,
 // `update_block`), with the f32 scalars `Coeffs::of` derives on the host; NVRTC runs with
 // --fmad=false and IEEE division and square root, so every element rounds as on the CPU.
 // state = [master | m | v], n fp32 elements each (fp32 moments; mt_adamw_bf16 and mt_adamw_q8
@@ -77,7 +77,7 @@ extern "C" __global__ void mt_adamw(float* __restrict__ state, const float* __re
     }
 }
 
-// ---- Moments in bf16 or 8 bits (`--optim-states`, crates/optim/src/moments.rs) ----
+// ---- Moments in bf16 or 8 bits (`--optim-states`, crates/optim/src/moments/mod.rs) ----
 //
 // The update is adamw1_coded on the decoded moments (mt-optim's update_block_coded: adamw1 but
 // for a product by 1 / bc2_sqrt where adamw1 divides); the new moments are encoded with

@@ -551,6 +551,16 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 // ---------------------------------------------------------------------------------------------
 // Backward.
 
+// Registers per thread after `setmaxnreg`: 128 x producer + 256 x consumer must equal the 384 x 168
+// a CTA starts with (anything else hangs the CTA). The load warp's and the dQ warp's loops fit
+// in 40; the consumers' 232 hold dK, dV, S^T, dP^T and the dQ partial without a spill (24 / 240
+// compiles too, for experiments, with a small spill in the producer).
+#ifndef MT_HFA_BWD_CONSUMER_REGS
+#define MT_HFA_BWD_PRODUCER_REGS 40
+#define MT_HFA_BWD_CONSUMER_REGS 232
+#endif
+static_assert(128 * MT_HFA_BWD_PRODUCER_REGS + 256 * MT_HFA_BWD_CONSUMER_REGS == 384 * 168, "register split");
+
 template <int HD>
 struct HfaBwd {
     static constexpr int BN = MT_HFA_BN, BQ = MT_HFA_BQ, NCH = HD / 64;
@@ -611,7 +621,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
 
     if (wg == 0) {
-        setmaxnreg_dec<40>();  // the load warp's and the dQ warp's loops fit in 40
+        setmaxnreg_dec<MT_HFA_BWD_PRODUCER_REGS>();
         if (warp == 0) {  // loads: lane 0 the tiles, every lane two queries' LSE and D
             if (lane == 0) {
                 mbar_expect_tx(barKV, 2 * L::TK);
@@ -682,7 +692,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         }
         return;
     }
-    setmaxnreg_inc<232>();  // 2 x 128 x 232 + 128 x 40 = the 384 x 168 a CTA starts with
+    setmaxnreg_inc<MT_HFA_BWD_CONSUMER_REGS>();
 
     // Consumer warpgroup w: keys j0 + 64 w .. + 63; this thread's keys kr[i] (rows of S^T).
     const int w = wg - 1, lt = tid & 127, wq = lt >> 5, g = lane >> 2, tq = lane & 3;

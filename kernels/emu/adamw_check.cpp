@@ -1,7 +1,7 @@
 // Checks kernels/cuda/adamw.cu's kernels for bf16 and 8-bit moments (mt_adamw_bf16, mt_adamw_q8) on the
 // CPU emulator (emu.h) against mt-optim's host update: three steps of 845 parameters from
 // integer-hash inputs, with the coefficients and stochastic-rounding keys below (the f32 bits and
-// keys mt-optim derives for those steps: crates/optim/src/moments_tests.rs asserts they are), and
+// keys mt-optim derives for those steps: crates/optim/src/moments/tests.rs asserts they are), and
 // the FNV-1a hashes of the final state and weights must be those the same test asserts for
 // mt_optim::step_fused: bitwise the host's state. Build and run:
 //   kernels/emu/run_adamw.sh
@@ -24,7 +24,7 @@ struct float4 {
 #include <cstdio>
 #include <vector>
 
-// crates/optim/src/moments_tests.rs: EMU_COEFFS (grad_scale, decay, lerp_small, lerp_coeff, beta2,
+// crates/optim/src/moments/tests.rs: EMU_COEFFS (grad_scale, decay, lerp_small, lerp_coeff, beta2,
 // one_minus_beta2, bc2_sqrt, eps, step_size, key of steps 1..=3) and EMU_HASHES.
 static const unsigned COEFFS[3][10] = {
     {0x3f400000, 0x3f7ff972, 0x1, 0x3dcccccd, 0x3f7fbe77, 0x3a83126f, 0x3d0186e2, 0x322bcc77, 0x3c23d70a,

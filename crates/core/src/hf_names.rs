@@ -3,10 +3,10 @@
 //! `[E, h, f_e]`, transformers 5's own parameters); checkpoints name each expert's matrices
 //! apart, and every one of them is a contiguous piece of a packed tensor. transformers 5.23's
 //! `save_pretrained` writes the per-expert names below (it converts back to the transformers 4
-//! format), and loads both.
+//! format), and loads both. GPT-OSS's checkpoints hold the packed tensors themselves.
 
-use crate::names::{EXPERTS_DOWN, EXPERTS_GATE_UP, ROUTER};
-use crate::{Arch, Error, ModelLayout, MoeConfig, Result, TensorSpec, Unit};
+use crate::names::{EXPERTS_DOWN, EXPERTS_GATE_UP, GPT_OSS_ROUTER, ROUTER};
+use crate::{Arch, Error, ExpertKind, ModelLayout, MoeConfig, Result, TensorSpec, Unit};
 
 /// How a checkpoint names the router and each expert's matrices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +17,9 @@ pub enum ExpertNames {
     /// Mixtral: `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.w1.weight` (gate),
     /// `.w3.weight` (up), `.w2.weight` (down).
     Mixtral,
+    /// GPT-OSS: the layout's own packed tensors (`mlp.router.*`, `mlp.experts.*`), in bf16 or,
+    /// in the released checkpoints, the experts' matrices as MXFP4 `*_blocks` and `*_scales`.
+    Packed,
 }
 
 /// The experts of a mixture-of-experts layer in the layout.
@@ -30,12 +33,20 @@ pub struct MoeLayout {
     pub hidden: usize,
     /// How checkpoints name them.
     pub names: ExpertNames,
+    /// GPT-OSS's experts (`ExpertKind::GptOss`): `[in, out]` matrices with biases, a biased
+    /// router `mlp.router`.
+    pub gpt_oss: bool,
 }
 
 impl MoeLayout {
     pub(crate) fn new(arch: Arch, m: &MoeConfig, hidden: usize) -> Self {
-        let names = if arch == Arch::Mixtral { ExpertNames::Mixtral } else { ExpertNames::Proj };
-        MoeLayout { n_experts: m.num_experts, inter: m.moe_intermediate_size, hidden, names }
+        let names = match arch {
+            Arch::Mixtral => ExpertNames::Mixtral,
+            Arch::GptOss => ExpertNames::Packed,
+            _ => ExpertNames::Proj,
+        };
+        let gpt_oss = matches!(m.experts, ExpertKind::GptOss(_));
+        MoeLayout { n_experts: m.num_experts, inter: m.moe_intermediate_size, hidden, names, gpt_oss }
     }
 
     /// The router's checkpoint name within a layer.
@@ -43,6 +54,7 @@ impl MoeLayout {
         match self.names {
             ExpertNames::Proj => ROUTER,
             ExpertNames::Mixtral => "block_sparse_moe.gate.weight",
+            ExpertNames::Packed => GPT_OSS_ROUTER,
         }
     }
 
@@ -55,6 +67,7 @@ impl MoeLayout {
             ExpertNames::Mixtral => {
                 format!("block_sparse_moe.experts.{e}.{}.weight", ["w1", "w3", "w2"][which])
             }
+            ExpertNames::Packed => unreachable!("packed experts have no per-expert names"),
         }
     }
 
@@ -63,6 +76,7 @@ impl MoeLayout {
         let (prefix, kinds): (&str, [&str; 3]) = match self.names {
             ExpertNames::Proj => ("mlp.experts.", ["gate_proj", "up_proj", "down_proj"]),
             ExpertNames::Mixtral => ("block_sparse_moe.experts.", ["w1", "w3", "w2"]),
+            ExpertNames::Packed => return None,
         };
         let rest = local.strip_prefix(prefix)?.strip_suffix(".weight")?;
         let (e, kind) = rest.split_once('.')?;
@@ -111,6 +125,9 @@ impl ModelLayout {
         let whole =
             |name: String| vec![HfPiece { name, unit: u, shape: spec.shape.clone(), offset: spec.offset }];
         let (Unit::Layer(_), Some(m)) = (u, &self.moe) else { return whole(self.hf_name(u, &spec.name)) };
+        if m.names == ExpertNames::Packed {
+            return whole(self.hf_name(u, &spec.name));
+        }
         let which: &[usize] = match spec.name.as_str() {
             ROUTER => return whole(self.hf_name(u, m.router_name())),
             EXPERTS_GATE_UP => &[0, 1],

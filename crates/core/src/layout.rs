@@ -4,7 +4,7 @@
 
 use crate::hf_names::MoeLayout;
 use crate::names::*;
-use crate::{Error, ModelConfig, Result};
+use crate::{Error, ExpertKind, ModelConfig, Result};
 
 /// Every tensor in a flat record starts at a multiple of this many elements (256 bytes in f32),
 /// so views handed to GEMM libraries are well aligned.
@@ -129,6 +129,9 @@ impl ModelLayout {
             p(Q_NORM, vec![qn]);
             p(K_NORM, vec![kn]);
         }
+        if cfg.attention_sinks {
+            p(SINKS, vec![cfg.num_attention_heads]);
+        }
         p(POST_NORM, vec![h]);
         let moe = cfg.moe.as_ref().map(|m| MoeLayout::new(cfg.arch, m, h));
         match &moe {
@@ -138,10 +141,20 @@ impl ModelLayout {
                 p(DOWN, vec![h, f]);
             }
             // One unit: the router and every expert, packed (all experts stream with the layer).
-            Some(m) => {
+            Some(m) if !m.gpt_oss => {
                 p(ROUTER, vec![m.n_experts, h]);
                 p(EXPERTS_GATE_UP, vec![m.n_experts, 2 * m.inter, h]);
                 p(EXPERTS_DOWN, vec![m.n_experts, h, m.inter]);
+            }
+            // transformers' own tensors: each expert's matrices `[in, out]`, with biases.
+            Some(m) => {
+                let (e, fe) = (m.n_experts, m.inter);
+                p(GPT_OSS_ROUTER, vec![e, h]);
+                p(ROUTER_BIAS, vec![e]);
+                p(EXPERTS_GATE_UP, vec![e, h, 2 * fe]);
+                p(EXPERTS_GATE_UP_BIAS, vec![e, 2 * fe]);
+                p(EXPERTS_DOWN, vec![e, fe, h]);
+                p(EXPERTS_DOWN_BIAS, vec![e, h]);
             }
         }
         ModelLayout {
@@ -232,8 +245,11 @@ pub(crate) fn check_magnitudes(c: &ModelConfig) -> Result<()> {
         None => f.saturating_mul(h).saturating_mul(3),
         Some(m) => {
             let (e, fe) = (m.num_experts as u128, m.moe_intermediate_size as u128);
-            // The router and every expert's gate, up and down projections.
-            e.saturating_mul(h).saturating_add(e.saturating_mul(fe).saturating_mul(h).saturating_mul(3))
+            // The router and every expert's gate, up and down projections, and their biases.
+            let biases = e.saturating_mul(fe.saturating_mul(2).saturating_add(h).saturating_add(1));
+            e.saturating_mul(h)
+                .saturating_add(e.saturating_mul(fe).saturating_mul(h).saturating_mul(3))
+                .saturating_add(biases)
         }
     };
     let layer = sum(&[
@@ -246,6 +262,7 @@ pub(crate) fn check_magnitudes(c: &ModelConfig) -> Result<()> {
         h,
         2 * hd,
         q.saturating_add(kv),
+        heads,
     ]);
     let total = sum(&[v.saturating_mul(h).saturating_mul(2), h, l.saturating_mul(layer)]);
     if total > MAX_PARAMS {
@@ -266,14 +283,18 @@ pub(crate) fn check_magnitudes(c: &ModelConfig) -> Result<()> {
 
 /// Parameters one token's forward uses: every parameter of a dense model; for a mixture of
 /// experts, all but the experts it is not routed to (`(E - k)` experts' `3·h·f_e` per layer
-/// excluded; the router counts in full).
+/// excluded, and GPT-OSS's `2·f_e + h` biases of each; the router counts in full).
 pub fn active_params(cfg: &ModelConfig) -> usize {
     let n = ModelLayout::new(cfg).n_params();
     match &cfg.moe {
         None => n,
         Some(m) => {
-            let idle = m.num_experts - m.num_experts_per_tok;
-            n - cfg.num_hidden_layers * idle * 3 * cfg.hidden_size * m.moe_intermediate_size
+            let (h, fe) = (cfg.hidden_size, m.moe_intermediate_size);
+            let per_expert = match m.experts {
+                ExpertKind::SwiGlu => 3 * h * fe,
+                ExpertKind::GptOss(_) => 3 * h * fe + 2 * fe + h,
+            };
+            n - cfg.num_hidden_layers * (m.num_experts - m.num_experts_per_tok) * per_expert
         }
     }
 }

@@ -8,6 +8,7 @@
 
 mod config;
 mod error;
+mod gpt_oss;
 mod hf_names;
 mod layout;
 mod moe;
@@ -17,9 +18,10 @@ pub mod units;
 
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
+pub use gpt_oss::{ClampedGlu, LayerWindows};
 pub use hf_names::{ExpertNames, HfPiece, MoeLayout};
 pub use layout::{
     active_params, model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS,
 };
-pub use moe::MoeConfig;
+pub use moe::{ExpertKind, MoeConfig};
 pub use states::{StateDtype, Q8_BLOCK};

@@ -1,12 +1,27 @@
-//! The mixture-of-experts part of a model configuration (Qwen3-MoE, Mixtral, OLMoE): how many
-//! experts, how many route each token, their width, how the top-k routing weights are
-//! normalised and the load-balancing loss, parsed from `config.json` in transformers 4 and 5
-//! spellings.
+//! The mixture-of-experts part of a model configuration (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS):
+//! how many experts, how many route each token, their width and kind, how the top-k routing
+//! weights are normalised and the load-balancing loss, parsed from `config.json` in
+//! transformers 4 and 5 spellings.
 
 use serde_json::{Map, Value};
 
 use crate::config::{get, opt_bool, opt_f64, opt_usize, req_usize};
+use crate::gpt_oss::{self, ClampedGlu};
 use crate::{Arch, Error, Result};
+
+/// What the experts (and the router) of a mixture-of-experts layer are.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertKind {
+    /// SwiGLU experts without biases behind a bias-free router `mlp.gate.weight`:
+    /// `mlp.experts.gate_up_proj` `[E, 2·f_e, h]` (each expert's gate rows, then its up rows),
+    /// `mlp.experts.down_proj` `[E, h, f_e]` (Qwen3-MoE, Mixtral, OLMoE).
+    SwiGlu,
+    /// GPT-OSS: a router with a bias (`mlp.router.weight`, `mlp.router.bias`), experts with
+    /// biases and the clamped GLU, stored as transformers does (`[in, out]` per expert):
+    /// `mlp.experts.gate_up_proj` `[E, h, 2·f_e]` (gate and up in alternate columns),
+    /// `gate_up_proj_bias` `[E, 2·f_e]`, `down_proj` `[E, f_e, h]`, `down_proj_bias` `[E, h]`.
+    GptOss(ClampedGlu),
+}
 
 /// A mixture-of-experts MLP: `num_experts` SwiGLU experts of width `moe_intermediate_size`, a
 /// linear router (`[E, h]`, no bias) whose softmax picks `num_experts_per_tok` experts per
@@ -28,6 +43,8 @@ pub struct MoeConfig {
     /// Whether training adds the load-balancing loss (transformers adds it to the loss when
     /// `output_router_logits` is true).
     pub output_router_logits: bool,
+    /// The experts' kind (and with it the router's).
+    pub experts: ExpertKind,
 }
 
 impl MoeConfig {
@@ -40,7 +57,8 @@ impl MoeConfig {
     /// Adds the MoE keys of `arch` to a `config.json` document, spelled so that transformers 4
     /// and 5 both read them.
     pub(crate) fn write_hf_json(&self, arch: Arch, v: &mut Value) {
-        let experts_key = if arch == Arch::Mixtral { "num_local_experts" } else { "num_experts" };
+        let experts_key =
+            if matches!(arch, Arch::Mixtral | Arch::GptOss) { "num_local_experts" } else { "num_experts" };
         v[experts_key] = self.num_experts.into();
         v["num_experts_per_tok"] = self.num_experts_per_tok.into();
         v["router_aux_loss_coef"] = self.router_aux_loss_coef.into();
@@ -57,6 +75,12 @@ impl MoeConfig {
                 v["clip_qkv"] = Value::Null;
             }
             Arch::Mixtral => v["router_jitter_noise"] = 0.0.into(),
+            Arch::GptOss => {
+                if let ExpertKind::GptOss(glu) = self.experts {
+                    v["swiglu_limit"] = glu.limit.into();
+                    v["swiglu_alpha"] = glu.alpha.into();
+                }
+            }
             Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {}
         }
     }
@@ -73,6 +97,7 @@ pub(crate) fn parse_moe(obj: &Map<String, Value>, arch: Arch, n_layers: usize) -
         Arch::Qwen3Moe => (128, 8, 0.001),
         Arch::Mixtral => (8, 2, 0.001),
         Arch::Olmoe => (64, 8, 0.01),
+        Arch::GptOss => (gpt_oss::DEFAULT_EXPERTS, gpt_oss::DEFAULT_TOP_K, gpt_oss::DEFAULT_AUX_COEF),
     };
     let num_experts = match (opt_usize_any(obj, "num_experts")?, opt_usize_any(obj, "num_local_experts")?) {
         (Some(a), Some(b)) if a != b => {
@@ -86,7 +111,9 @@ pub(crate) fn parse_moe(obj: &Map<String, Value>, arch: Arch, n_layers: usize) -
             "{arch:?} with 0 experts (every layer dense); use the dense family's model_type"
         )));
     }
-    let num_experts_per_tok = opt_usize(obj, "num_experts_per_tok")?.unwrap_or(top_k);
+    let listed_top_k =
+        if arch == Arch::GptOss { gpt_oss::top_k(obj)? } else { opt_usize(obj, "num_experts_per_tok")? };
+    let num_experts_per_tok = listed_top_k.unwrap_or(top_k);
     if num_experts_per_tok > num_experts {
         return Err(Error::config(
             "num_experts_per_tok",
@@ -97,8 +124,10 @@ pub(crate) fn parse_moe(obj: &Map<String, Value>, arch: Arch, n_layers: usize) -
         Arch::Qwen3Moe => req_usize(obj, "moe_intermediate_size")?,
         _ => req_usize(obj, "intermediate_size")?,
     };
+    // GPT-OSS takes the softmax of the top-k logits: the top-k of the softmax renormalised, in
+    // value and in gradient.
     let norm_topk_prob = match arch {
-        Arch::Mixtral => true,
+        Arch::Mixtral | Arch::GptOss => true,
         _ => opt_bool(obj, "norm_topk_prob")?.unwrap_or(false),
     };
     let router_aux_loss_coef = opt_f64(obj, "router_aux_loss_coef")?.unwrap_or(coef);
@@ -118,8 +147,12 @@ pub(crate) fn parse_moe(obj: &Map<String, Value>, arch: Arch, n_layers: usize) -
                 return Err(Error::Unsupported("clip_qkv (clamped q, k, v in OLMoE attention)".into()));
             }
         }
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {}
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::GptOss => {}
     }
+    let experts = match arch {
+        Arch::GptOss => ExpertKind::GptOss(gpt_oss::parse_glu(obj)?),
+        _ => ExpertKind::SwiGlu,
+    };
     Ok(Some(MoeConfig {
         num_experts,
         num_experts_per_tok,
@@ -127,6 +160,7 @@ pub(crate) fn parse_moe(obj: &Map<String, Value>, arch: Arch, n_layers: usize) -
         norm_topk_prob,
         router_aux_loss_coef,
         output_router_logits,
+        experts,
     }))
 }
 

@@ -46,3 +46,14 @@ pub const ROUTER: &str = "mlp.gate.weight";
 pub const EXPERTS_GATE_UP: &str = "mlp.experts.gate_up_proj";
 /// `mlp.experts.down_proj` `[E, h, f_e]`: every expert's down projection.
 pub const EXPERTS_DOWN: &str = "mlp.experts.down_proj";
+/// `self_attn.sinks` `[nh]`: GPT-OSS's learned sink logit per query head.
+pub const SINKS: &str = "self_attn.sinks";
+/// `mlp.router.weight` `[E, h]`: GPT-OSS's router.
+pub const GPT_OSS_ROUTER: &str = "mlp.router.weight";
+/// `mlp.router.bias` `[E]`: GPT-OSS's router bias.
+pub const ROUTER_BIAS: &str = "mlp.router.bias";
+/// `mlp.experts.gate_up_proj_bias` `[E, 2·f_e]`: GPT-OSS's gate and up biases (alternate
+/// entries, as the columns of its `gate_up_proj`).
+pub const EXPERTS_GATE_UP_BIAS: &str = "mlp.experts.gate_up_proj_bias";
+/// `mlp.experts.down_proj_bias` `[E, h]`: GPT-OSS's down-projection biases.
+pub const EXPERTS_DOWN_BIAS: &str = "mlp.experts.down_proj_bias";

@@ -159,6 +159,17 @@ pub enum Error {
         /// Its value.
         value: f32,
     },
+    /// An MXFP4 expert tensor (`*_blocks`, `*_scales`) that cannot be read as the released
+    /// GPT-OSS checkpoints store them.
+    #[error("{shard}: MXFP4 tensor `{name}`: {msg}")]
+    Mxfp4 {
+        /// The tensor's name.
+        name: String,
+        /// The shard holding it.
+        shard: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
     /// The model config and the host store describe different models (the store was built for
     /// another config.json).
     #[error("config.json does not describe the host store's model: {0}")]

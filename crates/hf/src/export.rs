@@ -298,10 +298,13 @@ fn tmp_name(name: &str) -> String {
 
 /// Writes a Hugging Face model directory at `out` (created if missing) from the store's master
 /// weights: `config.json` (`config_json` with `torch_dtype` — and `dtype`, if present — set to
-/// the export dtype), `model.safetensors` or `model-0000i-of-0000N.safetensors` shards plus
-/// `model.safetensors.index.json`, tensors in [`ModelLayout::hf_tensors`] order (a tied model has
-/// no `lm_head.weight`, as transformers saves it; a mixture of experts' experts one by one, under
-/// the family's per-expert names), and the [`COPIED_FILES`] found in `opts.copy_files_from`.
+/// the export dtype, and no `quantization_config`), `model.safetensors` or
+/// `model-0000i-of-0000N.safetensors` shards plus `model.safetensors.index.json`, tensors in
+/// [`ModelLayout::hf_tensors`] order (a tied model has no `lm_head.weight`, as transformers saves
+/// it; a mixture of experts' experts one by one, under the family's per-expert names, except
+/// GPT-OSS's, whose packed tensors are transformers' own parameters), and the [`COPIED_FILES`]
+/// found in `opts.copy_files_from` (GPT-OSS's harmony chat format travels in its
+/// `chat_template.jinja`).
 ///
 /// `config_json` must describe the store's model ([`Error::ConfigMismatch`] otherwise). Files of
 /// the same names in `out` are replaced; shards of an earlier export that the new one does not
@@ -332,6 +335,9 @@ pub fn export(
     }
     let mut config_out = config_json.clone();
     if let Some(obj) = config_out.as_object_mut() {
+        // The weights leave as plain floats (an MXFP4 import was dequantised): a
+        // `quantization_config` would make transformers look for packed tensors.
+        obj.remove("quantization_config");
         obj.insert("torch_dtype".into(), json!(opts.dtype.torch_name()));
         if obj.contains_key("dtype") {
             obj.insert("dtype".into(), json!(opts.dtype.torch_name()));

@@ -13,7 +13,7 @@ use safetensors::Dtype;
 use serde_json::Value;
 
 use crate::header::{read_header, ShardHeader, TensorEntry};
-use crate::{Error, Result};
+use crate::{mxfp4, Error, Result};
 
 /// Name of the single-file weights.
 pub(crate) const SINGLE_FILE: &str = "model.safetensors";
@@ -39,19 +39,35 @@ pub struct HfModelDir {
 
 /// What a tensor found in the weights is, for the model of config.json.
 enum Kind {
-    /// A parameter of the layout.
+    /// A parameter of the layout (or a piece of one).
     Param,
+    /// The blocks of an MXFP4 parameter (two values a byte).
+    Mxfp4Blocks,
+    /// The scales of an MXFP4 parameter.
+    Mxfp4Scales,
     /// A buffer saved by some exporters that is not a parameter (skipped).
     Ignored,
     /// Anything else: the config does not match the weights.
     Unexpected,
 }
 
-fn classify(cfg: &ModelConfig, layout: &ModelLayout, name: &str) -> Kind {
+/// What `name` is; `mxfp4`: config.json declares MXFP4 weights, whose `NAME_blocks` and
+/// `NAME_scales` stand for the layout's `NAME`.
+fn classify(cfg: &ModelConfig, layout: &ModelLayout, mxfp4: bool, name: &str) -> Kind {
+    let stored_as = |suffix: &str| {
+        mxfp4
+            && name
+                .strip_suffix(suffix)
+                .is_some_and(|n| layout.resolve(n).is_ok_and(|(_, spec)| spec.shape.len() == 3))
+    };
     if name.ends_with("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && name == names::LM_HEAD) {
         Kind::Ignored
     } else if layout.resolve_piece(name).is_ok() {
         Kind::Param
+    } else if stored_as(mxfp4::BLOCKS_SUFFIX) {
+        Kind::Mxfp4Blocks
+    } else if stored_as(mxfp4::SCALES_SUFFIX) {
+        Kind::Mxfp4Scales
     } else {
         Kind::Unexpected
     }
@@ -162,12 +178,17 @@ impl HfModelDir {
     }
 
     /// Number of parameters the weights hold: the sum of the element counts of the tensors that
-    /// map to parameters of the store (ignored buffers and a tied `lm_head.weight` excluded).
+    /// map to parameters of the store (ignored buffers and a tied `lm_head.weight` excluded; an
+    /// MXFP4 matrix counts its values, two a byte of its blocks).
     pub fn n_params(&self) -> usize {
         let layout = ModelLayout::new(&self.config);
+        let mx = mxfp4::declared(&self.config_json);
         self.tensors()
-            .filter(|(_, t)| matches!(classify(&self.config, &layout, &t.name), Kind::Param))
-            .map(|(_, t)| t.numel())
+            .map(|(_, t)| match classify(&self.config, &layout, mx, &t.name) {
+                Kind::Param => t.numel(),
+                Kind::Mxfp4Blocks => 2 * t.numel(),
+                Kind::Mxfp4Scales | Kind::Ignored | Kind::Unexpected => 0,
+            })
             .sum()
     }
 
@@ -231,6 +252,24 @@ impl SrcDtype {
     }
 }
 
+/// One tensor to read in pass 2.
+enum Item<'a> {
+    /// A tensor (or one expert's piece) stored as floats.
+    Float { shard: usize, t: &'a TensorEntry, dtype: SrcDtype },
+    /// A layout matrix `name` `[E, in, out]` stored as MXFP4 blocks and scales.
+    Mxfp4 { name: String, n_experts: usize, shape: mxfp4::ExpertShape, stored: mxfp4::Stored<'a> },
+}
+
+impl Item<'_> {
+    /// Where its bytes start: (shard, offset) of the tensor or of the blocks.
+    fn position(&self) -> (usize, u64) {
+        match self {
+            Item::Float { shard, t, .. } => (*shard, t.start),
+            Item::Mxfp4 { stored, .. } => (stored.blocks.0, stored.blocks.1.start),
+        }
+    }
+}
+
 /// Streams every parameter of `src` into `store`, which must have been created for
 /// `src.config`'s layout. Everything that can be checked from the headers (missing and
 /// unexpected tensors, shapes, dtypes) is checked before any data is read or written, so a
@@ -244,7 +283,10 @@ impl SrcDtype {
 /// A mixture-of-experts layer's experts may be stored packed (transformers 5's
 /// `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) or expert by expert (what
 /// `save_pretrained` writes: `mlp.experts.{e}.gate_proj.weight`, ..., Mixtral's
-/// `block_sparse_moe.experts.{e}.w1.weight`, ...; [`ModelLayout::hf_pieces`]), not both.
+/// `block_sparse_moe.experts.{e}.w1.weight`, ...; [`ModelLayout::hf_pieces`]), not both. When
+/// config.json declares MXFP4 weights (the released GPT-OSS checkpoints), an expert matrix may
+/// be stored as its `_blocks` and `_scales` (`crate::mxfp4`): it is dequantised exactly, one
+/// expert at a time (peak extra memory: one expert's matrix in f32).
 pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportReport> {
     let _span = tracing::info_span!("hf_import", dir = %src.dir.display()).entered();
     let layout = ModelLayout::new(&src.config);
@@ -258,10 +300,31 @@ pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportRepor
             store.layout().n_layers
         )));
     }
+    let mx = mxfp4::declared(&src.config_json);
 
-    // Pass 1: headers only. Each layout tensor whole, or else as its checkpoint pieces.
+    // Pass 1: headers only. Each layout tensor whole, as MXFP4 blocks and scales, or else as its
+    // checkpoint pieces.
     let mut plan = Vec::new();
+    let mut planned: BTreeSet<&str> = BTreeSet::new();
     for (name, unit, spec) in layout.all_params() {
+        let blocks = src.find(&format!("{name}{}", mxfp4::BLOCKS_SUFFIX));
+        if let (None, Some((s, t)), false) = (src.find(&name), blocks, mx) {
+            return Err(Error::Mxfp4 {
+                name: t.name.clone(),
+                shard: src.shards[s].path.clone(),
+                msg: "config.json declares no MXFP4 weights (quantization_config.quant_method \"mxfp4\", as the \
+                      released GPT-OSS checkpoints do)"
+                    .into(),
+            });
+        }
+        if src.find(&name).is_none() && blocks.is_some() {
+            let item = plan_mxfp4(src, &name, &spec.shape)?;
+            if let Item::Mxfp4 { stored, .. } = &item {
+                planned.extend([stored.blocks.1.name.as_str(), stored.scales.1.name.as_str()]);
+            }
+            plan.push(item);
+            continue;
+        }
         let pieces = match src.find(&name) {
             Some(_) => vec![(name, spec.shape.clone())],
             None => layout.hf_pieces(unit, spec).into_iter().map(|p| (p.name, p.shape)).collect(),
@@ -282,17 +345,18 @@ pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportRepor
             let Some(dtype) = SrcDtype::of(t.dtype) else {
                 return Err(Error::Dtype { name, shard: shard.clone(), dtype: t.dtype.to_string() });
             };
-            plan.push((s, t, dtype));
+            planned.insert(t.name.as_str());
+            plan.push(Item::Float { shard: s, t, dtype });
         }
     }
-    let planned: BTreeSet<&str> = plan.iter().map(|(_, t, _)| t.name.as_str()).collect();
     for (shard, t) in src.tensors() {
-        match classify(&src.config, &layout, &t.name) {
-            // An expert stored both packed and expert by expert: one of them would be ignored.
-            Kind::Param if !planned.contains(t.name.as_str()) => {
+        match classify(&src.config, &layout, mx, &t.name) {
+            // An expert stored both packed and expert by expert (or also as MXFP4): one of them
+            // would be ignored.
+            Kind::Param | Kind::Mxfp4Blocks | Kind::Mxfp4Scales if !planned.contains(t.name.as_str()) => {
                 return Err(Error::UnexpectedTensor { name: t.name.clone(), shard: shard.path.clone() })
             }
-            Kind::Param => {}
+            Kind::Param | Kind::Mxfp4Blocks | Kind::Mxfp4Scales => {}
             Kind::Ignored if t.name == names::LM_HEAD => tracing::warn!(
                 shard = %shard.path.display(),
                 "ignoring lm_head.weight: config.json ties the word embeddings, so the head is the embedding matrix"
@@ -304,45 +368,34 @@ pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportRepor
         }
     }
 
-    // Pass 2: data, in file order.
-    plan.sort_by_key(|&(s, t, _)| (s, t.start));
-    let mut files: Vec<Option<File>> = src.shards.iter().map(|_| None).collect();
-    let mut buf = vec![0u8; 0];
+    // Pass 2: data, in file order. A refused value sets what was written (whole tensors, a MoE
+    // layer's expert pieces, the experts of an MXFP4 tensor so far) back to zero: the store is
+    // as it was.
+    plan.sort_by_key(Item::position);
+    let mut reader = Reader { src, files: src.shards.iter().map(|_| None).collect(), buf: Vec::new() };
     let mut report = ImportReport::default();
     let mut written: Vec<(String, usize)> = Vec::new();
-    for (s, t, dtype) in plan {
-        let shard = &src.shards[s].path;
-        let read_err = |source| Error::ReadTensor { name: t.name.clone(), shard: shard.clone(), source };
-        let file = match &mut files[s] {
-            Some(f) => f,
-            slot => slot.insert(File::open(shard).map_err(Error::io(shard))?),
-        };
-        file.seek(SeekFrom::Start(t.start)).map_err(read_err)?;
-        let mut values = Vec::with_capacity(t.numel());
-        let mut left = usize::try_from(t.len)
-            .map_err(|_| read_err(std::io::Error::other("tensor larger than the address space")))?;
-        while left > 0 {
-            let k = left.min(READ_CHUNK);
-            buf.resize(k, 0);
-            file.read_exact(&mut buf[..k]).map_err(read_err)?;
-            dtype.decode(&buf[..k], &mut values);
-            left -= k;
-        }
-        if let Some(index) = values.iter().position(|x| !x.is_finite()) {
-            // Refused: what was written (whole tensors or a MoE layer's expert pieces) goes
-            // back to zero (the store is as it was).
-            for (name, numel) in &written {
-                store.write_param(name, &vec![0.0; *numel])?;
+    for item in plan {
+        let done = match item {
+            Item::Float { shard, t, dtype } => read_float(&mut reader, store, shard, t, dtype, &mut written),
+            Item::Mxfp4 { name, n_experts, shape, stored } => {
+                read_mxfp4(&mut reader, store, &name, n_experts, shape, stored, &mut written)
             }
-            let value = values[index];
-            return Err(Error::NonFinite { name: t.name.clone(), shard: shard.clone(), index, value });
-        }
-        store.write_param(&t.name, &values)?;
-        written.push((t.name.clone(), values.len()));
+        };
+        let (bytes, dtype) = match done {
+            Ok(d) => d,
+            Err(e) => {
+                for (name, numel) in &written {
+                    zero_param(store, name, *numel)?;
+                }
+                return Err(e);
+            }
+        };
+        let (_, numel) = written.last().expect("a read tensor is recorded as written");
         report.n_tensors += 1;
-        report.n_params += values.len();
-        report.bytes_read += t.len;
-        *report.source_dtypes.entry(t.dtype.to_string()).or_default() += 1;
+        report.n_params += numel;
+        report.bytes_read += bytes;
+        *report.source_dtypes.entry(dtype).or_default() += 1;
     }
     tracing::info!(
         tensors = report.n_tensors,
@@ -352,4 +405,168 @@ pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportRepor
         src.dir.display()
     );
     Ok(report)
+}
+
+/// Checks the MXFP4 blocks and scales of the layout matrix `name` of shape `shape` (the
+/// headers: both present, U8, the shapes `crate::mxfp4` gives).
+fn plan_mxfp4<'a>(src: &'a HfModelDir, name: &str, shape: &[usize]) -> Result<Item<'a>> {
+    let find = |suffix: &str| -> Result<(usize, &'a TensorEntry)> {
+        let n = format!("{name}{suffix}");
+        src.find(&n).ok_or_else(|| Error::MissingTensor { name: n, dir: src.dir.clone() })
+    };
+    let (blocks, scales) = (find(mxfp4::BLOCKS_SUFFIX)?, find(mxfp4::SCALES_SUFFIX)?);
+    let bad = |(s, t): (usize, &TensorEntry), msg: String| Error::Mxfp4 {
+        name: t.name.clone(),
+        shard: src.shards[s].path.clone(),
+        msg,
+    };
+    let Some((blocks_shape, scales_shape)) = mxfp4::stored_shapes(shape) else {
+        return Err(bad(
+            blocks,
+            format!(
+                "`{name}` has shape {shape:?}; MXFP4 stores only expert matrices [E, in, out] with in a multiple of {}",
+                mxfp4::BLOCK
+            ),
+        ));
+    };
+    for (stored, want) in [(blocks, blocks_shape), (scales, scales_shape)] {
+        let t = stored.1;
+        if t.dtype != Dtype::U8 {
+            return Err(bad(stored, format!("dtype {}, expected U8", t.dtype)));
+        }
+        if t.shape != want {
+            return Err(Error::Shape {
+                name: t.name.clone(),
+                shard: src.shards[stored.0].path.clone(),
+                expected: want,
+                found: t.shape.clone(),
+            });
+        }
+    }
+    Ok(Item::Mxfp4 {
+        name: name.to_owned(),
+        n_experts: shape[0],
+        shape: mxfp4::ExpertShape { inp: shape[1], out: shape[2] },
+        stored: mxfp4::Stored { blocks, scales },
+    })
+}
+
+/// The shards' files, opened on first use, and a read buffer.
+struct Reader<'a> {
+    src: &'a HfModelDir,
+    files: Vec<Option<File>>,
+    buf: Vec<u8>,
+}
+
+impl Reader<'_> {
+    /// Reads `len` bytes of tensor `t` of shard `s` from byte `at` of its data into the buffer.
+    fn read(&mut self, s: usize, t: &TensorEntry, at: u64, len: usize) -> Result<&[u8]> {
+        let shard = &self.src.shards[s].path;
+        let read_err = |source| Error::ReadTensor { name: t.name.clone(), shard: shard.clone(), source };
+        let file = match &mut self.files[s] {
+            Some(f) => f,
+            slot => slot.insert(File::open(shard).map_err(Error::io(shard))?),
+        };
+        file.seek(SeekFrom::Start(t.start + at)).map_err(read_err)?;
+        self.buf.resize(len, 0);
+        file.read_exact(&mut self.buf).map_err(read_err)?;
+        Ok(&self.buf)
+    }
+}
+
+/// Reads a float tensor in chunks into f32 and writes it; returns its bytes and dtype name.
+fn read_float(
+    reader: &mut Reader<'_>,
+    store: &HostStore,
+    s: usize,
+    t: &TensorEntry,
+    dtype: SrcDtype,
+    written: &mut Vec<(String, usize)>,
+) -> Result<(u64, String)> {
+    let too_large = || Error::ReadTensor {
+        name: t.name.clone(),
+        shard: reader.src.shards[s].path.clone(),
+        source: std::io::Error::other("tensor larger than the address space"),
+    };
+    let len = usize::try_from(t.len).map_err(|_| too_large())?;
+    let mut values = Vec::with_capacity(t.numel());
+    let mut at = 0;
+    while at < len {
+        let k = (len - at).min(READ_CHUNK);
+        dtype.decode(reader.read(s, t, at as u64, k)?, &mut values);
+        at += k;
+    }
+    if let Some(index) = values.iter().position(|x| !x.is_finite()) {
+        let shard = reader.src.shards[s].path.clone();
+        return Err(Error::NonFinite { name: t.name.clone(), shard, index, value: values[index] });
+    }
+    store.write_param(&t.name, &values)?;
+    written.push((t.name.clone(), values.len()));
+    Ok((t.len, t.dtype.to_string()))
+}
+
+/// Dequantises an MXFP4 matrix expert by expert into the layout tensor `name`; returns the
+/// bytes read and `"MXFP4"`.
+fn read_mxfp4(
+    reader: &mut Reader<'_>,
+    store: &HostStore,
+    name: &str,
+    n_experts: usize,
+    shape: mxfp4::ExpertShape,
+    stored: mxfp4::Stored<'_>,
+    written: &mut Vec<(String, usize)>,
+) -> Result<(u64, String)> {
+    let (block_bytes, scale_bytes) = shape.bytes();
+    let per_expert = shape.inp * shape.out;
+    // Recorded first: a refusal half-way zeroes the experts already written.
+    written.push((name.to_owned(), n_experts * per_expert));
+    let mut values = vec![0f32; per_expert];
+    let (bs, bt) = stored.blocks;
+    let (ss, st) = stored.scales;
+    for e in 0..n_experts {
+        let scales = reader.read(ss, st, (e * scale_bytes) as u64, scale_bytes)?.to_vec();
+        let blocks = reader.read(bs, bt, (e * block_bytes) as u64, block_bytes)?;
+        if let Err(bad) = mxfp4::decode_expert(shape, blocks, &scales, &mut values) {
+            let g = shape.inp / mxfp4::BLOCK;
+            let (tensor, s, msg) = match bad {
+                mxfp4::Bad::NanScale { block } => (
+                    st,
+                    ss,
+                    format!(
+                        "expert {e}, row {}, block {}: scale 255 (NaN in E8M0); the weights are corrupt",
+                        block / g,
+                        block % g
+                    ),
+                ),
+                mxfp4::Bad::Overflow { index, value } => (
+                    bt,
+                    bs,
+                    format!(
+                        "expert {e}, row {}, column {}: {value} is past the range of f32; the weights are corrupt",
+                        index / shape.inp,
+                        index % shape.inp
+                    ),
+                ),
+            };
+            return Err(Error::Mxfp4 {
+                name: tensor.name.clone(),
+                shard: reader.src.shards[s].path.clone(),
+                msg,
+            });
+        }
+        store.write_param_part(name, e * per_expert, &values)?;
+    }
+    Ok((bt.len + st.len, "MXFP4".into()))
+}
+
+/// Sets the parameter `name` of `numel` elements back to zero, a chunk at a time.
+fn zero_param(store: &HostStore, name: &str, numel: usize) -> Result<()> {
+    let zeros = vec![0f32; numel.min(READ_CHUNK)];
+    let mut at = 0;
+    while at < numel {
+        let k = (numel - at).min(zeros.len());
+        store.write_param_part(name, at, &zeros[..k])?;
+        at += k;
+    }
+    Ok(())
 }

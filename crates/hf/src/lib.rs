@@ -1,6 +1,7 @@
 //! Hugging Face model directories in and out of the host store: [`HfModelDir::open`] reads
 //! `config.json` and the safetensors headers (single file or sharded with an index),
-//! [`import_weights`] streams the weights into a [`mt_store::HostStore`] one tensor at a time,
+//! [`import_weights`] streams the weights into a [`mt_store::HostStore`] one tensor at a time
+//! (GPT-OSS's MXFP4 experts dequantised expert by expert),
 //! and [`export`] writes the store's master weights back as a directory that
 //! `transformers.AutoModelForCausalLM.from_pretrained` loads unchanged.
 //!
@@ -13,6 +14,7 @@ mod error;
 mod export;
 mod header;
 mod import;
+mod mxfp4;
 
 pub use error::{Error, Result};
 pub use export::{export, ExportDtype, ExportOptions, ExportReport, COPIED_FILES, DEFAULT_MAX_SHARD_BYTES};

@@ -3,6 +3,11 @@
 //! memory, for head dims 16, 32, 64, 128). Packed documents (`Docs`) mask keys outside a
 //! query's document on both paths.
 //!
+//! GPT-OSS's additions ([`Extras`]), on the materialised path only: a sliding window of keys
+//! (`q - window < k <= q`) and a learned sink logit per query head, one more term `e^{s_h}` in
+//! each row's softmax denominator with no value vector (so a row's probabilities sum to less
+//! than one). The flash and fused-softmax CUDA kernels have neither.
+//!
 //! Layout trick for GQA: query head `i` uses key/value head `i / g` (`g = nh / nkv`), so the
 //! `nh` query heads are viewed as `[nkv, g]` and the `g` heads of a group are stacked along the
 //! query-time axis: `q: [b, nkv, g·t, hd]` against `k, v: [b, nkv, t, hd]`. Key and value are
@@ -10,6 +15,7 @@
 //! the matrix product over the stacked axis.
 
 use candle_core::{DType, Device, Tensor, D};
+use mt_core::ModelConfig;
 
 use crate::ops::{matmul, matmul_wide, stat_dtype, swap12, wide_dtype};
 use crate::positions::Docs;
@@ -31,6 +37,45 @@ impl Dims {
     }
 }
 
+/// GPT-OSS's additions to one attention call: the layer's window and its heads' sink logits.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Extras<'a> {
+    /// Keys a query sees (itself included) on a sliding-window layer.
+    pub(crate) window: Option<usize>,
+    /// The sink logit of each query head, `[nh]`.
+    pub(crate) sinks: Option<&'a Tensor>,
+}
+
+impl Extras<'_> {
+    fn none(&self) -> bool {
+        self.window.is_none() && self.sinks.is_none()
+    }
+}
+
+/// Refuses to run `cfg`'s layers on `device` when its attention needs what only the CPU path
+/// has ([`check_gpu`]).
+pub fn check_device(cfg: &ModelConfig, device: &Device) -> Result<()> {
+    if device.is_cpu() {
+        return Ok(());
+    }
+    Ok(check_gpu(cfg)?)
+}
+
+/// Refuses to run `cfg`'s layers on a GPU when its attention needs what only the CPU path has:
+/// GPT-OSS's sink logits and sliding-window layers are in neither the flash nor the
+/// fused-softmax CUDA kernels, and the materialised fallback would hold `t x t` scores that the
+/// planner does not count.
+pub fn check_gpu(cfg: &ModelConfig) -> mt_core::Result<()> {
+    if !cfg.attention_sinks && cfg.layer_windows.is_none() {
+        return Ok(());
+    }
+    Err(mt_core::Error::Unsupported(
+        "gpt_oss on a GPU: its attention sinks and sliding-window layers are not in the CUDA attention kernels \
+         yet; train it on the CPU backend (--device cpu)"
+            .into(),
+    ))
+}
+
 /// What the backward needs from the forward.
 #[derive(Debug)]
 pub(crate) enum AttnCache {
@@ -44,6 +89,9 @@ pub(crate) enum AttnCache {
         v: Tensor,
         /// The attention probabilities, `[b, nkv, g·t, t]`.
         p: Probs,
+        /// With sinks, each row's sink probability `e^{s_h} / Z`, `[b, nkv, g·t, 1]`, in the
+        /// probabilities' dtype.
+        sink_p: Option<Tensor>,
     },
     /// Flash attention: the inputs as they came (`q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]`),
     /// the output `o: [b, t, nh, hd]` and each row's log-sum-exp (f32 `[b, nh, t]`); the
@@ -58,13 +106,13 @@ impl AttnCache {
     pub(crate) fn bytes(&self) -> u64 {
         let t = |x: &Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
         match self {
-            AttnCache::Dense { q, k, v, p } => {
+            AttnCache::Dense { q, k, v, p, sink_p } => {
                 let p = match p {
                     Probs::Full(p) => t(p),
                     #[cfg(feature = "cuda")]
                     Probs::Fused { s, pb, stats } => t(s) + t(pb) + t(stats),
                 };
-                t(q) + t(k) + t(v) + p
+                t(q) + t(k) + t(v) + p + sink_p.as_ref().map_or(0, t)
             }
             #[cfg(feature = "cuda")]
             AttnCache::Flash { q, k, v, lse, .. } => t(q) + t(k) + t(v) + t(lse),
@@ -85,10 +133,13 @@ pub(crate) enum Probs {
     Fused { s: Tensor, pb: Tensor, stats: Tensor },
 }
 
-/// Additive causal mask `[t, t]`: 0 where key `j <= ` query `i`, `-inf` above the diagonal.
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let v: Vec<f32> =
-        (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
+/// Additive causal mask `[t, t]`: 0 where key `j <= ` query `i` (and, with a window,
+/// `j > i - window`), `-inf` elsewhere.
+fn causal_mask(t: usize, window: Option<usize>, dtype: DType, device: &Device) -> Result<Tensor> {
+    let visible = |i: usize, j: usize| j <= i && window.is_none_or(|w| j + w > i);
+    let v: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if visible(i, j) { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
     Ok(Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)?)
 }
 
@@ -104,6 +155,18 @@ fn softmax_last(s: &Tensor) -> Result<Tensor> {
     let e = s.broadcast_sub(&m)?.exp()?;
     let z = e.sum_keepdim(D::Minus1)?;
     Ok(e.broadcast_div(&z)?)
+}
+
+/// Softmax over the last dimension of `s` `[.., n]` with one more logit per row, `sink`
+/// `[.., 1]`, whose probability is returned apart (transformers: the sink concatenated as a
+/// last column, the softmax taken, the column dropped): `(e^{s_j} / Z, e^{sink} / Z)`,
+/// `Z = Σ_j e^{s_j} + e^{sink}`, with the row maximum over both subtracted.
+fn softmax_with_sink(s: &Tensor, sink: &Tensor) -> Result<(Tensor, Tensor)> {
+    let m = s.max_keepdim(D::Minus1)?.maximum(sink)?.detach();
+    let e = s.broadcast_sub(&m)?.exp()?;
+    let es = (sink - &m)?.exp()?;
+    let z = (e.sum_keepdim(D::Minus1)? + &es)?;
+    Ok((e.broadcast_div(&z)?, (es / z)?))
 }
 
 /// Forward. `q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]` (after RoPE), compute dtype; `flash`
@@ -122,8 +185,11 @@ pub(crate) fn forward(
     d: Dims,
     docs: Option<&Docs>,
     flash: Option<mt_kernels::FlashKernel>,
+    extras: Extras<'_>,
 ) -> Result<(Tensor, AttnCache)> {
     let Dims { b, t, nh, nkv, hd } = d;
+    // Windows and sinks: the materialised candle path only.
+    let flash = flash.filter(|_| extras.none());
     #[cfg(feature = "cuda")]
     if let Some(kernel) = flash.filter(|_| crate::flash_attention(q.device(), q.dtype(), hd)) {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
@@ -141,51 +207,64 @@ pub(crate) fn forward(
     let v = heads_first(v)?;
     let scale = 1.0 / (hd as f64).sqrt();
     #[cfg(feature = "cuda")]
-    if mt_kernels::applies(&q) {
+    if mt_kernels::applies(&q) && extras.none() {
         // One fused kernel for scale, causal mask and softmax (kernels/cuda/softmax.cu), bf16 out;
         // keys of other documents get -inf scores first.
         let mut s = q.matmul(&k.t()?)?;
         if let Some(docs) = docs {
-            let m = docs.mask(dtype)?;
+            let m = docs.mask(dtype, None)?;
             s = s.reshape((b, nkv, g, t, t))?.broadcast_add(&m)?.reshape((b, nkv, g * t, t))?;
         }
         let (pb, stats) = mt_kernels::causal_softmax(&s, scale)?;
         let o = swap12(&pb.matmul(&v)?.reshape((b, nh, t, hd))?)?.reshape((b, t, nh * hd))?;
-        return Ok((o, AttnCache::Dense { q, k, v, p: Probs::Fused { s, pb, stats } }));
+        return Ok((o, AttnCache::Dense { q, k, v, p: Probs::Fused { s, pb, stats }, sink_p: None }));
     }
     // The scale is applied in the statistics dtype, one rounding, as the fused kernel does.
     let s = (matmul_wide(&q, &k.t()?)? * scale)?;
     let s = s.reshape((b, nkv, g, t, t))?;
     let s = match docs {
-        Some(docs) => s.broadcast_add(&docs.mask(sd)?)?,
-        None => s.broadcast_add(&causal_mask(t, sd, q.device())?)?,
+        Some(docs) => s.broadcast_add(&docs.mask(sd, extras.window)?)?,
+        None => s.broadcast_add(&causal_mask(t, extras.window, sd, q.device())?)?,
     };
-    let p = softmax_last(&s.reshape((b, nkv, g * t, t))?)?.to_dtype(stat_dtype(dtype))?;
+    let s = s.reshape((b, nkv, g * t, t))?;
+    let (p, sink_p) = match extras.sinks {
+        None => (softmax_last(&s)?, None),
+        Some(sinks) => {
+            // Query head `kv·g + j` is row block `j` of group `kv` on the stacked axis.
+            let col = sinks.to_dtype(sd)?.reshape((1, nkv, g, 1))?.broadcast_as((b, nkv, g, t))?;
+            let (p, sp) = softmax_with_sink(&s, &col.reshape((b, nkv, g * t, 1))?)?;
+            (p, Some(sp.to_dtype(stat_dtype(dtype))?))
+        }
+    };
+    let p = p.to_dtype(stat_dtype(dtype))?;
     let o = matmul(&p.to_dtype(dtype)?, &v)?;
     let o = o.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-    Ok((o, AttnCache::Dense { q, k, v, p: Probs::Full(p) }))
+    Ok((o, AttnCache::Dense { q, k, v, p: Probs::Full(p), sink_p }))
 }
 
-/// Backward. `d_o: [b, t, nh·hd]`. Returns `(dq [b,t,nh,hd], dk [b,t,nkv,hd], dv [b,t,nkv,hd])`.
+/// The attention's input gradients: `(dq [b,t,nh,hd], dk [b,t,nkv,hd], dv [b,t,nkv,hd])` and,
+/// with sinks, the sinks' `[nh]` (in the statistics dtype; f64 for f32 on the CPU).
+pub(crate) type AttnGrads = (Tensor, Tensor, Tensor, Option<Tensor>);
+
+/// Backward. `d_o: [b, t, nh·hd]`.
 ///
 /// With `S = c Q Kᵀ` (`c = hd^-1/2`), `P = softmax(S)`, `O = P V`:
 /// `dV = Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ⊙ (dP - rowsum(dP ⊙ P))` (softmax Jacobian; masked
 /// entries have `P = 0` and so `dS = 0`), `dQ = c dS K`, `dK = c dSᵀ Q`. Over the stacked
 /// `g·t` axis the products `Pᵀ dO` and `dSᵀ Q` sum the contributions of the `g` query heads
 /// that share a key/value head. (Flash: the same with `rowsum(dP ⊙ P) = rowsum(dO ⊙ O)`.)
-pub(crate) fn backward(
-    d_o: &Tensor,
-    cache: &AttnCache,
-    d: Dims,
-    docs: Option<&Docs>,
-) -> Result<(Tensor, Tensor, Tensor)> {
+/// A sink is one more softmax column whose `dP` is 0 (it has no value): `dS` keeps its form, and
+/// `ds_h = -Σ_rows of head h  p_sink · rowsum(dP ⊙ P)`.
+pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims, docs: Option<&Docs>) -> Result<AttnGrads> {
     let Dims { b, t, nh, nkv, hd } = d;
-    let (q, k, v, p) = match cache {
-        AttnCache::Dense { q, k, v, p } => (q, k, v, p),
+    let (q, k, v, p, sink_p) = match cache {
+        AttnCache::Dense { q, k, v, p, sink_p } => (q, k, v, p, sink_p),
         #[cfg(feature = "cuda")]
         AttnCache::Flash { q, k, v, o, lse, kernel } => {
             let d_o = d_o.reshape((b, t, nh, hd))?.contiguous()?;
-            return Ok(mt_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds), *kernel)?);
+            let (dq, dk, dv) =
+                mt_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds), *kernel)?;
+            return Ok((dq, dk, dv, None));
         }
     };
     let _ = docs;
@@ -203,16 +282,26 @@ pub(crate) fn backward(
             // dS with the scale folded in, P recomputed from s and the row statistics, in one
             // kernel (kernels/cuda/softmax.cu).
             let ds = mt_kernels::softmax_backward(&d_o.matmul(&v.t()?)?, s, stats, scale)?;
-            return heads_last(ds.matmul(k)?, ds.t()?.matmul(q)?, dv, d);
+            let (dq, dk, dv) = heads_last(ds.matmul(k)?, ds.t()?.matmul(q)?, dv, d)?;
+            return Ok((dq, dk, dv, None));
         }
     };
     let dv = matmul(&p.to_dtype(dtype)?.t()?, &d_o)?;
     let dp = matmul_wide(&d_o, &v.t()?)?;
     let p = p.to_dtype(dp.dtype())?;
     let row = (&dp * &p)?.sum_keepdim(D::Minus1)?;
+    let dsink = match sink_p {
+        // Rows `[b, nkv, g·t]` → per head `kv·g + j`.
+        Some(sp) => {
+            let per_row = (sp.to_dtype(row.dtype())? * &row)?.reshape((b, nkv, nh / nkv, t))?;
+            Some(per_row.sum(3)?.sum(0)?.reshape(nh)?.neg()?)
+        }
+        None => None,
+    };
     // The scale folded into dS before its rounding, `(c P) ⊙ (dP - row)`, as the fused kernel.
     let ds = ((p * scale)? * dp.broadcast_sub(&row)?)?.to_dtype(dtype)?;
-    heads_last(matmul(&ds, k)?, matmul(&ds.t()?, q)?, dv, d)
+    let (dq, dk, dv) = heads_last(matmul(&ds, k)?, matmul(&ds.t()?, q)?, dv, d)?;
+    Ok((dq, dk, dv, dsink))
 }
 
 /// `dq [b, nkv, g·t, hd]`, `dk, dv [b, nkv, t, hd]` back to `[b, t, heads, hd]`, contiguous.

@@ -46,6 +46,9 @@ pub enum Error {
         /// The dtype supplied.
         found: DType,
     },
+    /// The template was used in a way its model does not allow.
+    #[error("{0}")]
+    Options(String),
     /// Positions past the end of the precomputed RoPE table were requested.
     #[error(
         "positions {start}..{end} exceed the RoPE table of {max_t} positions; build the Rope with a larger max_t"

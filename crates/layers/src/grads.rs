@@ -143,6 +143,25 @@ impl<'a> GradSink<'a> {
         self.accumulate(name, &dy.to_dtype(crate::ops::wide_dtype(dy))?.sum(0)?)
     }
 
+    /// `buf[name][e] += Σ_rows dy` for expert `e` of a packed `[E, out]` bias `name` (GPT-OSS's
+    /// `mlp.experts.*_bias`), `dy: [N, out]`: as [`GradSink::accumulate_col_sums`] on that row.
+    pub fn accumulate_expert_col_sums(&self, name: &str, e: usize, dy: &Tensor) -> Result<()> {
+        let spec = self.layout.get(name)?;
+        let (n_e, out) = match spec.shape.as_slice() {
+            [n_e, o] => (*n_e, *o),
+            s => return Err(Error::shape(format!("layout entry {name}"), "[experts, out]", s)),
+        };
+        if e >= n_e || !matches!(dy.dims(), [_, o] if *o == out) {
+            return Err(Error::shape(
+                format!("dy of the gradient of expert {e} of {name}"),
+                format!("[N, {out}] for an expert < {n_e}"),
+                dy.dims(),
+            ));
+        }
+        let sums = dy.to_dtype(crate::ops::wide_dtype(dy))?.sum(0)?;
+        self.add_at(spec.offset + e * out, out, &sums)
+    }
+
     /// `buf[name][rows[i], :] += src[i, :]` for every `i` (repeated rows add up): the backward of
     /// an embedding lookup. Only the addressed rows are touched. `name` must be a matrix
     /// `[n_rows, width]`, `rows` a 1-D u32 tensor of length `k` (on any device: the CUDA kernel

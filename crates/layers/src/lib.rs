@@ -32,6 +32,7 @@ pub mod profile;
 mod rope;
 mod weights;
 
+pub use attention::{check_device, check_gpu};
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
 pub use moe::{RouterGrad, RouterStats};
 

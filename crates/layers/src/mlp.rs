@@ -62,7 +62,7 @@ pub(crate) fn forward(
     stats: Option<&mut RouterStats>,
 ) -> Result<(Option<Tensor>, MlpSaved)> {
     let dev = x1.device();
-    let (c, norm2) = rms_norm(x1, &w.post_norm, cfg.rms_norm_eps)?;
+    let (c, norm2) = rms_norm(x1, &w.post_norm, cfg.rms_norm_eps, cfg.norm_weight_before_cast())?;
     mark(dev, "fwd 6 post norm");
     let (out, body) = match &w.mlp {
         MlpWeights::Dense { gate, up, down } => {
@@ -75,9 +75,9 @@ pub(crate) fn forward(
             mark(dev, "fwd 9 down proj (GEMM) + residual");
             (out, Body::Dense(DenseSaved { gate, up, act, mid }))
         }
-        MlpWeights::Moe { router, gate_up, down } => {
+        MlpWeights::Moe { .. } => {
             let m = cfg.moe.as_ref().expect("MoE weights are bound only for a MoE config");
-            let (out, saved) = moe::forward(m, router, gate_up, down, &c, x1, want_out, stats)?;
+            let (out, saved) = moe::forward(m, &w.mlp, &c, x1, want_out, stats)?;
             mark(dev, "fwd 7-9 experts + residual");
             (out, Body::Moe(saved))
         }
@@ -88,6 +88,7 @@ pub(crate) fn forward(
 /// Back-propagates `dy: [rows, h]` (the gradient of the tile's output) through the tile:
 /// accumulates the MLP's and the post norm's weight gradients, returns `dx1`.
 pub(crate) fn backward(
+    cfg: &ModelConfig,
     w: &LayerWeights,
     m: MlpSaved,
     dy: &Tensor,
@@ -108,8 +109,9 @@ pub(crate) fn backward(
             mark(dev, "bwd 7 gate/up proj (4 GEMMs + accumulate)");
             dc
         }
-        (MlpWeights::Moe { router, gate_up, down }, Body::Moe(s)) => {
-            let dc = moe_backward::backward(router, gate_up, down, &c, s, dy, grads, aux)?;
+        (MlpWeights::Moe { .. }, Body::Moe(s)) => {
+            let m = cfg.moe.as_ref().expect("MoE weights are bound only for a MoE config");
+            let dc = moe_backward::backward(&moe::Experts::of(m, &w.mlp), &c, s, dy, grads, aux)?;
             mark(dev, "bwd 7-9 experts");
             dc
         }

@@ -1,7 +1,12 @@
-//! The mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE), forward: a linear router, softmax,
-//! top-k, each token's rows grouped by expert (no capacity limit: every token reaches its k
-//! experts), one SwiGLU per expert over its rows, the outputs weighted and summed per token;
+//! The mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS), forward: a linear router,
+//! softmax, top-k, each token's rows grouped by expert (no capacity limit: every token reaches
+//! its k experts), one GLU per expert over its rows, the outputs weighted and summed per token;
 //! and the statistics of the load-balancing loss.
+//!
+//! GPT-OSS's router has a bias and takes the softmax of the top-k logits, which is the top-k of
+//! the softmax renormalised (`norm_topk_prob`), in value and in gradient; its experts have
+//! biases, store their matrices `[in, out]` with gate and up in alternate columns, and apply the
+//! clamped GLU `(clamp(up, ±L) + 1) · g σ(α g)`, `g = min(gate, L)` ([`ExpertKind::GptOss`]).
 //!
 //! Numerics, as transformers' modelling code: the router logits in the compute dtype, their
 //! softmax, top-k and the renormalisation (`norm_topk_prob`, Mixtral always) in f32 (here
@@ -14,10 +19,11 @@
 //! before it: correct, not yet fast; a device-side grouping is future work).
 
 use candle_core::{DType, Tensor};
-use mt_core::MoeConfig;
+use mt_core::{ClampedGlu, ExpertKind, MoeConfig};
 
 use crate::mlp::swiglu;
 use crate::ops::{linear, matmul_wide, wide_dtype};
+use crate::weights::MlpWeights;
 use crate::Result;
 
 /// The router statistics of a step's forwards, over every MoE layer and every chunk: per
@@ -121,11 +127,12 @@ pub(crate) struct ExpertSaved {
     pub(crate) slots: Vec<usize>,
     /// The rows `t`, `[n_e]` u32 on the device.
     pub(crate) idx: Tensor,
+    /// The gate and up projections (biases included), before any clamp, `[n_e, f_e]`.
     pub(crate) gate: Tensor,
     pub(crate) up: Tensor,
-    /// `silu(gate)`, `None` on the fused CUDA path.
+    /// `silu(gate)`, `None` on the fused CUDA path and for the clamped GLU (recomputed).
     pub(crate) act: Option<Tensor>,
-    /// `silu(gate) ⊙ up` `[n_e, f_e]`.
+    /// The GLU's output, the input of the down projection, `[n_e, f_e]`.
     pub(crate) mid: Tensor,
 }
 
@@ -189,15 +196,118 @@ fn top_k(probs: &[f32], e: usize, k: usize, normalise: bool) -> (Vec<u32>, Vec<f
     (top, weights)
 }
 
+/// Views of one MoE layer's router and experts ([`MlpWeights::Moe`]) with their kind.
+pub(crate) struct Experts<'a> {
+    pub(crate) kind: ExpertKind,
+    pub(crate) router: &'a Tensor,
+    pub(crate) router_bias: Option<&'a Tensor>,
+    gate_up: &'a Tensor,
+    gate_up_bias: Option<&'a Tensor>,
+    down: &'a Tensor,
+    down_bias: Option<&'a Tensor>,
+}
+
+impl<'a> Experts<'a> {
+    /// The experts of `w`, a MoE layer's MLP weights.
+    pub(crate) fn of(m: &MoeConfig, w: &'a MlpWeights) -> Self {
+        let MlpWeights::Moe { router, router_bias, gate_up, gate_up_bias, down, down_bias } = w else {
+            unreachable!("MoE experts are bound only for a MoE config")
+        };
+        Experts {
+            kind: m.experts,
+            router,
+            router_bias: router_bias.as_ref(),
+            gate_up,
+            gate_up_bias: gate_up_bias.as_ref(),
+            down,
+            down_bias: down_bias.as_ref(),
+        }
+    }
+
+    /// Expert `e`'s gate-and-up matrix as `[2·f_e, h]` (`[out, in]`; GPT-OSS's transposed
+    /// view, its rows alternating gate and up).
+    pub(crate) fn gate_up_out_in(&self, e: usize) -> Result<Tensor> {
+        let w = self.gate_up.get(e)?;
+        Ok(if self.gpt_oss() { w.t()? } else { w })
+    }
+
+    /// Expert `e`'s down matrix as `[h, f_e]` (`[out, in]`).
+    pub(crate) fn down_out_in(&self, e: usize) -> Result<Tensor> {
+        let w = self.down.get(e)?;
+        Ok(if self.gpt_oss() { w.t()? } else { w })
+    }
+
+    /// Expert `e`'s down bias `[h]` (GPT-OSS).
+    pub(crate) fn down_bias(&self, e: usize) -> Result<Option<Tensor>> {
+        Ok(self.down_bias.map(|b| b.get(e)).transpose()?)
+    }
+
+    pub(crate) fn gpt_oss(&self) -> bool {
+        matches!(self.kind, ExpertKind::GptOss(_))
+    }
+
+    /// Expert `e`'s gate and up projections (biases added) of its rows `ce: [n_e, h]`.
+    fn gate_up(&self, e: usize, ce: &Tensor, fe: usize) -> Result<(Tensor, Tensor)> {
+        let bias = self.gate_up_bias.map(|b| b.get(e)).transpose()?;
+        let gu = linear(ce, &self.gate_up_out_in(e)?, bias.as_ref())?;
+        if self.gpt_oss() {
+            // Alternate columns: gate at even, up at odd ones.
+            let gu = gu.reshape((ce.dim(0)?, fe, 2))?;
+            let pick = |j| -> Result<Tensor> { Ok(gu.narrow(2, j, 1)?.squeeze(2)?.contiguous()?) };
+            return Ok((pick(0)?, pick(1)?));
+        }
+        Ok((gu.narrow(1, 0, fe)?.contiguous()?, gu.narrow(1, fe, fe)?.contiguous()?))
+    }
+
+    /// The GLU of `gate` and `up`: `(silu(gate) when kept, its output)`.
+    fn glu(&self, gate: &Tensor, up: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
+        match self.kind {
+            ExpertKind::SwiGlu => swiglu(gate, up),
+            ExpertKind::GptOss(glu) => Ok((None, clamped_glu(glu, gate, up)?)),
+        }
+    }
+}
+
+/// GPT-OSS's GLU, `(clamp(up, -L, L) + 1) · g σ(α g)` with `g = min(gate, L)`, evaluated in
+/// [`wide_dtype`] and rounded to `gate`'s dtype once.
+fn clamped_glu(glu: ClampedGlu, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let wd = wide_dtype(gate);
+    let g = gate.to_dtype(wd)?.minimum(glu.limit)?;
+    let u = up.to_dtype(wd)?.clamp(-glu.limit, glu.limit)?;
+    let sig = ((&g * -glu.alpha)?.exp()? + 1.0)?.recip()?;
+    Ok(((u + 1.0)? * (g * sig)?)?.to_dtype(gate.dtype())?)
+}
+
+/// Backward of [`clamped_glu`] for `d = dL/d(out)`: with `s = σ(α g)`,
+/// `∂out/∂up = g s` where `-L <= up <= L` (0 where the clamp binds: torch's clamp passes the
+/// gradient on its bounds), `∂out/∂gate = (u + 1) (s + α g s (1 - s))` where `gate <= L`.
+/// Returns `(d_gate, d_up)` in `d`'s dtype.
+pub(crate) fn clamped_glu_backward(
+    glu: ClampedGlu,
+    d: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let wd = wide_dtype(d);
+    let (gate, up) = (gate.to_dtype(wd)?, up.to_dtype(wd)?);
+    let g = gate.minimum(glu.limit)?;
+    let u = up.clamp(-glu.limit, glu.limit)?;
+    let sig = ((&g * -glu.alpha)?.exp()? + 1.0)?.recip()?;
+    let gate_open = gate.le(glu.limit)?.to_dtype(wd)?;
+    let up_open = (up.ge(-glu.limit)?.to_dtype(wd)? * up.le(glu.limit)?.to_dtype(wd)?)?;
+    let ds = d.to_dtype(wd)?;
+    let d_up = ((&ds * (&g * &sig)?)? * up_open)?;
+    let slope = (&sig + ((&g * glu.alpha)? * (&sig * (1.0 - &sig)?)?)?)?;
+    let d_gate = (((ds * (u + 1.0)?)? * slope)? * gate_open)?;
+    Ok((d_gate.to_dtype(d.dtype())?, d_up.to_dtype(d.dtype())?))
+}
+
 /// The MoE MLP of one tile, from the post-attention-norm output `c: [rows, h]`: what the
 /// backward needs and, when `want_out`, the tile's output `x1 + Σ_j w_j · expert_j(c)`. The
 /// tile's router statistics are added to `stats` when given.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     m: &MoeConfig,
-    router: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
+    w: &MlpWeights,
     c: &Tensor,
     x1: &Tensor,
     want_out: bool,
@@ -206,7 +316,9 @@ pub(crate) fn forward(
     let (rows, h) = c.dims2()?;
     let (ne, k, fe) = (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size);
     let (dtype, dev) = (c.dtype(), c.device());
-    let logits = linear(c, router, None)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let ex = Experts::of(m, w);
+    let logits =
+        linear(c, ex.router, ex.router_bias)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let probs = softmax_rows(&logits, ne);
     let (top, weights) = top_k(&probs, ne, k, m.norm_topk_prob);
     if let Some(s) = stats {
@@ -228,13 +340,15 @@ pub(crate) fn forward(
         let n_e = rows_e.len();
         let idx = Tensor::from_vec(rows_e, n_e, dev)?;
         let ce = c.index_select(&idx, 0)?;
-        let gu = linear(&ce, &gate_up.get(expert)?, None)?;
-        let gate = gu.narrow(1, 0, fe)?.contiguous()?;
-        let up = gu.narrow(1, fe, fe)?.contiguous()?;
-        drop(gu);
-        let (act, mid) = swiglu(&gate, &up)?;
+        let (gate, up) = ex.gate_up(expert, &ce, fe)?;
+        let (act, mid) = ex.glu(&gate, &up)?;
         if let Some(acc) = acc.as_mut() {
-            let y = matmul_wide(&mid, &down.get(expert)?.t()?)?;
+            let y = matmul_wide(&mid, &ex.down_out_in(expert)?.t()?)?;
+            // GPT-OSS: the down bias before the routing weight.
+            let y = match ex.down_bias(expert)? {
+                Some(b) => y.broadcast_add(&b.to_dtype(acc_dtype)?)?,
+                None => y,
+            };
             let w = saved.weight_column(&slots, dtype, acc_dtype, dev)?;
             *acc = acc.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }

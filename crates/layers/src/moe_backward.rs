@@ -12,22 +12,27 @@
 //! - softmax: `dlogit = p ⊙ (dp - Σ_e p_e dp_e)`; the router is a linear layer.
 //!
 //! The routing arithmetic runs on the host in f64; `dlogit` is rounded to the compute dtype once.
+//!
+//! GPT-OSS ([`mt_core::ExpertKind::GptOss`]): `y` includes the down bias `b_down[e]`, so
+//! `dw_tj = dout_t · y_tj` gains `dout_t · b_down[e]`; the biases' gradients are the column sums
+//! of `dy_e ⊙ w` and `[d_gate | d_up]` (interleaved as the parameters); the matrices are stored
+//! `[in, out]`, so their gradients are the transposed products (`midᵀ dy_e`, `c_eᵀ d_gu`); the
+//! clamped GLU's backward is [`crate::moe::clamped_glu_backward`]; the router bias gets
+//! `Σ_rows dlogit`.
 
 use candle_core::{DType, Tensor, D};
+use mt_core::ExpertKind;
 
 use crate::mlp::swiglu_backward;
-use crate::moe::{MoeSaved, RouterGrad};
+use crate::moe::{clamped_glu_backward, Experts, MoeSaved, RouterGrad};
 use crate::ops::{linear_backward, matmul_wide, wide_dtype};
 use crate::weights::names;
 use crate::{GradSink, Result};
 
 /// Back-propagates `dy: [rows, h]` (the gradient of the MoE output) through one tile; returns
 /// `dc`, the gradient of the post-attention-norm output `c`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    router: &Tensor,
-    gate_up: &Tensor,
-    down: &Tensor,
+    ex: &Experts<'_>,
     c: &Tensor,
     s: MoeSaved,
     dy: &Tensor,
@@ -36,39 +41,64 @@ pub(crate) fn backward(
 ) -> Result<Tensor> {
     let (rows, h) = dy.dims2()?;
     let (dtype, dev) = (dy.dtype(), dy.device());
-    let ne = router.dim(0)?;
+    let ne = ex.router.dim(0)?;
+    let gpt_oss = ex.gpt_oss();
     let k = s.top.len() / rows.max(1);
     let acc = wide_dtype(dy);
     let mut dc = Tensor::zeros((rows, h), acc, dev)?;
     // dL/dw for every slot (t, j).
     let mut dw = vec![0f64; rows * k];
-    for ex in &s.experts {
-        let e = ex.expert;
-        let dy_e = dy.index_select(&ex.idx, 0)?;
-        let w_down = down.get(e)?;
-        // dout_e W_down[e], before the routing weight: `dw` is its dot with mid.
-        let g = matmul_wide(&dy_e, &w_down)?;
-        let dw_e = (&g * ex.mid.to_dtype(acc)?)?.sum(D::Minus1)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-        for (&slot, d) in ex.slots.iter().zip(dw_e) {
+    for x in &s.experts {
+        let e = x.expert;
+        let dy_e = dy.index_select(&x.idx, 0)?;
+        // dout_e W_down[e], before the routing weight: `dw` is its dot with mid (plus, with a
+        // down bias, its dot with that).
+        let g = matmul_wide(&dy_e, &ex.down_out_in(e)?)?;
+        let mut dw_e = (&g * x.mid.to_dtype(acc)?)?.sum(D::Minus1)?;
+        if let Some(b) = ex.down_bias(e)? {
+            dw_e = (dw_e + dy_e.to_dtype(acc)?.broadcast_mul(&b.to_dtype(acc)?)?.sum(D::Minus1)?)?;
+        }
+        for (&slot, d) in x.slots.iter().zip(dw_e.to_dtype(DType::F64)?.to_vec1::<f64>()?) {
             dw[slot] = d;
         }
-        let w = s.weight_column(&ex.slots, dtype, acc, dev)?;
+        let w = s.weight_column(&x.slots, dtype, acc, dev)?;
         let d_mid = g.broadcast_mul(&w)?.to_dtype(dtype)?;
         drop(g);
         let dy_scaled = dy_e.to_dtype(acc)?.broadcast_mul(&w)?.to_dtype(dtype)?;
-        grads.accumulate_matmul_expert(names::EXPERTS_DOWN, e, &dy_scaled, &ex.mid)?;
+        if gpt_oss {
+            grads.accumulate_matmul_expert(names::EXPERTS_DOWN, e, &x.mid, &dy_scaled)?;
+            grads.accumulate_expert_col_sums(names::EXPERTS_DOWN_BIAS, e, &dy_scaled)?;
+        } else {
+            grads.accumulate_matmul_expert(names::EXPERTS_DOWN, e, &dy_scaled, &x.mid)?;
+        }
         drop((dy_scaled, dy_e));
-        let (d_gate, d_up) = swiglu_backward(&d_mid, &ex.gate, &ex.up, ex.act.as_ref())?;
-        let d_gu = Tensor::cat(&[&d_gate, &d_up], 1)?;
-        drop((d_gate, d_up, d_mid));
-        let c_e = c.index_select(&ex.idx, 0)?;
-        grads.accumulate_matmul_expert(names::EXPERTS_GATE_UP, e, &d_gu, &c_e)?;
-        let dc_e = matmul_wide(&d_gu, &gate_up.get(e)?)?;
-        dc = dc.index_add(&ex.idx, &dc_e, 0)?;
+        let c_e = c.index_select(&x.idx, 0)?;
+        let d_gu = match ex.kind {
+            ExpertKind::SwiGlu => {
+                let (d_gate, d_up) = swiglu_backward(&d_mid, &x.gate, &x.up, x.act.as_ref())?;
+                let d_gu = Tensor::cat(&[&d_gate, &d_up], 1)?;
+                grads.accumulate_matmul_expert(names::EXPERTS_GATE_UP, e, &d_gu, &c_e)?;
+                d_gu
+            }
+            ExpertKind::GptOss(glu) => {
+                let (d_gate, d_up) = clamped_glu_backward(glu, &d_mid, &x.gate, &x.up)?;
+                // Back to alternate columns, as the parameters hold them.
+                let d_gu =
+                    Tensor::stack(&[&d_gate, &d_up], 2)?.reshape((d_gate.dim(0)?, 2 * d_gate.dim(1)?))?;
+                grads.accumulate_matmul_expert(names::EXPERTS_GATE_UP, e, &c_e, &d_gu)?;
+                grads.accumulate_expert_col_sums(names::EXPERTS_GATE_UP_BIAS, e, &d_gu)?;
+                d_gu
+            }
+        };
+        drop(d_mid);
+        let dc_e = matmul_wide(&d_gu, &ex.gate_up_out_in(e)?)?;
+        dc = dc.index_add(&x.idx, &dc_e, 0)?;
     }
     let dlogit = router_backward(&s, &dw, ne, k, aux);
     let dlogit = Tensor::from_vec(dlogit, (rows, ne), dev)?.to_dtype(dtype)?;
-    let dc_router = linear_backward(&dlogit, c, router, grads, names::ROUTER, None)?;
+    let (router, bias) =
+        if gpt_oss { (names::GPT_OSS_ROUTER, Some(names::ROUTER_BIAS)) } else { (names::ROUTER, None) };
+    let dc_router = linear_backward(&dlogit, c, ex.router, grads, router, bias)?;
     Ok((dc + dc_router.to_dtype(acc)?)?.to_dtype(dtype)?)
 }
 

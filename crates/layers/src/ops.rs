@@ -83,9 +83,12 @@ pub(crate) struct RmsCache {
     xs: Tensor,
     /// `r = rsqrt(mean(x²) + eps)`, `[.., 1]`, statistics dtype.
     r: Tensor,
-    /// `x * r` cast to the compute dtype (what the weight multiplies); `None` on the fused CUDA
-    /// path, where `xs` is the bf16 input itself and `r` is `[rows]`.
+    /// `x * r` cast to the compute dtype (what the weight multiplies; in the statistics dtype when
+    /// the weight multiplies first); `None` on the fused CUDA path, where `xs` is the bf16 input
+    /// itself and `r` is `[rows]`.
     xhat: Option<Tensor>,
+    /// The weight multiplied in the statistics dtype, before the cast (GPT-OSS).
+    weight_first: bool,
     /// `xs` is the input tensor itself (the fused path, or an input already in the statistics
     /// dtype), not a copy.
     xs_is_input: bool,
@@ -112,22 +115,31 @@ impl RmsCache {
 }
 
 /// RMSNorm over the last dimension, as transformers computes it: statistics in the statistics
-/// dtype, `x * r` cast back to the input dtype, then multiplied by the weight in that dtype.
-pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsCache)> {
+/// dtype, `x * r` cast back to the input dtype, then multiplied by the weight in that dtype; or,
+/// `weight_first` (GPT-OSS), multiplied by the weight in the statistics dtype and then cast.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, weight_first: bool) -> Result<(Tensor, RmsCache)> {
     #[cfg(feature = "cuda")]
-    if mt_kernels::applies(x) && w.dtype() == DType::BF16 {
+    if mt_kernels::applies(x) && w.dtype() == DType::BF16 && !weight_first {
         let (y, r) = mt_kernels::rms_norm(x, w, eps)?;
-        return Ok((y, RmsCache { xs: x.clone(), r, xhat: None, xs_is_input: true, eps }));
+        return Ok((y, RmsCache { xs: x.clone(), r, xhat: None, xs_is_input: true, eps, weight_first }));
     }
     if is_wide(x) {
+        // One rounding of `w x r` either way.
         return rms_norm_wide(x, w, eps);
     }
     let dtype = x.dtype();
-    let xs = x.to_dtype(stat_dtype(dtype))?;
+    let sd = stat_dtype(dtype);
+    let xs = x.to_dtype(sd)?;
     let r = rms_recip(&xs, eps)?;
+    let xs_is_input = sd == dtype;
+    if weight_first {
+        let xhat = xs.broadcast_mul(&r)?;
+        let y = xhat.broadcast_mul(&w.to_dtype(sd)?)?.to_dtype(dtype)?;
+        return Ok((y, RmsCache { xs, r, xhat: Some(xhat), xs_is_input, eps, weight_first }));
+    }
     let xhat = xs.broadcast_mul(&r)?.to_dtype(dtype)?;
     let y = xhat.broadcast_mul(w)?;
-    Ok((y, RmsCache { xs, r, xhat: Some(xhat), xs_is_input: stat_dtype(dtype) == dtype, eps }))
+    Ok((y, RmsCache { xs, r, xhat: Some(xhat), xs_is_input, eps, weight_first }))
 }
 
 /// `r = (mean(x²) + eps)^(-1/2)` over the last dimension, `[.., 1]`, in `xs`'s dtype.
@@ -145,7 +157,7 @@ fn rms_norm_wide(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, RmsCache)>
     let xhat = xs.broadcast_mul(&r)?;
     let y = xhat.broadcast_mul(&w.to_dtype(DType::F64)?)?.to_dtype(DType::F32)?;
     let (r, xhat) = (r.to_dtype(DType::F32)?, xhat.to_dtype(DType::F32)?);
-    Ok((y, RmsCache { xs: x.clone(), r, xhat: Some(xhat), xs_is_input: true, eps }))
+    Ok((y, RmsCache { xs: x.clone(), r, xhat: Some(xhat), xs_is_input: true, eps, weight_first: false }))
 }
 
 /// Backward of [`rms_norm`]. With `r = (mean(x²) + eps)^(-1/2)` over the `n` features and
@@ -164,7 +176,11 @@ pub(crate) fn rms_norm_backward(dy: &Tensor, w: &Tensor, cache: &RmsCache) -> Re
     let rows = xs.elem_count() / n;
     let dys = dy.to_dtype(sd)?;
     let dw = (&dys * xhat.to_dtype(sd)?)?.reshape((rows, n))?.sum(0)?;
-    let g = if wide { dys.broadcast_mul(&w.to_dtype(sd)?)? } else { dy.broadcast_mul(w)?.to_dtype(sd)? };
+    let g = if wide || cache.weight_first {
+        dys.broadcast_mul(&w.to_dtype(sd)?)?
+    } else {
+        dy.broadcast_mul(w)?.to_dtype(sd)?
+    };
     let gx_mean = (&g * &xs)?.mean_keepdim(D::Minus1)?;
     let r3 = ((&r * &r)? * &r)?;
     let dx = (g.broadcast_mul(&r)? - xs.broadcast_mul(&(r3 * gx_mean)?)?)?;

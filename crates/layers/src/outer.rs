@@ -51,7 +51,12 @@ impl Outer {
     pub fn logits(&self, w: &OuterWeights, x: &Tensor) -> Result<Tensor> {
         let (b, t) = self.check_x(w, x)?;
         let h = self.cfg.hidden_size;
-        let (xn, _) = rms_norm(&x.reshape((b * t, h))?, &w.norm, self.cfg.rms_norm_eps)?;
+        let (xn, _) = rms_norm(
+            &x.reshape((b * t, h))?,
+            &w.norm,
+            self.cfg.rms_norm_eps,
+            self.cfg.norm_weight_before_cast(),
+        )?;
         let logits = linear(&xn, w.head(), None)?.to_dtype(DType::F32)?;
         Ok(logits.reshape((b, t, self.cfg.vocab_size))?)
     }
@@ -151,7 +156,12 @@ impl Outer {
         let dtype = x.dtype();
         let sd = wide_dtype(x);
         let head = w.head();
-        let (xn, norm) = rms_norm(&x.reshape((n, h))?, &w.norm, self.cfg.rms_norm_eps)?;
+        let (xn, norm) = rms_norm(
+            &x.reshape((n, h))?,
+            &w.norm,
+            self.cfg.rms_norm_eps,
+            self.cfg.norm_weight_before_cast(),
+        )?;
         let tg = targets.reshape((n, 1))?;
         let wt = weights.reshape((n, 1))?.to_dtype(sd)?;
         let mut loss = Tensor::zeros((), DType::F64, x.device())?;

@@ -32,8 +32,9 @@ pub(crate) struct Docs {
     lo_dev: Tensor,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     hi_dev: Tensor,
-    /// The additive mask of the materialised attention, `[b, 1, 1, t, t]`, built on first use.
-    mask: Mutex<Option<Tensor>>,
+    /// The additive masks of the materialised attention, `[b, 1, 1, t, t]`, built on first use,
+    /// by dtype and window.
+    masks: Mutex<Vec<(DType, Option<usize>, Tensor)>>,
 }
 
 impl Docs {
@@ -44,21 +45,23 @@ impl Docs {
     }
 
     /// The additive mask `[b, 1, 1, t, t]` in `dtype`: 0 where key `j` is in query `i`'s document
-    /// at or before it (`lo[i] <= j <= i`), `-inf` elsewhere. Causal by itself. Built once (every
-    /// layer of a step asks for the same one).
-    pub(crate) fn mask(&self, dtype: DType) -> Result<Tensor> {
-        let mut cached = self.mask.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = cached.as_ref().filter(|m| m.dtype() == dtype) {
+    /// at or before it (`lo[i] <= j <= i`) and, with a `window`, among its last `window` keys
+    /// (`j > i - window`), `-inf` elsewhere. Causal by itself. Built once per dtype and window
+    /// (every layer of a kind asks for the same one).
+    pub(crate) fn mask(&self, dtype: DType, window: Option<usize>) -> Result<Tensor> {
+        let mut cached = self.masks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, _, m)) = cached.iter().find(|(d, w, _)| *d == dtype && *w == window) {
             return Ok(m.clone());
         }
         let (b, t) = (self.b, self.t);
         let mut v = vec![f32::NEG_INFINITY; b * t * t];
         for (q, &lo) in self.lo.iter().enumerate() {
             let i = q % t;
-            v[q * t + lo as usize..=q * t + i].fill(0.0);
+            let lo = window.map_or(lo as usize, |w| (lo as usize).max((i + 1).saturating_sub(w)));
+            v[q * t + lo..=q * t + i].fill(0.0);
         }
         let m = Tensor::from_vec(v, (b, 1, 1, t, t), self.lo_dev.device())?.to_dtype(dtype)?;
-        *cached = Some(m.clone());
+        cached.push((dtype, window, m.clone()));
         Ok(m)
     }
 }
@@ -114,7 +117,7 @@ impl Positions {
                 lo_dev: Tensor::from_slice(&lo, (b, t), device)?,
                 hi_dev: Tensor::from_slice(&hi, (b, t), device)?,
                 lo,
-                mask: Mutex::new(None),
+                masks: Mutex::new(Vec::new()),
             }))
         } else {
             None

@@ -1,6 +1,7 @@
-//! Rotary position embedding: the frequency table (with `linear` and `llama3` scaling, computed
-//! in f32 exactly as transformers does), the angles `pos · inv_freq` as transformers forms them
-//! (f32) or exact (f64), and the rotation with its backward.
+//! Rotary position embedding: the frequency table (with `linear`, `llama3` and `yarn` scaling,
+//! computed in f32 exactly as transformers does), the angles `pos · inv_freq` as transformers
+//! forms them (f32) or exact (f64), YaRN's attention factor on cos and sin, and the rotation with
+//! its backward.
 
 use candle_core::{DType, Device, Tensor, D};
 use mt_core::{ModelConfig, RopeScaling};
@@ -67,6 +68,42 @@ impl Rope {
                     })
                     .collect()
             }
+            Some(RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings: old,
+                truncate,
+                ..
+            }) => {
+                // transformers' `_compute_yarn_parameters`: the correction range in f64 (Python
+                // floats), the ramp and the blend in f32, each op rounded as torch rounds it
+                // (a Python scalar enters an f32 op as an f32).
+                let correction = |rot: f64| {
+                    dim as f64 * (old / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * cfg.rope_theta.ln())
+                };
+                let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim as f64 - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let (low32, span32, factor32) = (low as f32, (high - low) as f32, *factor as f32);
+                (0..dim)
+                    .step_by(2)
+                    .enumerate()
+                    .map(|(j, i)| {
+                        let pos_freq = f64::from(base).powf(f64::from(i as f32 / dim as f32)) as f32;
+                        let extrapolated = 1.0f32 / pos_freq;
+                        let interpolated = 1.0f32 / (factor32 * pos_freq);
+                        let ramp = ((j as f32 - low32) / span32).clamp(0.0, 1.0);
+                        let keep = 1.0f32 - ramp;
+                        interpolated * (1.0 - keep) + extrapolated * keep
+                    })
+                    .collect()
+            }
         }
     }
 
@@ -93,12 +130,18 @@ impl Rope {
         let inv = Self::inv_freq(cfg);
         let hd = cfg.head_dim;
         debug_assert_eq!(2 * inv.len(), hd);
+        // YaRN's attention factor multiplies cos and sin (transformers: the f32 values times the
+        // factor, in f32); 1 for every other scaling, where the product is exact.
+        let scale = cfg.rope_scaling.as_ref().map_or(1.0, RopeScaling::attention_factor);
+        let scale32 = scale as f32;
         let table = |f: fn(f64) -> f64| -> Result<Tensor> {
             Ok(if dtype == DType::F64 {
-                Tensor::from_vec(table_rows(&inv, max_t, angles, f, |x| x), (max_t, hd), device)?
+                Tensor::from_vec(table_rows(&inv, max_t, angles, f, |x| x * scale), (max_t, hd), device)?
             } else {
-                // Rounded to f32 once, with no f64 table of `max_t · hd` values in between.
-                Tensor::from_vec(table_rows(&inv, max_t, angles, f, |x| x as f32), (max_t, hd), device)?
+                // Rounded to f32 once (twice with an attention factor), with no f64 table of
+                // `max_t · hd` values in between.
+                let conv = |x: f64| x as f32 * scale32;
+                Tensor::from_vec(table_rows(&inv, max_t, angles, f, conv), (max_t, hd), device)?
                     .to_dtype(dtype)?
             })
         };

@@ -3,7 +3,7 @@
 //! is visible through every view.
 
 use candle_core::{DType, Tensor};
-use mt_core::{ModelConfig, UnitLayout};
+use mt_core::{ExpertKind, ModelConfig, UnitLayout};
 
 use crate::{Error, Result};
 
@@ -69,6 +69,8 @@ pub struct LayerWeights {
     pub q_norm: Option<Tensor>,
     /// `k_norm.weight` `[hd]` (`[nkv * hd]` when `cfg.qk_norm_full`), when `cfg.qk_norm`.
     pub k_norm: Option<Tensor>,
+    /// `self_attn.sinks` `[nh]`, when `cfg.attention_sinks` (GPT-OSS).
+    pub sinks: Option<Tensor>,
     /// `post_attention_layernorm.weight` `[h]`.
     pub post_norm: Tensor,
     /// The MLP's weights.
@@ -87,14 +89,22 @@ pub enum MlpWeights {
         /// `down_proj.weight` `[h, f]`.
         down: Tensor,
     },
-    /// A mixture of `E` SwiGLU experts of width `f_e` behind a linear router.
+    /// A mixture of `E` experts of width `f_e` behind a linear router (`mt_core::ExpertKind`
+    /// says which: the biases are GPT-OSS's, as is the `[in, out]` orientation of its matrices).
     Moe {
-        /// `mlp.gate.weight` `[E, h]`.
+        /// `mlp.gate.weight` `[E, h]` (GPT-OSS: `mlp.router.weight`).
         router: Tensor,
-        /// `mlp.experts.gate_up_proj` `[E, 2·f_e, h]` (expert `e`'s gate rows, then its up rows).
+        /// `mlp.router.bias` `[E]` (GPT-OSS).
+        router_bias: Option<Tensor>,
+        /// `mlp.experts.gate_up_proj` `[E, 2·f_e, h]` (expert `e`'s gate rows, then its up rows);
+        /// GPT-OSS: `[E, h, 2·f_e]`, gate and up in alternate columns.
         gate_up: Tensor,
-        /// `mlp.experts.down_proj` `[E, h, f_e]`.
+        /// `mlp.experts.gate_up_proj_bias` `[E, 2·f_e]` (GPT-OSS; alternate gate and up).
+        gate_up_bias: Option<Tensor>,
+        /// `mlp.experts.down_proj` `[E, h, f_e]`; GPT-OSS: `[E, f_e, h]`.
         down: Tensor,
+        /// `mlp.experts.down_proj_bias` `[E, h]` (GPT-OSS).
+        down_bias: Option<Tensor>,
     },
 }
 
@@ -120,6 +130,7 @@ impl LayerWeights {
             o_bias: v_if(cfg.o_bias, O_BIAS, &[h])?,
             q_norm: v_if(cfg.qk_norm, Q_NORM, &[qn])?,
             k_norm: v_if(cfg.qk_norm, K_NORM, &[kn])?,
+            sinks: v_if(cfg.attention_sinks, SINKS, &[cfg.num_attention_heads])?,
             post_norm: v(POST_NORM, &[h])?,
             mlp: match &cfg.moe {
                 None => MlpWeights::Dense {
@@ -129,10 +140,23 @@ impl LayerWeights {
                 },
                 Some(m) => {
                     let (e, fe) = (m.num_experts, m.moe_intermediate_size);
-                    MlpWeights::Moe {
-                        router: v(ROUTER, &[e, h])?,
-                        gate_up: v(EXPERTS_GATE_UP, &[e, 2 * fe, h])?,
-                        down: v(EXPERTS_DOWN, &[e, h, fe])?,
+                    match m.experts {
+                        ExpertKind::SwiGlu => MlpWeights::Moe {
+                            router: v(ROUTER, &[e, h])?,
+                            router_bias: None,
+                            gate_up: v(EXPERTS_GATE_UP, &[e, 2 * fe, h])?,
+                            gate_up_bias: None,
+                            down: v(EXPERTS_DOWN, &[e, h, fe])?,
+                            down_bias: None,
+                        },
+                        ExpertKind::GptOss(_) => MlpWeights::Moe {
+                            router: v(GPT_OSS_ROUTER, &[e, h])?,
+                            router_bias: Some(v(ROUTER_BIAS, &[e])?),
+                            gate_up: v(EXPERTS_GATE_UP, &[e, h, 2 * fe])?,
+                            gate_up_bias: Some(v(EXPERTS_GATE_UP_BIAS, &[e, 2 * fe])?),
+                            down: v(EXPERTS_DOWN, &[e, fe, h])?,
+                            down_bias: Some(v(EXPERTS_DOWN_BIAS, &[e, h])?),
+                        },
                     }
                 }
             },

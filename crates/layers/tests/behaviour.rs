@@ -365,7 +365,7 @@ fn a_kept_forward_holds_what_the_planner_counts_and_backs_up_as_the_recompute() 
         let slot = random_slot(&mut rng, &layout);
         let x = randn(&mut rng, &[2, 8, cfg.hidden_size], 1.0);
         let dy = randn(&mut rng, &[2, 8, cfg.hidden_size], 1.0);
-        let layer = DecoderLayer::new(&cfg);
+        let layer = DecoderLayer::new(&cfg).for_layer(0).unwrap();
         for dtype in [DType::F32, DType::BF16] {
             let slot = slot.to_dtype(dtype).unwrap();
             let w = LayerWeights::bind(&cfg, &layout, &slot).unwrap();

@@ -13,13 +13,19 @@ use mt_layers::{names, DecoderLayer, GradSink, LayerWeights, Outer, OuterWeights
 const F64_TOL: f64 = 1e-10;
 
 fn check_decoder(name: &str, cfg: &ModelConfig, b: usize, t: usize, seed: u64) {
+    check_decoder_layer(name, cfg, 0, b, t, seed);
+}
+
+/// [`check_decoder`] for layer `layer` of `cfg` (GPT-OSS's layers differ by index); the naive
+/// transcription has no sinks or windows.
+fn check_decoder_layer(name: &str, cfg: &ModelConfig, layer: usize, b: usize, t: usize, seed: u64) {
     let layout = ModelLayout::new(cfg).layer;
     let mut rng = rng(seed);
     let slot = Var::from_tensor(&random_slot(&mut rng, &layout)).unwrap();
     let x = Var::from_tensor(&randn(&mut rng, &[b, t, cfg.hidden_size], 1.0)).unwrap();
     let r = randn(&mut rng, &[b, t, cfg.hidden_size], 1.0);
     let rope = Rope::new(cfg, 16, DType::F64, &Device::Cpu).unwrap();
-    let layer = DecoderLayer::new(cfg);
+    let layer = DecoderLayer::new(cfg).for_layer(layer).unwrap();
 
     // Autograd over the library's own forward, with weights bound as views of the flat Var.
     let w = LayerWeights::bind(cfg, &layout, slot.as_tensor()).unwrap();
@@ -39,6 +45,9 @@ fn check_decoder(name: &str, cfg: &ModelConfig, b: usize, t: usize, seed: u64) {
     assert!(e <= F64_TOL, "{name}: dx off by {e:e}");
     assert_buffers_close(name, &layout, &buf, want_slot, F64_TOL, &[]);
 
+    if cfg.attention_sinks {
+        return;
+    }
     // And the forward against the naive transformers transcription.
     let want_out = reference_layer(cfg, &w, &x.as_tensor().detach());
     let e = rel_err(&out.detach(), &want_out);
@@ -63,6 +72,20 @@ fn decoder_qwen2_qkv_bias_matches_autograd() {
 #[test]
 fn decoder_qwen3_qk_norm_matches_autograd() {
     check_decoder("qwen3", &qwen3(), 2, 8, 4);
+}
+
+/// GPT-OSS's attention on its windowed layer (3 keys of 7) and its full one: the sinks'
+/// gradient, the q/k/v/o biases', YaRN's scaled tables and the norms that multiply their weight
+/// before the cast, against autograd over the same forward. With a dense MLP: a mixture of
+/// experts routes on the host, out of autograd's sight; GPT-OSS's experts, router and clamped
+/// GLU are checked against transformers and the reference model by the golden fixture
+/// (`crates/sched/tests/golden_moe.rs`).
+#[test]
+fn decoder_gpt_oss_attention_with_sinks_and_window_matches_autograd() {
+    let cfg = ModelConfig { moe: None, ..gpt_oss() };
+    assert_eq!((cfg.layer_window(0), cfg.layer_window(1)), (Some(3), None));
+    check_decoder_layer("gpt_oss windowed", &cfg, 0, 2, 7, 6);
+    check_decoder_layer("gpt_oss full", &cfg, 1, 2, 7, 7);
 }
 
 #[test]

@@ -38,7 +38,8 @@ fn packed_documents_equal_separate_sequences() {
         let ids: Vec<u32> = lens.iter().flat_map(|&n| 0..n as u32).collect();
         let pos = Positions::from_ids(&rope, 1, t, &ids).unwrap();
         assert!(pos.has_docs());
-        let layer = DecoderLayer::new(&cfg);
+        // Layer 0: GPT-OSS's windowed kind, its 3-key window shorter than the documents.
+        let layer = DecoderLayer::new(&cfg).for_layer(0).unwrap();
         let packed_out = layer.forward_pos(&w, &x, &pos).unwrap();
         let packed_g = zeros(layout.len, DType::F64);
         let packed_dx =
@@ -75,8 +76,10 @@ fn mlp_tiles_change_only_rounding() {
         let x = randn(&mut rng, &[2, 7, cfg.hidden_size], 1.0);
         let dy = randn(&mut rng, &[2, 7, cfg.hidden_size], 1.0);
         let rope = Rope::new(&cfg, 7, DType::F64, &Device::Cpu).unwrap();
-        let whole = DecoderLayer::new(&cfg);
-        let tiled = DecoderLayer::with_options(&cfg, LayerOptions { mlp_rows: 3, ..LayerOptions::default() });
+        let whole = DecoderLayer::new(&cfg).for_layer(0).unwrap();
+        let tiled = DecoderLayer::with_options(&cfg, LayerOptions { mlp_rows: 3, ..LayerOptions::default() })
+            .for_layer(0)
+            .unwrap();
         let run = |layer: &DecoderLayer, kept: bool| {
             let g = zeros(layout.len, DType::F64);
             let sink = GradSink::new(&layout, &g).unwrap();

@@ -9,8 +9,8 @@
 //! Between attempts, `megatrain verify` is run on the directory and killed at a random instant.
 //! Every round runs in a fresh directory; the test counts the kills and where they landed.
 //!
-//! `MT_KILLS` (default 8: CI) sets the kills wanted, `MT_KILL_SEED` (default 1) the seed; the
-//! acceptance runs are in `results/` (`2026-11-26-faults-cpu/`, `2026-11-27-durability-cpu/`).
+//! `MT_KILLS` (default 8: CI) sets the kills wanted, `MT_KILL_SEED` (default 1) the seed (the
+//! acceptance runs': docs/decisions/0041).
 
 mod common;
 

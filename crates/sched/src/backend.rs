@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
 use mt_core::Unit;
-use mt_store::{HostStore, Staging};
+use mt_store::{HostStore, TransferBuf};
 
 use crate::program::Stream;
 use crate::Result;
@@ -43,7 +43,7 @@ pub trait Backend {
     fn upload(
         &self,
         waits: &[Self::Event],
-        src: Arc<Mutex<Staging>>,
+        src: Arc<Mutex<TransferBuf>>,
         dst: Tensor,
         name: String,
     ) -> Self::Event;
@@ -51,12 +51,12 @@ pub trait Backend {
     /// D2H stream: copy a whole device buffer's bytes into a landing buffer of the same size in
     /// bytes after `waits` (a gradient into a landing buffer of its type; the write-back's f32
     /// pieces into whatever the first landing buffer holds, read back with
-    /// [`Staging::bytes_as_f32`]).
+    /// [`TransferBuf::bytes_as_f32`]).
     fn download(
         &self,
         waits: &[Self::Event],
         src: Tensor,
-        dst: Arc<Mutex<Staging>>,
+        dst: Arc<Mutex<TransferBuf>>,
         name: String,
     ) -> Self::Event;
 
@@ -90,7 +90,7 @@ pub trait Backend {
     /// Host stream: run a CPU job after `waits`.
     fn host(&self, waits: &[Self::Event], job: HostJob, name: String) -> Self::Event;
 
-    /// Whether staging and landing buffers should be page-locked ([`Staging::pin`]) once at
+    /// Whether staging and landing buffers should be page-locked ([`TransferBuf::pin`]) once at
     /// start (true for a real GPU: asynchronous DMA needs it).
     fn pins_host_buffers(&self) -> bool {
         false

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use mt_core::Unit;
-use mt_store::{GradRef, HostStore, Staging};
+use mt_store::{GradRef, HostStore, TransferBuf};
 
 use crate::backend::{Backend, HostJob, Span};
 use crate::program::Stream;
@@ -50,15 +50,21 @@ impl Backend for CpuBackend {
         &self.device
     }
 
-    fn upload(&self, waits: &[CpuEvent], src: Arc<Mutex<Staging>>, dst: Tensor, name: String) -> CpuEvent {
+    fn upload(
+        &self,
+        waits: &[CpuEvent],
+        src: Arc<Mutex<TransferBuf>>,
+        dst: Tensor,
+        name: String,
+    ) -> CpuEvent {
         let device = self.device.clone();
         let clock = Arc::clone(&self.workers.clock);
         let job: HostJob = Box::new(move || {
             let staging = src.lock().unwrap_or_else(|p| p.into_inner());
             let t = match &*staging {
-                Staging::F32(v) => Tensor::from_slice(v, v.len(), &device)?,
-                Staging::Bf16(v) => Tensor::from_slice(v, v.len(), &device)?,
-                Staging::F16(v) => Tensor::from_slice(v, v.len(), &device)?,
+                TransferBuf::F32(v) => Tensor::from_slice(v, v.len(), &device)?,
+                TransferBuf::Bf16(v) => Tensor::from_slice(v, v.len(), &device)?,
+                TransferBuf::F16(v) => Tensor::from_slice(v, v.len(), &device)?,
             };
             dst.slice_set(&t, 0, 0)?;
             clock.h2d_bytes.fetch_add((t.elem_count() * t.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
@@ -67,7 +73,13 @@ impl Backend for CpuBackend {
         self.workers.submit(Stream::H2D, waits.to_vec(), job, name)
     }
 
-    fn download(&self, waits: &[CpuEvent], src: Tensor, dst: Arc<Mutex<Staging>>, name: String) -> CpuEvent {
+    fn download(
+        &self,
+        waits: &[CpuEvent],
+        src: Tensor,
+        dst: Arc<Mutex<TransferBuf>>,
+        name: String,
+    ) -> CpuEvent {
         let clock = Arc::clone(&self.workers.clock);
         let job: HostJob = Box::new(move || {
             let mut d = dst.lock().unwrap_or_else(|p| p.into_inner());

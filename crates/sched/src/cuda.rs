@@ -19,7 +19,7 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Tensor};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use mt_core::Unit;
-use mt_store::{HostStore, Staging};
+use mt_store::{HostStore, TransferBuf};
 
 use crate::backend::{Backend, DevicePeak, HostJob, Span};
 use crate::cuda_ffi;
@@ -204,7 +204,7 @@ impl Backend for CudaBackend {
     fn upload(
         &self,
         waits: &[CudaOpEvent],
-        src: Arc<Mutex<Staging>>,
+        src: Arc<Mutex<TransferBuf>>,
         dst: Tensor,
         name: String,
     ) -> CudaOpEvent {
@@ -218,7 +218,7 @@ impl Backend for CudaBackend {
         &self,
         waits: &[CudaOpEvent],
         src: Tensor,
-        dst: Arc<Mutex<Staging>>,
+        dst: Arc<Mutex<TransferBuf>>,
         name: String,
     ) -> CudaOpEvent {
         self.issue_copy(Stream::D2H, waits, name, move |stream| {

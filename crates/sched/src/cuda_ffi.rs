@@ -25,7 +25,7 @@ use candle_core::{DType, Storage, Tensor};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DevicePtr};
 use half::{bf16, f16};
 use mt_core::Unit;
-use mt_store::{HostStore, Staging};
+use mt_store::{HostStore, TransferBuf};
 
 use crate::{Error, Result};
 
@@ -269,7 +269,7 @@ fn device_ptr(t: &Tensor, stream: &CudaStream) -> Result<(sys::CUdeviceptr, usiz
 
 /// Enqueues the upload of a page-locked staging buffer into a whole device slot on `stream`;
 /// returns the bytes copied. Sound under the module invariant.
-pub(crate) fn enqueue_upload(staging: &Staging, dst: &Tensor, stream: &CudaStream) -> Result<u64> {
+pub(crate) fn enqueue_upload(staging: &TransferBuf, dst: &Tensor, stream: &CudaStream) -> Result<u64> {
     let bytes = staging.as_bytes();
     let (dptr, dbytes) = device_ptr(dst, stream)?;
     if dst.dtype().size_in_bytes() != staging.dtype().size() || dbytes != bytes.len() {
@@ -289,7 +289,7 @@ pub(crate) fn enqueue_upload(staging: &Staging, dst: &Tensor, stream: &CudaStrea
 
 /// Enqueues the download of a whole device buffer's bytes into a page-locked landing buffer of
 /// the same size in bytes on `stream`; returns the bytes copied. Sound under the module invariant.
-pub(crate) fn enqueue_download(src: &Tensor, dst: &Mutex<Staging>, stream: &CudaStream) -> Result<u64> {
+pub(crate) fn enqueue_download(src: &Tensor, dst: &Mutex<TransferBuf>, stream: &CudaStream) -> Result<u64> {
     let (sptr, sbytes) = device_ptr(src, stream)?;
     let mut land = dst.lock().unwrap_or_else(|p| p.into_inner());
     if sbytes != land.as_bytes().len() {

@@ -3,15 +3,15 @@
 //! GPUs, [`LocalReduce`] as the in-memory stand-in the CPU tests use), and [`Ranks`], which runs
 //! one engine per rank on a thread of its own and steps them together.
 //!
-//! What a rank does differently (the engine's side, `engine/mod.rs` and `engine/compute.rs`):
-//! its chunks' loss weights are `1 / (targets of the GLOBAL batch)`; after a layer's backward and
-//! after the embedding backward its gradient buffer is summed over the ranks on the device
-//! ([`GradReduce::sum`]) before it is narrowed or downloaded; only rank 0 downloads and lands
+//! What a rank does differently: its chunks' loss weights are `1 / (targets of the GLOBAL
+//! batch)`; its step program (`ProgramSpec::rank`) sums each gradient buffer over the ranks on the
+//! device right after the layer's or the embedding's backward (`Op::AllReduce`, run by
+//! [`GradReduce::sum`]) before it is narrowed or downloaded, and only rank 0's downloads and lands
 //! gradients (so only rank 0 writes gradients into the store, takes Σg² — of the summed gradient,
 //! hence the exact global norm — and sets the store's step state). Every rank stages and uploads
 //! every streamed layer from the shared store; a pending exact-mode update is applied by whichever
 //! rank stages the unit first (the record lock and its applied-step mark make the others only cast).
-//! A step whose loss or norm is not finite is skipped by every rank alike (`engine/faults.rs`): the
+//! A step whose loss or norm is not finite is skipped by every rank alike (`engine/commit.rs`): the
 //! ranks sum a non-finite flag each after their step, and only rank 0 writes the store's state.
 //!
 //! Architecture Invariant: a rank reads no record another rank writes before that write is
@@ -125,7 +125,7 @@ impl GradReduce for LocalReduce {
 }
 
 fn missing() -> Error {
-    Error::Options("a rank's gradient is missing from the in-memory reduction (scheduling bug)".into())
+    Error::Schedule("a rank's gradient is missing from the in-memory reduction".into())
 }
 
 /// How long the ranks may take to open their GPUs, join the NCCL group and build their engines.

@@ -39,6 +39,10 @@ pub enum Error {
     /// Invalid engine options.
     #[error("invalid engine options: {0}")]
     Options(String),
+    /// The step program and the engine disagree (a missing buffer, an op on the wrong stream, a
+    /// value read before it was written): a bug in megatrain, never in the user's input.
+    #[error("scheduling bug: {0}")]
+    Schedule(String),
     /// A compute operation of the step program failed.
     #[error("{op}: {source}")]
     Op {

@@ -38,7 +38,5 @@ pub use engine::{load_params, Engine, EngineOptions, SkipCause, Skipped, StepRep
 pub use error::{Error, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclId, NcclReduce};
+pub use placement::{Placement, PlacementChoice};
 pub use program::{OptimMode, Program};
-
-#[cfg(test)]
-mod program_tests;

@@ -36,7 +36,7 @@ fn malformed_or_unsupported_config_json_is_refused_with_the_reason() {
             good.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"),
             "num_key_value_heads",
         ),
-        ("yarn.json", good.replace("\"llama3\"", "\"yarn\""), "yarn"),
+        ("longrope.json", good.replace("\"llama3\"", "\"longrope\""), "longrope"),
     ];
     for (file, text, needle) in cases {
         assert_ne!(text, good, "{file}: the edit did not apply");

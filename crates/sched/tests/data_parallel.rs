@@ -10,6 +10,7 @@
 
 mod common;
 
+use mt_sched::Placement;
 use std::sync::{Arc, Mutex};
 
 use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
@@ -204,9 +205,18 @@ fn device_owned_optimizer_state_is_refused_with_several_ranks() {
     let cfg = config();
     let store = store_with(&cfg, &random_params(&cfg, 9), GradDtype::F32);
     for opts in [
-        EngineOptions { resident_layers: 1, ..golden_opts() },
-        EngineOptions { resident_outer: true, ..golden_opts() },
-        EngineOptions { gpu_updated_layers: 1, ..golden_opts() },
+        EngineOptions {
+            placement: Placement { resident_layers: 1, ..Placement::default() },
+            ..golden_opts()
+        },
+        EngineOptions {
+            placement: Placement { resident_outer: true, ..Placement::default() },
+            ..golden_opts()
+        },
+        EngineOptions {
+            placement: Placement { gpu_updated_layers: 1, ..Placement::default() },
+            ..golden_opts()
+        },
     ] {
         let mut e = engine(&cfg, Arc::clone(&store), opts, 0);
         let reduce = LocalReduce::group(2).remove(0);

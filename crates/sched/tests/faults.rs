@@ -1,4 +1,4 @@
-//! Non-finite steps (`engine/faults.rs`): a NaN or infinity injected into a gradient or the loss
+//! Non-finite steps (`engine/commit.rs`): a NaN or infinity injected into a gradient or the loss
 //! skips the step. In exact mode the store then equals, bitwise (master weights, moments, update
 //! marks, step), that of the run without the bad step, whatever the placement (streamed,
 //! resident, held, kept, GPU-updated with late downloads and early uploads; 8-bit moments in one
@@ -9,6 +9,7 @@
 mod common;
 
 use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
+use mt_sched::Placement;
 use mt_sched::{Batch, EngineOptions, Fault, OptimMode, SkipCause};
 use mt_store::{GradDtype, GradRef, HostStore};
 use mt_testkit::golden;
@@ -93,10 +94,13 @@ fn case_store(cfg: &ModelConfig, c: &Case) -> std::sync::Arc<HostStore> {
 fn exact_cases(n: usize) -> Vec<Case> {
     let base = EngineOptions { n_chunks: 2, ..golden_opts() };
     let gpu_updated = EngineOptions {
-        gpu_updated_layers: n,
-        held_layers: n,
-        late_state_downloads: 2,
-        early_state_uploads: 1,
+        placement: Placement {
+            gpu_updated_layers: n,
+            held_layers: n,
+            late_state_downloads: 2,
+            early_state_uploads: 1,
+            ..base.placement
+        },
         ..base.clone()
     };
     vec![
@@ -117,10 +121,13 @@ fn exact_cases(n: usize) -> Vec<Case> {
             grad: GradDtype::Bf16,
             states: StateDtype::F32,
             opts: EngineOptions {
-                resident_outer: true,
-                resident_layers: 1,
-                held_layers: 1,
-                kept_layers: 2,
+                placement: Placement {
+                    resident_outer: true,
+                    resident_layers: 1,
+                    held_layers: 1,
+                    kept_layers: 2,
+                    ..base.placement
+                },
                 ..base.clone()
             },
         },
@@ -251,8 +258,7 @@ fn a_lean_step_updates_only_the_units_whose_gradient_is_finite() {
             "resident outer and layers 0-1",
             EngineOptions {
                 mode: OptimMode::Lean,
-                resident_outer: true,
-                resident_layers: 2,
+                placement: Placement { resident_outer: true, resident_layers: 2, ..Placement::default() },
                 ..golden_opts()
             },
         ),
@@ -328,7 +334,11 @@ fn a_moe_step_with_a_non_finite_gradient_or_loss_applies_nothing() {
             grad: GradDtype::Bf16,
             // Mixtral's moments in 8 bits.
             states: if name == "mixtral" { StateDtype::Int8 } else { StateDtype::F32 },
-            opts: EngineOptions { n_chunks: 2, resident_layers: 1, kept_layers: 1, ..golden_opts() },
+            opts: EngineOptions {
+                n_chunks: 2,
+                placement: Placement { resident_layers: 1, kept_layers: 1, ..Placement::default() },
+                ..golden_opts()
+            },
         };
         let (_, before) = reference(&cfg, &c, &data, 2);
         for fault in [Fault::Gradient { unit: Unit::Layer(1), value: f32::NAN }, Fault::Loss(f64::INFINITY)] {

@@ -136,8 +136,8 @@ fn three_adamw_steps_match_torch() {
 ///
 /// And to 2e-2 against the exact gradient of the same weights rounded to bf16
 /// ([`Golden::rounded_model_grads`]): that takes out the weights' own rounding (up to 1.7e-2
-/// between the two oracles) and bounds the noise of the bf16 computation alone (measured
-/// 2026-11-23: worst 1.0e-2 / 1.5e-2 / 1.4e-2 / 1.8e-2 over the four fixtures). The GPU engine,
+/// between the two oracles) and bounds the noise of the bf16 computation alone (the worst per
+/// fixture: docs/decisions/0041). The GPU engine,
 /// which rounds at the same points, is within 1.3e-2 of this one on every tensor (`tests/gpu.rs`).
 ///
 /// [`Golden::rounded_model_grads`]: mt_testkit::golden::Golden::rounded_model_grads

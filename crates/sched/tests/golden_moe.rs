@@ -158,13 +158,19 @@ fn moe_three_adamw_steps_match_torch() {
 
 /// The GPU's default precision on the CPU backend (bf16 weights and activations, f32 routing
 /// and statistics, 2 chunks): the loss within 1e-2 and every gradient within 3e-2 of the exact
-/// gradient of the same weights rounded to bf16 (measured 2026-11-26: worst 1.8e-2, 1.2e-2,
-/// 1.9e-2 for qwen3_moe, mixtral, olmoe). bf16 rounding of the router's input may move a token
+/// gradient of the same weights rounded to bf16 (the worst per fixture: docs/decisions/0041).
+/// bf16 rounding of the router's input may move a token
 /// whose top-k margin is below bf16's precision to another expert; none does on these fixtures.
+/// GPT-OSS's fixture sets its GLU clamp at 0.1 so that the clamps bind in f32, and bf16
+/// rounding then moves many gate and up values across that bound (whose gradient is zero on one
+/// side); here it runs with the released models' limit, 7, where none binds.
 #[test]
 fn moe_bf16_engine_matches_within_bf16_tolerance() {
     for name in GOLDEN_MOE_NAMES {
-        let g = golden::load(name).unwrap();
+        let mut g = golden::load(name).unwrap();
+        if let Some(mt_core::ExpertKind::GptOss(glu)) = g.cfg.moe.as_mut().map(|m| &mut m.experts) {
+            glu.limit = 7.0;
+        }
         let store = store_with(&g.cfg, &g.params, GradDtype::F32);
         let opts =
             EngineOptions { weight_dtype: DType::BF16, rows_per_block: 7, n_chunks: 2, ..golden_opts() };

@@ -8,6 +8,7 @@
 
 mod common;
 
+use mt_sched::Placement;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
@@ -40,7 +41,11 @@ fn run_placed<B: Backend>(
     ring_depth: usize,
     (resident_outer, resident_layers): (bool, usize),
 ) -> Run {
-    let opts = EngineOptions { ring_depth, resident_outer, resident_layers, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        ring_depth,
+        placement: Placement { resident_outer, resident_layers, ..Placement::default() },
+        ..EngineOptions::default()
+    };
     run_with(name, backend, dtype, opts)
 }
 
@@ -77,13 +82,7 @@ fn run_model<B: Backend>(
         weight_dtype: dtype,
         n_chunks: 2,
         ring_depth: placement.ring_depth,
-        resident_outer: placement.resident_outer,
-        resident_layers: placement.resident_layers,
-        kept_layers: placement.kept_layers,
-        held_layers: placement.held_layers,
-        gpu_updated_layers: placement.gpu_updated_layers,
-        late_state_downloads: placement.late_state_downloads,
-        early_state_uploads: placement.early_state_uploads,
+        placement: placement.placement,
         ..golden_opts()
     };
     let mut e = Engine::new(cfg, store.clone(), backend, opts).unwrap();
@@ -126,7 +125,7 @@ fn param_agreement(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, r
     (within as f64 / n as f64, worst)
 }
 
-/// Bounds (measured 2026-11-22 on an H100, see the closing note of that session):
+/// Bounds (measured on an H100: docs/decisions/0041):
 /// - fp32 (true fp32 GEMMs): every step's loss ≤ 1e-6, every gradient ≤ 1e-4 per tensor, ≥ 99.5%
 ///   of parameters within 1e-4 after 3 steps and all within 0.25·lr (the eps-regime elements, as in
 ///   tests/golden.rs, differ between any two fp32 implementations);
@@ -250,10 +249,13 @@ fn cuda_gpu_updated_layers_train_bitwise_as_host_updates() {
                 (6, 4, 2, 2),
             ] {
                 let o = EngineOptions {
-                    gpu_updated_layers: gpu,
-                    held_layers: held,
-                    late_state_downloads: late,
-                    early_state_uploads: early,
+                    placement: Placement {
+                        gpu_updated_layers: gpu,
+                        held_layers: held,
+                        late_state_downloads: late,
+                        early_state_uploads: early,
+                        ..Placement::default()
+                    },
                     ..EngineOptions::default()
                 };
                 let (r, host) = if early > 0 {
@@ -357,10 +359,9 @@ fn cuda_eval_loss_matches_the_golden_loss() {
 /// loss within 1e-3; after 3 steps, at least 99.5% of the weights within 2e-2 of their tensor's
 /// largest (a per-tensor bound cannot hold there: where a gradient is near zero, AdamW's first
 /// steps move a weight by up to ±lr whatever its size, as between any two fp32 engines in
-/// `tests/golden.rs`, so single elements differ by a few lr; the 99.5% is that test's). Measured
-/// on an H200 (2026-11-23): worst gradient 1.27e-2, q/k norms 1.23e-2; weights 99.80-99.91%
-/// within 2e-2, worst 3.8·lr (three steps on other batches leave only 37-40% within it: measured
-/// on the CPU engine, bf16). Before the candle attention rounded like the kernels (it rounded
+/// `tests/golden.rs`, so single elements differ by a few lr; the 99.5% is that test's; what an
+/// H200 gave: docs/decisions/0041). Three steps on other batches leave fewer than half of the
+/// weights within it (the CPU engine, bf16), so the bound is not loose. Before the candle attention rounded like the kernels (it rounded
 /// `q kᵀ` to bf16, scaled, and rounded again; likewise `dS K`), Qwen3's k_norm gradient was
 /// 2.29e-2 apart: its gradient is a sum over every token and head of bf16 products that largely
 /// cancel, so one more rounding of dq and dk on one side showed.
@@ -461,9 +462,12 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
                 let run = |kept_layers, held_layers| {
                     let backend = CudaBackend::new(0, CpuOptions::default()).unwrap();
                     let opts = EngineOptions {
-                        resident_layers,
-                        kept_layers,
-                        held_layers,
+                        placement: Placement {
+                            resident_layers,
+                            kept_layers,
+                            held_layers,
+                            ..Placement::default()
+                        },
                         ..EngineOptions::default()
                     };
                     run_with(name, backend, dtype, opts)

@@ -8,6 +8,7 @@
 
 mod common;
 
+use mt_sched::Placement;
 use std::sync::Arc;
 
 use candle_core::DType;
@@ -109,10 +110,13 @@ fn cuda_a_non_finite_step_is_skipped_bitwise() {
             "resident outer and layer 0, held and kept layers",
             GradDtype::Bf16,
             EngineOptions {
-                resident_outer: true,
-                resident_layers: 1,
-                held_layers: 1,
-                kept_layers: 2,
+                placement: Placement {
+                    resident_outer: true,
+                    resident_layers: 1,
+                    held_layers: 1,
+                    kept_layers: 2,
+                    ..base.placement
+                },
                 ..base.clone()
             },
         ),
@@ -120,10 +124,13 @@ fn cuda_a_non_finite_step_is_skipped_bitwise() {
             "GPU-updated with late downloads and an early upload",
             GradDtype::Bf16,
             EngineOptions {
-                gpu_updated_layers: n,
-                held_layers: n,
-                late_state_downloads: 2,
-                early_state_uploads: 1,
+                placement: Placement {
+                    gpu_updated_layers: n,
+                    held_layers: n,
+                    late_state_downloads: 2,
+                    early_state_uploads: 1,
+                    ..base.placement
+                },
                 ..base.clone()
             },
         ),
@@ -154,8 +161,7 @@ fn cuda_a_lean_step_updates_only_units_with_a_finite_gradient() {
     let opts = EngineOptions {
         weight_dtype: DType::BF16,
         mode: OptimMode::Lean,
-        resident_outer: true,
-        resident_layers: 2,
+        placement: Placement { resident_outer: true, resident_layers: 2, ..Placement::default() },
         ..golden_opts()
     };
     let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::None);

@@ -72,8 +72,8 @@ fn cuda_bias_gradient_column_sums_match_the_cpu() {
         let worst =
             on_cpu.iter().zip(&on_gpu).map(|(a, b)| f64::from((a - b).abs())).fold(0.0, f64::max) / n as f64;
         // Which elements the sum changed, on each device: the bias's w columns (a column whose
-        // rows sum to exactly zero stays: one of 128 did at n = 5 on an unseeded draw, on both devices;
-        // with the seeded inputs all 128 change at every n, measured 2026-11-23).
+        // rows sum to exactly zero stays, as one of 128 did on an unseeded draw, on both devices;
+        // the seeded inputs change all 128 at every n).
         let init = init.to_vec1::<f32>().unwrap();
         let changed = |x: &[f32]| -> Vec<usize> { (0..x.len()).filter(|&i| x[i] != init[i]).collect() };
         let (moved_cpu, moved_gpu) = (changed(&on_cpu), changed(&on_gpu));

@@ -7,6 +7,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use mt_sched::Placement;
 use mt_sched::{CpuOptions, CudaBackend, Engine, EngineOptions};
 use mt_store::GradDtype;
 use mt_testkit::golden;
@@ -88,8 +89,20 @@ fn cuda_engine_device_updates_are_the_hosts_with_bf16_and_int8_moments() {
         };
         let host = run(golden_opts());
         for (what, opts) in [
-            ("resident", EngineOptions { resident_outer: true, resident_layers: 1, ..golden_opts() }),
-            ("GPU-updated", EngineOptions { gpu_updated_layers: 2, ..golden_opts() }),
+            (
+                "resident",
+                EngineOptions {
+                    placement: Placement { resident_outer: true, resident_layers: 1, ..Placement::default() },
+                    ..golden_opts()
+                },
+            ),
+            (
+                "GPU-updated",
+                EngineOptions {
+                    placement: Placement { gpu_updated_layers: 2, ..Placement::default() },
+                    ..golden_opts()
+                },
+            ),
         ] {
             let (losses, params) = run(opts);
             let same = losses == host.0;

@@ -4,6 +4,7 @@
 
 mod common;
 
+use mt_sched::Placement;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor};
@@ -91,10 +92,9 @@ fn kept_activations_and_held_weights_train_bitwise_as_recompute_and_streaming() 
         let batches: Vec<Batch> = (0..3).map(|s| batch(&cfg, 3, 20 + s)).collect();
         for weight_dtype in [DType::F32, DType::BF16] {
             let opts = |kept_layers, resident_layers| EngineOptions {
-                kept_layers,
-                resident_layers,
                 n_chunks: 2,
                 weight_dtype,
+                placement: Placement { kept_layers, resident_layers, ..Placement::default() },
                 ..golden_opts()
             };
             let (l0, p0, g0, m0) = run(&cfg, opts(0, 0), &batches, 0);
@@ -104,8 +104,15 @@ fn kept_activations_and_held_weights_train_bitwise_as_recompute_and_streaming() 
             {
                 let what =
                     format!("{dtype:?}, {kept} kept, {resident} resident, {held} held", dtype = weight_dtype);
-                let (l, p, g, m) =
-                    run(&cfg, EngineOptions { held_layers: held, ..opts(kept, resident) }, &batches, 0);
+                let (l, p, g, m) = run(
+                    &cfg,
+                    EngineOptions {
+                        placement: Placement { held_layers: held, ..opts(kept, resident).placement },
+                        ..opts(kept, resident)
+                    },
+                    &batches,
+                    0,
+                );
                 assert_eq!(l, l0, "{what}: losses differ from full recompute");
                 assert_bitwise_eq(&p, &p0, &format!("{what}: params"));
                 assert_bitwise_eq(&g, &g0, &format!("{what}: grads"));
@@ -159,14 +166,17 @@ fn gpu_updated_layers_train_bitwise_as_host_updates() {
                     "{weight_dtype:?}/{grad:?}: {gpu} GPU-updated ({late} late, {early} early), {held} held, {resident} resident, depth {depth}"
                 );
                 let opts = |gpu_updated_layers| EngineOptions {
-                    gpu_updated_layers,
-                    late_state_downloads: if gpu_updated_layers > 0 { late } else { 0 },
-                    early_state_uploads: if gpu_updated_layers > 0 { early } else { 0 },
-                    held_layers: held,
-                    resident_layers: resident,
                     ring_depth: depth,
                     n_chunks: 2,
                     weight_dtype,
+                    placement: Placement {
+                        gpu_updated_layers,
+                        late_state_downloads: if gpu_updated_layers > 0 { late } else { 0 },
+                        early_state_uploads: if gpu_updated_layers > 0 { early } else { 0 },
+                        held_layers: held,
+                        resident_layers: resident,
+                        ..Placement::default()
+                    },
                     ..golden_opts()
                 };
                 let (l0, p0, g0, m0) = run_with(&cfg, opts(0), &batches, 0, grad);
@@ -328,9 +338,12 @@ fn moe_placements_and_ring_depths_train_bitwise_alike() {
             let what = format!("{mode:?}, depth {depth}, {kept} kept, {resident} resident, {held} held");
             let o = EngineOptions {
                 ring_depth: depth,
-                kept_layers: kept,
-                resident_layers: resident,
-                held_layers: held,
+                placement: Placement {
+                    kept_layers: kept,
+                    resident_layers: resident,
+                    held_layers: held,
+                    ..opts.placement
+                },
                 ..opts.clone()
             };
             let (l, p, g, m) = run(&cfg, o, &batches, 100);

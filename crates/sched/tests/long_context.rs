@@ -4,6 +4,7 @@
 mod common;
 
 use mt_core::ModelConfig;
+use mt_sched::Placement;
 use mt_sched::{Batch, EngineOptions, IGNORE_INDEX};
 use mt_store::GradDtype;
 use mt_testkit::golden;
@@ -111,7 +112,12 @@ fn spilled_run(
     let mut cfg = config();
     cfg.num_hidden_layers = 4;
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
-    let opts = EngineOptions { spilled_checkpoints: spilled, n_chunks, ring_depth: 2, ..golden_opts() };
+    let opts = EngineOptions {
+        n_chunks,
+        ring_depth: 2,
+        placement: Placement { spilled_checkpoints: spilled, ..Placement::default() },
+        ..golden_opts()
+    };
     let mut e = engine(&cfg, store.clone(), opts, 200);
     let mut losses = Vec::new();
     for seed in 0..2 {

@@ -7,6 +7,7 @@ mod common;
 use mt_core::{ModelConfig, ModelLayout};
 use mt_optim::AdamW;
 use mt_sched::program::Op;
+use mt_sched::Placement;
 use mt_sched::{Batch, CpuBackend, Engine, EngineOptions, OptimMode};
 use mt_store::{GradDtype, HostStore};
 use mt_testkit::golden;
@@ -205,12 +206,18 @@ fn a_failed_step_does_not_apply_a_gpu_updated_layers_update_twice() {
     for (late, early, fail_in, flush_instead) in cases {
         let fail_at_last_update = fail_in.is_none();
         let opts = match late {
-            Late::None => EngineOptions { gpu_updated_layers: n, ..golden_opts() },
+            Late::None => EngineOptions {
+                placement: Placement { gpu_updated_layers: n, ..Placement::default() },
+                ..golden_opts()
+            },
             Late::All | Late::Two => EngineOptions {
-                gpu_updated_layers: n,
-                held_layers: n,
-                late_state_downloads: if late == Late::All { n } else { 2 },
-                early_state_uploads: early,
+                placement: Placement {
+                    gpu_updated_layers: n,
+                    held_layers: n,
+                    late_state_downloads: if late == Late::All { n } else { 2 },
+                    early_state_uploads: early,
+                    ..Placement::default()
+                },
                 ..golden_opts()
             },
         };
@@ -406,11 +413,14 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
         for (gpu, late, early) in placements {
             let store = store_with(&cfg, &random_params(&cfg, 8), grad);
             let opts = EngineOptions {
-                gpu_updated_layers: gpu,
-                late_state_downloads: late,
-                early_state_uploads: early,
-                held_layers: if late > 0 { nl } else { 0 },
                 n_chunks: 2,
+                placement: Placement {
+                    gpu_updated_layers: gpu,
+                    late_state_downloads: late,
+                    early_state_uploads: early,
+                    held_layers: if late > 0 { nl } else { 0 },
+                    ..Placement::default()
+                },
                 ..golden_opts()
             };
             let mut e = engine(&cfg, store, opts, 0);
@@ -446,33 +456,55 @@ fn a_gpu_updated_layer_moves_its_state_instead_of_its_weights() {
             .unwrap_err()
             .to_string()
     };
-    let err = refused(EngineOptions { gpu_updated_layers: 1, mode: OptimMode::Lean, ..golden_opts() });
+    let err = refused(EngineOptions {
+        mode: OptimMode::Lean,
+        placement: Placement { gpu_updated_layers: 1, ..Placement::default() },
+        ..golden_opts()
+    });
     assert!(err.contains("lean mode"), "{err}");
-    let err = refused(EngineOptions { gpu_updated_layers: 5, resident_layers: 1, ..golden_opts() });
+    let err = refused(EngineOptions {
+        placement: Placement { gpu_updated_layers: 5, resident_layers: 1, ..Placement::default() },
+        ..golden_opts()
+    });
     assert!(err.contains("GPU-updated layers are streamed ones"), "{err}");
-    let err = refused(EngineOptions { gpu_updated_layers: 2, late_state_downloads: 1, ..golden_opts() });
+    let err = refused(EngineOptions {
+        placement: Placement { gpu_updated_layers: 2, late_state_downloads: 1, ..Placement::default() },
+        ..golden_opts()
+    });
     assert!(
         err.contains("1 late state downloads asked, but only 0 of the 2 GPU-updated layers are held"),
         "{err}"
     );
-    let all_held = EngineOptions { gpu_updated_layers: 5, held_layers: 5, ..golden_opts() };
-    let err = refused(EngineOptions { late_state_downloads: 2, early_state_uploads: 2, ..all_held.clone() });
+    let all_held = EngineOptions {
+        placement: Placement { gpu_updated_layers: 5, held_layers: 5, ..Placement::default() },
+        ..golden_opts()
+    };
+    let err = refused(EngineOptions {
+        placement: Placement { late_state_downloads: 2, early_state_uploads: 2, ..all_held.placement },
+        ..all_held.clone()
+    });
     assert!(
         err.contains("2 early state uploads asked, but only 1 of the 2 late-download layers have a partner"),
         "{err}"
     );
-    let err = refused(EngineOptions { early_state_uploads: 1, ..all_held.clone() });
+    let err = refused(EngineOptions {
+        placement: Placement { early_state_uploads: 1, ..all_held.placement },
+        ..all_held.clone()
+    });
     assert!(
         err.contains("no layer downloads its state late") && err.contains("--late-state-downloads"),
         "{err}"
     );
-    let err = refused(EngineOptions { early_state_uploads: 1, mode: OptimMode::Lean, ..golden_opts() });
+    let err = refused(EngineOptions {
+        mode: OptimMode::Lean,
+        placement: Placement { early_state_uploads: 1, ..Placement::default() },
+        ..golden_opts()
+    });
     assert!(err.contains("lean mode has none"), "{err}");
     // The gradient an early upload copies on the device is the bf16 twin device narrowing makes.
     let err = refused(EngineOptions {
-        late_state_downloads: 2,
-        early_state_uploads: 1,
         device_narrowing: false,
+        placement: Placement { late_state_downloads: 2, early_state_uploads: 1, ..all_held.placement },
         ..all_held
     });
     assert!(err.contains("without device narrowing there is none"), "{err}");
@@ -487,7 +519,11 @@ fn a_held_layer_crosses_once() {
     let (l, o, n) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
     for held_layers in 0..=layout.n_layers {
         let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
-        let opts = EngineOptions { held_layers, n_chunks: 2, ..golden_opts() };
+        let opts = EngineOptions {
+            n_chunks: 2,
+            placement: Placement { held_layers, ..Placement::default() },
+            ..golden_opts()
+        };
         let mut e = engine(&cfg, store, opts, 0);
         let (input_ids, targets) = random_batch(&cfg, 2, 8, 1, 0.0);
         let r = e.step(&Batch { batch: 2, seq: 8, input_ids, targets, positions: None }, 1e-3).unwrap();
@@ -495,7 +531,10 @@ fn a_held_layer_crosses_once() {
         assert_eq!(r.d2h_bytes, n * l * 2 + o * 4, "{held_layers} held");
     }
     let store = store_with(&cfg, &random_params(&cfg, 8), GradDtype::Bf16);
-    let opts = EngineOptions { held_layers: 2, resident_layers: 1, ..golden_opts() };
+    let opts = EngineOptions {
+        placement: Placement { held_layers: 2, resident_layers: 1, ..Placement::default() },
+        ..golden_opts()
+    };
     let err = mt_sched::Engine::new(&cfg, store, CpuBackend::new(mt_sched::CpuOptions::default()), opts)
         .unwrap_err();
     assert!(err.to_string().contains("held layers are streamed ones"), "{err}");

@@ -7,6 +7,7 @@ use candle_core::DType;
 use mt_core::{active_params, model_flops_per_step, ModelConfig, ModelLayout, StateDtype};
 use mt_sched::plan::{plan, PlanInput};
 use mt_sched::OptimMode;
+use mt_sched::Placement;
 use mt_store::GradDtype;
 
 const GIB: u64 = 1 << 30;
@@ -37,20 +38,22 @@ fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
         ring_depth: None,
         n_chunks: None,
         rows_per_block: 1024,
-        resident_outer: Some(false),
-        resident_layers: Some(0),
-        kept_layers: Some(0),
-        held_layers: Some(0),
-        gpu_updated_layers: Some(0),
-        late_state_downloads: None,
-        early_state_uploads: None,
         fused_kernels: true,
         flash_attention: Some(false),
         hopper_attention: false,
         mlp_rows: Some(0),
-        spilled_checkpoints: Some(0),
         store_file: false,
         host_reserved: 0,
+        placement: Placement {
+            resident_outer: Some(false),
+            resident_layers: Some(0),
+            kept_layers: Some(0),
+            held_layers: Some(0),
+            gpu_updated_layers: Some(0),
+            late_state_downloads: None,
+            early_state_uploads: None,
+            spilled_checkpoints: Some(0),
+        },
     };
     let p = plan(&input).unwrap();
     assert_eq!(p.n_params, layout.n_params() as u64);

@@ -1,4 +1,4 @@
-//! The placement table (`Plan::placement`) and the plan as a run prints it: every decoder layer
+//! The placement table (`Plan::placement_table`) and the plan as a run prints it: every decoder layer
 //! once, picked as the step program picks them, and in the words of the run's device.
 
 use candle_core::DType;
@@ -6,6 +6,7 @@ use mt_core::ModelConfig;
 use mt_sched::placement::{DeviceKind, LayerPlacement, StateMove, Update, Weights};
 use mt_sched::plan::{plan, PlanInput};
 use mt_sched::OptimMode;
+use mt_sched::Placement;
 use mt_store::GradDtype;
 
 const GIB: u64 = 1 << 30;
@@ -25,20 +26,22 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         ring_depth: None,
         n_chunks: None,
         rows_per_block: 1024,
-        resident_outer: Some(false),
-        resident_layers: Some(0),
-        kept_layers: Some(0),
-        held_layers: None,
-        gpu_updated_layers: None,
-        late_state_downloads: None,
-        early_state_uploads: None,
         fused_kernels: true,
         flash_attention: Some(false),
         hopper_attention: false,
         mlp_rows: Some(0),
-        spilled_checkpoints: Some(0),
         store_file: false,
         host_reserved: 0,
+        placement: Placement {
+            resident_outer: Some(false),
+            resident_layers: Some(0),
+            kept_layers: Some(0),
+            held_layers: None,
+            gpu_updated_layers: None,
+            late_state_downloads: None,
+            early_state_uploads: None,
+            spilled_checkpoints: Some(0),
+        },
     }
 }
 
@@ -50,7 +53,7 @@ fn the_placement_table_lists_each_layer_once_in_the_words_of_its_device() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/llama3-3.6b.json");
     let cfg = ModelConfig::from_file(std::path::Path::new(path)).unwrap();
     let p = plan(&input(cfg, 4, 2048, 143_771_000_000)).unwrap();
-    let t = p.placement();
+    let t = p.placement_table();
     assert_eq!(t.layers.len(), 28);
     let count = |f: &dyn Fn(&LayerPlacement) -> bool| t.layers.iter().filter(|l| f(l)).count();
     assert_eq!(count(&|l| l.weights == Weights::Held), 28, "{p}");
@@ -65,10 +68,13 @@ fn the_placement_table_lists_each_layer_once_in_the_words_of_its_device() {
     // As a CPU run asks: nothing placed on the "device" (its buffers are host memory).
     let none = Some(0);
     let cpu = PlanInput {
-        held_layers: none,
-        gpu_updated_layers: none,
-        late_state_downloads: none,
-        early_state_uploads: none,
+        placement: Placement {
+            held_layers: none,
+            gpu_updated_layers: none,
+            late_state_downloads: none,
+            early_state_uploads: none,
+            ..input(ModelConfig::tiny_llama(), 4, 16, GIB).placement
+        },
         ..input(ModelConfig::tiny_llama(), 4, 16, GIB)
     };
     let cpu = plan(&cpu).unwrap();

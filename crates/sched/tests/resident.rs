@@ -8,6 +8,7 @@
 
 mod common;
 
+use mt_sched::Placement;
 use std::sync::Arc;
 
 use mt_core::{ModelConfig, ModelLayout, Unit};
@@ -31,7 +32,10 @@ fn train(
     data: &[Batch],
     split: usize,
 ) -> (Vec<f64>, Arc<HostStore>) {
-    let placed = |r: bool| EngineOptions { resident_outer: r, ..opts.clone() };
+    let placed = |r: bool| EngineOptions {
+        placement: Placement { resident_outer: r, ..opts.placement },
+        ..opts.clone()
+    };
     train_sessions([placed(resident[0]), placed(resident[1])], data, split)
 }
 
@@ -112,7 +116,10 @@ fn a_resident_outer_unit_never_crosses_the_bus() {
     let cfg = cfg();
     let layout = ModelLayout::new(&cfg);
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
-    let opts = EngineOptions { resident_outer: true, ..golden_opts() };
+    let opts = EngineOptions {
+        placement: Placement { resident_outer: true, ..Placement::default() },
+        ..golden_opts()
+    };
     let mut e = engine(&cfg, store, opts, 0);
     for b in small_batches(&cfg, 2, 70) {
         let r = e.step(&b, 1e-3).unwrap();
@@ -129,14 +136,20 @@ fn a_resident_outer_unit_never_crosses_the_bus() {
 fn a_store_left_by_a_crashed_resident_engine_is_refused() {
     let cfg = cfg();
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
-    let opts = EngineOptions { resident_outer: true, ..golden_opts() };
+    let opts = EngineOptions {
+        placement: Placement { resident_outer: true, ..Placement::default() },
+        ..golden_opts()
+    };
     let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
     for b in small_batches(&cfg, 3, 70) {
         e.step(&b, 1e-3).unwrap();
     }
     std::mem::forget(e);
     for resident in [true, false] {
-        let o = EngineOptions { resident_outer: resident, ..opts.clone() };
+        let o = EngineOptions {
+            placement: Placement { resident_outer: resident, ..opts.placement },
+            ..opts.clone()
+        };
         let r = mt_sched::Engine::new(&cfg, store.clone(), mt_sched::CpuBackend::new(Default::default()), o);
         let err = r.map(|_| ()).unwrap_err().to_string();
         assert!(err.contains("resume from a checkpoint"), "resident={resident}: {err}");
@@ -154,7 +167,10 @@ fn resident_layers_train_bitwise_as_streamed_ones() {
             let opts = EngineOptions { mode, ring_depth, ..golden_opts() };
             let (l0, s0) = train(&opts, [false, false], &data, 4);
             for (k, outer) in [(1, false), (n, true), (n - 1, true)] {
-                let o = EngineOptions { resident_layers: k, resident_outer: outer, ..opts.clone() };
+                let o = EngineOptions {
+                    placement: Placement { resident_layers: k, resident_outer: outer, ..opts.placement },
+                    ..opts.clone()
+                };
                 let (l1, s1) = train_sessions([o.clone(), o], &data, 4);
                 let what = format!("{mode:?} ring {ring_depth}, {k} resident layers, outer {outer}");
                 assert_eq!(l0, l1, "{what}: losses");
@@ -174,7 +190,10 @@ fn a_store_moves_between_resident_and_streamed_layers_bitwise() {
     for mode in [OptimMode::Exact, OptimMode::Lean] {
         let opts = EngineOptions { mode, ..golden_opts() };
         let (l0, s0) = train(&opts, [false, false], &data, 4);
-        let with = |k: usize| EngineOptions { resident_layers: k, ..opts.clone() };
+        let with = |k: usize| EngineOptions {
+            placement: Placement { resident_layers: k, ..opts.placement },
+            ..opts.clone()
+        };
         // Dropped after step 2 (exact mode: with the update pending on the device), continued
         // with more, fewer or no resident layers.
         for (a, b) in [(n, 0), (1, n), (0, 1)] {
@@ -193,14 +212,20 @@ fn resident_layers_never_cross_the_bus_and_a_crash_leaves_a_refused_store() {
     let layout = ModelLayout::new(&cfg);
     let (n, l, o) = (layout.n_layers as u64, layout.layer.len as u64, layout.outer.len as u64);
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
-    let opts = EngineOptions { resident_layers: 1, ..golden_opts() };
+    let opts = EngineOptions {
+        placement: Placement { resident_layers: 1, ..Placement::default() },
+        ..golden_opts()
+    };
     let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
     for b in small_batches(&cfg, 2, 70) {
         let r = e.step(&b, 1e-3).unwrap();
         assert_eq!(r.h2d_bytes, (2 * (n - 1) * l + o) * 4);
         assert_eq!(r.d2h_bytes, ((n - 1) * l + o) * 4);
     }
-    let too_many = EngineOptions { resident_layers: layout.n_layers + 1, ..opts.clone() };
+    let too_many = EngineOptions {
+        placement: Placement { resident_layers: layout.n_layers + 1, ..opts.placement },
+        ..opts.clone()
+    };
     let r =
         mt_sched::Engine::new(&cfg, store.clone(), mt_sched::CpuBackend::new(Default::default()), too_many);
     let err = r.map(|_| ()).unwrap_err().to_string();
@@ -223,7 +248,10 @@ fn resident_layers_never_cross_the_bus_and_a_crash_leaves_a_refused_store() {
 fn a_crash_after_a_flush_and_a_step_is_refused_and_a_drop_is_not() {
     let cfg = cfg();
     let store = store_with(&cfg, &random_params(&cfg, 5), GradDtype::F32);
-    let opts = EngineOptions { resident_layers: 1, ..golden_opts() };
+    let opts = EngineOptions {
+        placement: Placement { resident_layers: 1, ..Placement::default() },
+        ..golden_opts()
+    };
     let data = small_batches(&cfg, 2, 70);
     let mut e = engine(&cfg, store.clone(), opts.clone(), 0);
     e.step(&data[0], 1e-3).unwrap();
@@ -232,7 +260,10 @@ fn a_crash_after_a_flush_and_a_step_is_refused_and_a_drop_is_not() {
     e.step(&data[1], 1e-3).unwrap();
     std::mem::forget(e);
     for resident in [1, 0] {
-        let o = EngineOptions { resident_layers: resident, ..opts.clone() };
+        let o = EngineOptions {
+            placement: Placement { resident_layers: resident, ..opts.placement },
+            ..opts.clone()
+        };
         let r = mt_sched::Engine::new(&cfg, store.clone(), mt_sched::CpuBackend::new(Default::default()), o);
         let err = r.map(|_| ()).unwrap_err().to_string();
         assert!(err.contains("stopped without writing them back"), "{resident} resident: {err}");
@@ -263,9 +294,12 @@ fn a_resident_unit_longer_than_the_landing_buffer_is_written_back_whole() {
         let mut losses = Vec::new();
         for ((outer, layers), part) in sessions.into_iter().zip([&data[..2], &data[2..]]) {
             let o = EngineOptions {
-                resident_outer: outer,
-                resident_layers: layers,
                 device_narrowing,
+                placement: Placement {
+                    resident_outer: outer,
+                    resident_layers: layers,
+                    ..Placement::default()
+                },
                 ..golden_opts()
             };
             let mut e = engine(&cfg, store.clone(), o, 200);

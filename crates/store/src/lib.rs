@@ -28,7 +28,7 @@ mod host_vec;
 mod pager;
 mod pinned;
 mod snapshot;
-mod staging;
+mod transfer_buf;
 
 pub use arena::{HostStore, RecordAddrs, RecordGuard, RecordParts, RecordPartsMut, StoreState};
 pub use grad::{GradDtype, GradMut, GradRef};
@@ -36,7 +36,7 @@ pub use host_vec::{par_copy, HostVec, PinError};
 pub use pager::PagingStats;
 pub use pinned::PinnedRecords;
 pub use snapshot::SnapshotWritten;
-pub use staging::{Staging, UploadDtype};
+pub use transfer_buf::{TransferBuf, TransferDtype};
 
 /// Records a paged store may hold beyond its window, on their way to disk or from it (the
 /// write-back of a record the window left overlaps the read-ahead of the one it took). Two

@@ -167,6 +167,31 @@ fn wrong_length_param_write_is_a_shape_error() {
     assert!(err.contains("model.norm.weight") && err.contains("128"), "{err}");
 }
 
+/// A parameter written in parts holds each part where it was put and zeroes the moments there
+/// only; a part past the parameter's end is refused naming it.
+#[test]
+fn param_parts_land_at_their_offsets() {
+    let s = HostStore::anonymous(&layout(), GradDtype::Bf16).unwrap();
+    let name = "model.norm.weight";
+    let n = s.read_param(name).unwrap().len();
+    {
+        let mut r = s.record(Unit::Outer);
+        r.parts().m.fill(7);
+    }
+    s.write_param_part(name, 100, &[1.0, 2.0]).unwrap();
+    s.write_param_part(name, 0, &[3.0]).unwrap();
+    let v = s.read_param(name).unwrap();
+    assert_eq!((v[0], v[1], v[100], v[101], v[102]), (3.0, 0.0, 1.0, 2.0, 0.0));
+    let spec = s.layout().resolve(name).unwrap().1.clone();
+    let mut r = s.record(Unit::Outer);
+    let m = r.parts().m;
+    let at = |i: usize| m[4 * (spec.offset + i)];
+    assert_eq!((at(0), at(1), at(100), at(101), at(102)), (0, 7, 0, 0, 7));
+    drop(r);
+    let err = s.write_param_part(name, n - 1, &[1.0, 2.0]).unwrap_err().to_string();
+    assert!(err.contains(name) && err.contains(&format!("{}", n - 1)), "{err}");
+}
+
 /// Releasing a unit's gradient region zeroes exactly that region of an anonymous store (and
 /// gives its pages back); master, moments and every other record are untouched; a file-backed
 /// store keeps its gradient (the file is the training state).

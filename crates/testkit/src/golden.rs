@@ -22,7 +22,7 @@ pub const GOLDEN_NAMES: [&str; 4] = ["llama_gqa", "llama_tied", "qwen2_bias", "q
 
 /// Names of the committed fixtures of mixture-of-experts models (`olmoe`: expert 0 of layer 0
 /// receives no token at step 0).
-pub const GOLDEN_MOE_NAMES: [&str; 3] = ["qwen3_moe", "mixtral", "olmoe"];
+pub const GOLDEN_MOE_NAMES: [&str; 4] = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"];
 
 /// Key prefixes of the per-parameter tensors.
 const PARAM_PREFIXES: [&str; 3] = ["param.", "grad.", "step3."];

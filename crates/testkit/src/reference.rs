@@ -1,5 +1,5 @@
 //! The resident reference model: a plain Llama/Mistral/Qwen2/Qwen3 causal LM (and the
-//! mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, in `reference_moe.rs`) written with candle
+//! mixture-of-experts Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, in `reference_moe.rs`) written with candle
 //! ops in the most obvious way (no streaming, no fused kernels, no explicit backward), trained by
 //! candle autograd. It is the oracle the streamed engine's loss and gradients are checked against.
 //!
@@ -64,7 +64,50 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f32> {
                 })
                 .collect()
         }
+        Some(RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            original_max_position_embeddings: old,
+            truncate,
+            ..
+        }) => yarn_inv_freq(&inv, hd, cfg.rope_theta, *factor, (*beta_fast, *beta_slow), *old, *truncate),
     }
+}
+
+/// YaRN: with `d(r) = hd · ln(old_ctx / (2π r)) / (2 ln θ)` (the dimension that turns `r` times
+/// over the original context), `low = d(beta_fast)`, `high = d(beta_slow)` (floored and ceiled
+/// when `truncate`, clamped to `[0, hd - 1]`), `ramp_i = clamp((i - low) / (high - low), 0, 1)`
+/// over the `hd / 2` frequencies: `inv_i · (ramp_i / factor + (1 - ramp_i))`, computed in f32 as
+/// transformers computes it.
+fn yarn_inv_freq(
+    inv: &[f32],
+    hd: usize,
+    theta: f64,
+    factor: f64,
+    (beta_fast, beta_slow): (f64, f64),
+    old: f64,
+    truncate: bool,
+) -> Vec<f32> {
+    let dim_of =
+        |rot: f64| (hd as f64 * (old / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
+    let (low, high) = if truncate {
+        (dim_of(beta_fast).floor(), dim_of(beta_slow).ceil())
+    } else {
+        (dim_of(beta_fast), dim_of(beta_slow))
+    };
+    let low = low.max(0.0);
+    let high = high.min(hd as f64 - 1.0);
+    let high = if low == high { high + 0.001 } else { high };
+    (0..inv.len())
+        .map(|i| {
+            let pos_freq = (theta as f32).powf((2 * i) as f32 / hd as f32);
+            let (extrap, interp) = (1.0 / pos_freq, 1.0 / (factor as f32 * pos_freq));
+            let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+            let keep = 1.0 - ramp;
+            interp * (1.0 - keep) + extrap * keep
+        })
+        .collect()
 }
 
 /// Checks a parameter map against the model layout: every layout parameter present with its
@@ -192,13 +235,15 @@ impl ReferenceModel {
     fn rope_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
         let inv = rope_inv_freq(&self.cfg);
         let hd = self.cfg.head_dim;
+        // YaRN multiplies cos and sin by its attention factor.
+        let scale = self.cfg.rope_scaling.as_ref().map_or(1.0, RopeScaling::attention_factor);
         let mut cos = Vec::with_capacity(t * hd);
         let mut sin = Vec::with_capacity(t * hd);
         for p in 0..t {
             for j in 0..hd {
                 let angle = f64::from(p as f32 * inv[j % (hd / 2)]);
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                cos.push(angle.cos() * scale);
+                sin.push(angle.sin() * scale);
             }
         }
         let cos = Tensor::from_vec(cos, (t, hd), &Device::Cpu)?.to_dtype(self.dtype)?;
@@ -206,10 +251,15 @@ impl ReferenceModel {
         Ok((cos, sin))
     }
 
-    /// Additive causal mask `[t, t]`: 0 where key position <= query position, -inf elsewhere.
-    fn causal_mask(&self, t: usize) -> Result<Tensor> {
-        let m: Vec<f64> =
-            (0..t).flat_map(|q| (0..t).map(move |k| if k <= q { 0.0 } else { f64::NEG_INFINITY })).collect();
+    /// Additive causal mask `[t, t]`: 0 where key position <= query position (and, with a
+    /// `window`, > query position - window: transformers' `sliding_window_overlay`), -inf
+    /// elsewhere.
+    fn causal_mask(&self, t: usize, window: Option<usize>) -> Result<Tensor> {
+        let visible =
+            move |q: usize, k: usize| k <= q && window.is_none_or(|w| k as i64 > q as i64 - w as i64);
+        let m: Vec<f64> = (0..t)
+            .flat_map(|q| (0..t).map(move |k| if visible(q, k) { 0.0 } else { f64::NEG_INFINITY }))
+            .collect();
         Ok(Tensor::from_vec(m, (t, t), &Device::Cpu)?.to_dtype(self.dtype)?)
     }
 
@@ -218,9 +268,9 @@ impl ReferenceModel {
         let (b, t) = self.check_ids(input_ids)?;
         let mut x = self.w(EMBED)?.index_select(&input_ids.flatten_all()?, 0)?;
         let (cos, sin) = self.rope_tables(t)?;
-        let mask = self.causal_mask(t)?;
         let mut routing = Vec::new();
         for i in 0..self.cfg.num_hidden_layers {
+            let mask = self.causal_mask(t, self.cfg.layer_window(i))?;
             let (y, r) = self.decoder_layer(i, &x, b, t, &cos, &sin, &mask)?;
             x = y;
             routing.extend(r);
@@ -288,7 +338,15 @@ impl ReferenceModel {
         let v = repeat_kv(&v, nh / nkv)?;
         let scale = 1.0 / (hd as f64).sqrt();
         let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(mask)?;
-        let probs = softmax_last_dim(&scores)?;
+        let probs = if cfg.attention_sinks {
+            // GPT-OSS: each head's sink logit as one more column of the softmax, then dropped.
+            let sinks =
+                self.layer_w(i, "self_attn.sinks")?.reshape((1, nh, 1, 1))?.broadcast_as((b, nh, t, 1))?;
+            let combined = Tensor::cat(&[&scores, &sinks.contiguous()?], D::Minus1)?;
+            softmax_last_dim(&combined)?.narrow(D::Minus1, 0, t)?
+        } else {
+            softmax_last_dim(&scores)?
+        };
         let ctx = probs.matmul(&v)?; // [b, nh, t, hd]
         let ctx = ctx.transpose(1, 2)?.contiguous()?.reshape((b * t, nh * hd))?;
         let o = linear(
@@ -301,7 +359,10 @@ impl ReferenceModel {
         // SwiGLU MLP block, or a mixture of SwiGLU experts.
         let c = rms_norm(&x, self.layer_w(i, "post_attention_layernorm.weight")?, eps)?;
         if let Some(moe) = &cfg.moe {
-            let (m, routing) = self.moe_block(i, &c, moe)?;
+            let (m, routing) = match moe.experts {
+                mt_core::ExpertKind::SwiGlu => self.moe_block(i, &c, moe)?,
+                mt_core::ExpertKind::GptOss(glu) => self.gpt_oss_moe_block(i, &c, moe, glu)?,
+            };
             return Ok(((x + m)?, Some(routing)));
         }
         let gate = linear(&c, self.layer_w(i, "mlp.gate_proj.weight")?, None)?;

@@ -1,10 +1,12 @@
 //! The reference model's mixture-of-experts block, written densely: every expert runs on every
 //! token and is weighted by a routing matrix that is zero off each token's top-k, so autograd
 //! gives an expert that received no token an exact zero gradient. Shares no code with the
-//! engine's grouped implementation (`mt-layers`' `moe.rs`), which it checks.
+//! engine's grouped implementation (`mt-layers`' `moe.rs`), which it checks. GPT-OSS's block
+//! follows its modelling code literally: the top-k of the router logits, their softmax, and each
+//! expert's interleaved, biased, clamped GLU.
 
 use candle_core::{Device, Tensor, D};
-use mt_core::MoeConfig;
+use mt_core::{ClampedGlu, MoeConfig};
 
 use crate::reference::{linear, silu, softmax_last_dim, ReferenceModel};
 use crate::Result;
@@ -54,6 +56,77 @@ impl ReferenceModel {
         }
         Ok((out, Routing { logits, probs, counts }))
     }
+}
+
+impl ReferenceModel {
+    /// GPT-OSS's MoE block for `c: [n, h]`: `logits = c Wᵀ + b`, each row's top-k logits
+    /// softmaxed among themselves (zero elsewhere), and for each expert `e`
+    /// `gu = c · gate_up_proj[e] + gate_up_proj_bias[e]` (`[h, 2f]`: gate at even columns, up at
+    /// odd ones), `g = min(gate, L)`, `u = clamp(up, -L, L)`,
+    /// `y = ((u + 1) · g σ(α g)) · down_proj[e] + down_proj_bias[e]`. The clamps are masks taken
+    /// from the values (no gradient where they bind).
+    pub(crate) fn gpt_oss_moe_block(
+        &self,
+        i: usize,
+        c: &Tensor,
+        m: &MoeConfig,
+        glu: ClampedGlu,
+    ) -> Result<(Tensor, Routing)> {
+        let (ne, k, f) = (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size);
+        let n = c.dim(0)?;
+        let logits =
+            linear(c, self.layer_w(i, "mlp.router.weight")?, Some(self.layer_w(i, "mlp.router.bias")?))?;
+        let values = logits.to_dtype(candle_core::DType::F64)?.to_vec2::<f64>()?;
+        let mut keep = vec![0.0f64; n * ne];
+        let mut counts = vec![0.0; ne];
+        for (r, row) in values.iter().enumerate() {
+            let mut order: Vec<usize> = (0..ne).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            for &e in &order[..k] {
+                keep[r * ne + e] = 1.0;
+                counts[e] += 1.0;
+            }
+        }
+        let keep = Tensor::from_vec(keep, (n, ne), &Device::Cpu)?.to_dtype(logits.dtype())?;
+        // Softmax over the kept logits only (the others contribute e^{-inf} = 0).
+        let max = logits.max_keepdim(D::Minus1)?.detach();
+        let e = (logits.broadcast_sub(&max)?.exp()? * keep)?;
+        let weights = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let gate_up = self.layer_w(i, "mlp.experts.gate_up_proj")?;
+        let gate_up_bias = self.layer_w(i, "mlp.experts.gate_up_proj_bias")?;
+        let down = self.layer_w(i, "mlp.experts.down_proj")?;
+        let down_bias = self.layer_w(i, "mlp.experts.down_proj_bias")?;
+        let mut out = c.zeros_like()?;
+        for x in 0..ne {
+            let gu = c.matmul(&gate_up.get(x)?)?.broadcast_add(&gate_up_bias.get(x)?)?.reshape((n, f, 2))?;
+            let gate = gu.narrow(2, 0, 1)?.squeeze(2)?;
+            let up = gu.narrow(2, 1, 1)?.squeeze(2)?;
+            let gate = clamp_to(&gate, None, glu.limit)?;
+            let up = clamp_to(&up, Some(-glu.limit), glu.limit)?;
+            let sig = ((gate.affine(-glu.alpha, 0.0)?.exp()? + 1.0)?).recip()?;
+            let mid = ((up + 1.0)? * (gate * sig)?)?;
+            let y = mid.matmul(&down.get(x)?)?.broadcast_add(&down_bias.get(x)?)?;
+            out = (out + y.broadcast_mul(&weights.narrow(1, x, 1)?)?)?;
+        }
+        let probs = softmax_last_dim(&logits)?;
+        Ok((out, Routing { logits, probs, counts }))
+    }
+}
+
+/// `x` with values above `hi` (below `lo`) replaced by the bound, through masks of the values:
+/// the gradient passes where `lo <= x <= hi` (torch's clamp) and nowhere else.
+fn clamp_to(x: &Tensor, lo: Option<f64>, hi: f64) -> Result<Tensor> {
+    let mut open = x.le(hi)?.to_dtype(x.dtype())?;
+    if let Some(lo) = lo {
+        open = (open * x.ge(lo)?.to_dtype(x.dtype())?)?;
+    }
+    let bound = x.ge(hi)?.to_dtype(x.dtype())?.affine(hi, 0.0)?;
+    let bound = match lo {
+        Some(lo) => (bound + x.le(lo)?.to_dtype(x.dtype())?.affine(lo, 0.0)?)?,
+        None => bound,
+    };
+    let closed = open.affine(-1.0, 1.0)?;
+    Ok(((x * &open)? + (bound * closed)?)?)
 }
 
 /// transformers' `load_balancing_loss_func` over every layer's router rows (no attention mask):

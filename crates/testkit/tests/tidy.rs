@@ -1,6 +1,7 @@
 //! Workspace tidiness checks that run with `cargo test` (rust-analyzer's habit): every Rust
-//! source file says what it is for in a `//!` header and stays under 600 lines, and `unsafe`
-//! lives only in the crates ARCHITECTURE.md allows it in, each use with a SAFETY comment.
+//! source file says what it is for in a `//!` header, and `unsafe` lives only in the crates
+//! ARCHITECTURE.md allows it in, each use with a SAFETY comment. Long files are listed, as a
+//! warning.
 
 use std::path::{Path, PathBuf};
 
@@ -52,20 +53,31 @@ fn every_source_file_starts_with_a_doc_header() {
     );
 }
 
-/// Files a reader can hold in their head: every Rust source shorter than this many lines (split a
-/// longer one by responsibility; STYLE and ARCHITECTURE say ~600).
-const MAX_LINES: usize = 600;
+/// A Rust source this long is a prompt to look at it: a reader can no longer hold it, and it may
+/// hold two responsibilities (STYLE.md says ~600 lines).
+const LONG_LINES: usize = 600;
 
+/// Lists the long sources on the test's standard error, past the harness's capture (`print!` is
+/// captured, a write to the stream itself is not), so every `cargo test` shows them. A warning,
+/// never a failure: a long file is split by responsibility into a directory module when that
+/// reads better, never trimmed of comments or squeezed to pass a count.
 #[test]
-fn no_source_file_is_longer_than_max_lines() {
+fn long_source_files_are_listed_as_a_warning() {
+    use std::io::Write;
     let long: Vec<String> = sources()
         .into_iter()
         .filter_map(|p| {
             let n = std::fs::read_to_string(&p).unwrap_or_default().lines().count();
-            (n >= MAX_LINES).then(|| format!("{}: {n} lines", p.display()))
+            (n >= LONG_LINES).then(|| format!("{}: {n} lines", p.display()))
         })
         .collect();
-    assert!(long.is_empty(), "files over {MAX_LINES} lines:\n{}", long.join("\n"));
+    if !long.is_empty() {
+        let mut err = std::io::stderr().lock();
+        let _ = writeln!(err, "warning: {} source files of {LONG_LINES} lines or more:", long.len());
+        for l in &long {
+            let _ = writeln!(err, "  {l}");
+        }
+    }
 }
 
 /// Where `unsafe` may appear: the store (mmap, page-locked host buffers), the CUDA FFI module, the

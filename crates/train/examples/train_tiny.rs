@@ -21,7 +21,7 @@ impl Observer for Losses {
 fn main() -> mt_train::Result<()> {
     let config = TrainConfig { steps: 20, batch_size: 8, seq_len: 32, ..TrainConfig::default() };
     let mut trainer = Trainer::new(config, Losses::default())?;
-    println!("{}", trainer.plan().placement().display_on(mt_train::DeviceKind::Cpu));
+    println!("{}", trainer.plan().placement_table().display_on(mt_train::DeviceKind::Cpu));
     while trainer.global_step() < trainer.end_step() {
         trainer.step()?;
     }

@@ -77,6 +77,9 @@ pub(crate) fn check_sizes(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
         );
     }
     cfg.check_seq_len(args.seq_len).context_with(|| "--seq-len".into())?;
+    if args.device == crate::Device::Cuda {
+        mt_layers::check_gpu(cfg).context_with(|| "--device cuda".into())?;
+    }
     if let Some(c) = args.chunks.filter(|&c| c > args.batch_size) {
         refuse!(
             "--chunks {c} exceeds --batch-size {}: each chunk holds at least one whole sequence",

@@ -9,6 +9,7 @@ use candle_core::DType;
 use mt_core::ModelConfig;
 use mt_core::StateDtype;
 use mt_sched::OptimMode;
+pub use mt_sched::PlacementChoice;
 use mt_store::GradDtype;
 
 pub use crate::schedule::ScheduleKind;
@@ -87,53 +88,6 @@ impl Precision {
         match self {
             Precision::Fp32 => GradDtype::F32,
             Precision::Bf16 => GradDtype::Bf16,
-        }
-    }
-}
-
-/// The seven placement overrides; `None` lets the planner decide (`auto`). What each means:
-/// ARCHITECTURE.md, "Placement", and `docs/decisions/`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PlacementChoice {
-    /// The outer unit's fp32 master weights and moments on the GPU, updated there.
-    pub resident_outer: Option<bool>,
-    /// Leading decoder layers resident on the GPU with their optimizer state.
-    pub resident_layers: Option<usize>,
-    /// Leading decoder layers that keep their forward activations (no recompute).
-    pub kept_layers: Option<usize>,
-    /// Last streamed layers uploaded once a step and held from forward to backward.
-    pub held_layers: Option<usize>,
-    /// Streamed layers whose AdamW runs on the GPU from their streamed state.
-    pub gpu_updated_layers: Option<usize>,
-    /// GPU-updated, held layers that bring their state back in the backward.
-    pub late_state_downloads: Option<usize>,
-    /// GPU-updated layers whose state for the next step goes up in this step's backward.
-    pub early_state_uploads: Option<usize>,
-    /// Leading layers whose input checkpoint goes to host memory between forward and backward.
-    pub spilled_checkpoints: Option<usize>,
-}
-
-impl PlacementChoice {
-    /// What the planner is asked for on `device`. `auto` places nothing on the device on the CPU
-    /// backend (its "device" is host memory), and keeps a file-backed store's units streamed:
-    /// that file is the live training state, which resident units would leave stale between
-    /// checkpoints, and whose pages GPU-updated layers' DMA would not mark dirty.
-    pub fn for_run(self, device: Device, file_backed_store: bool) -> Self {
-        let none_here = device == Device::Cpu || file_backed_store;
-        let count = |c: Option<usize>, fb_aware: bool| match c {
-            Some(k) => Some(k),
-            None if device == Device::Cpu || (fb_aware && file_backed_store) => Some(0),
-            None => None,
-        };
-        PlacementChoice {
-            resident_outer: self.resident_outer.or(none_here.then_some(false)),
-            resident_layers: count(self.resident_layers, true),
-            kept_layers: count(self.kept_layers, false),
-            held_layers: count(self.held_layers, false),
-            gpu_updated_layers: count(self.gpu_updated_layers, true),
-            late_state_downloads: count(self.late_state_downloads, true),
-            early_state_uploads: count(self.early_state_uploads, true),
-            spilled_checkpoints: count(self.spilled_checkpoints, false),
         }
     }
 }

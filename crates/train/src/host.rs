@@ -12,9 +12,8 @@ use crate::{Device, TrainConfig};
 /// built-in tiny run holds 36 MB, 13 MB of it store.
 pub const PROCESS_OVERHEAD_CPU: u64 = 24_000_000;
 /// RSS of a CUDA run beyond its planned host bytes (binary, libraries, the CUDA context, cuBLAS
-/// and NVRTC host-side state). Measured on the H200 machines (commit 80e8b16) as RSS at the end
-/// minus store + staging/landing: 513 MB for Llama-3-8B, 524 MB for SmolLM2-135M
-/// (`results/2026-11-22-real-use-h200x4.json`).
+/// and NVRTC host-side state), measured as RSS at the end minus store + staging/landing, about
+/// the same for an 8B and a 135M model (docs/decisions/0041).
 pub const PROCESS_OVERHEAD_CUDA: u64 = 520_000_000;
 
 /// Host RAM a run of `plan` holds while it trains: store + staging/landing + the process
@@ -114,15 +113,11 @@ fn plan_with(
     kernels: DeviceKernels,
 ) -> Result<Plan> {
     let (device_bytes, host_bytes, host_reserved) = bytes;
-    let mut placement = c.placement.for_run(c.device, c.store.is_some());
+    let mut placement = c.placement.for_run(c.device.kind(), c.store.is_some());
     if c.gpus > 1 {
         // Data parallel keeps every optimizer state in the host store (checks.rs refused an
         // explicit request for these): the planner may not choose them.
-        placement.resident_outer = Some(false);
-        placement.resident_layers = Some(0);
-        placement.gpu_updated_layers = Some(0);
-        placement.late_state_downloads = Some(0);
-        placement.early_state_uploads = Some(0);
+        placement = placement.without_device_state();
     }
     plan(&PlanInput {
         cfg: cfg.clone(),
@@ -138,20 +133,13 @@ fn plan_with(
         ring_depth: Some(c.ring_depth),
         n_chunks: c.chunks,
         rows_per_block: c.rows_per_block,
-        resident_outer: placement.resident_outer,
-        resident_layers: placement.resident_layers,
-        kept_layers: placement.kept_layers,
-        held_layers: placement.held_layers,
-        gpu_updated_layers: placement.gpu_updated_layers,
-        late_state_downloads: placement.late_state_downloads,
-        early_state_uploads: placement.early_state_uploads,
         fused_kernels: kernels.fused,
         flash_attention: c.attention,
         hopper_attention: kernels.hopper_attention,
         mlp_rows: c.mlp_rows,
-        spilled_checkpoints: placement.spilled_checkpoints,
         store_file: c.store.is_some(),
         host_reserved,
+        placement,
     })
     .context_with(|| {
         "no memory plan fits this machine (set --chunks, --batch-size, --gpu-mem or --host-mem)".into()

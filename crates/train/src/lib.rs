@@ -25,7 +25,7 @@ pub mod checkpoint;
 mod checks;
 mod config;
 pub mod data;
-mod engine;
+mod device;
 mod error;
 pub mod host;
 pub mod init;

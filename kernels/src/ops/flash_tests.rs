@@ -215,7 +215,7 @@ fn compile_cubin_refuses_lost_hopper_features() {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
         x[threadIdx.x] = 1.0f;
     }"#;
-    let e = super::nvrtc::compile_cubin(ignored, "probe.cu", "sm_90a").unwrap_err();
+    let e = refusal(ignored);
     assert!(e.contains("C7508"), "{e}");
     let injected = r#"extern "C" __global__ void k(float* x, unsigned long long d) {
         float a[4] = {0, 0, 0, 0};
@@ -227,6 +227,15 @@ fn compile_cubin_refuses_lost_hopper_features() {
         asm volatile("wgmma.wait_group.sync.aligned 0;\n");
         x[threadIdx.x] = a[0] + a[1] + a[2] + a[3];
     }"#;
-    let e = super::nvrtc::compile_cubin(injected, "probe.cu", "sm_90a").unwrap_err();
+    let e = refusal(injected);
     assert!(e.contains("C7517"), "{e}");
+}
+
+/// `compile_cubin`'s refusal of a probe kernel; a probe that compiles fails the test with the
+/// NVRTC log (which says what ptxas reported instead).
+fn refusal(probe: &str) -> String {
+    match super::nvrtc::compile_cubin_logged(probe, "probe.cu", "sm_90a") {
+        (Err(e), _) => e,
+        (Ok(_), log) => panic!("the probe compiled without a refusal; NVRTC's log:\n{log}"),
+    }
 }

@@ -95,12 +95,22 @@ const FATAL_PTXAS: [&str; 7] =
 /// the driver at load time and those warnings would never be seen). Same options as [`Source`]
 /// otherwise (C++17, no FMA contraction).
 pub(crate) fn compile_cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>, String> {
+    compile_cubin_logged(src, name, arch).0
+}
+
+/// [`compile_cubin`]'s result with NVRTC's whole log beside it (ptxas's report included).
+pub(crate) fn compile_cubin_logged(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, String>, String) {
     use candle_core::cuda_backend::cudarc::nvrtc::{result, sys};
     use std::ffi::CString;
 
-    let c_src = CString::new(src).map_err(|e| e.to_string())?;
-    let c_name = CString::new(name).map_err(|e| e.to_string())?;
-    let prog = result::create_program(&c_src, Some(&c_name)).map_err(|e| format!("{e:?}"))?;
+    let (c_src, c_name) = match (CString::new(src), CString::new(name)) {
+        (Ok(s), Ok(n)) => (s, n),
+        _ => return (Err("the source or its name holds a NUL byte".into()), String::new()),
+    };
+    let prog = match result::create_program(&c_src, Some(&c_name)) {
+        Ok(p) => p,
+        Err(e) => return (Err(format!("{e:?}")), String::new()),
+    };
     let opts = [
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
@@ -127,10 +137,10 @@ pub(crate) fn compile_cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>
     });
     // SAFETY: created above, not destroyed before.
     let _ = unsafe { result::destroy_program(prog) };
-    let cubin = cubin?;
     let fatal: Vec<&str> = log.lines().filter(|l| FATAL_PTXAS.iter().any(|w| l.contains(w))).collect();
-    if !fatal.is_empty() {
-        return Err(format!("ptxas: {}", fatal.join("; ")));
-    }
-    Ok(cubin)
+    let result = match cubin {
+        Ok(_) if !fatal.is_empty() => Err(format!("ptxas: {}", fatal.join("; "))),
+        other => other,
+    };
+    (result, log)
 }

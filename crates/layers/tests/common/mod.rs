@@ -4,7 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use candle_core::{DType, Device, Tensor, D};
-use mt_core::{Arch, ModelConfig, MoeConfig, RopeScaling};
+use mt_core::{Arch, ClampedGlu, ExpertKind, LayerWindows, ModelConfig, MoeConfig, RopeScaling};
 use mt_layers::{LayerWeights, MlpWeights, Rope};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -37,6 +37,8 @@ pub fn llama_gqa() -> ModelConfig {
         qk_norm_full: false,
         moe: None,
         sliding_window: None,
+        attention_sinks: false,
+        layer_windows: None,
     }
 }
 
@@ -95,6 +97,7 @@ pub fn moe_configs() -> Vec<(&'static str, ModelConfig)> {
             norm_topk_prob,
             router_aux_loss_coef: 0.01,
             output_router_logits: true,
+            experts: ExpertKind::SwiGlu,
         })
     };
     let qwen3_moe = ModelConfig { arch: Arch::Qwen3Moe, moe: moe(true), ..qwen3() };
@@ -107,7 +110,40 @@ pub fn moe_configs() -> Vec<(&'static str, ModelConfig)> {
         rope_scaling: None,
         ..llama_gqa()
     };
-    vec![("qwen3_moe", qwen3_moe), ("mixtral", mixtral), ("olmoe", olmoe)]
+    vec![("qwen3_moe", qwen3_moe), ("mixtral", mixtral), ("olmoe", olmoe), ("gpt_oss", gpt_oss())]
+}
+
+/// GPT-OSS at a tiny width: q/k/v/o biases, a sink logit per head, even layers windowed over 3
+/// keys, YaRN RoPE (the released parameters: at head dim 8 one frequency kept, two blended, one
+/// interpolated), 6 biased experts of which the softmax of the top-4 router logits picks, and a
+/// GLU clamp at 0.5, which the random weights' gate and up values cross.
+pub fn gpt_oss() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::GptOss,
+        qkv_bias: true,
+        o_bias: true,
+        rope_theta: 150_000.0,
+        rope_scaling: Some(RopeScaling::Yarn {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position_embeddings: 4096.0,
+            truncate: false,
+            attention_factor: None,
+        }),
+        moe: Some(MoeConfig {
+            num_experts: 6,
+            num_experts_per_tok: 4,
+            moe_intermediate_size: 12,
+            norm_topk_prob: true,
+            router_aux_loss_coef: 0.01,
+            output_router_logits: true,
+            experts: ExpertKind::GptOss(ClampedGlu { limit: 0.5, alpha: 1.702 }),
+        }),
+        attention_sinks: true,
+        layer_windows: Some(LayerWindows { window: 3, listed: None }),
+        ..llama_gqa()
+    }
 }
 
 pub fn rng(seed: u64) -> StdRng {
@@ -132,7 +168,7 @@ pub fn randn(rng: &mut StdRng, shape: &[usize], std: f64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-/// A flat f64 slot for `layout`: norms `1 + 0.1 N`, biases `0.1 N`, matrices `0.2 N` (large
+/// A flat f64 slot for `layout`: norms `1 + 0.1 N`, biases `0.1 N` (GPT-OSS's `*_bias` too), matrices `0.2 N` (large
 /// enough for non-trivial attention patterns at these tiny widths); padding is random too.
 pub fn random_slot(rng: &mut StdRng, layout: &mt_core::UnitLayout) -> Tensor {
     let mut v = normal(rng, layout.len);
@@ -141,7 +177,7 @@ pub fn random_slot(rng: &mut StdRng, layout: &mt_core::UnitLayout) -> Tensor {
         for x in &mut v[t.offset..t.offset + t.numel()] {
             *x = if is_norm {
                 1.0 + 0.1 * *x
-            } else if t.name.ends_with(".bias") {
+            } else if t.name.ends_with("bias") {
                 0.1 * *x
             } else {
                 0.2 * *x

@@ -6,12 +6,14 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 mod config_file;
+mod placement_args;
 mod train_args;
 mod values;
 pub use config_file::{command, config_file_options, config_text_options, parse_args, ArgsError};
 pub use mt_train::{DataKind, DataSource};
+pub use placement_args::PlacementArgs;
 pub use train_args::{default_grad_dtype, TrainArgs};
-use values::{at_least_one, layer_count, mlp_rows, positive_f64, tflops_pair};
+use values::{at_least_one, mlp_rows, positive_f64, tflops_pair};
 pub use values::{
     AttentionArg, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg,
     OptimStatesArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
@@ -79,36 +81,15 @@ pub struct EstimateArgs {
     /// The device the run would use: on `cpu` the device buffers are host memory too.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
-    /// As `megatrain train --resident-outer`.
-    #[arg(long, value_enum, default_value_t = ResidentOuter::Auto)]
-    pub resident_outer: ResidentOuter,
-    /// As `megatrain train --resident-layers`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
-    pub resident_layers: LayerCount,
-    /// As `megatrain train --kept-layers`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
-    pub kept_layers: LayerCount,
-    /// As `megatrain train --held-layers`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
-    pub held_layers: LayerCount,
-    /// As `megatrain train --gpu-updated-layers`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
-    pub gpu_updated_layers: LayerCount,
-    /// As `megatrain train --late-state-downloads`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
-    pub late_state_downloads: LayerCount,
-    /// As `megatrain train --early-state-uploads`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
-    pub early_state_uploads: LayerCount,
+    /// The placement overrides.
+    #[command(flatten)]
+    pub placement: PlacementArgs,
     /// As `megatrain train --attention`.
     #[arg(long, value_enum, default_value_t = AttentionArg::Auto)]
     pub attention: AttentionArg,
     /// As `megatrain train --mlp-rows`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = mlp_rows)]
     pub mlp_rows: MlpRows,
-    /// As `megatrain train --spill-checkpoints`.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count)]
-    pub spill_checkpoints: LayerCount,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,
@@ -127,13 +108,15 @@ pub struct EstimateArgs {
     pub compute_capability: f64,
     /// Sustained TFLOP/s of the device's compute stream for everything but the attention core
     /// (the GEMMs, norms, activations, the loss; recompute included) [default on cuda: 600, which
-    /// fits the H200 runs of 2026-11-26 with the attention priced apart (3.6B at 4 x 2048, the 7B
-    /// at 32k-256k); on the CPU none: measure yours (a short `megatrain train` prints it)].
+    /// fits the H200 runs of the 3.6B at 4 x 2048 and the 7B at 32k-256k with the attention
+    /// priced apart (docs/decisions/0041); on the CPU none: measure yours (a short `megatrain
+    /// train` prints it)].
     #[arg(long, value_parser = positive_f64)]
     pub tflops: Option<f64>,
     /// The flash attention kernel's forward and backward TFLOP/s (causal FLOPs, the backward as
-    /// 2.5x the forward), e.g. `250,195` [default: our kernel's H200 rates at the sequence length,
-    /// 175,116 at 4k to 257,196 at 128k].
+    /// 2.5x the forward), e.g. `250,195` [default: our kernels' measured rates at the sequence
+    /// length: the Hopper kernels' (compute capability 9.0) 302,202 at 4k to 519,472 at 128k on an
+    /// H100; the portable kernels' 175,116 to 257,196 on an H200].
     #[arg(long, value_name = "FWD,BWD", value_parser = tflops_pair)]
     pub attention_tflops: Option<(f64, f64)>,
     /// PCIe bandwidth per direction in GB/s with both directions busy (H200 machine: 50.9).

@@ -6,18 +6,14 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use mt_train::{ModelChoice, PlacementChoice, TrainConfig};
+use mt_train::{ModelChoice, TrainConfig};
 
-use super::values::{
-    at_least_one, fault, fraction, layer_count, mlp_rows, non_negative, parse_data, positive_f64,
-};
+use super::placement_args::PLACEMENT;
+use super::values::{at_least_one, fault, fraction, mlp_rows, non_negative, parse_data, positive_f64};
 use super::{
-    AttentionArg, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg,
-    OptimStatesArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
+    AttentionArg, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, MlpRows, OptimModeArg,
+    OptimStatesArg, PlacementArgs, Precision, RopeAnglesArg, ScheduleKind,
 };
-
-/// The `--help` heading of the placement overrides.
-const PLACEMENT: &str = "Placement (auto: the planner decides; nothing on the GPU when on the CPU)";
 
 /// Options of `megatrain train`.
 #[derive(Debug, Clone, Args)]
@@ -202,33 +198,9 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Outputs and checkpoints")]
     pub resume: bool,
 
-    /// The outer unit's (embedding, norm, head) AdamW state on the GPU [auto: if it costs no chunk].
-    #[arg(long, value_enum, default_value_t = ResidentOuter::Auto, help_heading = PLACEMENT, value_name = "auto|on|off", hide_possible_values = true, hide_default_value = true)]
-    pub resident_outer: ResidentOuter,
-
-    /// Leading layers resident on the GPU with their AdamW state.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count, help_heading = PLACEMENT, hide_default_value = true)]
-    pub resident_layers: LayerCount,
-
-    /// Last streamed layers uploaded once a step, held from forward to backward.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count, help_heading = PLACEMENT, hide_default_value = true)]
-    pub held_layers: LayerCount,
-
-    /// Leading layers that keep their activations for the backward (no recompute).
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count, help_heading = PLACEMENT, hide_default_value = true)]
-    pub kept_layers: LayerCount,
-
-    /// Streamed layers whose AdamW runs on the GPU from their streamed state (exact mode).
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count, help_heading = PLACEMENT, hide_default_value = true)]
-    pub gpu_updated_layers: LayerCount,
-
-    /// GPU-updated held layers that bring their state back late, in the backward.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count, help_heading = PLACEMENT, hide_default_value = true)]
-    pub late_state_downloads: LayerCount,
-
-    /// GPU-updated layers whose next state goes up early, in this step's backward.
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count, help_heading = PLACEMENT, hide_default_value = true)]
-    pub early_state_uploads: LayerCount,
+    /// The placement overrides.
+    #[command(flatten)]
+    pub placement: PlacementArgs,
 
     /// Device weight slots (1 = no copy/compute overlap, 2 = double buffering).
     #[arg(long, default_value_t = 2, value_parser = at_least_one, help_heading = PLACEMENT, value_name = "N")]
@@ -241,11 +213,6 @@ pub struct TrainArgs {
     /// Rows of each MLP tile (0 = a chunk at once) [auto: a chunk when it fits, else 8192..1024].
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = mlp_rows, help_heading = "Long sequences")]
     pub mlp_rows: MlpRows,
-
-    /// Leading layers whose input checkpoint goes to host memory after their forward and back
-    /// for their backward [auto: the fewest with which the step fits the GPU; 0 on the CPU].
-    #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = layer_count, help_heading = "Long sequences", hide_default_value = true)]
-    pub spill_checkpoints: LayerCount,
 
     /// RoPE angles in f32 as transformers forms them, or exact (f64).
     #[arg(long, value_enum, default_value_t = RopeAnglesArg::Transformers, help_heading = "Long sequences", value_name = "transformers|exact", hide_possible_values = true)]
@@ -344,16 +311,7 @@ impl TrainArgs {
             checkpoint_dir: self.checkpoint_dir.clone(),
             keep_checkpoints: self.keep_checkpoints,
             resume: self.resume,
-            placement: PlacementChoice {
-                resident_outer: self.resident_outer.choice(),
-                resident_layers: self.resident_layers.choice(),
-                kept_layers: self.kept_layers.choice(),
-                held_layers: self.held_layers.choice(),
-                gpu_updated_layers: self.gpu_updated_layers.choice(),
-                late_state_downloads: self.late_state_downloads.choice(),
-                early_state_uploads: self.early_state_uploads.choice(),
-                spilled_checkpoints: self.spill_checkpoints.choice(),
-            },
+            placement: self.placement.choice(),
             ring_depth: self.ring_depth,
             overlap_optimizer: !self.no_optimizer_overlap,
             attention: self.attention.choice(),

@@ -126,7 +126,7 @@ pub enum ResidentOuter {
 
 impl ResidentOuter {
     /// The run's choice: `None` lets the planner decide
-    /// ([`mt_train::PlacementChoice::for_run`] says how `auto` is resolved).
+    /// (`mt_sched::PlacementChoice::for_run` says how `auto` is resolved).
     pub fn choice(self) -> Option<bool> {
         match self {
             ResidentOuter::On => Some(true),

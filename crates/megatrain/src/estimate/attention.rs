@@ -1,21 +1,31 @@
-//! Attention's share of `megatrain estimate`'s step time: our flash kernel's measured rates and
-//! the materialised path's.
+//! Attention's share of `megatrain estimate`'s step time: our flash kernels' measured rates (the
+//! Hopper kernels on compute capability 9.0, the portable ones elsewhere) and the materialised
+//! path's.
 
 use mt_sched::plan::Plan;
 
 use crate::cli::EstimateArgs;
 
-/// Our flash kernel's forward and backward TFLOP/s (causal FLOPs, the backward counted as 2.5x
-/// the forward) by sequence length, measured on an H200 at 28 / 4 heads, head dim 128, one
-/// sequence (`results/2026-11-26-flash-attention-h200/kernel/`); interpolated in log2 of the
-/// length, the ends held beyond.
+/// Our portable flash kernels' forward and backward TFLOP/s (causal FLOPs, the backward counted
+/// as 2.5x the forward) by sequence length, measured on an H200 at 28 / 4 heads, head dim 128,
+/// one sequence (`docs/decisions/0041`); interpolated in log2 of the length, the ends held beyond.
 pub const FLASH_TFLOPS: [(usize, f64, f64); 4] =
     [(4096, 175.2, 115.8), (16384, 229.9, 194.3), (65536, 253.3, 193.0), (131072, 256.9, 195.5)];
 
+/// The Hopper flash kernels' (`kernels/cuda/flash_attn_hopper.cu`) forward and backward TFLOP/s,
+/// deterministic backward, by sequence length, measured as [`FLASH_TFLOPS`] on an H100
+/// (`docs/decisions/0041`). Short sequences run slower: the ordered dQ adds wait more there.
+pub const HOPPER_FLASH_TFLOPS: [(usize, f64, f64); 5] = [
+    (4096, 302.0, 202.0),
+    (8192, 449.0, 316.0),
+    (16384, 538.0, 411.0),
+    (65536, 523.0, 472.0),
+    (131072, 519.0, 472.0),
+];
+
 /// TFLOP/s of the materialised attention (candle's GEMMs and our softmax kernels, the
-/// `6·L·s·hidden·T` FLOPs and the recompute's forward): 80-84 in the H200 runs of the 3.6B at
-/// 4 / 16 x 2048 (`results/2026-11-26-flash-attention-h200/regression/`, the old binary, with the
-/// GEMMs at [`EstimateArgs::tflops`]'s 600).
+/// `6·L·s·hidden·T` FLOPs and the recompute's forward), as the H200 runs of the 3.6B at 4 / 16 x
+/// 2048 showed with the GEMMs at [`EstimateArgs::tflops`]'s 600 (`docs/decisions/0041`).
 pub const MATERIALISED_ATTENTION_TFLOPS: f64 = 80.0;
 
 /// Attention's own seconds of a step, forward and backward.
@@ -34,21 +44,21 @@ pub(super) fn attention_s(cfg: &mt_core::ModelConfig, p: &Plan, args: &EstimateA
     let l = cfg.num_hidden_layers as f64;
     let a =
         2.0 * p.seq as f64 * (cfg.num_attention_heads * cfg.head_dim) as f64 * (p.batch * p.seq) as f64 * l;
-    let recomputed = (cfg.num_hidden_layers - p.kept_layers) as f64 / l;
+    let recomputed = (cfg.num_hidden_layers - p.placement.kept_layers) as f64 / l;
     if !p.flash_attention {
         let rate = MATERIALISED_ATTENTION_TFLOPS * 1e12;
         return AttentionTime { forward: a / rate, backward: a * (2.0 + recomputed) / rate };
     }
-    let (fwd, bwd) = args.attention_tflops.map_or_else(|| flash_tflops(p.seq), |r| (r.0, r.1));
+    let table: &[(usize, f64, f64)] = if p.hopper_attention { &HOPPER_FLASH_TFLOPS } else { &FLASH_TFLOPS };
+    let (fwd, bwd) = args.attention_tflops.map_or_else(|| flash_tflops(table, p.seq), |r| (r.0, r.1));
     AttentionTime {
         forward: a / (fwd * 1e12),
         backward: a * recomputed / (fwd * 1e12) + 2.5 * a / (bwd * 1e12),
     }
 }
 
-/// [`FLASH_TFLOPS`] at `seq` tokens.
-fn flash_tflops(seq: usize) -> (f64, f64) {
-    let t = FLASH_TFLOPS;
+/// A table's rates at `seq` tokens.
+fn flash_tflops(t: &[(usize, f64, f64)], seq: usize) -> (f64, f64) {
     let x = (seq.max(1) as f64).log2();
     let (first, last) = (t[0], t[t.len() - 1]);
     if x <= (first.0 as f64).log2() {

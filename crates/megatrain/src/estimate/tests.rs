@@ -24,7 +24,10 @@ fn several_gpus_plan_each_for_its_share_and_pay_the_all_reduce() {
         estimate_3_6b(&["--resident-outer", "off", "--resident-layers", "0", "--gpu-updated-layers", "0"]);
     let two = estimate_3_6b(&["--gpus", "2"]);
     let p = &two.plan;
-    assert_eq!((p.batch, p.resident_layers, p.resident_outer, p.gpu_updated_layers), (2, 0, false, 0));
+    assert_eq!(
+        (p.batch, p.placement.resident_layers, p.placement.resident_outer, p.placement.gpu_updated_layers),
+        (2, 0, false, 0)
+    );
     assert_eq!(two.nccl_bytes_per_gpu, 4 * p.n_params);
     assert_eq!(two.pinned_bytes, 2 * p.host.pinned);
     assert_eq!(two.tokens_per_step, 4 * 2048);
@@ -39,7 +42,7 @@ fn several_gpus_plan_each_for_its_share_and_pay_the_all_reduce() {
 #[test]
 fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
     let all = estimate_3_6b(&[]);
-    assert_eq!((all.plan.resident_layers, all.plan.resident_outer), (28, true));
+    assert_eq!((all.plan.placement.resident_layers, all.plan.placement.resident_outer), (28, true));
     assert_eq!(all.host_s, 0.0);
     let ring = [
         "--resident-layers",
@@ -60,7 +63,7 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
     // Held layers are not re-cast for the backward: 6 B a parameter less.
     let held =
         estimate_3_6b(&["--resident-layers", "0", "--resident-outer", "on", "--gpu-updated-layers", "0"]);
-    assert_eq!(held.plan.held_layers, 28);
+    assert_eq!(held.plan.placement.held_layers, 28);
     assert!((held.host_s - n * 32.0 / 140e9).abs() < 1e-9);
     // GPU-updated layers (auto: 10 of 28) take their 28 B of AdamW off the host, but their
     // state's DMA (26 B: master, m, v and the bf16 gradient up, master, m, v down) is priced
@@ -77,12 +80,12 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
         "0",
     ];
     let gpu = estimate_3_6b(&on_time);
-    assert_eq!(gpu.plan.gpu_updated_layers, 11);
+    assert_eq!(gpu.plan.placement.gpu_updated_layers, 11);
     let k = 11.0 * 100_669_440.0;
     assert!((gpu.host_update_s - ((n - k) * 28.0 + k * 26.0) / 140e9).abs() < 1e-9, "{}", gpu.host_update_s);
     assert!(gpu.step_s < held.step_s, "{} vs {}", gpu.step_s, held.step_s);
     let late = estimate_3_6b(&[&on_time[..4], &on_time[6..]].concat());
-    assert_eq!((late.plan.gpu_updated_layers, late.plan.late_state_downloads), (10, 5));
+    assert_eq!((late.plan.placement.gpu_updated_layers, late.plan.placement.late_state_downloads), (10, 5));
     let (k, d) = (10.0 * 100_669_440.0, 5.0 * 100_669_440.0);
     let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0) / 140e9;
     assert!((late.host_update_s - want).abs() < 1e-9, "{}", late.host_update_s);
@@ -93,7 +96,10 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
     // into the backward: the gradient is copied on the device.
     let early = estimate_3_6b(&on_time[..4]);
     let p = &early.plan;
-    assert_eq!((p.gpu_updated_layers, p.late_state_downloads, p.early_state_uploads), (14, 5, 5));
+    assert_eq!(
+        (p.placement.gpu_updated_layers, p.placement.late_state_downloads, p.placement.early_state_uploads),
+        (14, 5, 5)
+    );
     let (k, d, x) = (14.0 * 100_669_440.0, 5.0 * 100_669_440.0, 5.0 * 100_669_440.0);
     let want = ((n - k) * 28.0 + k * 26.0 - d * 12.0 - x * 14.0) / 140e9;
     assert!((early.host_update_s - want).abs() < 1e-9, "{}", early.host_update_s);
@@ -102,7 +108,7 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
     assert!(early.step_s < late.step_s, "{} vs {}", early.step_s, late.step_s);
     // More GPU-updated layers move more state up in the forward, beside the host's pass, at
     // the planner's slower state-upload rate: 17 ranks behind the planner's 14, as measured
-    // (`results/2026-11-24-shared-state-slots-h200/`: 242.5 vs 256.4-263.3).
+    // (docs/decisions/0041).
     let n17 = estimate_3_6b(&[&on_time[..4], &["--gpu-updated-layers", "17"]].concat());
     assert!(n17.step_s > early.step_s, "{} vs {}", n17.step_s, early.step_s);
     assert!(streamed.step_s > streamed.host_update_s + streamed.compute_s * 0.5, "{}", streamed.step_s);
@@ -119,27 +125,32 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
     assert!((outer.host_s - (n * 38.0 + o * (28.0 + 6.0)) / 140e9).abs() < 1e-9, "{}", outer.host_s);
 }
 
-/// The step times measured on one H200 (every layer resident or held, so compute-bound;
-/// `results/2026-11-26-flash-attention-h200/`: `engine/`, `long/`, `regression/`) against
-/// the estimate of the same command: within 10% each (0.3-7.6% when written), where pricing
-/// attention at the GEMMs' rate put the 7B at 128k 2.2x too fast.
+/// The step times measured with the portable flash kernels on one H200 and with the Hopper
+/// kernels on one H100 (every layer resident or held, so compute-bound; where: docs/decisions/0041)
+/// against the estimate of the same command: within 10% each, where pricing attention at the
+/// GEMMs' rate put the 7B at 128k 2.2x too fast.
 #[test]
 fn the_step_time_follows_the_measured_flash_runs() {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/");
-    // (config, batch, seq, attention, measured seconds a step)
+    let lean: &[&str] = &["--optim-mode", "lean", "--grad-dtype", "none"];
+    // (config, batch, seq, attention, GPU GiB, extra arguments, measured seconds a step)
     let runs = [
-        ("llama3-3.6b.json", 4, 2048, "flash", 0.3733),
-        ("llama3-3.6b.json", 16, 2048, "flash", 1.450),
-        ("llama3-3.6b.json", 4, 2048, "materialized", 0.3985),
-        ("llama3-3.6b.json", 16, 2048, "materialized", 1.827),
-        ("qwen2.5-7b.json", 1, 32768, "auto", 7.52),
-        ("qwen2.5-7b.json", 1, 131072, "auto", 82.46),
-        ("qwen2.5-7b.json", 1, 262144, "auto", 304.46),
+        ("llama3-3.6b.json", 4, 2048, "portable", "139.8", &[][..], 0.3733),
+        ("llama3-3.6b.json", 16, 2048, "portable", "139.8", &[], 1.450),
+        ("llama3-3.6b.json", 4, 2048, "materialized", "139.8", &[], 0.3985),
+        ("llama3-3.6b.json", 16, 2048, "materialized", "139.8", &[], 1.827),
+        ("qwen2.5-7b.json", 1, 32768, "portable", "139.8", &[], 7.52),
+        ("qwen2.5-7b.json", 1, 131072, "portable", "139.8", &[], 82.46),
+        ("qwen2.5-7b.json", 1, 262144, "portable", "139.8", &[], 304.46),
+        ("llama3-3.6b.json", 4, 2048, "auto", "79.2", &[], 0.4085),
+        ("llama3-3.6b.json", 1, 16384, "auto", "79.2", &[], 1.199),
+        ("qwen2.5-7b.json", 1, 131072, "auto", "79.2", lean, 43.44),
+        ("qwen2.5-7b.json", 1, 262144, "auto", "79.2", lean, 148.87),
     ];
-    for (config, batch, seq, attention, measured) in runs {
+    for (config, batch, seq, attention, gpu_mem, extra, measured) in runs {
         let config = format!("{root}{config}");
         let (b, s) = (batch.to_string(), seq.to_string());
-        let argv = [
+        let mut argv = vec![
             "megatrain",
             "estimate",
             "--config",
@@ -153,19 +164,21 @@ fn the_step_time_follows_the_measured_flash_runs() {
             "--seq-len",
             &s,
             "--gpu-mem",
-            "139.8",
+            gpu_mem,
             "--host-mem",
             "125",
             "--attention",
             attention,
         ];
+        argv.extend_from_slice(extra);
         let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
         let e = super::estimate(&args).unwrap();
         assert_eq!(e.plan.flash_attention, attention != "materialized", "{config} {batch}x{seq}");
+        assert_eq!(e.plan.hopper_attention, attention == "auto", "{config} {batch}x{seq}");
         let ratio = e.step_s / measured;
         assert!(
             (0.9..1.1).contains(&ratio),
-            "{config} {batch}x{seq}: {:.3} s vs {measured} s measured",
+            "{config} {batch}x{seq} ({attention}): {:.3} s vs {measured} s measured",
             e.step_s
         );
     }
@@ -179,7 +192,12 @@ fn the_compute_capability_decides_which_workspace_is_counted() {
     let hopper = estimate_3_6b(&[]);
     let turing = estimate_3_6b(&["--compute-capability", "7.5"]);
     assert!(hopper.plan.gpu.workspace < turing.plan.gpu.workspace / 2, "{} vs {}", hopper.plan, turing.plan);
-    assert!(hopper.plan.kept_layers > turing.plan.kept_layers, "{} vs {}", hopper.plan, turing.plan);
+    assert!(
+        hopper.plan.placement.kept_layers > turing.plan.placement.kept_layers,
+        "{} vs {}",
+        hopper.plan,
+        turing.plan
+    );
     for cc in ["9.0", "8.9", "8.0"] {
         let plan = estimate_3_6b(&["--compute-capability", cc]).plan;
         assert_eq!(plan.gpu.workspace, hopper.plan.gpu.workspace, "{cc}");

@@ -6,9 +6,8 @@
 //! writes whole lines through the write-combining buffers without that read, and does not evict
 //! the master, `m` and `v` lines the update is working on. On the H200 machines' 16-core Xeon the
 //! fused bf16 AdamW is bound by DRAM bandwidth (it runs as fast as a loop that only adds the
-//! gradient to `p`, `m` and `v`), and streaming its upload copy made it 4.5-5% faster in an
-//! interleaved A/B (medians 5.05 -> 5.28 and 4.94 -> 5.19 Gparam/s, 256M parameters, 2026-11-23;
-//! `results/2026-11-23-streaming-stores-h200/`).
+//! gradient to `p`, `m` and `v`), and streaming its upload copy made it a few percent faster
+//! (docs/decisions/0006, 0041).
 //!
 //! Streaming stores are weakly ordered: the thread that issued them must fence before any other
 //! thread or device may read the memory. [`Writer`] fences when it is dropped.

@@ -2,7 +2,8 @@
 //! (embedding, layer forward and backward, loss, embedding backward, resident updates) with the
 //! templates, the pool's buffers and the chunks.
 
-use mt_core::{Error as CoreError, Unit};
+use mt_core::Unit;
+use mt_kernels::device_optim::SumSquares;
 use mt_layers::{GradSink, LayerWeights, OuterWeights};
 use mt_optim::StepArgs;
 use mt_pool::DevicePool;
@@ -10,7 +11,7 @@ use mt_pool::DevicePool;
 use super::Engine;
 use crate::backend::Backend;
 use crate::batch::Chunk;
-use crate::program::{Op, OptimMode, Slot};
+use crate::program::{Op, Slot};
 use crate::{Error, Result};
 
 impl<B: Backend> Engine<B> {
@@ -33,16 +34,16 @@ impl<B: Backend> Engine<B> {
                     self.pool.put_checkpoint(0, c, x);
                 }
             }
-            Op::Forward { layer, slot } => {
+            Op::Forward { layer, slot, keep } => {
                 let _s = tracing::debug_span!("forward", layer).entered();
                 let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
-                let keep = layer < self.opts.kept_layers;
+                let layer_t = self.layer_t.for_layer(layer)?;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
                     let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
                     let y = if let Some(stats) = self.router_stats.as_mut() {
                         // A MoE model: the router statistics of the load-balancing loss too.
-                        let (y, state) = self.layer_t.forward_routed(&w, &x, pos, keep, stats)?;
+                        let (y, state) = layer_t.forward_routed(&w, &x, pos, keep, stats)?;
                         if let Some(state) = state {
                             self.kept_bytes += state.bytes();
                             *self
@@ -52,14 +53,14 @@ impl<B: Backend> Engine<B> {
                         }
                         y
                     } else if keep {
-                        let (y, state) = self.layer_t.forward_keep_pos(&w, &x, pos)?;
+                        let (y, state) = layer_t.forward_keep_pos(&w, &x, pos)?;
                         let entry =
                             self.kept.get_mut(layer * chunks.len() + c).ok_or_else(|| no_kept(layer, c))?;
                         self.kept_bytes += state.bytes();
                         *entry = Some(state);
                         y
                     } else {
-                        self.layer_t.forward_pos(&w, &x, pos)?
+                        layer_t.forward_pos(&w, &x, pos)?
                     };
                     self.pool.put_checkpoint(layer + 1, c, y);
                 }
@@ -98,37 +99,22 @@ impl<B: Backend> Engine<B> {
                 DevicePool::zero(&gbuf)?;
                 let sink = GradSink::new(&layout.layer, &gbuf)?;
                 let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let layer_t = self.layer_t.for_layer(layer)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.backward_input(layer, c, ch)?;
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
                     let aux = self.router_grad.as_ref();
                     let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
-                        Some(state) => self.layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?,
+                        Some(state) => layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?,
                         None => {
                             let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
-                            self.layer_t.backward_routed(&w, &x, &dy, pos, &sink, aux)?
+                            layer_t.backward_routed(&w, &x, &dy, pos, &sink, aux)?
                         }
                     };
                     self.pool.put_act_grad(c, dx);
                 }
                 self.inject_gradient(Unit::Layer(layer), &gbuf)?;
                 self.pool.drop_checkpoints(layer);
-                if let Some(dp) = &self.dp {
-                    // The gradient of the whole global batch, before it is narrowed or downloaded.
-                    dp.reduce.sum(&gbuf)?;
-                }
-                if let Some(narrow) = grad_buf.and_then(|k| self.pool.grad_narrow.get(k)) {
-                    // bf16 landing: narrow here; the layer's share of the global norm is that
-                    // of the narrowed gradient (what the host would have taken as it landed).
-                    let ss = mt_kernels::device_optim::narrow_bf16_sum_squares(&gbuf, narrow)?;
-                    self.device_sumsq.push((Unit::Layer(layer), ss));
-                }
-                if grad_buf.is_none() {
-                    // A resident layer's gradient never lands on the host: its share of the
-                    // global norm is taken here (deterministic order), read at the step's end.
-                    let ss = mt_kernels::device_optim::sum_squares(&gbuf)?;
-                    self.device_sumsq.push((Unit::Layer(layer), ss));
-                }
             }
             Op::EmbedBackward => {
                 let _s = tracing::debug_span!("embed_backward").entered();
@@ -139,25 +125,46 @@ impl<B: Backend> Engine<B> {
                     self.outer_t.embed_backward(&ch.host_ids, &dx, &sink)?;
                 }
                 self.inject_gradient(Unit::Outer, &gbuf)?;
-                if let Some(dp) = &self.dp {
-                    dp.reduce.sum(&gbuf)?;
-                }
-                if self.opts.resident_outer {
-                    // Likewise the resident outer unit's.
-                    let ss = mt_kernels::device_optim::sum_squares(&gbuf)?;
-                    self.device_sumsq.push((Unit::Outer, ss));
-                }
+            }
+            Op::AllReduce { unit, grad_buf } => {
+                let _s = tracing::debug_span!("all_reduce", ?unit).entered();
+                let dp = self
+                    .dp
+                    .as_ref()
+                    .ok_or_else(|| Error::Schedule(format!("{op:?} on an engine that trains alone")))?;
+                // The gradient of the whole global batch, before it is narrowed or downloaded.
+                dp.reduce.sum(&self.grad_buf(unit, grad_buf)?)?;
+            }
+            Op::SumSquares { unit, grad_buf } => {
+                let _s = tracing::debug_span!("sum_squares", ?unit).entered();
+                let gbuf = self.grad_buf(unit, grad_buf)?;
+                // Read at the step's end, summed in unit order (deterministic).
+                let ss = match grad_buf {
+                    Some(k) => {
+                        // bf16 landing: the share of the narrowed gradient, what the host would
+                        // have taken as it landed.
+                        let narrow = self.pool.grad_narrow.get(k).ok_or_else(|| {
+                            Error::Schedule(format!(
+                                "{op:?}: gradient buffer {k} has no bf16 twin to narrow into"
+                            ))
+                        })?;
+                        mt_kernels::device_optim::narrow_bf16_sum_squares(&gbuf, narrow)?
+                    }
+                    // A resident unit's gradient never lands on the host.
+                    None => mt_kernels::device_optim::sum_squares(&gbuf)?,
+                };
+                self.device_sumsq.push((unit, ss));
             }
             Op::UpdateStreamed { unit, buf, slot } => {
                 let _s = tracing::debug_span!("update_streamed", ?unit).entered();
-                let state = self.pool.state.get(buf).ok_or_else(|| no_state(buf))?.clone();
+                let state = self.state_slot(buf)?;
                 let dst = self.slot_tensor(slot)?;
                 if self.store.applied_step(unit) >= args.step {
                     // A retried step: the record already holds the update (and the state slot
                     // what was uploaded from it).
                     mt_kernels::device_optim::cast_master_into(&state, &dst)?;
                 } else {
-                    let grad = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
+                    let grad = self.state_grad_slot(buf)?;
                     // bf16 -> f32 is exact: the same gradient the host's update widens.
                     let grad = grad.to_dtype(candle_core::DType::F32)?;
                     let kind = self.state_kind(unit);
@@ -177,18 +184,17 @@ impl<B: Backend> Engine<B> {
                 // f32 buffer (options refuse early uploads where the store keeps neither).
                 let src = match self.pool.grad_narrow.get(grad_buf) {
                     Some(narrow) => narrow,
-                    None => self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_state(grad_buf))?,
+                    None => self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_grad_buf(grad_buf))?,
                 };
-                let dst = self.pool.state_grad.get(buf).ok_or_else(|| no_state(buf))?;
+                let dst = self.state_grad_slot(buf)?;
                 if src.dtype() != dst.dtype() || src.elem_count() != dst.elem_count() {
-                    return Err(CoreError::Plan(format!(
+                    return Err(Error::Schedule(format!(
                         "{unit:?}'s device gradient ({:?}, {}) is not what its state slot keeps ({:?}, {})",
                         src.dtype(),
                         src.elem_count(),
                         dst.dtype(),
                         dst.elem_count()
-                    ))
-                    .into());
+                    )));
                 }
                 dst.slice_set(src, 0, 0)?;
             }
@@ -196,22 +202,52 @@ impl<B: Backend> Engine<B> {
                 let _s = tracing::debug_span!("drop_checkpoint", boundary).entered();
                 self.pool.drop_checkpoints(boundary);
             }
-            Op::UpdateResident { unit } if self.opts.mode == OptimMode::Lean => {
-                // Lean mode's update of a resident unit waits for its share of the norm at the
-                // step's end: one with a non-finite gradient is not updated (`faults.rs`).
-                self.deferred_resident.push(unit);
-            }
-            Op::UpdateResident { unit } => {
+            Op::UpdateResident { unit, if_finite } => {
                 let _s = tracing::debug_span!("update_resident", ?unit).entered();
+                // Lean mode: a unit whose gradient is not finite is not updated (`commit.rs`).
+                if if_finite && !self.device_sum_squares(unit)?.is_finite() {
+                    return Ok(());
+                }
                 self.update_resident(unit, args)?;
             }
-            _ => return Err(Error::Options(format!("{op:?} is not a compute op"))),
+            _ => return Err(Error::Schedule(format!("{op:?} is not a compute op"))),
         }
         Ok(())
     }
 }
 
 impl<B: Backend> Engine<B> {
+    /// `unit`'s device gradient: ring buffer `grad_buf`, else its own (a resident layer's, the
+    /// outer one).
+    fn grad_buf(&self, unit: Unit, grad_buf: Option<usize>) -> Result<candle_core::Tensor> {
+        match (grad_buf, unit) {
+            (Some(k), _) => self.pool.grad_bufs.get(k).cloned().ok_or_else(|| no_grad_buf(k)),
+            (None, Unit::Outer) => Ok(self.pool.outer_grad.clone()),
+            (None, Unit::Layer(_)) => Ok(self.resident_bufs(unit)?.grad),
+        }
+    }
+
+    /// `unit`'s share of the global norm taken on the device this step ([`Op::SumSquares`]), read
+    /// now (and kept as read).
+    fn device_sum_squares(&mut self, unit: Unit) -> Result<f64> {
+        let (_, ss) = self.device_sumsq.iter_mut().find(|(u, _)| *u == unit).ok_or_else(|| {
+            Error::Schedule(format!("{unit:?}'s share of the norm read before it was taken"))
+        })?;
+        let v = std::mem::replace(ss, SumSquares::Value(f64::NAN)).value()?;
+        *ss = SumSquares::Value(v);
+        Ok(v)
+    }
+
+    /// State slot `buf`'s `[master | m | v]`.
+    pub(super) fn state_slot(&self, buf: usize) -> Result<candle_core::Tensor> {
+        self.pool.state.get(buf).cloned().ok_or_else(|| no_state(buf))
+    }
+
+    /// State slot `buf`'s gradient.
+    pub(super) fn state_grad_slot(&self, buf: usize) -> Result<candle_core::Tensor> {
+        self.pool.state_grad.get(buf).cloned().ok_or_else(|| no_state(buf))
+    }
+
     /// The device weights behind a compute slot.
     fn slot_tensor(&self, slot: Slot) -> Result<candle_core::Tensor> {
         Ok(match slot {
@@ -225,25 +261,29 @@ impl<B: Backend> Engine<B> {
     /// The own slot of held layer `l`.
     pub(super) fn held_slot(&self, l: usize) -> Result<candle_core::Tensor> {
         let first = self.layout.n_layers - self.pool.held.len();
-        l.checked_sub(first).and_then(|i| self.pool.held.get(i)).cloned().ok_or_else(|| {
-            CoreError::Plan(format!("layer {l} is not held (layers {first}.. are; scheduling bug)")).into()
-        })
+        l.checked_sub(first)
+            .and_then(|i| self.pool.held.get(i))
+            .cloned()
+            .ok_or_else(|| Error::Schedule(format!("layer {l} is not held (layers {first}.. are)")))
     }
 }
 
+fn no_grad_buf(k: usize) -> Error {
+    Error::Schedule(format!("gradient buffer {k} does not exist"))
+}
+
 fn no_state(buf: usize) -> Error {
-    CoreError::Plan(format!("state slot {buf} does not exist (scheduling bug)")).into()
+    Error::Schedule(format!("state slot {buf} does not exist"))
 }
 
 fn no_kept(layer: usize, chunk: usize) -> Error {
-    CoreError::Plan(format!("no place to keep layer {layer}, chunk {chunk} (scheduling bug)")).into()
+    Error::Schedule(format!("no place to keep layer {layer}, chunk {chunk}"))
 }
 
 fn missing_positions(chunk: usize) -> Error {
-    CoreError::Plan(format!("positions of chunk {chunk} missing (scheduling bug)")).into()
+    Error::Schedule(format!("positions of chunk {chunk} missing"))
 }
 
 fn missing_grad(layer: usize, chunk: usize) -> Error {
-    CoreError::Plan(format!("activation gradient for layer {layer}, chunk {chunk} missing (scheduling bug)"))
-        .into()
+    Error::Schedule(format!("activation gradient for layer {layer}, chunk {chunk} missing"))
 }

@@ -37,12 +37,12 @@ impl<B: Backend> Engine<B> {
             Ok(())
         };
         // A resident unit's slot holds its current weights already.
-        if !self.opts.resident_outer {
+        if !self.opts.placement.resident_outer {
             load(Unit::Outer, &self.pool.outer_slot)?;
         }
         let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
         let mut x = self.outer_t.embed(&ow, &ids)?;
-        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Schedule("rope table missing".into()))?;
         let pos = match &batch.positions {
             Some(p) => Positions::from_ids(rope, batch.batch, batch.seq, p)?,
             None => Positions::range(rope, 0, batch.seq)?,
@@ -58,10 +58,11 @@ impl<B: Backend> Engine<B> {
                 }
             };
             let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &slot)?;
+            let layer_t = self.layer_t.for_layer(l)?;
             if router {
-                routers.extend(self.layer_t.router_logits(&w, &x, &pos)?);
+                routers.extend(layer_t.router_logits(&w, &x, &pos)?);
             }
-            x = self.layer_t.forward_pos(&w, &x, &pos)?;
+            x = layer_t.forward_pos(&w, &x, &pos)?;
         }
         let logits = self.outer_t.logits(&ow, &x)?;
         // The slots are read on the compute stream; the next step's uploads must not overtake.

@@ -1,67 +1,12 @@
-//! Non-finite steps: a step whose loss or global gradient norm is NaN or infinite applies no
-//! update (`docs/decisions/0030-non-finite-steps.md`).
-//!
-//! Exact mode decides at the step's end, before anything of the step's own update exists: the
-//! update the step computed is simply not made pending (its landed gradients are never read, and
-//! the non-finite ones are zeroed, so the store holds no NaN), the store's step stays where the
-//! previous step's update left it and [`HostStore::skipped_steps`] counts the step. The update of
-//! the step before, which this step's forward applied, was a valid one: the store is then what
-//! the run without the bad step would hold after [`Engine::flush_pending`], bitwise.
-//!
-//! Lean mode updates each unit as its gradient lands, before the global norm exists, so it
-//! decides per unit: a unit whose landed gradient holds a NaN or infinity is not updated (its
-//! master weights and moments stay as they were); resident units' lean updates wait for the
-//! step's end, when their own share of the norm is read, and follow the same rule. If no unit
-//! was updated (a non-finite loss poisons every gradient, the usual case) the step is skipped
-//! exactly as in exact mode; otherwise the store's step advances, the units that sat it out are
-//! marked as having passed it, and the next step clips with the last finite norm.
-//!
-//! Data-parallel ranks (`crate::data_parallel`) take the same decision, from flags summed over the
-//! ranks (`Engine::agree_on_finite`); only the landing rank writes the store (its state, zeroed
-//! gradients, skip count), after every rank's step has drained, so a skipped step leaves no
-//! update pending for any rank's next step to apply.
-//!
-//! [`Fault`] injects a NaN or infinity into a step (tests only).
+//! [`Fault`]: a NaN or infinity injected into a step, to test that it is skipped (tests only;
+//! what a skipped step does: `commit.rs`).
 
 use candle_core::Tensor;
 use mt_core::Unit;
-use mt_optim::StepArgs;
-use mt_store::{GradMut, HostStore, RecordGuard, StoreState};
 
 use super::Engine;
 use crate::backend::Backend;
-use crate::program::OptimMode;
 use crate::Result;
-
-/// Why a step applied no update.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum SkipCause {
-    /// The loss was NaN or infinite.
-    Loss(f64),
-    /// The global gradient norm was NaN or infinite.
-    GradNorm(f64),
-}
-
-impl std::fmt::Display for SkipCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            SkipCause::Loss(x) => write!(f, "the loss is {x}"),
-            SkipCause::GradNorm(x) => write!(f, "the global gradient norm is {x}"),
-        }
-    }
-}
-
-/// A step whose loss or gradient norm was not finite ([`crate::StepReport::skipped`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Skipped {
-    /// The loss if it was not finite, else the gradient norm.
-    pub cause: SkipCause,
-    /// Units updated anyway: in lean mode, those whose gradient was finite, updated as it landed
-    /// (before the norm existed); always 0 in exact mode.
-    pub units_updated: usize,
-    /// The units whose gradient held a NaN or infinity (none when only the loss was not finite).
-    pub not_finite: Vec<Unit>,
-}
 
 /// A NaN or infinity injected into the next step, to test the skip: not for production use.
 #[doc(hidden)]
@@ -77,15 +22,6 @@ pub enum Fault {
     },
     /// `value` added to the step's loss (its gradients stay as they are).
     Loss(f64),
-}
-
-/// Zeroes a record's stored gradient (a non-finite one that no update will read).
-pub(super) fn zero_grad(r: &mut RecordGuard<'_>) {
-    match r.grad_mut() {
-        Some(GradMut::F32(g)) => g.fill(0.0),
-        Some(GradMut::Bf16(g)) => g.fill(half::bf16::ZERO),
-        None => {}
-    }
 }
 
 impl<B: Backend> Engine<B> {
@@ -112,109 +48,4 @@ impl<B: Backend> Engine<B> {
     pub(super) fn inject_loss(&self, loss: f64) -> f64 {
         self.step_faults.iter().fold(loss, |l, f| if let Fault::Loss(x) = f { l + x } else { l })
     }
-
-    /// Ends a step whose gradients have landed: decides whether it is skipped (module docs),
-    /// runs lean mode's deferred resident updates, and writes the store's new state.
-    pub(super) fn conclude_step(
-        &mut self,
-        state: StoreState,
-        lr: f64,
-        loss: f64,
-        norm: f64,
-        args: &StepArgs,
-    ) -> Result<Option<Skipped>> {
-        let cause = if !loss.is_finite() {
-            Some(SkipCause::Loss(loss))
-        } else if !norm.is_finite() {
-            Some(SkipCause::GradNorm(norm))
-        } else {
-            None
-        };
-        if !self.lands() {
-            // A data-parallel rank that lands nothing updates nothing and leaves the store's
-            // state to the landing rank, which took the same decision (`agree_on_finite`).
-            self.deferred_resident.clear();
-            return Ok(cause.map(|cause| Skipped { cause, units_updated: 0, not_finite: Vec::new() }));
-        }
-        let sumsq = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let not_finite: Vec<Unit> = self.layout.units().filter(|u| !sumsq[u.index()].is_finite()).collect();
-        let deferred = std::mem::take(&mut self.deferred_resident);
-        let pending = u64::from(state.pending_update);
-        match (self.opts.mode, cause) {
-            (OptimMode::Exact, None) => {
-                let coef = self.opts.clip.map_or(1.0, |c| mt_optim::clip_coef(norm, c));
-                self.store.set_state(StoreState {
-                    step: state.step + pending,
-                    pending_update: true,
-                    pending_grad_scale: coef,
-                    pending_lr: lr,
-                    grad_norm: norm,
-                });
-                Ok(None)
-            }
-            (OptimMode::Exact, Some(cause)) => {
-                // The previous step's update (applied in this step's forward) stands; this
-                // step's is never made pending.
-                for &u in not_finite.iter().filter(|&&u| !self.is_resident(u)) {
-                    zero_grad(&mut self.store.record(u));
-                }
-                self.store.set_state(StoreState {
-                    step: state.step + pending,
-                    pending_update: false,
-                    pending_grad_scale: 1.0,
-                    pending_lr: lr,
-                    grad_norm: state.grad_norm,
-                });
-                count_skip(&self.store);
-                Ok(Some(Skipped { cause, units_updated: 0, not_finite }))
-            }
-            (OptimMode::Lean, cause) => {
-                for u in deferred {
-                    if sumsq[u.index()].is_finite() {
-                        self.backend.compute_begin();
-                        let t0 = self.backend.now_s();
-                        self.update_resident(u, args)?;
-                        self.backend.compute_record(format!("UpdateResident {{ unit: {u:?} }}"), t0);
-                    }
-                }
-                let updated = self.layout.n_units() - not_finite.len();
-                let Some(cause) = cause else {
-                    self.store.set_state(StoreState {
-                        step: state.step + 1,
-                        pending_update: false,
-                        pending_grad_scale: 1.0,
-                        pending_lr: lr,
-                        grad_norm: norm,
-                    });
-                    return Ok(None);
-                };
-                if updated == 0 {
-                    // Nothing was written: the store is the previous step's.
-                    count_skip(&self.store);
-                } else {
-                    // The units that sat the step out have passed it too.
-                    for &u in &not_finite {
-                        if self.is_resident(u) {
-                            self.applied[u.index()] = args.step;
-                            self.dirty = true;
-                        } else {
-                            self.store.set_applied_step(u, args.step);
-                        }
-                    }
-                    self.store.set_state(StoreState {
-                        step: state.step + 1,
-                        pending_update: false,
-                        pending_grad_scale: 1.0,
-                        pending_lr: lr,
-                        grad_norm: if norm.is_finite() { norm } else { state.grad_norm },
-                    });
-                }
-                Ok(Some(Skipped { cause, units_updated: updated, not_finite }))
-            }
-        }
-    }
-}
-
-fn count_skip(store: &HostStore) {
-    store.set_skipped_steps(store.skipped_steps() + 1);
 }

@@ -8,30 +8,30 @@ use mt_core::{Error as CoreError, ModelConfig, ModelLayout, Unit};
 use mt_layers::{DecoderLayer, LayerOptions, Outer, Positions, Rope};
 use mt_optim::{StepArgs, Upload};
 use mt_pool::{DevicePool, PoolSpec};
-use mt_store::{GradDtype, HostStore, PinnedRecords, Staging, StoreState, UploadDtype};
+use mt_store::{GradDtype, HostStore, PinnedRecords, StoreState, TransferBuf, TransferDtype};
 
 use crate::backend::{Backend, DevicePeak, Span};
 use crate::batch::{make_chunks_normalised, Batch, Chunk};
-use crate::program::{
-    early_upload_layers, is_gpu_updated, is_late_download, OptimMode, Program, ProgramSpec, Stream,
-};
+use crate::program::{OptimMode, Program, ProgramSpec, Stream};
 use crate::stats::{stream_stats, StreamStats};
 use crate::{Error, Result};
 
+mod commit;
 mod compute;
-mod data_parallel;
+mod copy;
 mod eval;
 mod faults;
+mod host;
 mod options;
+mod rank;
 mod resident;
 mod spill;
-mod transfer;
 
-use transfer::update_unit;
+use host::update_unit;
 
 #[doc(hidden)]
+pub use commit::{SkipCause, Skipped};
 pub use faults::Fault;
-pub use faults::{SkipCause, Skipped};
 pub use options::EngineOptions;
 pub(crate) use resident::state_words;
 
@@ -65,7 +65,7 @@ pub struct StepReport {
     /// Every operation's span (for traces).
     pub spans: Vec<Span>,
     /// `Some` when the loss or the gradient norm was not finite: the step applied no update
-    /// (in lean mode: none to the units whose gradient was not finite; `faults.rs`).
+    /// (in lean mode: none to the units whose gradient was not finite; `commit.rs`).
     pub skipped: Option<Skipped>,
 }
 
@@ -76,10 +76,10 @@ pub struct Engine<B: Backend> {
     // stream first, so no copy is in flight when they go. Likewise the GPU-updated layers' records,
     // page-locked in place.
     pinned_records: Option<PinnedRecords>,
-    staging: Vec<Arc<Mutex<Staging>>>,
-    outer_staging: Arc<Mutex<Staging>>,
-    landing: Vec<Arc<Mutex<Staging>>>,
-    outer_landing: Arc<Mutex<Staging>>,
+    staging: Vec<Arc<Mutex<TransferBuf>>>,
+    outer_staging: Arc<Mutex<TransferBuf>>,
+    landing: Vec<Arc<Mutex<TransferBuf>>>,
+    outer_landing: Arc<Mutex<TransferBuf>>,
     cfg: ModelConfig,
     layout: ModelLayout,
     store: Arc<HostStore>,
@@ -91,12 +91,12 @@ pub struct Engine<B: Backend> {
     /// The positions of each chunk's tokens this step (empty outside a step).
     positions: Vec<Positions>,
     /// Page-locked host buffers of the spilled checkpoints, `[boundary][chunk]`.
-    spill_host: Vec<Vec<Arc<Mutex<Staging>>>>,
+    spill_host: Vec<Vec<Arc<Mutex<TransferBuf>>>>,
     sumsq: Arc<Mutex<Vec<f64>>>,
     /// Resident units' shares of the global norm, still on the device until the step ends.
     device_sumsq: Vec<(Unit, mt_kernels::device_optim::SumSquares)>,
     /// Forward activations kept for the backward, by `layer * n_chunks + chunk` (only layers
-    /// `0..opts.kept_layers`; empty outside a step).
+    /// `0..opts.placement.kept_layers`; empty outside a step).
     kept: Vec<Option<mt_layers::LayerState>>,
     /// Bytes kept this step (see [`StepReport::kept_bytes`]).
     kept_bytes: u64,
@@ -117,8 +117,6 @@ pub struct Engine<B: Backend> {
     /// Faults injected into the next step, and those of the step running ([`Fault`]).
     faults: Vec<Fault>,
     step_faults: Vec<Fault>,
-    /// Lean mode: the resident units whose update waits for the step's end (`faults.rs`).
-    deferred_resident: Vec<Unit>,
     /// This engine's place among data-parallel ranks (`None`: it trains alone).
     dp: Option<crate::data_parallel::DataParallel>,
 }
@@ -143,11 +141,11 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
 pub(super) const N_STAGING: usize = 2;
 pub(super) const N_LANDING: usize = 2;
 
-fn upload_dtype(d: DType) -> Result<UploadDtype> {
+fn upload_dtype(d: DType) -> Result<TransferDtype> {
     match d {
-        DType::F32 => Ok(UploadDtype::F32),
-        DType::BF16 => Ok(UploadDtype::Bf16),
-        DType::F16 => Ok(UploadDtype::F16),
+        DType::F32 => Ok(TransferDtype::F32),
+        DType::BF16 => Ok(TransferDtype::Bf16),
+        DType::F16 => Ok(TransferDtype::F16),
         other => Err(Error::Options(format!("weight dtype {other:?}; use f32, bf16 or f16"))),
     }
 }
@@ -159,8 +157,9 @@ impl<B: Backend> Engine<B> {
         if store.layout() != &layout {
             return Err(Error::Options("the host store was built for a different model layout".into()));
         }
+        mt_layers::check_device(cfg, backend.device())?;
         opts.check(&layout, store.grad_dtype())?;
-        if backend.pins_host_buffers() && opts.gpu_updated_layers > 0 && store.is_file_backed() {
+        if backend.pins_host_buffers() && opts.placement.gpu_updated_layers > 0 && store.is_file_backed() {
             // A file's pages written by DMA are not marked dirty (and recent kernels refuse
             // long-term writable pins of shared file mappings): the file would silently keep
             // stale master weights and moments.
@@ -177,15 +176,15 @@ impl<B: Backend> Engine<B> {
                 outer_len: layout.outer.len,
                 weight_dtype: opts.weight_dtype,
                 grad_dtype: DType::F32,
-                n_grad_bufs: crate::plan::grad_bufs(opts.late_state_downloads),
+                n_grad_bufs: crate::plan::grad_bufs(opts.placement.late_state_downloads),
                 n_layers: layout.n_layers,
                 n_chunks: opts.n_chunks,
-                resident_outer: opts.resident_outer,
-                resident_layers: opts.resident_layers,
-                held_layers: opts.held_layers,
+                resident_outer: opts.placement.resident_outer,
+                resident_layers: opts.placement.resident_layers,
+                held_layers: opts.placement.held_layers,
                 land_bf16,
-                state_slots: if opts.gpu_updated_layers > 0 {
-                    opts.ring_depth + opts.late_state_downloads
+                state_slots: if opts.placement.gpu_updated_layers > 0 {
+                    opts.ring_depth + opts.placement.late_state_downloads
                 } else {
                     0
                 },
@@ -196,20 +195,20 @@ impl<B: Backend> Engine<B> {
         )?;
         // The pool was zeroed on the compute stream; copy streams may touch it from step 1 on.
         backend.synchronize()?;
-        // Staging and landing rings: allocated once, page-locked once when the backend wants it
+        // TransferBuf and landing rings: allocated once, page-locked once when the backend wants it
         // (never the store itself).
         let pin = backend.pins_host_buffers();
         let host_buf = |dtype, n| -> Result<_> {
-            let mut s = Staging::new(dtype, n);
+            let mut s = TransferBuf::new(dtype, n);
             if pin && n > 0 {
                 s.pin()?;
             }
             Ok(Arc::new(Mutex::new(s)))
         };
         // Layer gradients land in bf16 when the device narrows them.
-        let layer_land = if land_bf16 { UploadDtype::Bf16 } else { UploadDtype::F32 };
+        let layer_land = if land_bf16 { TransferDtype::Bf16 } else { TransferDtype::F32 };
         // A resident outer unit needs no staging or landing buffer of its own.
-        let outer_host_len = if opts.resident_outer { 0 } else { layout.outer.len };
+        let outer_host_len = if opts.placement.resident_outer { 0 } else { layout.outer.len };
         let layout_units = layout.n_units();
         let mut engine = Engine {
             pinned_records: None,
@@ -217,7 +216,7 @@ impl<B: Backend> Engine<B> {
             staging: (0..N_STAGING).map(|_| host_buf(up, layout.layer.len)).collect::<Result<_>>()?,
             outer_staging: host_buf(up, outer_host_len)?,
             landing: (0..N_LANDING).map(|_| host_buf(layer_land, layout.layer.len)).collect::<Result<_>>()?,
-            outer_landing: host_buf(UploadDtype::F32, outer_host_len)?,
+            outer_landing: host_buf(TransferDtype::F32, outer_host_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             device_sumsq: Vec::new(),
             kept: Vec::new(),
@@ -246,12 +245,11 @@ impl<B: Backend> Engine<B> {
             early_ready: false,
             faults: Vec::new(),
             step_faults: Vec::new(),
-            deferred_resident: Vec::new(),
             dp: None,
         };
         engine.check_records()?;
         engine.load_resident()?;
-        if pin && engine.opts.gpu_updated_layers > 0 {
+        if pin && engine.opts.placement.gpu_updated_layers > 0 {
             // Their whole state crosses PCIe: page-lock their records in place (DMA at bus speed
             // from and into the store, no copy through the staging rings).
             let units = engine.gpu_updated_units();
@@ -273,28 +271,30 @@ impl<B: Backend> Engine<B> {
     /// The program's shape for a step (`pending`: an exact-mode update is pending; `early_ready`:
     /// the early-upload layers' states are already up).
     fn program_spec(&self, pending: bool, early_ready: bool) -> ProgramSpec {
-        self.opts.program_spec(self.layout.n_layers, pending, early_ready)
+        let spec =
+            self.opts.program_spec(self.layout.n_layers, self.store.grad_dtype(), pending, early_ready);
+        ProgramSpec { rank: self.dp.as_ref().map(|d| d.rank), ..spec }
     }
 
     /// The decoder layers whose exact-mode update runs on the device from their streamed state
-    /// ([`EngineOptions::gpu_updated_layers`], picked by [`is_gpu_updated`]).
+    /// (`Placement::gpu_updated_layers`, picked by `Placement::is_gpu_updated`).
     pub fn gpu_updated_units(&self) -> Vec<Unit> {
         let spec = self.program_spec(true, false);
-        (0..self.layout.n_layers).filter(|&l| is_gpu_updated(&spec, l)).map(Unit::Layer).collect()
+        (0..self.layout.n_layers).filter(|&l| spec.is_gpu_updated(l)).map(Unit::Layer).collect()
     }
 
     /// The GPU-updated layers whose state is downloaded in the backward
-    /// ([`EngineOptions::late_state_downloads`], picked by [`is_late_download`]).
+    /// (`Placement::late_state_downloads`, picked by `Placement::is_late_download`).
     pub fn late_download_units(&self) -> Vec<Unit> {
         let spec = self.program_spec(true, false);
-        (0..self.layout.n_layers).filter(|&l| is_late_download(&spec, l)).map(Unit::Layer).collect()
+        (0..self.layout.n_layers).filter(|&l| spec.is_late_download(l)).map(Unit::Layer).collect()
     }
 
     /// The GPU-updated layers whose state for the next step goes up in the backward
-    /// ([`EngineOptions::early_state_uploads`], picked by [`early_upload_layers`]), in forward
+    /// (`Placement::early_state_uploads`, picked by `Placement::early_upload_layers`), in forward
     /// order.
     pub fn early_upload_units(&self) -> Vec<Unit> {
-        early_upload_layers(&self.program_spec(true, false)).into_iter().map(Unit::Layer).collect()
+        self.program_spec(true, false).early_upload_layers().into_iter().map(Unit::Layer).collect()
     }
 
     /// Bytes of host memory page-locked in place for the GPU-updated layers' records.
@@ -396,7 +396,7 @@ impl<B: Backend> Engine<B> {
                 },
             },
         };
-        if self.opts.resident_outer || self.opts.resident_layers > 0 {
+        if self.opts.placement.resident_outer || self.opts.placement.resident_layers > 0 {
             // From here until the write-back the device holds state the store does not; a crash
             // leaves the mark, and the next engine refuses the store.
             self.dirty = true;
@@ -404,7 +404,6 @@ impl<B: Backend> Engine<B> {
         }
         self.backend.begin_step();
         self.device_sumsq.clear();
-        self.deferred_resident.clear();
         self.step_faults = std::mem::take(&mut self.faults);
         self.kept = std::iter::repeat_with(|| None).take(self.layout.n_layers * chunks.len()).collect();
         self.kept_bytes = 0;
@@ -415,21 +414,11 @@ impl<B: Backend> Engine<B> {
         // Whatever a failed step left kept is freed with it.
         self.kept.clear();
         self.positions.clear();
-        let loss = loss?;
-        for (unit, ss) in std::mem::take(&mut self.device_sumsq) {
-            let ss = ss.value()?;
-            self.sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
-        }
-        let norm = self.sumsq.lock().unwrap_or_else(|p| p.into_inner()).iter().sum::<f64>().sqrt();
-        let loss = self.inject_loss(loss);
-        self.step_faults.clear();
-        // Every rank takes the same decision, from the whole batch's loss and the summed norm.
-        let (decision_loss, decision_norm) = self.agree_on_finite(loss, norm)?;
-        let skipped = self.conclude_step(state, lr, decision_loss, decision_norm, &update_args)?;
+        let (loss, norm, skipped) = self.commit(state, lr, loss?, &update_args)?;
         let step_s = self.backend.now_s();
         // Every stream is drained: the early uploads this step issued are in their slots (of no
         // use after a skipped step, which leaves no update pending for them).
-        self.early_ready = program.spec.early_uploads > 0 && skipped.is_none();
+        self.early_ready = program.spec.placement.early_state_uploads > 0 && skipped.is_none();
         let spans = self.backend.spans();
         let (h2d_bytes, d2h_bytes) = self.backend.transferred();
         Ok(StepReport {
@@ -479,7 +468,7 @@ impl<B: Backend> Engine<B> {
 
     /// Each chunk's [`Positions`]: its position ids' RoPE rows and packed documents.
     pub(super) fn chunk_positions(&self, chunks: &[Chunk]) -> Result<Vec<Positions>> {
-        let rope = self.rope.as_ref().ok_or_else(|| Error::Options("rope table missing".into()))?;
+        let rope = self.rope.as_ref().ok_or_else(|| Error::Schedule("rope table missing".into()))?;
         chunks
             .iter()
             .map(|ch| {
@@ -519,13 +508,8 @@ impl<B: Backend> Engine<B> {
     fn issue_all(&mut self, program: &Program, chunks: &[Chunk], args: StepArgs) -> Result<f64> {
         let mut events: Vec<B::Event> = Vec::with_capacity(program.instrs.len());
         let mut losses = Vec::new();
-        let mut last_compute: Option<B::Event> = None;
         for ins in &program.instrs {
-            let mut waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
-            let serialise = !self.opts.overlap_optimizer && ins.stream == Stream::Host;
-            if serialise {
-                waits.extend(last_compute.clone());
-            }
+            let waits: Vec<B::Event> = ins.waits.iter().map(|&w| events[w].clone()).collect();
             let ev = match ins.stream {
                 Stream::Compute => {
                     self.backend.compute_wait(&waits)?;
@@ -535,14 +519,9 @@ impl<B: Backend> Engine<B> {
                         .map_err(|e| Error::Op { op: format!("{:?}", ins.op), source: Box::new(e) })?;
                     self.backend.compute_record(format!("{:?}", ins.op), t0)
                 }
-                _ => self.issue_transfer(&ins.op, &waits, args)?,
+                Stream::Host => self.issue_host(&ins.op, &waits, args)?,
+                Stream::H2D | Stream::D2H => self.issue_copy(&ins.op, &waits, args.step)?,
             };
-            if ins.stream == Stream::Compute {
-                last_compute = Some(ev.clone());
-            }
-            if serialise {
-                self.backend.compute_wait(std::slice::from_ref(&ev))?;
-            }
             events.push(ev);
         }
         // The chunks' losses, read now that every instruction is issued, summed in chunk order

@@ -11,7 +11,7 @@ use mt_kernels::device_optim::StateKind;
 use mt_optim::{StepArgs, Upload};
 use mt_store::GradMut;
 
-use super::transfer::update_unit;
+use super::host::update_unit;
 use super::Engine;
 use crate::backend::Backend;
 use crate::{Error, Result};
@@ -27,8 +27,8 @@ pub(super) struct ResidentBufs {
 impl<B: Backend> Engine<B> {
     /// The units whose optimizer state lives on the device, in update order.
     pub(super) fn resident_units(&self) -> Vec<Unit> {
-        let outer = self.opts.resident_outer.then_some(Unit::Outer);
-        outer.into_iter().chain((0..self.opts.resident_layers).map(Unit::Layer)).collect()
+        let outer = self.opts.placement.resident_outer.then_some(Unit::Outer);
+        outer.into_iter().chain((0..self.opts.placement.resident_layers).map(Unit::Layer)).collect()
     }
 
     /// How `unit`'s moments are held and whose draws round them (for a device update).
@@ -39,13 +39,13 @@ impl<B: Backend> Engine<B> {
     /// Whether `unit` is resident.
     pub(super) fn is_resident(&self, unit: Unit) -> bool {
         match unit {
-            Unit::Outer => self.opts.resident_outer,
-            Unit::Layer(l) => l < self.opts.resident_layers,
+            Unit::Outer => self.opts.placement.resident_outer,
+            Unit::Layer(l) => l < self.opts.placement.resident_layers,
         }
     }
 
     pub(super) fn resident_bufs(&self, unit: Unit) -> Result<ResidentBufs> {
-        let missing = || Error::Options(format!("{unit:?} is not resident on the device"));
+        let missing = || Error::Schedule(format!("{unit:?} is not resident on the device"));
         Ok(match unit {
             Unit::Outer => ResidentBufs {
                 slot: self.pool.outer_slot.clone(),
@@ -168,7 +168,7 @@ impl<B: Backend> Engine<B> {
         // pieces used to go through candle's `to_vec1`: a fresh pageable vector per piece, ~1 GB/s,
         // two minutes for a 14B model's 16 resident layers.)
         let land =
-            Arc::clone(self.landing.first().ok_or_else(|| Error::Options("no landing buffer".into()))?);
+            Arc::clone(self.landing.first().ok_or_else(|| Error::Schedule("no landing buffer".into()))?);
         // f32 values travel as raw bytes, whatever the landing buffer's own type.
         let piece = land.lock().unwrap_or_else(|p| p.into_inner()).bytes_as_f32().len();
         let staging = Tensor::zeros(piece, DType::F32, self.backend.device())?;

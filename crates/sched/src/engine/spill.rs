@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use mt_store::Staging;
+use mt_store::TransferBuf;
 
 use super::{upload_dtype, Engine};
 use crate::backend::Backend;
@@ -18,7 +18,7 @@ impl<B: Backend> Engine<B> {
     /// step's `chunks` (kept while the sizes stay); a fresh allocation is synchronised before a
     /// copy stream may touch it.
     pub(super) fn ensure_spill(&mut self, chunks: &[Chunk]) -> Result<()> {
-        let k = self.opts.spilled_checkpoints;
+        let k = self.opts.placement.spilled_checkpoints;
         if k == 0 {
             return Ok(());
         }
@@ -26,7 +26,7 @@ impl<B: Backend> Engine<B> {
         let sizes: Vec<usize> = chunks.iter().map(|c| c.ids.elem_count() * h).collect();
         let device = self.backend.device().clone();
         let fresh = self.pool.ensure_reload(RELOAD_SLOTS, &sizes, &device)?;
-        let fits = |b: &Vec<Arc<Mutex<Staging>>>| {
+        let fits = |b: &Vec<Arc<Mutex<TransferBuf>>>| {
             b.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len()).eq(sizes.iter().copied())
         };
         if self.spill_host.len() != k || !self.spill_host.iter().all(fits) {
@@ -37,7 +37,7 @@ impl<B: Backend> Engine<B> {
                     sizes
                         .iter()
                         .map(|&n| {
-                            let mut s = Staging::new(dtype, n);
+                            let mut s = TransferBuf::new(dtype, n);
                             if pin {
                                 s.pin()?;
                             }
@@ -92,7 +92,7 @@ impl<B: Backend> Engine<B> {
         chunk: usize,
         ch: &Chunk,
     ) -> Result<candle_core::Tensor> {
-        let k = self.opts.spilled_checkpoints;
+        let k = self.opts.placement.spilled_checkpoints;
         match (boundary < k).then(|| crate::program::reload_slot(k, RELOAD_SLOTS, boundary)) {
             Some(slot) => {
                 let (b, t) = ch.ids.dims2()?;
@@ -110,5 +110,5 @@ impl<B: Backend> Engine<B> {
 }
 
 fn spill_bug(boundary: usize) -> Error {
-    Error::Options(format!("checkpoint {boundary} has no spill buffer (scheduling bug)"))
+    Error::Schedule(format!("checkpoint {boundary} has no spill buffer"))
 }

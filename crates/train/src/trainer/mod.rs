@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use crate::checkpoint;
 use crate::data::TrainData;
-use crate::engine::{Backend, DeviceEngine};
+use crate::device::{DeviceEngine, OpenedDevice};
 use crate::error::{Context, Error, Result};
 use crate::host::{available_bytes, gib_to_bytes};
 use crate::lock::RunLocks;
@@ -97,7 +97,7 @@ impl<O: Observer> Trainer<O> {
         checks::check_room(&checks::outputs(&config, &ModelLayout::new(&model.cfg)))?;
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
-        let backend = Backend::open(&config)?;
+        let backend = OpenedDevice::open(&config)?;
         let plan = plan_run(&config, &model, &backend, &mut observer)?;
         let layout = ModelLayout::new(&model.cfg);
         let defining = defining_options(&config, &model)?;
@@ -369,7 +369,7 @@ impl<O: Observer> Drop for Trainer<O> {
 fn plan_run<O: Observer>(
     c: &TrainConfig,
     model: &ModelSource,
-    backend: &Backend,
+    backend: &OpenedDevice,
     observer: &mut O,
 ) -> Result<Plan> {
     if let Some(d) = backend.describe() {
@@ -407,18 +407,11 @@ fn engine_options(c: &TrainConfig, model: &ModelSource, plan: &Plan) -> EngineOp
         clip: (c.clip > 0.0).then_some(c.clip),
         overlap_optimizer: c.overlap_optimizer,
         rows_per_block: c.rows_per_block,
-        resident_outer: plan.resident_outer,
-        resident_layers: plan.resident_layers,
-        kept_layers: plan.kept_layers,
-        held_layers: plan.held_layers,
-        gpu_updated_layers: plan.gpu_updated_layers,
-        late_state_downloads: plan.late_state_downloads,
-        early_state_uploads: plan.early_state_uploads,
         flash_attention: plan.flash_attention,
         flash_kernel: c.flash_kernel,
         mlp_rows: plan.mlp_rows,
-        spilled_checkpoints: plan.spilled_checkpoints,
         rope_angles: c.rope_angles,
+        placement: plan.placement,
         ..EngineOptions::default()
     };
     opts.adamw.lr = c.lr_for(&model.cfg);
@@ -435,7 +428,7 @@ fn start_engine<O: Observer>(
     c: &TrainConfig,
     model: &ModelSource,
     opts: EngineOptions,
-    backend: Backend,
+    backend: OpenedDevice,
     store: &Arc<HostStore>,
     observer: &mut O,
 ) -> Result<DeviceEngine> {

@@ -1,0 +1,54 @@
+//! The copy streams' operations: uploads of staged weights, of a GPU-updated layer's state and of
+//! an early layer's moments, the state's download back into its record, checkpoint spills and
+//! reloads, gradient downloads, issued as the step program says.
+
+use std::sync::Arc;
+
+use super::Engine;
+use crate::backend::Backend;
+use crate::program::{Op, Slot};
+use crate::{Error, Result};
+
+impl<B: Backend> Engine<B> {
+    /// Issues copy `op` (H2D or D2H) after `waits`; `applied` is the optimizer step a state
+    /// download marks its record with.
+    pub(super) fn issue_copy(&self, op: &Op, waits: &[B::Event], applied: u64) -> Result<B::Event> {
+        let name = format!("{op:?}");
+        Ok(match *op {
+            Op::Upload { staging, slot, .. } => {
+                let dst = match slot {
+                    Slot::Ring(k) => self.pool.slots[k].clone(),
+                    Slot::Outer => self.pool.outer_slot.clone(),
+                    Slot::Held(l) => self.held_slot(l)?,
+                    Slot::Resident(l) => {
+                        return Err(Error::Schedule(format!("upload into resident layer {l}'s slot")))
+                    }
+                };
+                self.backend.upload(waits, self.staging_of(staging), dst, name)
+            }
+            Op::UploadState { unit, buf } => {
+                let (state, grad) = (self.state_slot(buf)?, self.state_grad_slot(buf)?);
+                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, Some(grad), name)
+            }
+            Op::UploadMoments { unit, buf } => {
+                let state = self.state_slot(buf)?;
+                self.backend.upload_record(waits, Arc::clone(&self.store), unit, state, None, name)
+            }
+            Op::DownloadState { unit, buf } => {
+                let state = self.state_slot(buf)?;
+                self.backend.download_record(waits, state, Arc::clone(&self.store), unit, applied, name)
+            }
+            Op::SpillCheckpoint { boundary } => self.issue_spill(boundary, waits, &name)?,
+            Op::ReloadCheckpoint { boundary, slot } => self.issue_reload(boundary, slot, waits, &name)?,
+            Op::Download { grad_buf, landing, .. } => {
+                // A layer gradient narrowed to bf16 by its backward downloads from the twin.
+                let src = match grad_buf {
+                    Some(k) => self.pool.grad_narrow.get(k).unwrap_or(&self.pool.grad_bufs[k]).clone(),
+                    None => self.pool.outer_grad.clone(),
+                };
+                self.backend.download(waits, src, self.landing_of(landing), name)
+            }
+            _ => return Err(Error::Schedule(format!("{op:?} is not a copy"))),
+        })
+    }
+}

@@ -1,0 +1,179 @@
+//! The host stream's jobs: staging a unit (the cast into its upload buffer, with the pending
+//! AdamW update fused in, exact mode) and landing a gradient (into the store record with its sum
+//! of squares, lean mode's update fused in), issued as the step program says.
+
+use std::sync::{Arc, Mutex};
+
+use mt_core::{StateDtype, Unit};
+use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
+use mt_store::{GradMut, GradRef, RecordGuard, TransferBuf};
+
+use super::{commit, Engine};
+use crate::backend::{Backend, HostJob};
+use crate::program::{HostBuf, Op};
+use crate::{Error, Result};
+
+fn grad_view(g: GradRef<'_>) -> Grad<'_> {
+    match g {
+        GradRef::F32(g) => Grad::F32(g),
+        GradRef::Bf16(g) => Grad::Bf16(g),
+    }
+}
+
+/// The moments of `unit`'s record in their encoding, rounding with the unit's draws.
+fn moments_of<'r>(
+    unit: Unit,
+    n: usize,
+    states: StateDtype,
+    m: &'r mut [u8],
+    v: &'r mut [u8],
+) -> Result<Moments<'r>> {
+    Ok(Moments::from_bytes(states, n, m, v, unit.index() as u64)?)
+}
+
+/// Applies optimizer step `args.step` to `unit` from the record's gradient buffer — once: if
+/// the record says the update was already applied (a failed step is being retried), only the
+/// upload copy is refreshed. (Lean mode updates as it lands: `mt_optim::land_and_step`.)
+pub(super) fn update_unit(
+    unit: Unit,
+    r: &mut RecordGuard<'_>,
+    hyper: &AdamW,
+    args: &StepArgs,
+    upload: Upload<'_>,
+) -> Result<()> {
+    if r.applied_step() >= args.step {
+        mt_optim::cast_into(r.master(), upload)?;
+        return Ok(());
+    }
+    let p = r.parts();
+    let Some(g) = p.grad else {
+        return Err(Error::Options("an exact-mode update needs a store with gradient buffers".into()));
+    };
+    let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
+    mt_optim::step_fused(hyper, args, grad_view(g), p.master, moments, upload)?;
+    r.set_applied_step(args.step);
+    Ok(())
+}
+
+fn upload_view(s: &mut TransferBuf, n: usize) -> Upload<'_> {
+    match s {
+        TransferBuf::F32(v) => Upload::F32(&mut v[..n]),
+        TransferBuf::Bf16(v) => Upload::Bf16(&mut v[..n]),
+        TransferBuf::F16(v) => Upload::F16(&mut v[..n]),
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    pub(super) fn staging_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
+        match b {
+            HostBuf::Ring(k) => Arc::clone(&self.staging[k]),
+            HostBuf::Outer => Arc::clone(&self.outer_staging),
+        }
+    }
+
+    pub(super) fn landing_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
+        match b {
+            HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
+            HostBuf::Outer => Arc::clone(&self.outer_landing),
+        }
+    }
+
+    /// Issues host-stream op `op` after `waits`.
+    pub(super) fn issue_host(&self, op: &Op, waits: &[B::Event], args: StepArgs) -> Result<B::Event> {
+        let name = format!("{op:?}");
+        let hyper = self.opts.adamw;
+        Ok(match *op {
+            Op::Stage { unit, staging, update } => {
+                let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
+                let job: HostJob = Box::new(move || {
+                    let mut r = store.record(unit);
+                    let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
+                    let up = upload_view(&mut s, r.master().len());
+                    if update {
+                        update_unit(unit, &mut r, &hyper, &args, up)
+                    } else {
+                        Ok(mt_optim::cast_into(r.master(), up)?)
+                    }
+                });
+                self.backend.host(waits, job, name)
+            }
+            Op::Land { unit, landing, update } => {
+                let (store, land, sumsq) =
+                    (Arc::clone(&self.store), self.landing_of(landing), Arc::clone(&self.sumsq));
+                let job: HostJob = Box::new(move || {
+                    let src = land.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut r = store.record(unit);
+                    if src.len() != r.master().len() {
+                        return Err(Error::Stream {
+                            stream: "host",
+                            msg: format!(
+                                "landed {} gradient elements for a {}-element record",
+                                src.len(),
+                                r.master().len()
+                            ),
+                        });
+                    }
+                    let src = match &*src {
+                        TransferBuf::F32(v) => v,
+                        TransferBuf::Bf16(v) => {
+                            // Narrowed on the device, which also took its sum of squares: store it.
+                            return match r.grad_mut() {
+                                Some(GradMut::Bf16(g)) if !update => {
+                                    mt_store::par_copy(g, v);
+                                    Ok(())
+                                }
+                                _ => Err(Error::Stream {
+                                    stream: "host",
+                                    msg: "a bf16 landing is for exact mode's bf16 store gradients".into(),
+                                }),
+                            };
+                        }
+                        TransferBuf::F16(_) => {
+                            return Err(Error::Stream { stream: "host", msg: "f16 gradient landing".into() })
+                        }
+                    };
+                    // Store the gradient (parallel cast) and take Σg² of the gradient the
+                    // optimizer will use: the stored (possibly bf16) one, in the same pass; in
+                    // lean mode, which updates from the landed f32 gradient now, of that one,
+                    // with the update in the same pass too (unless a retried step applied it).
+                    let ss = if update && r.applied_step() < args.step {
+                        // A non-finite gradient updates nothing (`commit.rs`): checked before
+                        // the fused land + update writes the record.
+                        let ss = mt_optim::sum_squares(Grad::F32(src));
+                        if !ss.is_finite() {
+                            commit::zero_grad(&mut r);
+                            sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
+                            return Ok(());
+                        }
+                        let p = r.parts_mut();
+                        let stored = match p.grad {
+                            Some(GradMut::F32(g)) => Upload::F32(g),
+                            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
+                            None => Upload::None,
+                        };
+                        let moments = moments_of(unit, p.master.len(), p.states, p.m, p.v)?;
+                        let ss = mt_optim::land_and_step(&hyper, &args, src, stored, p.master, moments)?;
+                        r.set_applied_step(args.step);
+                        ss
+                    } else {
+                        let stored = match r.grad_mut() {
+                            Some(GradMut::F32(g)) => Upload::F32(g),
+                            Some(GradMut::Bf16(g)) => Upload::Bf16(g),
+                            None => Upload::None,
+                        };
+                        if update {
+                            mt_optim::cast_into(src, stored)?;
+                            mt_optim::sum_squares(Grad::F32(src))
+                        } else {
+                            mt_optim::cast_sum_squares(src, stored)?
+                        }
+                    };
+                    sumsq.lock().unwrap_or_else(|p| p.into_inner())[unit.index()] = ss;
+                    Ok(())
+                });
+                self.backend.host(waits, job, name)
+            }
+            _ => return Err(Error::Schedule(format!("{op:?} is not a host op"))),
+        })
+    }
+}
