@@ -13,7 +13,7 @@ use crate::adamw::{update_block_coded, update_chunk, Coeffs, GradElem, UploadEle
 use crate::moments::{
     bf16_sr, decode_m, decode_v, draw, encode_m, encode_v, m_bits, rounding_key, v_bits, widen, Moments,
 };
-use crate::simd::{self, streaming::Writer, Isa, Pending, Q8Encode, Q8Update};
+use crate::simd::{self, streaming::Writer, Isa, Pass, Pending, Q8Encode, Q8Update};
 
 const _: () =
     assert!(CHUNK.is_multiple_of(Q8_BLOCK) && BLOCK.is_multiple_of(Q8_BLOCK), "8-bit blocks tile the chunks");
@@ -51,11 +51,8 @@ pub(crate) fn mom_chunks(mom: Moments<'_>, step: u64) -> (Vec<MomChunk<'_>>, u32
 
 /// One rayon task over coded moments: the chunk in L1-sized blocks, each widened (bf16 grads),
 /// decoded, updated, encoded (stochastic draws of elements `base..`) and cast.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn update_coded<G: GradElem, U: UploadElem>(
-    isa: Isa,
-    c: &Coeffs,
-    key: u32,
+    pass: Pass<'_>,
     base: usize,
     g: &[G],
     p: &mut [f32],
@@ -63,18 +60,15 @@ pub(crate) fn update_coded<G: GradElem, U: UploadElem>(
     up: Option<&mut [U]>,
 ) {
     match mom {
-        MomChunk::F32(m, v) => update_chunk(c, g, p, m, v, up),
-        MomChunk::Bf16(m, v) => bf16_chunk(isa, c, key, base, g, p, (m, v), up),
-        MomChunk::Int8 { mc, ms, vc, vs } => q8_chunk(isa, c, key, base, g, p, (mc, ms), (vc, vs), up),
+        MomChunk::F32(m, v) => update_chunk(pass.c, g, p, m, v, up),
+        MomChunk::Bf16(m, v) => bf16_chunk(pass, base, g, p, (m, v), up),
+        MomChunk::Int8 { mc, ms, vc, vs } => q8_chunk(pass, base, g, p, ((mc, ms), (vc, vs)), up),
     }
 }
 
 /// [`update_coded`] over bf16 moments.
-#[allow(clippy::too_many_arguments)]
 fn bf16_chunk<G: GradElem, U: UploadElem>(
-    isa: Isa,
-    c: &Coeffs,
-    key: u32,
+    pass: Pass<'_>,
     base: usize,
     g: &[G],
     p: &mut [f32],
@@ -86,7 +80,7 @@ fn bf16_chunk<G: GradElem, U: UploadElem>(
     for (i, (p, g)) in p.chunks_mut(BLOCK).zip(g.chunks(BLOCK)).enumerate() {
         let (lo, n) = (i * BLOCK, p.len());
         let g = G::widen(g, &mut gbuf);
-        bf16_block(isa, c, key, base + lo, g, p, &mut m[lo..lo + n], &mut v[lo..lo + n]);
+        bf16_block(pass, base + lo, g, p, (&mut m[lo..lo + n], &mut v[lo..lo + n]));
         if let (Some(up), Some(w)) = (up.as_deref_mut(), w.as_mut()) {
             U::narrow_streaming(p, &mut up[lo..lo + n], w);
         }
@@ -95,18 +89,9 @@ fn bf16_chunk<G: GradElem, U: UploadElem>(
 
 /// The update over bf16 moments of at most [`BLOCK`] elements (`base` the first one's index in
 /// the unit): the vector kernel's whole vectors, then the rest element by element.
-#[allow(clippy::too_many_arguments)]
-fn bf16_block(
-    isa: Isa,
-    c: &Coeffs,
-    key: u32,
-    base: usize,
-    g: &[f32],
-    p: &mut [f32],
-    mm: &mut [u16],
-    vv: &mut [u16],
-) {
-    let done = simd::bf16_span(isa, c, key, base as u32, g, p, mm, vv);
+fn bf16_block(pass: Pass<'_>, base: usize, g: &[f32], p: &mut [f32], (mm, vv): (&mut [u16], &mut [u16])) {
+    let Pass { c, key, .. } = pass;
+    let done = simd::bf16_span(pass, base as u32, g, p, (&mut *mm, &mut *vv));
     if done == p.len() {
         return;
     }
@@ -129,18 +114,15 @@ fn bf16_block(
 /// updated in one step and encoded in the next (the new moments wait in one of two
 /// [`Pending`]s); a partial block (only ever a unit's last) after the one before it is encoded,
 /// element by element.
-#[allow(clippy::too_many_arguments)]
 fn q8_chunk<G: GradElem, U: UploadElem>(
-    isa: Isa,
-    c: &Coeffs,
-    key: u32,
+    pass: Pass<'_>,
     base: usize,
     g: &[G],
     p: &mut [f32],
-    (mc, ms): (&mut [u8], &mut [f32]),
-    (vc, vs): (&mut [u8], &mut [f32]),
+    ((mc, ms), (vc, vs)): Q8Pair<'_, [u8], [f32]>,
     mut up: Option<&mut [U]>,
 ) {
+    let Pass { isa, c, key } = pass;
     let (mut gbuf, mut pend) = ([0.0f32; BLOCK], [Pending::new(), Pending::new()]);
     let mut w = up.is_some().then(Writer::new);
     let (mcb, mc_rest) = mc.as_chunks_mut::<Q8_BLOCK>();
@@ -172,29 +154,30 @@ fn q8_chunk<G: GradElem, U: UploadElem>(
         }
         if !p_rest.is_empty() {
             // A partial block: the unit's last, so the chunk's last too.
-            flush(isa, key, base, updated, &pend, (mcb, ms), (vcb, vs));
+            flush(pass, base, updated, &pend, ((mcb, ms), (vcb, vs)));
             let (at, b) = (updated * Q8_BLOCK, updated);
             let m = (&mut mc_rest[..p_rest.len()], &mut ms[b]);
             let v = (&mut vc_rest[..p_rest.len()], &mut vs[b]);
-            q8_partial(c, key, base + at, g_rest, p_rest, m, v);
+            q8_partial(pass, base + at, g_rest, p_rest, (m, v));
             updated = 0;
         }
         if let (Some(up), Some(w)) = (up.as_deref_mut(), w.as_mut()) {
             U::narrow_streaming(p, &mut up[lo..lo + n], w);
         }
     }
-    flush(isa, key, base, updated, &pend, (mcb, ms), (vcb, vs));
+    flush(pass, base, updated, &pend, ((mcb, ms), (vcb, vs)));
 }
+
+/// `m`'s and `v`'s codes and steps (8-bit moments).
+type Q8Pair<'a, C, S> = ((&'a mut C, &'a mut S), (&'a mut C, &'a mut S));
 
 /// Encodes the last of `updated` whole blocks (none if 0), whose new moments wait in `pend`.
 fn flush(
-    isa: Isa,
-    key: u32,
+    pass: Pass<'_>,
     base: usize,
     updated: usize,
     pend: &[Pending; 2],
-    (mc, ms): (&mut [[u8; Q8_BLOCK]], &mut [f32]),
-    (vc, vs): (&mut [[u8; Q8_BLOCK]], &mut [f32]),
+    ((mc, ms), (vc, vs)): Q8Pair<'_, [[u8; Q8_BLOCK]], [f32]>,
 ) {
     let Some(a) = updated.checked_sub(1) else { return };
     let enc = Q8Encode {
@@ -203,19 +186,17 @@ fn flush(
         m: (&mut mc[a], &mut ms[a]),
         v: (&mut vc[a], &mut vs[a]),
     };
-    simd::q8_step(isa, key, None, Some(enc));
+    simd::q8_step(pass.isa, pass.key, None, Some(enc));
 }
 
 /// The update over a partial 8-bit block (`base` its first element's index in the unit): the
 /// scalar definitions.
 fn q8_partial(
-    c: &Coeffs,
-    key: u32,
+    Pass { c, key, .. }: Pass<'_>,
     base: usize,
     g: &[f32],
     p: &mut [f32],
-    (mc, ms): (&mut [u8], &mut f32),
-    (vc, vs): (&mut [u8], &mut f32),
+    ((mc, ms), (vc, vs)): Q8Pair<'_, [u8], f32>,
 ) {
     let (mut mbuf, mut vbuf) = ([0.0f32; Q8_BLOCK], [0.0f32; Q8_BLOCK]);
     let (m, v) = (&mut mbuf[..p.len()], &mut vbuf[..p.len()]);
@@ -226,21 +207,9 @@ fn q8_partial(
     *vs = encode_v(v, vc, key, base);
 }
 
-/// Splits the (length-checked) slices into [`CHUNK`]s and runs them on the rayon pool, on the
-/// widest instruction set the CPU has ([`Isa::detect`]).
+/// Splits the (length-checked) slices into [`CHUNK`]s and runs them on the rayon pool, on `isa`
+/// ([`Isa::detect`]'s, but in tests).
 pub(crate) fn run_coded<G: GradElem, U: UploadElem>(
-    c: &Coeffs,
-    step: u64,
-    g: &[G],
-    p: &mut [f32],
-    mom: Moments<'_>,
-    up: Option<&mut [U]>,
-) {
-    run_coded_on(Isa::detect(), c, step, g, p, mom, up);
-}
-
-/// [`run_coded`] on `isa`.
-pub(crate) fn run_coded_on<G: GradElem, U: UploadElem>(
     isa: Isa,
     c: &Coeffs,
     step: u64,
@@ -250,15 +219,16 @@ pub(crate) fn run_coded_on<G: GradElem, U: UploadElem>(
     up: Option<&mut [U]>,
 ) {
     let (chunks, key) = mom_chunks(mom, step);
+    let pass = Pass { isa, c, key };
     let (p, g, mom) = (p.par_chunks_mut(CHUNK), g.par_chunks(CHUNK), chunks.into_par_iter());
     match up {
         Some(up) => (p, g, mom, up.par_chunks_mut(CHUNK))
             .into_par_iter()
             .enumerate()
-            .for_each(|(k, (p, g, mom, u))| update_coded(isa, c, key, k * CHUNK, g, p, mom, Some(u))),
+            .for_each(|(k, (p, g, mom, u))| update_coded(pass, k * CHUNK, g, p, mom, Some(u))),
         None => (p, g, mom)
             .into_par_iter()
             .enumerate()
-            .for_each(|(k, (p, g, mom))| update_coded::<G, U>(isa, c, key, k * CHUNK, g, p, mom, None)),
+            .for_each(|(k, (p, g, mom))| update_coded::<G, U>(pass, k * CHUNK, g, p, mom, None)),
     }
 }

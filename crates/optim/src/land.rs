@@ -9,7 +9,7 @@ use crate::coded::{mom_chunks, update_coded};
 use crate::error::Error;
 use crate::moments::Moments;
 use crate::norm::chunk_sum_squares;
-use crate::simd::{streaming::Writer, Isa};
+use crate::simd::{streaming::Writer, Isa, Pass};
 
 /// Lean mode's land and update in one pass over memory: stores the landed f32 gradient into
 /// `stored` (rounded to its type; `Upload::None` stores nothing), returns the sum of squares of
@@ -93,7 +93,7 @@ fn land_coded(
                 U::narrow_streaming(g, st, &mut Writer::new());
             }
             let ss = chunk_sum_squares(g, |x| x);
-            update_coded::<f32, f32>(isa, c, key, k * CHUNK, g, p, mom, None);
+            update_coded::<f32, f32>(Pass { isa, c, key }, k * CHUNK, g, p, mom, None);
             ss
         };
         let (p, gc, mc) = (p.par_chunks_mut(CHUNK), g.par_chunks(CHUNK), chunks.into_par_iter());

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use crate::coded::run_coded;
 use crate::error::{check_len, Error};
 use crate::moments::Moments;
-use crate::simd::streaming::Writer;
+use crate::simd::{streaming::Writer, Isa};
 
 /// Elements per rayon task. Fixed, so the work split (and [`crate::sum_squares`]'s reduction order)
 /// does not depend on the thread count. 16K f32 = 64 KiB per stream: large enough to amortise task
@@ -385,10 +385,10 @@ fn run_upload<G: GradElem>(c: &Coeffs, step: u64, g: &[G], p: &mut [f32], mom: M
         (Moments::F32 { m, v }, Upload::F32(u)) => run(c, g, p, m, v, Some(u)),
         (Moments::F32 { m, v }, Upload::Bf16(u)) => run(c, g, p, m, v, Some(u)),
         (Moments::F32 { m, v }, Upload::F16(u)) => run(c, g, p, m, v, Some(u)),
-        (mom, Upload::None) => run_coded::<G, f32>(c, step, g, p, mom, None),
-        (mom, Upload::F32(u)) => run_coded(c, step, g, p, mom, Some(u)),
-        (mom, Upload::Bf16(u)) => run_coded(c, step, g, p, mom, Some(u)),
-        (mom, Upload::F16(u)) => run_coded(c, step, g, p, mom, Some(u)),
+        (mom, Upload::None) => run_coded::<G, f32>(Isa::detect(), c, step, g, p, mom, None),
+        (mom, Upload::F32(u)) => run_coded(Isa::detect(), c, step, g, p, mom, Some(u)),
+        (mom, Upload::Bf16(u)) => run_coded(Isa::detect(), c, step, g, p, mom, Some(u)),
+        (mom, Upload::F16(u)) => run_coded(Isa::detect(), c, step, g, p, mom, Some(u)),
     }
 }
 

@@ -143,13 +143,10 @@ macro_rules! coded_kernels {
         /// See [`super::bf16_span`].
         #[target_feature(enable = $features)]
         pub(super) fn bf16_span(
-            c: &Coeffs,
-            key: u32,
-            base: u32,
+            (c, key, base): (&Coeffs, u32, u32),
             g: &[f32],
             p: &mut [f32],
-            m: &mut [u16],
-            v: &mut [u16],
+            (m, v): (&mut [u16], &mut [u16]),
         ) -> usize {
             let c = lanes(c);
             let key = splat_i(key);

@@ -97,6 +97,15 @@ impl Isa {
     }
 }
 
+/// What every kernel call of one update pass shares: the instruction set, the step's
+/// coefficients and its stochastic rounding key.
+#[derive(Clone, Copy)]
+pub(crate) struct Pass<'a> {
+    pub(crate) isa: Isa,
+    pub(crate) c: &'a Coeffs,
+    pub(crate) key: u32,
+}
+
 /// The new moments of one 8-bit block, updated and not yet encoded (the vector kernels encode a
 /// block while they update the next), with their largest `|m|` and `v`.
 pub(crate) struct Pending {
@@ -131,28 +140,25 @@ pub(crate) struct Q8Encode<'a> {
     pub(crate) v: (&'a mut [u8; Q8_BLOCK], &'a mut f32),
 }
 
-/// The fused update over bf16 moments of as many whole vectors of `g` as `isa` has lanes for
-/// (element `j`'s draw is that of index `base + j`); returns how many elements it did (0 for
-/// [`Isa::SCALAR`]): the caller does the rest.
-#[allow(clippy::too_many_arguments)]
+/// The fused update over bf16 moments of as many whole vectors of `g` as the pass's instruction
+/// set has lanes for (element `j`'s draw is that of index `base + j`); returns how many elements
+/// it did (0 for [`Isa::SCALAR`]): the caller does the rest.
 pub(crate) fn bf16_span(
-    isa: Isa,
-    c: &Coeffs,
-    key: u32,
+    pass: Pass<'_>,
     base: u32,
     g: &[f32],
     p: &mut [f32],
-    m: &mut [u16],
-    v: &mut [u16],
+    mv: (&mut [u16], &mut [u16]),
 ) -> usize {
+    let Pass { isa, c, key } = pass;
     match isa.0 {
         Level::Scalar => 0,
         #[cfg(target_arch = "x86_64")]
         // SAFETY: an `Isa` at `Level::Avx2` is made only after the CPU reported AVX2 (`Isa`).
-        Level::Avx2 => unsafe { avx2::bf16_span(c, key, base, g, p, m, v) },
+        Level::Avx2 => unsafe { avx2::bf16_span((c, key, base), g, p, mv) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: an `Isa` at `Level::Avx512` is made only after the CPU reported AVX-512F (`Isa`).
-        Level::Avx512 => unsafe { avx512::bf16_span(c, key, base, g, p, m, v) },
+        Level::Avx512 => unsafe { avx512::bf16_span((c, key, base), g, p, mv) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => 0,
     }

@@ -7,9 +7,9 @@ use mt_core::{StateDtype, Q8_BLOCK};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::Isa;
+use super::{Isa, Pass};
 use crate::adamw::Coeffs;
-use crate::coded::{mom_chunks, run_coded_on, update_coded};
+use crate::coded::{mom_chunks, run_coded, update_coded};
 use crate::moments::{code_m, code_v, fourth, m_bits, v_bits, Moments, M_TOP, V_TOP};
 use crate::{AdamW, StepArgs, CHUNK};
 
@@ -103,16 +103,12 @@ fn every_instruction_set_gives_the_scalar_bits() {
                     let c = Coeffs::of(&h, &a).unwrap();
                     let (p, mom) = Moments::split_state(dtype, n, &mut state, 7).unwrap();
                     match (bf16_grads, upload) {
-                        (false, 0) => run_coded_on::<f32, f32>(isa, &c, a.step, &grads[t], p, mom, None),
-                        (false, 1) => run_coded_on(isa, &c, a.step, &grads[t], p, mom, Some(&mut up16[..])),
-                        (false, _) => run_coded_on(isa, &c, a.step, &grads[t], p, mom, Some(&mut up32[..])),
-                        (true, 0) => run_coded_on::<bf16, f32>(isa, &c, a.step, &grads_bf16[t], p, mom, None),
-                        (true, 1) => {
-                            run_coded_on(isa, &c, a.step, &grads_bf16[t], p, mom, Some(&mut up16[..]))
-                        }
-                        (true, _) => {
-                            run_coded_on(isa, &c, a.step, &grads_bf16[t], p, mom, Some(&mut up32[..]))
-                        }
+                        (false, 0) => run_coded::<f32, f32>(isa, &c, a.step, &grads[t], p, mom, None),
+                        (false, 1) => run_coded(isa, &c, a.step, &grads[t], p, mom, Some(&mut up16[..])),
+                        (false, _) => run_coded(isa, &c, a.step, &grads[t], p, mom, Some(&mut up32[..])),
+                        (true, 0) => run_coded::<bf16, f32>(isa, &c, a.step, &grads_bf16[t], p, mom, None),
+                        (true, 1) => run_coded(isa, &c, a.step, &grads_bf16[t], p, mom, Some(&mut up16[..])),
+                        (true, _) => run_coded(isa, &c, a.step, &grads_bf16[t], p, mom, Some(&mut up32[..])),
                     }
                 }
                 let up: Vec<u32> = up16.iter().map(|x| u32::from(x.to_bits())).chain(bits(&up32)).collect();
@@ -155,7 +151,7 @@ fn draw_indices_wrap_at_2_pow_32_alike_on_every_instruction_set() {
             for base in [0, base] {
                 let (p, mom) = Moments::split_state(dtype, n, &mut state, 7).unwrap();
                 let (mut chunks, key) = mom_chunks(mom, a.step);
-                update_coded::<f32, f32>(isa, &c, key, base, &g, p, chunks.remove(0), None);
+                update_coded::<f32, f32>(Pass { isa, c: &c, key }, base, &g, p, chunks.remove(0), None);
             }
             bits(&state)
         };
