@@ -2,7 +2,7 @@
 // outer unit and the leading decoder layers the planner keeps resident; GPU-updated streamed
 // layers). Compiled at run time with NVRTC after common.cuh, no CUDA headers.
 //
-// mt_adamw evaluates exactly the expressions of mt-optim's fused loop (crates/optim/src/adamw.rs,
+// mt_adamw evaluates exactly the expressions of mt-optim's fused loop (crates/optim/src/adamw/mod.rs,
 // `update_block`), with the f32 scalars `Coeffs::of` derives on the host; NVRTC runs with
 // --fmad=false and IEEE division and square root, so every element rounds as on the CPU.
 // state = [master | m | v], n fp32 elements each (fp32 moments; mt_adamw_bf16 and mt_adamw_q8
@@ -77,13 +77,31 @@ extern "C" __global__ void mt_adamw(float* __restrict__ state, const float* __re
     }
 }
 
-// ---- Moments in bf16 or 8 bits (`--optim-states`, crates/optim/src/moments.rs) ----
+// ---- Moments in bf16 or 8 bits (`--optim-states`, crates/optim/src/moments/mod.rs) ----
 //
-// The update is adamw1 on the decoded moments; the new moments are encoded with stochastic
-// rounding whose draw for element i (its index in the unit, as a 32-bit unsigned) is
-// mix32(i ^ key), key_m and key_v from mt_optim::rounding_keys(step, unit). Every operation is the
-// one mt-optim's encode/decode does, in its order, so the state comes back bitwise the host's.
-// state = [master: n f32 | m | v], each moment moment_bytes(n) long (crates/core/src/states.rs).
+// The update is adamw1_coded on the decoded moments (mt-optim's update_block_coded: adamw1 but
+// for a product by 1 / bc2_sqrt where adamw1 divides); the new moments are encoded with
+// stochastic rounding whose draw for element i (its index in the unit, as a 32-bit unsigned) is
+// mix32(i ^ key), key from mt_optim::rounding_key(step, unit): m rounds with its low 16 bits, v
+// with its high 16. state = [master: n f32 | m | v], each moment moment_bytes(n) long
+// (crates/core/src/states.rs).
+//
+// Bitwise the host's (mt-optim's scalar definitions and its AVX2 / AVX-512 kernels, which give
+// the scalar bits), because every operation below is one the host performs, on the same operands,
+// in the same order, and each is exactly rounded the same way on both:
+// - add, sub, mul, div and sqrt are IEEE single precision, round to nearest even, on both (NVRTC's
+//   defaults --prec-div=true, --prec-sqrt=true; Rust and the x86 vector instructions are IEEE);
+// - no multiply-add is fused (NVRTC --fmad=false; Rust never contracts, and the host kernels
+//   call one instruction per operation) and nothing is reassociated;
+// - subnormals are kept on both (NVRTC's default --ftz=false; the host never sets FTZ/DAZ);
+// - fmaxf / fminf return the other operand for a NaN, as Rust's f32::max / min and the operand
+//   order the host kernels give vmaxps / vminps; a block's maximum is exact, so the tree order
+//   here and the lane order there agree;
+// - floorf and the float <-> integer conversions of whole numbers are exact;
+// - the host kernels' only inexact instructions (rsqrt / rcp estimates) start a search that an
+//   exact comparison finishes, so they find the same code as m_floor / v_floor here.
+// A NaN's payload is the one thing that may differ (the GPU makes canonical NaNs); an update
+// that makes one is a non-finite step, which the engine skips.
 
 __device__ __forceinline__ unsigned mix32(unsigned h) {
     h ^= h >> 16;
@@ -93,8 +111,23 @@ __device__ __forceinline__ unsigned mix32(unsigned h) {
     return h ^ (h >> 16);
 }
 
-// A draw as a uniform in [0, 1): its top 24 bits.
-__device__ __forceinline__ float unit_float(unsigned h) { return (float)(h >> 8) * (1.0f / 16777216.0f); }
+// 16 bits of a draw as a uniform in [0, 1) (mt-optim's unit16).
+__device__ __forceinline__ float unit16(unsigned r) { return (float)r * (1.0f / 65536.0f); }
+
+// adamw1 over decoded coded moments (mt-optim's update_block_coded): the same expressions but
+// sqrt(v) * inv_bc2, inv_bc2 = 1 / bc2_sqrt, for sqrt(v) / bc2_sqrt.
+__device__ __forceinline__ void adamw1_coded(float& p, float& m, float& v, float graw, const AdamWCoeffs& c,
+                                             float inv_bc2) {
+    const float g = graw * c.grad_scale;
+    const float mi = m;
+    const float base = c.lerp_small ? mi : g;
+    const float m_new = base + c.lerp_coeff * (g - mi);
+    const float v_new = v * c.beta2 + c.one_minus_beta2 * g * g;
+    const float denom = sqrtf(v_new) * inv_bc2 + c.eps;
+    p = p * c.decay - c.step_size * m_new / denom;
+    m = m_new;
+    v = v_new;
+}
 
 // f32 -> bf16 rounded stochastically with the draw r (its low 16 bits); a NaN as f2bf keeps it.
 __device__ __forceinline__ unsigned short bf16_sr(float x, unsigned r) {
@@ -106,17 +139,19 @@ __device__ __forceinline__ unsigned short bf16_sr(float x, unsigned r) {
 extern "C" __global__ void mt_adamw_bf16(float* __restrict__ state, const float* __restrict__ grad, long long n,
                                          float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
                                          float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
-                                         unsigned key_m, unsigned key_v, unsigned long long w_out) {
+                                         unsigned key, unsigned long long w_out) {
     const AdamWCoeffs c = {grad_scale, decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size};
+    const float inv_bc2 = 1.0f / bc2_sqrt;
     unsigned short* m = (unsigned short*)(state + n);
     unsigned short* v = (unsigned short*)((char*)m + ((2 * n + 3) / 4) * 4);
     unsigned short* w = (unsigned short*)w_out;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         float pi = state[i], mi = bf2f(m[i]), vi = bf2f(v[i]);
-        adamw1(pi, mi, vi, grad[i], c);
+        adamw1_coded(pi, mi, vi, grad[i], c, inv_bc2);
         state[i] = pi;
-        m[i] = bf16_sr(mi, mix32((unsigned)i ^ key_m));
-        v[i] = bf16_sr(vi, mix32((unsigned)i ^ key_v));
+        const unsigned h = mix32((unsigned)i ^ key);
+        m[i] = bf16_sr(mi, h & 0xffffu);
+        v[i] = bf16_sr(vi, h >> 16);
         if (w) w[i] = f2bf(pi);
     }
 }
@@ -140,16 +175,42 @@ __device__ __forceinline__ float block_max(float x, float* sh) {
     return r;
 }
 
+// What scales a block's values into code units: top / max, 0 for a block whose step is 0, at
+// most FLT_MAX (mt-optim's block_inverse).
+__device__ __forceinline__ float block_inverse(float s, float mx, float top) {
+    return s == 0.0f ? 0.0f : fminf(top / mx, 3.40282347e38f);
+}
+
+// k^4 as the fourth-root code computes it (mt-optim's fourth).
+__device__ __forceinline__ float fourth(float k) { return (k * k) * (k * k); }
+
+// The largest k in 0..=126 with k*k <= y, for y >= 0 (mt-optim's m_floor: the same
+// operations, though any exact way of finding k gives the same k).
+__device__ __forceinline__ float m_floor(float y) {
+    const float k = fminf(floorf(sqrtf(y)), 126.0f);
+    return k * k > y ? k - 1.0f : k;
+}
+
+// The largest k in 0..=254 with fourth(k) <= y, for y >= 0 (mt-optim's v_floor).
+__device__ __forceinline__ float v_floor(float y) {
+    const float k = fminf(floorf(sqrtf(sqrtf(y))), 254.0f);
+    if (fourth(k) > y) return k - 1.0f;
+    if (k < 254.0f && fourth(k + 1.0f) <= y) return k + 1.0f;
+    return k;
+}
+
 // One block of Q8_BLOCK threads per 8-bit block (grid-stride over blocks): decode, update, the
-// block's maxima, encode (m: square-root code in -127..127, step max|m| / 127^2; v: fourth-root
-// code in 0..255, step max v / 255^4), each element rounded to one of its two neighbouring codes
-// with probability that keeps its value unbiased.
+// block's maxima, encode (mt-optim's code_m and code_v: m, square-root code in -127..127, step
+// max|m| / 127^2; v, fourth-root code in 0..255, step max v / 255^4; each element scaled by the
+// block's inverse step, a NaN as 0, and rounded to one of its two neighbouring codes with the
+// probability that keeps its value unbiased).
 extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* __restrict__ grad, long long n,
                                        float grad_scale, float decay, int lerp_small, float lerp_coeff, float beta2,
                                        float one_minus_beta2, float bc2_sqrt, float eps, float step_size,
-                                       unsigned key_m, unsigned key_v, unsigned long long w_out) {
+                                       unsigned key, unsigned long long w_out) {
     __shared__ float sh[Q8_BLOCK];
     const AdamWCoeffs c = {grad_scale, decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, step_size};
+    const float inv_bc2 = 1.0f / bc2_sqrt;
     const long long codes = ((n + 3) / 4) * 4, blocks = (n + Q8_BLOCK - 1) / Q8_BLOCK;
     unsigned char* mc = (unsigned char*)(state + n);
     float* ms = (float*)(mc + codes);
@@ -161,39 +222,31 @@ extern "C" __global__ void mt_adamw_q8(float* __restrict__ state, const float* _
         const bool in = i < n;
         float pi = 0.0f, mi = 0.0f, vi = 0.0f;
         if (in) {
-            const signed char q = (signed char)mc[i];
-            const float a = (float)(q < 0 ? -(int)q : (int)q);
-            const float xm = (a * a) * ms[b];
-            mi = q < 0 ? -xm : xm;
+            // q*|q| is +-q^2, exact.
+            const float a = (float)(signed char)mc[i];
+            mi = (a * fabsf(a)) * ms[b];
             const float av = (float)vc[i];
             vi = ((av * av) * (av * av)) * vs[b];
             pi = state[i];
-            adamw1(pi, mi, vi, grad[i], c);
+            adamw1_coded(pi, mi, vi, grad[i], c, inv_bc2);
             state[i] = pi;
             if (w) w[i] = f2bf(pi);
         }
-        const float sm = block_max(in ? fabsf(mi) : 0.0f, sh) / M_TOP;
-        const float sv = block_max(in ? vi : 0.0f, sh) / V_TOP;
+        const float am = block_max(in ? fabsf(mi) : 0.0f, sh);
+        const float vm = block_max(in ? vi : 0.0f, sh);
+        const float sm = am / M_TOP, sv = vm / V_TOP;
         if (in) {
-            unsigned char cm = 0, cv = 0;
-            if (sm != 0.0f) {
-                const float y = fabsf(mi) / sm;
-                const float lo = fminf(floorf(sqrtf(y)), 126.0f), hi = lo + 1.0f;
-                const float p = (y - lo * lo) / (hi * hi - lo * lo);
-                const float u = unit_float(mix32((unsigned)i ^ key_m));
-                const int q = (int)(u < p ? hi : lo);
-                cm = (unsigned char)(signed char)(mi < 0.0f ? -q : q);
-            }
-            if (sv != 0.0f) {
-                const float y = vi / sv;
-                const float lo = fminf(floorf(sqrtf(sqrtf(y))), 254.0f), hi = lo + 1.0f;
-                const float lo4 = (lo * lo) * (lo * lo), hi4 = (hi * hi) * (hi * hi);
-                const float p = (y - lo4) / (hi4 - lo4);
-                const float u = unit_float(mix32((unsigned)i ^ key_v));
-                cv = (unsigned char)(int)(u < p ? hi : lo);
-            }
-            mc[i] = cm;
-            vc[i] = cv;
+            const float ym = fmaxf(fabsf(mi) * block_inverse(sm, am, M_TOP), 0.0f);
+            const float lm = m_floor(ym);
+            const unsigned h = mix32((unsigned)i ^ key);
+            const float um = unit16(h & 0xffffu);
+            const int q = (int)(um * (2.0f * lm + 1.0f) < ym - lm * lm ? lm + 1.0f : lm);
+            const float yv = fmaxf(vi * block_inverse(sv, vm, V_TOP), 0.0f);
+            const float lv = v_floor(yv);
+            const float t_lo = fourth(lv), t_hi = fourth(lv + 1.0f);
+            const float uv = unit16(h >> 16);
+            mc[i] = (unsigned char)(signed char)(mi < 0.0f ? -q : q);
+            vc[i] = (unsigned char)(int)(uv * (t_hi - t_lo) < yv - t_lo ? lv + 1.0f : lv);
         }
         if (threadIdx.x == 0) {
             ms[b] = sm;

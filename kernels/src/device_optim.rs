@@ -3,7 +3,7 @@
 //! squares as in-place candle ops. On the CPU they run mt-optim's own code on the tensors' memory
 //! (so they are bitwise the host optimizer); on CUDA, `kernels/cuda/adamw.cu`, which evaluates the same
 //! f32 expressions with the same scalars ([`mt_optim::Coeffs`]), and encodes bf16 or 8-bit moments
-//! as mt-optim does (the same stochastic rounding draws, [`mt_optim::rounding_keys`]).
+//! as mt-optim does (the same stochastic rounding draws, [`mt_optim::rounding_key`]).
 //!
 //! A state is `[master | m | v]` in f32 words: the master weights, then each moment as the host
 //! store keeps it ([`StateDtype::moment_bytes`]), [`StateDtype::state_words`] in all.
@@ -86,7 +86,7 @@ impl InplaceOp2 for AdamWStep {
     ) -> candle_core::Result<()> {
         let mom = crate::ops::Moments {
             dtype: self.kind.dtype,
-            keys: mt_optim::rounding_keys(self.a.step, self.kind.stream),
+            key: mt_optim::rounding_key(self.a.step, self.kind.stream),
         };
         crate::ops::adamw(st, ls, g, lg, &self.coeffs, mom, self.weights.as_ref())
     }

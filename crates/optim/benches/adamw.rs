@@ -6,7 +6,13 @@
 //! Throughput is `Elements(n)` with one element per parameter, so criterion's "Gelem/s" is Gparam/s
 //! (the unit of the torch and DeepSpeed CPU AdamW figures in docs/peers.md; torch's fused
 //! CPU AdamW writes no upload copy, so compare it with `f32_grad+no_upload`). A rayon-parallel f32
-//! copy of the same size is timed beside them as a bandwidth yardstick for the machine at hand.
+//! copy of the same size is timed beside them as a bandwidth yardstick for the machine at hand,
+//! and beside each precision's update its traffic twin (`traffic`): a pass that reads and writes
+//! exactly the bytes the update does, the upload copy with the same streaming stores, with no
+//! arithmetic to speak of: the update's memory-bandwidth bound on this machine.
+//!
+//! The coded updates run on the widest vector instruction set the CPU has; set
+//! `MEGATRAIN_HOST_SIMD=avx2` (or `scalar`) to time a narrower one.
 #![allow(missing_docs)]
 
 use std::time::Duration;
@@ -100,6 +106,7 @@ fn bench(c: &mut Criterion) {
 /// 4 KiB or more off that stride (an address-aliasing effect of power-of-two strides, not of the
 /// pass; a real model's records are not such strides).
 fn bench_states(c: &mut Criterion) {
+    eprintln!("coded updates' vector kernels: {}", mt_optim::simd_name());
     let grad = pattern(N, 2e-2, 0.0);
     let grad_bf16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
     let mut upload = vec![bf16::ZERO; N];
@@ -111,9 +118,11 @@ fn bench_states(c: &mut Criterion) {
     g.throughput(Throughput::Elements(N as u64));
     for states in StateDtype::ALL {
         let mut master = pattern(N, 2.0, 0.0);
-        // The moments' bytes in 4-byte words (an 8-bit moment's codes, then its f32 scales).
         let words = states.moment_bytes(N) / 4;
         let (mut m, mut v) = (vec![0u32; words], vec![0u32; words]);
+        g.bench_function(BenchmarkId::new("traffic_bf16_grad+bf16_upload", states.name()), |b| {
+            b.iter(|| traffic(&grad_bf16, &mut master, &mut m, &mut v, &mut upload))
+        });
         g.bench_function(BenchmarkId::new("update_bf16_grad+bf16_upload", states.name()), |b| {
             b.iter(|| {
                 let mom = Moments::from_bytes(
@@ -143,6 +152,28 @@ fn bench_states(c: &mut Criterion) {
         });
     }
     g.finish();
+}
+
+/// The traffic of exact mode's update (`update_bf16_grad+bf16_upload`) with no arithmetic to
+/// speak of: `grad` (bf16), `master` and the moments' words (`m`, `v`: fp32, bf16 or 8-bit
+/// codes and steps, as 4-byte words) read and written once, in the same chunks on the same rayon
+/// pool, and `master` cast into `upload` with the update's streaming stores (`cast_into`), in the
+/// same task while the chunk is in cache.
+fn traffic(grad: &[bf16], master: &mut [f32], m: &mut [u32], v: &mut [u32], upload: &mut [bf16]) {
+    // Each moment's words per CHUNK of parameters (the last chunk takes what is left).
+    let per = m.len().div_ceil(N / CHUNK);
+    (master.par_chunks_mut(CHUNK), grad.par_chunks(CHUNK), upload.par_chunks_mut(CHUNK))
+        .into_par_iter()
+        .zip(m.par_chunks_mut(per).zip(v.par_chunks_mut(per)))
+        .for_each(|((p, g, u), (m, v))| {
+            for (p, g) in p.iter_mut().zip(g) {
+                *p += f32::from_bits(u32::from(g.to_bits()) << 16);
+            }
+            for (m, v) in m.iter_mut().zip(v.iter_mut()) {
+                (*m, *v) = (*m ^ 1, *v ^ 1);
+            }
+            cast_into(p, Upload::Bf16(u)).unwrap();
+        });
 }
 
 criterion_group!(benches, bench, bench_states);

@@ -9,7 +9,7 @@ use crate::coded::{mom_chunks, update_coded};
 use crate::error::Error;
 use crate::moments::Moments;
 use crate::norm::chunk_sum_squares;
-use crate::streaming::Writer;
+use crate::simd::{streaming::Writer, Isa, Pass};
 
 /// Lean mode's land and update in one pass over memory: stores the landed f32 gradient into
 /// `stored` (rounded to its type; `Upload::None` stores nothing), returns the sum of squares of
@@ -86,13 +86,14 @@ fn land_coded(
         p: &mut [f32],
         mom: Moments<'_>,
     ) -> Vec<f64> {
-        let (chunks, keys) = mom_chunks(mom, step);
+        let (chunks, key) = mom_chunks(mom, step);
+        let isa = Isa::detect();
         let one = |k: usize, p: &mut [f32], g: &[f32], mom, st: Option<&mut [U]>| {
             if let Some(st) = st {
                 U::narrow_streaming(g, st, &mut Writer::new());
             }
             let ss = chunk_sum_squares(g, |x| x);
-            update_coded::<f32, f32>(c, keys, k * CHUNK, g, p, mom, None);
+            update_coded::<f32, f32>(Pass { isa, c, key }, k * CHUNK, g, p, mom, None);
             ss
         };
         let (p, gc, mc) = (p.par_chunks_mut(CHUNK), g.par_chunks(CHUNK), chunks.into_par_iter());

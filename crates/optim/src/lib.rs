@@ -40,9 +40,13 @@
 //! so every result is bitwise independent of the thread count and of how LLVM vectorised the loop.
 //! [`sum_squares`] sums fixed chunks in a fixed order and adds the per-chunk partial sums
 //! sequentially, so the gradient norm, and with it [`clip_coef`], is bitwise reproducible too.
+//! Over bf16 and 8-bit moments (`coded`), where LLVM does not vectorise the decode and encode, the
+//! pass runs in hand-written AVX2 or AVX-512 kernels chosen at run time (`simd`): the scalar
+//! definitions' operations in their order, lane by lane, so the same bits on every CPU, and the
+//! device kernels' (`kernels/cuda/adamw.cu`).
 //!
 //! Outputs nobody on the CPU reads again soon (the upload copy, casts into staging) are written
-//! with streaming stores (`streaming`): their lines are not read for ownership first, which
+//! with streaming stores (`simd::streaming`): their lines are not read for ownership first, which
 //! would add 2 B of DRAM traffic per parameter to a bf16 upload copy.
 //!
 //! Architecture Invariant: this crate knows nothing about layers, the store or devices; it updates
@@ -56,10 +60,17 @@ mod land;
 mod moments;
 mod norm;
 #[allow(unsafe_code)]
-mod streaming;
+mod simd;
 
 pub use adamw::{cast_into, step_fused, step_reference, AdamW, Coeffs, Grad, StepArgs, Upload, CHUNK};
 pub use error::Error;
 pub use land::land_and_step;
-pub use moments::{decode_moments, rounding_keys, Moments, Q8Moment};
+pub use moments::{decode_moments, rounding_key, Moments, Q8Moment};
 pub use norm::{cast_sum_squares, clip_coef, sum_squares};
+
+/// The vector instruction set the update over bf16 and 8-bit moments runs on: `avx512`, `avx2`
+/// or `scalar` (the widest this CPU has, or a narrower one that `MEGATRAIN_HOST_SIMD` asks for),
+/// for logs and benchmarks.
+pub fn simd_name() -> &'static str {
+    simd::Isa::detect().name()
+}

@@ -81,9 +81,9 @@ fn long_source_files_are_listed_as_a_warning() {
 }
 
 /// Where `unsafe` may appear: the store (mmap, page-locked host buffers), the CUDA FFI module, the
-/// kernel launches of mt-kernels and the optimizer's streaming stores (CPU intrinsics).
+/// kernel launches of mt-kernels and the optimizer's CPU intrinsics (streaming stores, vector kernels).
 const UNSAFE_CRATES: [&str; 4] =
-    ["crates/store/", "crates/sched/src/cuda_ffi.rs", "kernels/src/ops/", "crates/optim/src/streaming.rs"];
+    ["crates/store/", "crates/sched/src/cuda_ffi.rs", "kernels/src/ops/", "crates/optim/src/simd/"];
 
 #[test]
 fn unsafe_only_in_allowed_crates_and_always_explained() {
@@ -133,7 +133,7 @@ fn safe_crates_forbid_unsafe_code() {
             };
             let ffi_ok = ffi_ok("crates/sched/src/lib.rs", "cuda_ffi")
                 || ffi_ok("kernels/src/lib.rs", "ops")
-                || ffi_ok("crates/optim/src/lib.rs", "streaming");
+                || ffi_ok("crates/optim/src/lib.rs", "simd");
             if !text.contains("#![forbid(unsafe_code)]") && !ffi_ok {
                 missing.push(rel);
             }

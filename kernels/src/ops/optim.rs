@@ -32,12 +32,12 @@ fn ptx(dev: &candle_core::CudaDevice) -> candle_core::Result<&'static str> {
     ADAMW.ptx()
 }
 
-/// The moments' encoding of a device update and its stochastic rounding's keys
-/// (`mt_optim::rounding_keys`; unused for fp32).
+/// The moments' encoding of a device update and its stochastic rounding's key
+/// (`mt_optim::rounding_key`; unused for fp32).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Moments {
     pub(crate) dtype: StateDtype,
-    pub(crate) keys: [u32; 2],
+    pub(crate) key: u32,
 }
 
 /// `state = [master | m | v]` (f32 words, `StateDtype::state_words(n)`, the moments encoded as
@@ -120,15 +120,13 @@ fn launch_adamw(
     b.arg(&c.bc2_sqrt);
     b.arg(&c.eps);
     b.arg(&c.step_size);
-    let [key_m, key_v] = mom.keys;
     if mom.dtype != StateDtype::F32 {
-        b.arg(&key_m);
-        b.arg(&key_v);
+        b.arg(&mom.key);
     }
     b.arg(&w_out);
     // SAFETY: the arguments match the kernel's signature (mt_adamw: float*, const float*, long
-    // long, float, float, int, six floats, the weights' address; the bf16/q8 kernels: two unsigned
-    // keys before the address); the state holds `state_words(n)` f32 words laid out as the kernels
+    // long, float, float, int, six floats, the weights' address; the bf16/q8 kernels: an unsigned
+    // key before the address); the state holds `state_words(n)` f32 words laid out as the kernels
     // derive from n (`StateDtype::moment_bytes`), the gradient n (checked by `adamw`); `w_out` is 0
     // or n bf16 of a live buffer distinct from both, under `with_bf16`'s storage lock, written in
     // order with its readers by candle's one stream, onto which one thread issues every compute

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use crate::coded::run_coded;
 use crate::error::{check_len, Error};
 use crate::moments::Moments;
-use crate::streaming::Writer;
+use crate::simd::{streaming::Writer, Isa};
 
 /// Elements per rayon task. Fixed, so the work split (and [`crate::sum_squares`]'s reduction order)
 /// does not depend on the thread count. 16K f32 = 64 KiB per stream: large enough to amortise task
@@ -220,6 +220,27 @@ pub(crate) fn update_block(c: &Coeffs, g: &[f32], p: &mut [f32], m: &mut [f32], 
     }
 }
 
+/// [`update_block`] over moments held in bf16 or 8 bits (`coded`), decoded: the same expressions
+/// in the same order but for the bias correction of `v`, a product by `1 / bc2_sqrt` (one
+/// division per call) instead of a quotient per element. The moments are rounded to bf16 or 8
+/// bits right after, far coarser than that one rounding, and divisions are what the vectorised
+/// pass waits on (one division and one square root per element instead of two and one). The
+/// device kernels for those moments (`kernels/cuda/adamw.cu`) compute the same.
+#[inline(always)]
+pub(crate) fn update_block_coded(c: &Coeffs, g: &[f32], p: &mut [f32], m: &mut [f32], v: &mut [f32]) {
+    let inv_bc2 = 1.0 / c.bc2_sqrt;
+    for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+        let g = g * c.grad_scale;
+        let base = if c.lerp_small { *m } else { g };
+        let m_new = base + c.lerp_coeff * (g - *m);
+        let v_new = *v * c.beta2 + c.one_minus_beta2 * g * g;
+        let denom = v_new.sqrt() * inv_bc2 + c.eps;
+        *p = *p * c.decay - c.step_size * m_new / denom;
+        *m = m_new;
+        *v = v_new;
+    }
+}
+
 /// A gradient element type the fused kernel reads.
 pub(crate) trait GradElem: Copy + Send + Sync {
     fn to_f32(self) -> f32;
@@ -260,7 +281,7 @@ impl GradElem for bf16 {
 pub(crate) trait UploadElem: bytemuck::Pod + Send + Sync {
     fn narrow(src: &[f32], dst: &mut [Self]);
 
-    /// [`UploadElem::narrow`] written with streaming stores (see [`crate::streaming`]): the
+    /// [`UploadElem::narrow`] written with streaming stores (see `simd::streaming`): the
     /// casts go to an L1-sized block buffer and from there to `dst`, so `dst`'s lines are never
     /// read. For outputs nobody on the CPU reads soon: upload staging, the stored gradient.
     fn narrow_streaming(src: &[f32], dst: &mut [Self], w: &mut Writer) {
@@ -364,10 +385,10 @@ fn run_upload<G: GradElem>(c: &Coeffs, step: u64, g: &[G], p: &mut [f32], mom: M
         (Moments::F32 { m, v }, Upload::F32(u)) => run(c, g, p, m, v, Some(u)),
         (Moments::F32 { m, v }, Upload::Bf16(u)) => run(c, g, p, m, v, Some(u)),
         (Moments::F32 { m, v }, Upload::F16(u)) => run(c, g, p, m, v, Some(u)),
-        (mom, Upload::None) => run_coded::<G, f32>(c, step, g, p, mom, None),
-        (mom, Upload::F32(u)) => run_coded(c, step, g, p, mom, Some(u)),
-        (mom, Upload::Bf16(u)) => run_coded(c, step, g, p, mom, Some(u)),
-        (mom, Upload::F16(u)) => run_coded(c, step, g, p, mom, Some(u)),
+        (mom, Upload::None) => run_coded::<G, f32>(Isa::detect(), c, step, g, p, mom, None),
+        (mom, Upload::F32(u)) => run_coded(Isa::detect(), c, step, g, p, mom, Some(u)),
+        (mom, Upload::Bf16(u)) => run_coded(Isa::detect(), c, step, g, p, mom, Some(u)),
+        (mom, Upload::F16(u)) => run_coded(Isa::detect(), c, step, g, p, mom, Some(u)),
     }
 }
 

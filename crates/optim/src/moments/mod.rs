@@ -16,9 +16,11 @@
 //!   their updates to `m / eps` (measured: NaN losses). Each element picks one of its two
 //!   neighbouring codes stochastically, unbiased in value.
 //!
-//! Random draws are a pure function of `(step, stream, moment, element)`: the stream is the
-//! unit (store record index), so an update is bitwise reproducible across thread counts, on
-//! resume, and between the host and the device (`kernels/cuda/adamw.cu` draws the same numbers).
+//! Random draws are a pure function of `(step, stream, element)`: the stream is the unit (store
+//! record index), so an update is bitwise reproducible across thread counts, on resume, and
+//! between the host and the device (`kernels/cuda/adamw.cu` draws the same numbers). One 32-bit
+//! draw per element rounds both moments: `m` with its low 16 bits, `v` with its high 16 (one
+//! hash instead of two: the update over coded moments is bound by arithmetic on few cores).
 //!
 //! Every decode and encode is plain IEEE f32 arithmetic (products, quotients, square roots,
 //! floor) in a fixed order, so the CUDA kernels, compiled with `--fmad=false`, give the same bits.
@@ -227,7 +229,8 @@ pub(crate) fn widen(b: u16) -> f32 {
     f32::from_bits(u32::from(b) << 16)
 }
 
-/// `x` rounded to bf16 stochastically with the draw `r` (its low 16 bits): up with probability
+/// `x` rounded to bf16 stochastically with the 16-bit draw `r` ([`m_bits`], [`v_bits`]; bits
+/// above them are ignored): up with probability
 /// equal to the dropped fraction. A NaN stays a quiet NaN with its sign and top payload bits
 /// (as the round-to-nearest cast keeps it).
 #[inline(always)]
@@ -239,7 +242,7 @@ pub(crate) fn bf16_sr(x: f32, r: u32) -> u16 {
 }
 
 /// murmur3's 32-bit finaliser: the stochastic rounding's draw for element `i` is
-/// `mix32(i ^ key)`.
+/// `mix32(i ^ key)` ([`draw`]).
 #[inline(always)]
 pub(crate) fn mix32(mut h: u32) -> u32 {
     h ^= h >> 16;
@@ -256,28 +259,42 @@ fn splitmix64(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The stochastic rounding's keys of `m` and `v` for optimizer step `step` of `stream` (a
-/// unit's record index): element `i`'s draw is `mix32(i ^ key)`. A device kernel takes them as
-/// arguments.
-pub fn rounding_keys(step: u64, stream: u64) -> [u32; 2] {
-    let base = splitmix64(splitmix64(step) ^ stream);
-    [splitmix64(base ^ 1) as u32, splitmix64(base ^ 2) as u32]
+/// The stochastic rounding's key for optimizer step `step` of `stream` (a unit's record index):
+/// element `i`'s draw is `mix32(i ^ key)` ([`draw`]). A device kernel takes it as an argument.
+pub fn rounding_key(step: u64, stream: u64) -> u32 {
+    splitmix64(splitmix64(splitmix64(step) ^ stream) ^ 1) as u32
 }
 
-/// A draw as a uniform in `[0, 1)` (its top 24 bits).
+/// Element `i`'s draw under `key` (`i` the element's index in its unit, modulo 2³²).
 #[inline(always)]
-pub(crate) fn unit_float(h: u32) -> f32 {
-    (h >> 8) as f32 * (1.0 / 16_777_216.0)
+pub(crate) fn draw(i: u32, key: u32) -> u32 {
+    mix32(i ^ key)
 }
 
-/// Decodes one block of `m` (square-root code) into `out`.
+/// The 16 bits of a draw that round `m`: its low half.
+#[inline(always)]
+pub(crate) fn m_bits(h: u32) -> u32 {
+    h & 0xFFFF
+}
+
+/// The 16 bits of a draw that round `v`: its high half.
+#[inline(always)]
+pub(crate) fn v_bits(h: u32) -> u32 {
+    h >> 16
+}
+
+/// 16 bits of a draw as a uniform in `[0, 1)` (exact).
+#[inline(always)]
+pub(crate) fn unit16(r: u32) -> f32 {
+    r as f32 * (1.0 / 65_536.0)
+}
+
+/// Decodes one block of `m` (square-root code) into `out`: `(q·|q|)·s` (`q·|q|` is `±q²`, exact).
 #[inline(always)]
 pub(crate) fn decode_m(codes: &[u8], s: f32, out: &mut [f32]) {
     for (o, &c) in out.iter_mut().zip(codes) {
-        let q = c as i8;
-        let a = f32::from(q.unsigned_abs());
-        let x = (a * a) * s;
-        *o = if q < 0 { -x } else { x };
+        let a = f32::from(c as i8);
+        *o = (a * a.abs()) * s;
     }
 }
 
@@ -290,47 +307,111 @@ pub(crate) fn decode_v(codes: &[u8], s: f32, out: &mut [f32]) {
     }
 }
 
-/// Encodes one block of `m` (square-root code, stochastic) from `x`; returns its step. `base`
-/// is the block's first element index in the unit.
+/// The largest element of a block, NaNs ignored: `max` of the magnitudes (`m`) or of the values
+/// (`v`, never negative). Exact, so any order of evaluation gives it (the vector kernels' lanes,
+/// the CUDA kernel's tree).
+#[inline(always)]
+pub(crate) fn block_max(x: &[f32], magnitude: bool) -> f32 {
+    x.iter().fold(0.0f32, |a, &b| a.max(if magnitude { b.abs() } else { b }))
+}
+
+/// What scales a block's values into code units: `top / max` (the step `s = max / top` is what is
+/// stored), 0 for a block whose step is 0 (every code 0), at most `f32::MAX` (a block whose
+/// largest value is so small that `top / max` overflows). One division per block: every element
+/// is then scaled by a product, not a quotient.
+#[inline(always)]
+pub(crate) fn block_inverse(s: f32, max: f32, top: f32) -> f32 {
+    if s == 0.0 {
+        0.0
+    } else {
+        (top / max).min(f32::MAX)
+    }
+}
+
+/// `k⁴` as the fourth-root code computes it: `(k·k)·(k·k)` in f32 (`k·k` exact; the square
+/// rounded).
+#[inline(always)]
+pub(crate) fn fourth(k: f32) -> f32 {
+    (k * k) * (k * k)
+}
+
+/// The largest `k` in `0..=126` with `k·k <= y`, for `y >= 0` (not NaN). `floor(sqrt(y))` is
+/// at least that `k` (a correctly rounded square root of `k²` is `k`) and at most one more (a
+/// `y` just below `(k+1)²` may round up to `k + 1`); the comparison takes the one back.
+#[inline(always)]
+pub(crate) fn m_floor(y: f32) -> f32 {
+    let k = y.sqrt().floor().min(126.0);
+    if k * k > y {
+        k - 1.0
+    } else {
+        k
+    }
+}
+
+/// The largest `k` in `0..=254` with [`fourth`]`(k) <= y`, for `y >= 0` (not NaN).
+/// `floor(sqrt(sqrt(y)))` is within one of it (two correctly rounded square roots, and the
+/// rounding of `k⁴`, move a value by a few units in its last place, never across more than one
+/// integer); the comparisons take that one back.
+#[inline(always)]
+pub(crate) fn v_floor(y: f32) -> f32 {
+    let k = y.sqrt().sqrt().floor().min(254.0);
+    if fourth(k) > y {
+        k - 1.0
+    } else if k < 254.0 && fourth(k + 1.0) <= y {
+        k + 1.0
+    } else {
+        k
+    }
+}
+
+/// One element of `m` in the square-root code, scaled by `inv` ([`block_inverse`]), with the
+/// 16-bit draw `r` ([`m_bits`]): `y = |x|·inv` (a NaN as 0), `lo` = [`m_floor`]`(y)`, and the
+/// code `lo + 1` when `u·(2·lo + 1) < y − lo²` (`u` = [`unit16`]`(r)` in `[0, 1)`, `2·lo + 1` the
+/// distance to the next code's `q²`), else `lo`: unbiased in `q²`, to rounding. The sign is
+/// `x`'s.
+#[inline(always)]
+pub(crate) fn code_m(x: f32, inv: f32, r: u32) -> u8 {
+    let y = (x.abs() * inv).max(0.0);
+    let lo = m_floor(y);
+    let q = if unit16(r) * (2.0 * lo + 1.0) < y - lo * lo { lo + 1.0 } else { lo };
+    let q = q as i8;
+    (if x < 0.0 { -q } else { q }) as u8
+}
+
+/// One element of `v` in the fourth-root code, scaled by `inv` ([`block_inverse`]), with the
+/// 16-bit draw `r` ([`v_bits`]): `y = x·inv` (a NaN as 0), `lo` = [`v_floor`]`(y)`, and the code
+/// `lo + 1` when `u·(T(lo+1) − T(lo)) < y − T(lo)` (`T` = [`fourth`], `u` = [`unit16`]`(r)`),
+/// else `lo`.
+#[inline(always)]
+pub(crate) fn code_v(x: f32, inv: f32, r: u32) -> u8 {
+    let y = (x * inv).max(0.0);
+    let lo = v_floor(y);
+    let (t_lo, t_hi) = (fourth(lo), fourth(lo + 1.0));
+    (if unit16(r) * (t_hi - t_lo) < y - t_lo { lo + 1.0 } else { lo }) as u8
+}
+
+/// Encodes one block of `m` (square-root code, stochastic) from `x`; returns its step
+/// `max|x| / 127²`. `base` is the block's first element index in the unit.
 #[inline(always)]
 pub(crate) fn encode_m(x: &[f32], codes: &mut [u8], key: u32, base: usize) -> f32 {
-    let amax = x.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
+    let amax = block_max(x, true);
     let s = amax / M_TOP;
-    if s == 0.0 {
-        codes.fill(0);
-        return s;
-    }
+    let inv = block_inverse(s, amax, M_TOP);
     for (j, (c, &x)) in codes.iter_mut().zip(x).enumerate() {
-        let y = x.abs() / s;
-        let lo = y.sqrt().floor().min(126.0);
-        let hi = lo + 1.0;
-        let p = (y - lo * lo) / (hi * hi - lo * lo);
-        let u = unit_float(mix32((base + j) as u32 ^ key));
-        let q = if u < p { hi } else { lo };
-        let q = q as i8;
-        *c = (if x < 0.0 { -q } else { q }) as u8;
+        *c = code_m(x, inv, m_bits(draw((base + j) as u32, key)));
     }
     s
 }
 
 /// Encodes one block of `v` (fourth-root code, stochastic) from `x` (non-negative); returns its
-/// step. `base` is the block's first element index in the unit.
+/// step `max x / 255⁴`. `base` is the block's first element index in the unit.
 #[inline(always)]
 pub(crate) fn encode_v(x: &[f32], codes: &mut [u8], key: u32, base: usize) -> f32 {
-    let vmax = x.iter().fold(0.0f32, |a, &b| a.max(b));
+    let vmax = block_max(x, false);
     let s = vmax / V_TOP;
-    if s == 0.0 {
-        codes.fill(0);
-        return s;
-    }
+    let inv = block_inverse(s, vmax, V_TOP);
     for (j, (c, &x)) in codes.iter_mut().zip(x).enumerate() {
-        let y = x / s;
-        let lo = y.sqrt().sqrt().floor().min(254.0);
-        let hi = lo + 1.0;
-        let (lo4, hi4) = ((lo * lo) * (lo * lo), (hi * hi) * (hi * hi));
-        let p = (y - lo4) / (hi4 - lo4);
-        let u = unit_float(mix32((base + j) as u32 ^ key));
-        *c = (if u < p { hi } else { lo }) as u8;
+        *c = code_v(x, inv, v_bits(draw((base + j) as u32, key)));
     }
     s
 }

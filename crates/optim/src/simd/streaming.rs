@@ -12,8 +12,8 @@
 //! Streaming stores are weakly ordered: the thread that issued them must fence before any other
 //! thread or device may read the memory. [`Writer`] fences when it is dropped.
 //!
-//! This is the one module of `mt-optim` allowed `unsafe` (CPU intrinsics); every block says why it
-//! is sound.
+//! With the vector kernels beside it, this is where `mt-optim` allows `unsafe` (CPU intrinsics,
+//! `super`); every block says why it is sound.
 
 /// Writes with streaming stores; dropping it fences them (x86-64 `sfence`), so whatever it wrote
 /// is visible to every thread and device before any later store of the thread that dropped it
