@@ -95,7 +95,7 @@ impl<B: Backend> Engine<B> {
             Op::Backward { layer, slot, grad_buf, input } => {
                 let _s = tracing::debug_span!("backward", layer).entered();
                 let gbuf = match grad_buf {
-                    Some(k) => self.pool.grad_bufs[k].clone(),
+                    Some(k) => self.ring_grad(k)?,
                     None => self.resident_bufs(Unit::Layer(layer))?.grad,
                 };
                 DevicePool::zero(&gbuf)?;
@@ -268,7 +268,7 @@ impl<B: Backend> Engine<B> {
     /// The device weights behind a compute slot.
     fn slot_tensor(&self, slot: Slot) -> Result<candle_core::Tensor> {
         Ok(match slot {
-            Slot::Ring(k) => self.pool.slots[k].clone(),
+            Slot::Ring(k) => self.ring_slot(k)?,
             Slot::Outer => self.pool.outer_slot.clone(),
             Slot::Resident(l) => self.resident_bufs(Unit::Layer(l))?.slot,
             Slot::Held(l) => self.held_slot(l)?,

@@ -73,18 +73,30 @@ pub(super) fn stage_base(base: Option<&FrozenBase>, unit: Unit, s: &mut Transfer
 }
 
 impl<B: Backend> Engine<B> {
-    pub(super) fn staging_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
-        match b {
-            HostBuf::Ring(k) => Arc::clone(&self.staging[k]),
+    /// The staging buffer an upload reads; a ring index the engine lacks is a scheduling error.
+    pub(super) fn staging_of(&self, b: HostBuf) -> Result<Arc<Mutex<TransferBuf>>> {
+        Ok(match b {
+            HostBuf::Ring(k) => Arc::clone(ring(&self.staging, k, "staging buffer")?),
             HostBuf::Outer => Arc::clone(&self.outer_staging),
-        }
+        })
     }
 
-    pub(super) fn landing_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
-        match b {
-            HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
+    /// The landing buffer a download writes; a ring index the engine lacks is a scheduling error.
+    pub(super) fn landing_of(&self, b: HostBuf) -> Result<Arc<Mutex<TransferBuf>>> {
+        Ok(match b {
+            HostBuf::Ring(k) => Arc::clone(ring(&self.landing, k, "landing buffer")?),
             HostBuf::Outer => Arc::clone(&self.outer_landing),
-        }
+        })
+    }
+
+    /// Ring slot `k`'s device weights.
+    pub(super) fn ring_slot(&self, k: usize) -> Result<candle_core::Tensor> {
+        ring(&self.pool.slots, k, "ring slot").cloned()
+    }
+
+    /// Gradient buffer `k`.
+    pub(super) fn ring_grad(&self, k: usize) -> Result<candle_core::Tensor> {
+        ring(&self.pool.grad_bufs, k, "gradient buffer").cloned()
     }
 
     /// Issues host-stream op `op` after `waits`.
@@ -93,7 +105,7 @@ impl<B: Backend> Engine<B> {
         let hyper = self.opts.adamw;
         Ok(match *op {
             Op::Stage { unit, staging, update } => {
-                let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
+                let (store, st) = (Arc::clone(&self.store), self.staging_of(staging)?);
                 let base = self.opts.frozen_base.clone();
                 let job: HostJob = Box::new(move || {
                     let mut r = store.record(unit);
@@ -110,7 +122,7 @@ impl<B: Backend> Engine<B> {
             }
             Op::Land { unit, landing, update } => {
                 let (store, land, sumsq) =
-                    (Arc::clone(&self.store), self.landing_of(landing), Arc::clone(&self.sumsq));
+                    (Arc::clone(&self.store), self.landing_of(landing)?, Arc::clone(&self.sumsq));
                 let job: HostJob = Box::new(move || {
                     let src = land.lock().unwrap_or_else(|p| p.into_inner());
                     let mut r = store.record(unit);
@@ -186,5 +198,27 @@ impl<B: Backend> Engine<B> {
             }
             _ => return Err(Error::Schedule(format!("{op:?} is not a host op"))),
         })
+    }
+}
+
+/// Element `k` of one of the engine's rings, or the scheduling error naming what is missing (a
+/// program built for a deeper ring than this engine's).
+fn ring<'a, T>(items: &'a [T], k: usize, what: &str) -> Result<&'a T> {
+    items
+        .get(k)
+        .ok_or_else(|| Error::Schedule(format!("{what} {k} does not exist (the engine has {})", items.len())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ring_index_beyond_the_ring_is_a_scheduling_error() {
+        assert_eq!(ring(&[10, 11], 1, "ring slot").ok(), Some(&11));
+        match ring(&[10, 11], 2, "ring slot") {
+            Err(Error::Schedule(m)) => assert_eq!(m, "ring slot 2 does not exist (the engine has 2)"),
+            other => panic!("expected a scheduling error, got {other:?}"),
+        }
     }
 }
