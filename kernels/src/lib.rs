@@ -40,6 +40,10 @@ pub enum FlashKernel {
     Auto,
     /// The Hopper kernels (`kernels/cuda/flash_attn_hopper.cu`).
     Hopper,
+    /// The Hopper kernels with the backward's dQ partials added in the order they arrive rather
+    /// than in key-block order: faster where a head has few key blocks (short sequences), not
+    /// bitwise repeatable (fp32 adds in a varying order).
+    HopperUnordered,
     /// The portable kernels (`kernels/cuda/flash_attn.cu`), on any GPU of compute capability 8.0+.
     Portable,
 }

@@ -76,8 +76,8 @@ fn hopper(dev: &CudaDevice, hd: usize, kernel: FlashKernel) -> candle_core::Resu
     match kernel {
         FlashKernel::Portable => Ok(false),
         FlashKernel::Auto => Ok(flash_hopper::hopper_applies(dev, hd)),
-        FlashKernel::Hopper if flash_hopper::hopper_applies(dev, hd) => Ok(true),
-        FlashKernel::Hopper => Err(msg(format!(
+        FlashKernel::Hopper | FlashKernel::HopperUnordered if flash_hopper::hopper_applies(dev, hd) => Ok(true),
+        FlashKernel::Hopper | FlashKernel::HopperUnordered => Err(msg(format!(
             "the Hopper attention kernels run on a GPU of compute capability 9.0 (H100, H200) with head dim 64 or 128 (this model's is {hd}) and MEGATRAIN_NVRTC_CC unset or 90; use --attention flash or portable"
         ))),
     }
@@ -140,7 +140,8 @@ pub fn flash_backward(
     let dev = cuda_dev(q)?;
     let operands = Operands::backward(q, k, v, o, lse, d_o, docs, shape);
     if hopper(&dev, hd, kernel)? {
-        return flash_hopper::backward(&dev, &operands);
+        let ordered = kernel != FlashKernel::HopperUnordered;
+        return flash_hopper::backward(&dev, &operands, ordered);
     }
     let st = dev.cuda_stream();
     let x = operands.views()?;

@@ -197,10 +197,13 @@ pub(super) fn forward(dev: &CudaDevice, operands: &Operands<'_>) -> candle_core:
     Ok(forward_tensors(dev, shape, (o, lse)))
 }
 
-/// Backward (`flash.rs`'s contract): `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16.
+/// Backward (`flash.rs`'s contract): `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16. With
+/// `ordered` each dQ tile takes its key blocks' partials in block order (bitwise repeatable);
+/// without, in the order they arrive.
 pub(super) fn backward(
     dev: &CudaDevice,
     operands: &Operands<'_>,
+    ordered: bool,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let shape @ (b, t, nh, nkv, hd) = operands.dims();
     let st = dev.cuda_stream();
@@ -227,7 +230,7 @@ pub(super) fn backward(
         tensor_map(dop, b, t, nh, hd, BQ)?,
     ];
     let s = Scalars::new(shape);
-    let deterministic = 1i32;
+    let deterministic = i32::from(ordered);
     let sm = smem_bwd(hd);
     let f = kernel(dev, &format!("mt_hfa_bwd_hd{hd}"), sm)?;
     let mut a = st.launch_builder(&f);

@@ -104,9 +104,9 @@ fn randn(s: usize, heads: usize, hd: usize, seed: u64, dev: &Device) -> Tensor {
 /// Llama-like 8/2 of d 64, and s = 4096 with seven packed documents (and a length that is not a
 /// multiple of any tile); output, LSE and dQ/dK/dV within bf16 rounding of the f32 reference
 /// (relative L2 ≤ 1e-2: the kernels round P and dS to bf16 before their products, and their
-/// outputs to bf16), and a second backward bitwise the first. For each set of kernels the GPU
-/// runs (the portable ones everywhere, the Hopper ones on compute capability 9.0). Every figure is
-/// printed.
+/// outputs to bf16), and a second backward bitwise the first (but for the unordered dQ adds).
+/// For each set of kernels the GPU runs (the portable ones everywhere, the Hopper ones ordered and
+/// unordered on compute capability 9.0). Every figure is printed.
 #[test]
 fn flash_kernels_match_a_tiled_f32_reference() {
     let dev = Device::new_cuda(0).expect("this test needs a CUDA device");
@@ -115,8 +115,11 @@ fn flash_kernels_match_a_tiled_f32_reference() {
         Device::Cuda(d) => hopper_applies(d, 128),
         _ => false,
     };
-    let kernels: &[FlashKernel] =
-        if hopper { &[FlashKernel::Portable, FlashKernel::Hopper] } else { &[FlashKernel::Portable] };
+    let kernels: &[FlashKernel] = if hopper {
+        &[FlashKernel::Portable, FlashKernel::Hopper, FlashKernel::HopperUnordered]
+    } else {
+        &[FlashKernel::Portable]
+    };
     let mut failures = Vec::new();
     for (&kernel, (s, nh, nkv, hd, n_docs)) in kernels.iter().flat_map(|k| {
         [
@@ -183,7 +186,12 @@ fn flash_kernels_match_a_tiled_f32_reference() {
             checks.iter().map(|(n, (l2, mx))| format!("{n} {l2:.2e}/{mx:.2e}")).collect::<Vec<_>>().join(", ")
         );
         let lse_ok = checks[1].1 .0 <= 1e-5;
-        if !repeatable || !lse_ok || checks.iter().any(|(_, (l2, _))| l2.is_nan() || *l2 > 1e-2) {
+        // The unordered backward adds dQ's partials in arrival order: its bits may differ run to run.
+        let must_repeat = kernel != FlashKernel::HopperUnordered;
+        if (must_repeat && !repeatable)
+            || !lse_ok
+            || checks.iter().any(|(_, (l2, _))| l2.is_nan() || *l2 > 1e-2)
+        {
             failures.push(format!("{kernel:?} s={s} {nh}/{nkv} d {hd} docs {n_docs}"));
         }
     }

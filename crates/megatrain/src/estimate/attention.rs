@@ -14,13 +14,15 @@ pub const FLASH_TFLOPS: [(usize, f64, f64); 4] =
 
 /// The Hopper flash kernels' (`kernels/cuda/flash_attn_hopper.cu`) forward and backward TFLOP/s,
 /// deterministic backward, by sequence length, measured as [`FLASH_TFLOPS`] on an H100
-/// (`docs/decisions/0041`). Short sequences run slower: the ordered dQ adds wait more there.
+/// (`docs/decisions/0041`): 16k and longer with the masked and unmasked loop bodies compiled apart,
+/// 4k and 8k from the kernels before that change (slower: a lower bound there). Short sequences
+/// run slower: the ordered dQ adds wait more there.
 pub const HOPPER_FLASH_TFLOPS: [(usize, f64, f64); 5] = [
     (4096, 302.0, 202.0),
     (8192, 449.0, 316.0),
-    (16384, 538.0, 411.0),
-    (65536, 523.0, 472.0),
-    (131072, 519.0, 472.0),
+    (16384, 629.0, 450.0),
+    (65536, 646.0, 505.0),
+    (131072, 592.0, 498.0),
 ];
 
 /// TFLOP/s of the materialised attention (candle's GEMMs and our softmax kernels, the
