@@ -55,20 +55,6 @@ pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<Lor
     Ok(Some(l))
 }
 
-/// A LoRA run keeps no optimizer state on the device yet (decision 0044): `auto` places no
-/// resident unit and no GPU-updated layer (an explicit one is refused by the engine, naming it).
-pub(crate) fn stream_everything(p: &mut mt_sched::PlacementChoice) {
-    p.resident_outer.get_or_insert(false);
-    for n in [
-        &mut p.resident_layers,
-        &mut p.gpu_updated_layers,
-        &mut p.late_state_downloads,
-        &mut p.early_state_uploads,
-    ] {
-        n.get_or_insert(0);
-    }
-}
-
 /// The base model's config (without the adapters).
 pub(crate) fn base_config(cfg: &ModelConfig) -> ModelConfig {
     ModelConfig { lora: None, ..cfg.clone() }

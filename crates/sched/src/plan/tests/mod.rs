@@ -3,7 +3,7 @@
 //! helpers the planner's other tests share. One file per concern beside it: residency
 //! (`resident.rs`), what else a plan places on the GPU (`placed.rs`), long sequences
 //! (`long.rs`), the disk tier (`paging.rs`), the moments' precision (`states.rs`), the
-//! optimizer's work (`update.rs`).
+//! optimizer's work (`update.rs`), LoRA (`lora.rs`).
 
 use super::*;
 use crate::program::ProgramSpec;
@@ -281,3 +281,6 @@ mod states;
 
 /// The optimizer's work: the forward window, GPU-updated layers, early uploads.
 mod update;
+
+/// LoRA: the adapters' training state, the frozen base beside it.
+mod lora;
