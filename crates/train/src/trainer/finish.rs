@@ -34,7 +34,7 @@ impl<O: Observer> Trainer<O> {
             }
         };
         let secs = t.elapsed().as_secs_f64();
-        let event = Event::Exported { dir, n_shards, bytes, secs };
+        let event = Event::Exported { dir, kind: self.export_kind(), n_shards, bytes, secs };
         notify(&mut self.observer, &event)
     }
 
@@ -136,6 +136,11 @@ impl<O: Observer> Trainer<O> {
         Ok(())
     }
 
+    /// What the export writes: the model, or a LoRA run's adapter (merged with `--merge`).
+    fn export_kind(&self) -> crate::ExportKind {
+        crate::ExportKind::of(self.base.is_some(), self.config.merge)
+    }
+
     fn summary(&self, exported: Option<PathBuf>) -> TrainSummary {
         let c = &self.config;
         let later = &self.later_s;
@@ -168,6 +173,7 @@ impl<O: Observer> Trainer<O> {
             evals: self.evals.clone(),
             skipped_steps: self.skipped,
             exported,
+            export_kind: self.export_kind(),
             export_kept: false,
             device: c.device.kind(),
         }
