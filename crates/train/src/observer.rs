@@ -133,6 +133,9 @@ pub struct RunStart<'a> {
     pub store_bytes_per_param: f64,
     /// The store's file.
     pub store_path: Option<&'a Path>,
+    /// A LoRA run's frozen base weights in host memory, bytes (`mt_store::FrozenBase::bytes`;
+    /// 0 without LoRA).
+    pub frozen_base_bytes: usize,
     /// Model FLOPs per step.
     pub flops_per_step: f64,
 }

@@ -161,6 +161,7 @@ impl<O: Observer> Trainer<O> {
             store_bytes: store.bytes(),
             store_bytes_per_param: store.bytes_per_param(),
             store_path: store.path(),
+            frozen_base_bytes: base.as_ref().map_or(0, |b| b.bytes()),
             flops_per_step: global_flops(&plan, &config),
         };
         notify(&mut observer, &Event::Started(&start))?;
