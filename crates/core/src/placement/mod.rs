@@ -10,7 +10,7 @@
 //! sizes its buffers from it and sits below mt-sched, which re-exports it (`mt_sched::placement`)
 //! and owns what decides it (the planner) and what implements it (the step program's passes).
 //! A new setting is a field here (with its line in `PlacementChoice::AUTO`, `map` and, if it keeps
-//! state on the device, `with_device_state`), its flag in the CLI's `PlacementArgs`, and the code
+//! state on the device, `with_device_state` and `device_state_asked`), its flag in the CLI's `PlacementArgs`, and the code
 //! that implements it (the program's pass, the planner's phase, the pool's buffers).
 
 mod table;
