@@ -44,23 +44,7 @@ fn a_lora_plan_counts_what_a_lora_run_allocates() {
             assert_eq!(p.trainable_params, trainable.n_params() as u64);
             assert_eq!(p.n_params, slot.n_params() as u64);
 
-            let spec = mt_pool::PoolSpec {
-                ring_depth: p.ring_depth,
-                layer_len: slot.layer.len,
-                outer_len: slot.outer.len,
-                grad_lens: (trainable.layer.len, trainable.outer.len),
-                weight_dtype: DType::BF16,
-                grad_dtype: DType::F32,
-                n_grad_bufs: grad_bufs(0),
-                n_layers: slot.n_layers,
-                n_chunks: p.n_chunks,
-                placement: p.placement,
-                land_bf16: lands_bf16(mode, grad),
-                state_slots: 0,
-                state_grad_dtype: DType::F32,
-                state_dtype: states,
-            };
-            let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
+            let b = pool_bytes(&p, &i, &slot, &trainable);
             assert_eq!(b.grads as u64, p.gpu.grads, "{what}: gradient buffers");
             assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
             assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
