@@ -17,9 +17,10 @@ use crate::{ModelSource, TrainConfig};
 /// The adapters of the run, if it is a LoRA run: `--lora-from`'s, which the other `--lora-*`
 /// options may not contradict, or the options'. Refuses what is not implemented.
 pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<LoraConfig>> {
-    let l = match (&c.lora_from, &c.lora) {
+    let options = c.lora.clone().map(|l| l.for_model(&model.cfg));
+    let l = match (&c.lora_from, options) {
         (None, None) => return Ok(None),
-        (None, Some(l)) => l.clone(),
+        (None, Some(l)) => l,
         (Some(dir), given) => {
             let l = mt_hf::peft::read_adapter_config(dir).context_with(|| "reading --lora-from".into())?;
             if let Some(g) = given {

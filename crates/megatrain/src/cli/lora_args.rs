@@ -21,7 +21,8 @@ pub struct LoraArgs {
     #[arg(long, value_name = "A", value_parser = positive_f64, help_heading = LORA)]
     pub lora_alpha: Option<f64>,
 
-    /// The adapted linear layers, comma-separated [default: every one of the decoder].
+    /// The adapted linear layers, comma-separated [default: every one of the decoder; the
+    /// attention's on a mixture of experts].
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = lora_target, help_heading = LORA)]
     pub lora_targets: Vec<mt_core::LoraTarget>,
 
@@ -38,12 +39,12 @@ impl LoraArgs {
     /// The adapters `--lora-rank` and its options describe (each value checked by its parser).
     pub fn config(&self) -> Option<mt_core::LoraConfig> {
         let rank = self.lora_rank?;
-        let all = mt_core::LoraTarget::ALL;
-        let given = if self.lora_targets.is_empty() { &all[..] } else { &self.lora_targets[..] };
+        let given = &self.lora_targets;
         Some(mt_core::LoraConfig {
             rank,
             alpha: self.lora_alpha.unwrap_or(rank as f64),
-            targets: all.into_iter().filter(|t| given.contains(t)).collect(),
+            // None given: the model's default (`LoraConfig::for_model`).
+            targets: mt_core::LoraTarget::ALL.into_iter().filter(|t| given.contains(t)).collect(),
             dropout: self.lora_dropout.unwrap_or(0.0),
             rslora: self.rslora,
         })

@@ -141,11 +141,12 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let mut model = ModelSource::load(&config.model)?;
     if let Some(l) = &config.lora {
         // As `megatrain train` would refuse them (it also needs the weights: --model DIR).
+        let l = l.clone().for_model(&model.cfg);
         l.check(&model.cfg)?;
         if args.gpus > 1 {
             anyhow::bail!("LoRA runs on one device for now: use --gpus 1");
         }
-        model.cfg.lora = Some(l.clone());
+        model.cfg.lora = Some(l);
     }
     let cfg = &model.cfg;
     let device = config.device;

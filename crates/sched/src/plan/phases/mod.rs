@@ -277,6 +277,12 @@ fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
         "host store ({:.2} GiB){base} + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
         gib(store), gib(pinned), gib(host.total), gib(input.host_bytes), gib(host.total - input.host_bytes)
     );
+    if frozen_base > store {
+        // Paging the adapters' store would not make room: the base is what does not fit.
+        return opt(format!(
+            "{over}; a LoRA run keeps its frozen base in host RAM in fp32 (4 B/param): it needs more --host-mem"
+        ));
+    }
     if !input.store_file {
         return opt(format!(
             "{over}; a file-backed store (--store FILE on a disk with room) pages it from disk"

@@ -113,3 +113,15 @@ fn a_lora_plan_keeps_no_optimizer_state_on_the_device() {
         assert!(e.contains(flag) && e.contains("a LoRA run"), "{flag}: {e}");
     }
 }
+
+/// A LoRA run whose frozen base does not fit the host is refused naming the base, and not sent
+/// to a store file, which would page only the adapters.
+#[test]
+fn a_lora_base_larger_than_the_host_is_refused_naming_it() {
+    let cfg = with_lora(llama3_3b(), 16);
+    for store_file in [false, true] {
+        let e = err(&PlanInput { host_bytes: 12 * GIB, store_file, ..input(cfg.clone(), 1, 2048, H200) });
+        assert!(e.contains("+ frozen base (13.") && e.contains("needs more --host-mem"), "{e}");
+        assert!(!e.contains("--store"), "{e}");
+    }
+}
