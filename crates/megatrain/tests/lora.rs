@@ -55,6 +55,7 @@ fn lora_checkpoints_hold_the_adapters_and_resume_bitwise() {
     );
     assert!(stdout(&o).contains("exported the LoRA adapter (peft's format) to"), "{}", stdout(&o));
     assert!(stdout(&o).contains(&said), "{}", stdout(&o));
+    assert!(stdout(&o).contains("frozen base: "), "{}", stdout(&o));
     assert!(!stdout(&o).contains("(Hugging Face format)"), "{}", stdout(&o));
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(one.join("adapter_config.json")).unwrap()).unwrap();

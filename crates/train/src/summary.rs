@@ -94,6 +94,8 @@ pub struct TrainSummary {
     pub store_bytes: usize,
     /// Host store bytes per parameter.
     pub store_bytes_per_param: f64,
+    /// A LoRA run's frozen base in host memory, bytes (0 without LoRA).
+    pub frozen_base_bytes: usize,
     /// The precision of the store's AdamW moments.
     pub optim_states: mt_core::StateDtype,
     /// Resident set size of the process at the end (`None` where it cannot be read).
@@ -332,6 +334,13 @@ impl fmt::Display for TrainSummary {
             self.store_bytes_per_param,
             self.optim_states
         )?;
+        if self.frozen_base_bytes > 0 {
+            writeln!(
+                f,
+                "frozen base: {} in host memory (fp32; the store above is the adapters')",
+                mb(self.frozen_base_bytes as f64)
+            )?;
+        }
         if let Some((p, in_ram)) = self.paging {
             writeln!(
                 f,
@@ -503,6 +512,7 @@ mod tests {
             wall_s: 3.5,
             store_bytes: 140,
             store_bytes_per_param: 14.0,
+            frozen_base_bytes: 0,
             optim_states: mt_core::StateDtype::F32,
             rss_bytes: Some(200),
             paging: None,
