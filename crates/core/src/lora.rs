@@ -112,7 +112,8 @@ pub struct LoraConfig {
     pub rank: usize,
     /// `lora_alpha`.
     pub alpha: f64,
-    /// The adapted projections, in [`LoraTarget::ALL`] order, each once.
+    /// The adapted projections, in [`LoraTarget::ALL`] order, each once. Empty: not chosen
+    /// (`--lora-targets` not given), the model's default ([`LoraConfig::for_model`]).
     pub targets: Vec<LoraTarget>,
     /// Dropout probability on the adapter's input (peft's `lora_dropout`).
     pub dropout: f64,
@@ -153,6 +154,17 @@ impl LoraConfig {
         self.targets.contains(&t)
     }
 
+    /// These adapters on `cfg`: targets not chosen become every linear layer of its decoder that
+    /// an adapter can go on, all seven, or the attention's four on a mixture of experts (whose
+    /// experts are packed tensors, [`LoraConfig::check`]).
+    pub fn for_model(self, cfg: &ModelConfig) -> Self {
+        if !self.targets.is_empty() {
+            return self;
+        }
+        let targets = LoraTarget::ALL.into_iter().filter(|t| cfg.moe.is_none() || !t.is_mlp()).collect();
+        LoraConfig { targets, ..self }
+    }
+
     /// Refuses what the model cannot carry: MLP targets on a mixture of experts (its experts
     /// are packed tensors that peft's LoRA does not wrap; attention is adapted).
     pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
@@ -177,6 +189,26 @@ impl LoraConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Targets not chosen are every linear layer of a dense decoder, the attention of a mixture
+    /// of experts (which `check` then accepts); chosen ones stay as they are.
+    #[test]
+    fn default_targets_follow_the_model() {
+        let l = LoraConfig {
+            targets: Vec::new(),
+            ..LoraConfig::new(4, 8.0, &[LoraTarget::Q], 0.0, false).unwrap()
+        };
+        let dense = ModelConfig::tiny_llama();
+        assert_eq!(l.clone().for_model(&dense).targets, LoraTarget::ALL.to_vec());
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../testkit/fixtures/golden/qwen3_moe.config.json");
+        let moe = ModelConfig::from_file(std::path::Path::new(path)).unwrap();
+        let m = l.clone().for_model(&moe);
+        assert_eq!(m.targets, vec![LoraTarget::Q, LoraTarget::K, LoraTarget::V, LoraTarget::O]);
+        m.check(&moe).unwrap();
+        let down = LoraConfig::new(4, 8.0, &[LoraTarget::Down], 0.0, false).unwrap();
+        assert_eq!(down.clone().for_model(&moe).targets, vec![LoraTarget::Down]);
+        assert!(down.for_model(&moe).check(&moe).is_err());
+    }
 
     #[test]
     fn scale_and_target_order() {

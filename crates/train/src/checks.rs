@@ -100,21 +100,24 @@ pub(crate) struct Output {
     pub(crate) bytes: u64,
 }
 
-/// Everything a run will write, with its size: the export into `--out` (the weights in the export
-/// dtype), the checkpoints (`--keep-checkpoints` + 1 snapshots of 12, 8 or 6 B/param at once, less those
-/// already there; without `--save-every`, the one of the last step) and a new `--store` file.
-pub(crate) fn outputs(c: &TrainConfig, layout: &ModelLayout) -> Vec<Output> {
+/// Everything a run of `cfg` will write, with its size: the export into `--out` (the weights in
+/// the export dtype; a LoRA run's adapters in f32, or with `--merge` the base model), the
+/// checkpoints (`--keep-checkpoints` + 1 snapshots of 12, 8 or 6 B/param of what trains at once,
+/// less those already there; without `--save-every`, the one of the last step) and a new
+/// `--store` file.
+pub(crate) fn outputs(c: &TrainConfig, cfg: &ModelConfig) -> Vec<Output> {
+    let layout = &ModelLayout::trainable(cfg);
     let mut out = Vec::new();
     if let Some(dir) = &c.out {
         let per = match c.export_dtype {
             mt_hf::ExportDtype::F32 => 4,
             mt_hf::ExportDtype::Bf16 => 2,
         };
-        out.push(Output {
-            dir: dir.clone(),
-            what: "the export (--out)".into(),
-            bytes: per * layout.n_params() as u64,
-        });
+        let bytes = match &cfg.lora {
+            Some(_) if !c.merge => 4 * layout.n_params() as u64,
+            _ => per * ModelLayout::new(&crate::lora::base_config(cfg)).n_params() as u64,
+        };
+        out.push(Output { dir: dir.clone(), what: "the export (--out)".into(), bytes });
     }
     if let Some(dir) = c.checkpoint_dir() {
         let snapshot = mt_sched::plan::store_bytes(layout, GradDtype::None, c.optim_states);
@@ -240,15 +243,7 @@ fn check_gpus(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
             args.batch_size
         );
     }
-    let p = &args.placement;
-    let on_gpu = [
-        ("--resident-outer", p.resident_outer == Some(true)),
-        ("--resident-layers", p.resident_layers.is_some_and(|k| k > 0)),
-        ("--gpu-updated-layers", p.gpu_updated_layers.is_some_and(|k| k > 0)),
-        ("--late-state-downloads", p.late_state_downloads.is_some_and(|k| k > 0)),
-        ("--early-state-uploads", p.early_state_uploads.is_some_and(|k| k > 0)),
-    ];
-    if let Some((flag, _)) = on_gpu.iter().find(|(_, on)| *on) {
+    if let Some(flag) = args.placement.device_state_asked() {
         refuse!(
             "{flag} keeps optimizer state on the GPU, which --gpus {n} does not support yet (every GPU would own a copy): leave it at auto or 0"
         );
@@ -301,14 +296,14 @@ mod tests {
             ..TrainConfig::default()
         };
         let layout = ModelLayout::new(&ModelConfig::tiny_llama());
-        let outs = outputs(&c, &layout);
+        let outs = outputs(&c, &ModelConfig::tiny_llama());
         let snapshot = mt_sched::plan::store_bytes(&layout, GradDtype::None, StateDtype::F32);
         assert_eq!(outs.len(), 2);
         assert_eq!(outs[0].bytes, 4 * layout.n_params() as u64);
         assert_eq!(outs[1].bytes, 3 * snapshot);
         assert_eq!(outs[1].dir, PathBuf::from("/nonexistent/out/checkpoints"));
         // With 8-bit moments each snapshot is the smaller store's.
-        let int8 = outputs(&TrainConfig { optim_states: StateDtype::Int8, ..c }, &layout);
+        let int8 = outputs(&TrainConfig { optim_states: StateDtype::Int8, ..c }, &ModelConfig::tiny_llama());
         assert_eq!(
             int8[1].bytes,
             3 * mt_sched::plan::store_bytes(&layout, GradDtype::None, StateDtype::Int8)

@@ -93,14 +93,20 @@ pub fn plan_for(
 /// context, allocator), a checkpoint's pipelined writes (two records of the snapshot file) and
 /// the export's one tensor in f32 at a time with its narrowed copy.
 fn paged_reserve(c: &TrainConfig, cfg: &ModelConfig) -> u64 {
-    let layout = mt_core::ModelLayout::new(cfg);
+    let layout = mt_core::ModelLayout::trainable(cfg);
     let record = mt_sched::plan::largest_record(&layout, c.grad_dtype(), c.optim_states);
     let process = match c.device {
         Device::Cuda => PROCESS_OVERHEAD_CUDA,
         Device::Cpu => PROCESS_OVERHEAD_CPU,
     };
     let snapshots = if c.save_every > 0 { 2 * record } else { 0 };
-    let tensor = layout.all_params().iter().map(|(_, _, t)| t.numel() as u64).max().unwrap_or(0);
+    // The largest tensor of the model (a LoRA run's base included: `--merge` exports it).
+    let tensor = mt_core::ModelLayout::new(cfg)
+        .all_params()
+        .iter()
+        .map(|(_, _, t)| t.numel() as u64)
+        .max()
+        .unwrap_or(0);
     let export = if c.out.is_some() { tensor * (4 + 4) } else { 0 };
     process + snapshots + export
 }

@@ -56,5 +56,5 @@ pub use mt_store::GradDtype;
 pub use observer::{
     CheckpointWritten, EvalResult, Event, Observer, ObserverResult, Quiet, RunStart, StepEvent,
 };
-pub use summary::{stream_name, StepTotals, StreamMean, TrainSummary};
+pub use summary::{stream_name, ExportKind, StepTotals, StreamMean, TrainSummary};
 pub use trainer::Trainer;

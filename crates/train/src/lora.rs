@@ -17,9 +17,10 @@ use crate::{ModelSource, TrainConfig};
 /// The adapters of the run, if it is a LoRA run: `--lora-from`'s, which the other `--lora-*`
 /// options may not contradict, or the options'. Refuses what is not implemented.
 pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<LoraConfig>> {
-    let l = match (&c.lora_from, &c.lora) {
+    let options = c.lora.clone().map(|l| l.for_model(&model.cfg));
+    let l = match (&c.lora_from, options) {
         (None, None) => return Ok(None),
-        (None, Some(l)) => l.clone(),
+        (None, Some(l)) => l,
         (Some(dir), given) => {
             let l = mt_hf::peft::read_adapter_config(dir).context_with(|| "reading --lora-from".into())?;
             if let Some(g) = given {
@@ -53,20 +54,6 @@ pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<Lor
         return Err(Error::Options("LoRA runs on one device for now: use --gpus 1".into()));
     }
     Ok(Some(l))
-}
-
-/// A LoRA run keeps no optimizer state on the device yet (decision 0044): `auto` places no
-/// resident unit and no GPU-updated layer (an explicit one is refused by the engine, naming it).
-pub(crate) fn stream_everything(p: &mut mt_sched::PlacementChoice) {
-    p.resident_outer.get_or_insert(false);
-    for n in [
-        &mut p.resident_layers,
-        &mut p.gpu_updated_layers,
-        &mut p.late_state_downloads,
-        &mut p.early_state_uploads,
-    ] {
-        n.get_or_insert(0);
-    }
 }
 
 /// The base model's config (without the adapters).

@@ -133,6 +133,9 @@ pub struct RunStart<'a> {
     pub store_bytes_per_param: f64,
     /// The store's file.
     pub store_path: Option<&'a Path>,
+    /// A LoRA run's frozen base weights in host memory, bytes (`mt_store::FrozenBase::bytes`;
+    /// 0 without LoRA).
+    pub frozen_base_bytes: usize,
     /// Model FLOPs per step.
     pub flops_per_step: f64,
 }
@@ -233,6 +236,8 @@ pub enum Event<'a> {
     Exported {
         /// The directory.
         dir: &'a Path,
+        /// What was written there.
+        kind: crate::ExportKind,
         /// Safetensors files.
         n_shards: usize,
         /// Bytes written.
@@ -334,9 +339,10 @@ impl fmt::Display for Event<'_> {
             Event::Flushed { secs } => {
                 write!(f, "last update applied and the store written back in {secs:.1} s")
             }
-            Event::Exported { dir, n_shards, bytes, secs } => write!(
+            Event::Exported { dir, kind, n_shards, bytes, secs } => write!(
                 f,
-                "exported {} ({n_shards} shard(s), {}) in {secs:.1} s",
+                "exported {} to {} ({n_shards} safetensors file(s), {}) in {secs:.1} s",
+                kind.noun(),
                 dir.display(),
                 mt_core::units::bytes(*bytes as f64)
             ),

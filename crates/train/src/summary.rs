@@ -19,6 +19,54 @@ pub fn stream_name(s: Stream) -> &'static str {
     }
 }
 
+/// What a run's export writes into `--out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportKind {
+    /// The model, as a Hugging Face model directory (config.json, safetensors, tokenizer).
+    Model,
+    /// A LoRA run's adapters, as peft's adapter directory (`adapter_config.json`,
+    /// `adapter_model.safetensors`), without the base.
+    Adapter,
+    /// A LoRA run's base with its adapters merged in (`--merge`), as a Hugging Face model
+    /// directory.
+    Merged,
+}
+
+impl ExportKind {
+    /// The export of a run: the model, or a LoRA run's (`lora`) adapter or, with `merge`, the
+    /// merged model.
+    pub fn of(lora: bool, merge: bool) -> Self {
+        match (lora, merge) {
+            (false, _) => ExportKind::Model,
+            (true, false) => ExportKind::Adapter,
+            (true, true) => ExportKind::Merged,
+        }
+    }
+
+    /// What it is, in a few words.
+    pub fn noun(self) -> &'static str {
+        match self {
+            ExportKind::Model => "the model",
+            ExportKind::Adapter => "the LoRA adapter (peft's format)",
+            ExportKind::Merged => "the model with its LoRA adapters merged in",
+        }
+    }
+
+    /// What was written into `dir`, in a sentence's words.
+    pub fn written_to(self, dir: &std::path::Path) -> String {
+        let dir = dir.display();
+        match self {
+            ExportKind::Model => format!("model exported to {dir} (Hugging Face format)"),
+            ExportKind::Adapter => format!(
+                "LoRA adapter exported to {dir} (peft's format: adapter_config.json and adapter_model.safetensors, without the base; PeftModel.from_pretrained loads it over the base model)"
+            ),
+            ExportKind::Merged => {
+                format!("model with its LoRA adapters merged in exported to {dir} (Hugging Face format)")
+            }
+        }
+    }
+}
+
 /// What a training run did, printed at its end.
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
@@ -46,6 +94,8 @@ pub struct TrainSummary {
     pub store_bytes: usize,
     /// Host store bytes per parameter.
     pub store_bytes_per_param: f64,
+    /// A LoRA run's frozen base in host memory, bytes (0 without LoRA).
+    pub frozen_base_bytes: usize,
     /// The precision of the store's AdamW moments.
     pub optim_states: mt_core::StateDtype,
     /// Resident set size of the process at the end (`None` where it cannot be read).
@@ -87,6 +137,8 @@ pub struct TrainSummary {
     pub skipped_steps: u64,
     /// Where the model was exported (`--out`).
     pub exported: Option<PathBuf>,
+    /// What the export is (the model, a LoRA run's adapter or merged model).
+    pub export_kind: ExportKind,
     /// The run was already complete and `exported` already held its export, left as it was.
     pub export_kept: bool,
     /// The device it ran on (the summary's wording).
@@ -232,9 +284,7 @@ impl fmt::Display for TrainSummary {
                 (Some(out), true) => {
                     writeln!(f, "its export in {} is of that step: left as it is", out.display())
                 }
-                (Some(out), false) => {
-                    writeln!(f, "model exported to {} (Hugging Face format)", out.display())
-                }
+                (Some(out), false) => writeln!(f, "{}", self.export_kind.written_to(out)),
                 (None, _) => Ok(()),
             };
         }
@@ -284,6 +334,13 @@ impl fmt::Display for TrainSummary {
             self.store_bytes_per_param,
             self.optim_states
         )?;
+        if self.frozen_base_bytes > 0 {
+            writeln!(
+                f,
+                "frozen base: {} in host memory (fp32; the store above is the adapters')",
+                mb(self.frozen_base_bytes as f64)
+            )?;
+        }
         if let Some((p, in_ram)) = self.paging {
             writeln!(
                 f,
@@ -327,7 +384,7 @@ impl fmt::Display for TrainSummary {
             )?;
         }
         if let Some(out) = &self.exported {
-            writeln!(f, "model exported to {} (Hugging Face format)", out.display())?;
+            writeln!(f, "{}", self.export_kind.written_to(out))?;
         }
         let n = self.steps();
         let copies = match self.device {
@@ -455,6 +512,7 @@ mod tests {
             wall_s: 3.5,
             store_bytes: 140,
             store_bytes_per_param: 14.0,
+            frozen_base_bytes: 0,
             optim_states: mt_core::StateDtype::F32,
             rss_bytes: Some(200),
             paging: None,
@@ -471,6 +529,7 @@ mod tests {
             evals: vec![(1, 3.0), (2, 2.5)],
             skipped_steps: 2,
             exported: Some(PathBuf::from("/tmp/out")),
+            export_kind: ExportKind::Model,
             export_kept: false,
             device: DeviceKind::Gpu,
         }

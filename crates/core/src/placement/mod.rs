@@ -10,7 +10,7 @@
 //! sizes its buffers from it and sits below mt-sched, which re-exports it (`mt_sched::placement`)
 //! and owns what decides it (the planner) and what implements it (the step program's passes).
 //! A new setting is a field here (with its line in `PlacementChoice::AUTO`, `map` and, if it keeps
-//! state on the device, `with_device_state`), its flag in the CLI's `PlacementArgs`, and the code
+//! state on the device, `with_device_state` and `device_state_asked`), its flag in the CLI's `PlacementArgs`, and the code
 //! that implements it (the program's pass, the planner's phase, the pool's buffers).
 
 mod table;
@@ -111,11 +111,30 @@ impl PlacementChoice {
     pub fn for_run(self, device: DeviceKind, file_backed_store: bool) -> Self {
         match device {
             DeviceKind::Cpu => self.map(|c| c.or(Some(0)), |c| c.or(Some(false))),
-            DeviceKind::Gpu if file_backed_store => {
-                self.with_device_state(|c| c.or(Some(0)), |c| c.or(Some(false)))
-            }
+            DeviceKind::Gpu if file_backed_store => self.host_state_by_default(),
             DeviceKind::Gpu => self,
         }
+    }
+
+    /// `auto` places no optimizer state on the device; what was asked for stays as it is (a
+    /// file-backed store's run, a LoRA run's: [`PlacementChoice::device_state_asked`] names
+    /// what such a run must refuse).
+    pub fn host_state_by_default(self) -> Self {
+        self.with_device_state(|c| c.or(Some(0)), |c| c.or(Some(false)))
+    }
+
+    /// The flag of the first setting asked for that keeps optimizer state on the device
+    /// (`--resident-outer`, `--resident-layers`, `--gpu-updated-layers` and its state moves),
+    /// if any.
+    pub fn device_state_asked(&self) -> Option<&'static str> {
+        let on = [
+            ("--resident-outer", self.resident_outer == Some(true)),
+            ("--resident-layers", self.resident_layers.is_some_and(|k| k > 0)),
+            ("--gpu-updated-layers", self.gpu_updated_layers.is_some_and(|k| k > 0)),
+            ("--late-state-downloads", self.late_state_downloads.is_some_and(|k| k > 0)),
+            ("--early-state-uploads", self.early_state_uploads.is_some_and(|k| k > 0)),
+        ];
+        on.iter().find(|(_, on)| *on).map(|(flag, _)| *flag)
     }
 
     /// No optimizer state on the device: data-parallel ranks share one host store, which every

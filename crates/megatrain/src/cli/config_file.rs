@@ -15,13 +15,15 @@ pub enum ArgsError {
     Clap(clap::Error),
     /// `--config-file` could not be read or holds something that is not an option.
     ConfigFile(String),
+    /// Options that do not go together ([`Cli::check`]).
+    Options(String),
 }
 
 impl std::fmt::Display for ArgsError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ArgsError::Clap(e) => write!(f, "{e}"),
-            ArgsError::ConfigFile(m) => f.write_str(m),
+            ArgsError::ConfigFile(m) | ArgsError::Options(m) => f.write_str(m),
         }
     }
 }
@@ -45,7 +47,9 @@ where
     }
     let argv = join_negative_values(argv);
     let matches = command().try_get_matches_from(argv).map_err(ArgsError::Clap)?;
-    Cli::from_arg_matches(&matches).map_err(|e| ArgsError::Clap(e.format(&mut command())))
+    let cli = Cli::from_arg_matches(&matches).map_err(|e| ArgsError::Clap(e.format(&mut command())))?;
+    cli.check().map_err(ArgsError::Options)?;
+    Ok(cli)
 }
 
 /// `--flag -1e-3` as `--flag=-1e-3` where `--flag` takes a value: clap takes `-1` for a number but

@@ -6,10 +6,12 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 mod config_file;
+mod lora_args;
 mod placement_args;
 mod train_args;
 mod values;
 pub use config_file::{command, config_file_options, config_text_options, parse_args, ArgsError};
+pub use lora_args::LoraArgs;
 pub use mt_train::{DataKind, DataSource};
 pub use placement_args::PlacementArgs;
 pub use train_args::{default_grad_dtype, TrainArgs};
@@ -84,6 +86,9 @@ pub struct EstimateArgs {
     /// The placement overrides.
     #[command(flatten)]
     pub placement: PlacementArgs,
+    /// As `megatrain train`'s: the run trains LoRA adapters on a frozen base.
+    #[command(flatten)]
+    pub lora: LoraArgs,
     /// As `megatrain train --attention`.
     #[arg(long, value_enum, default_value_t = AttentionArg::Auto)]
     pub attention: AttentionArg,
@@ -156,6 +161,18 @@ pub struct InitArgs {
     /// Weight dtype of the safetensors.
     #[arg(long, value_enum, default_value_t = ExportDtypeArg::Bf16)]
     pub export_dtype: ExportDtypeArg,
+}
+
+impl Cli {
+    /// Refuses options that the options around them make meaningless (a LoRA option without
+    /// adapters), naming them: clap checks each option alone.
+    pub fn check(&self) -> Result<(), String> {
+        match &self.command {
+            Command::Train(a) => a.check_lora(),
+            Command::Estimate(a) => a.lora.refuse_without_adapters(None, &[]),
+            Command::Init(_) | Command::Verify(_) => Ok(()),
+        }
+    }
 }
 
 impl Default for TrainArgs {

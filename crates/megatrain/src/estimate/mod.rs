@@ -135,9 +135,19 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         flash_kernel: args.attention.kernel(),
         mlp_rows: args.mlp_rows.choice(),
         store: args.store.clone(),
+        lora: args.lora.config(),
         ..TrainConfig::default()
     };
-    let model = ModelSource::load(&config.model)?;
+    let mut model = ModelSource::load(&config.model)?;
+    if let Some(l) = &config.lora {
+        // As `megatrain train` would refuse them (it also needs the weights: --model DIR).
+        let l = l.clone().for_model(&model.cfg);
+        l.check(&model.cfg)?;
+        if args.gpus > 1 {
+            anyhow::bail!("LoRA runs on one device for now: use --gpus 1");
+        }
+        model.cfg.lora = Some(l);
+    }
     let cfg = &model.cfg;
     let device = config.device;
     let host_avail = args.host_mem.map_or_else(available_bytes, gib_to_bytes);
@@ -153,7 +163,10 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;
     let pinned = if args.device == DeviceKind::Cuda { p.host.pinned * args.gpus as u64 } else { 0 };
     let host_bytes = planned_host_bytes(&p, device) + extra_rings;
-    let layout = ModelLayout::new(cfg);
+    // A device slot's layout (with LoRA: the base and its adapters) and what trains of it (the
+    // adapters): the host's update, land and downloads are of what trains, its casts and the
+    // uploads of whole slots.
+    let (layout, trainable) = (ModelLayout::new(cfg), ModelLayout::trainable(cfg));
     let tokens = (p.batch * args.seq_len) as f64;
     // Model FLOPs (on the active parameters: a mixture of experts' tokens each reach k of its
     // E experts) plus the recomputed forward of every layer that does not keep its activations
@@ -166,7 +179,11 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     let recomputed = layout.n_layers - p.placement.kept_layers;
     let recompute = 2.0 * (recomputed * (active_layer - down)) as f64 * tokens;
-    let gemm = 6.0 * active as f64 * tokens;
+    // The forward's GEMMs, 2·N·T, and the backward's, twice that, less a frozen weight's
+    // gradient (a LoRA run's base: 2 FLOPs an active parameter a token), which is never formed.
+    let frozen = if cfg.lora.is_some() { (active - trainable.n_params()) as f64 } else { 0.0 };
+    let fwd_gemm = 2.0 * active as f64 * tokens;
+    let gemm = fwd_gemm + 4.0 * active as f64 * tokens - 2.0 * frozen * tokens;
     let attn = attention_s(cfg, &p, args);
     // Data parallel: every gradient summed by NCCL on the compute stream, after its backward.
     let nccl_bytes =
@@ -177,14 +194,20 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         + attn.forward
         + attn.backward
         + nccl_bytes / (args.nccl_gbs * 1e9);
-    // The forward is a third of the GEMM FLOPs and attention's forward; the backward the rest.
-    let fwd_s = gemm / 3.0 / (tflops * 1e12) + attn.forward;
+    // The forward is its GEMMs and attention's forward; the backward the rest.
+    let fwd_s = fwd_gemm / (tflops * 1e12) + attn.forward;
     let bwd_s = compute_s - fwd_s;
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer works on the streamed units only: resident ones are updated on the GPU.
+    // A LoRA run's frozen base is only cast into its slots' upload copies (f32 read, `e` written).
     let streamed_layers = layout.n_layers - p.placement.resident_layers;
-    let layer_params = (streamed_layers * layout.layer.n_params()) as f64;
-    let outer_params = if p.placement.resident_outer { 0.0 } else { layout.outer.n_params() as f64 };
+    let layer_params = (streamed_layers * trainable.layer.n_params()) as f64;
+    let outer_params = if p.placement.resident_outer { 0.0 } else { trainable.outer.n_params() as f64 };
+    let frozen_of = |u: &mt_core::UnitLayout, t: &mt_core::UnitLayout| (u.n_params() - t.n_params()) as f64;
+    let frozen_layer = frozen_of(&layout.layer, &trainable.layer);
+    let frozen_outer =
+        if p.placement.resident_outer { 0.0 } else { frozen_of(&layout.outer, &trainable.outer) };
+    let base_cast = 4.0 + args.precision.bytes();
     let mode = args.optim_mode.into();
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
     let states = mt_core::StateDtype::from(args.optim_states);
@@ -210,8 +233,10 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => (n_gpus - 1.0) * (4.0 + args.precision.bytes()),
         mt_sched::OptimMode::Lean => 0.0,
     };
+    let frozen_streamed = streamed_layers as f64 * frozen_layer + frozen_outer;
     let host_update_s = secs(
         (layer_params - gpu_params + outer_params) * (b.update + n_gpus * b.fwd_cast + other_casts)
+            + frozen_streamed * n_gpus * base_cast
             + state_dma,
     );
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
@@ -226,8 +251,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
     let fill = if streamed_layers > 0 {
-        let n = layout.layer.n_params() as f64;
-        n * args.precision.bytes() / (args.pcie_gbs * 1e9) + secs(n * (b.update + b.fwd_cast))
+        let (n, t) = (layout.layer.n_params() as f64, trainable.layer.n_params() as f64);
+        n * args.precision.bytes() / (args.pcie_gbs * 1e9)
+            + secs(t * (b.update + b.fwd_cast) + frozen_layer * base_cast)
     } else {
         0.0
     };
@@ -356,6 +382,7 @@ impl Estimate {
             "n_params": p.n_params,
             "batch_size": p.batch, "seq_len": p.seq, "n_chunks": p.n_chunks, "ring_depth": p.ring_depth,
             "host_bytes": self.host_bytes, "host_store_bytes": p.host.store, "host_staging_bytes": p.host.pinned,
+            "host_frozen_base_bytes": p.host.frozen_base, "trainable_params": p.trainable_params,
             "host_peak_bytes": p.host.total, "host_released_by_resident_bytes": p.host.released_by_resident,
             "host_store_window_bytes": p.host.store_window,
             "pinned_bytes": self.pinned_bytes, "device_bytes": self.device_bytes,
@@ -397,14 +424,30 @@ impl std::fmt::Display for Estimate {
         let gib = |b: u64| mt_core::units::bytes_binary(b as f64);
         let p = &self.plan;
         writeln!(f, "{}", p.display_on(self.device))?;
+        let base = match p.host.frozen_base {
+            0 => String::new(),
+            b => format!(", frozen base {}", gib(b)),
+        };
         writeln!(
             f,
-            "host RAM: {} ({:.2} bytes/param; store {}, staging/landing {}, process)",
+            "host RAM: {} ({:.2} bytes/param; store {}{base}, staging/landing {}, process)",
             gib(self.host_bytes),
             self.host_bytes as f64 / p.n_params.max(1) as f64,
-            gib(p.host.store_window.map_or(p.host.store, |_| p.host.total - p.host.pinned)),
+            gib(p
+                .host
+                .store_window
+                .map_or(p.host.store, |_| p.host.total - p.host.pinned - p.host.frozen_base)),
             gib(p.host.pinned)
         )?;
+        if p.host.frozen_base > 0 {
+            writeln!(
+                f,
+                "LoRA: {} of the {} parameters train (the adapters: their fp32 master, AdamW moments \
+                 and gradients are the store); the base is frozen in host RAM in fp32, cast into each \
+                 slot's upload beside its adapters; only the adapters' gradients come down",
+                p.trainable_params, p.n_params
+            )?;
+        }
         if let Some(w) = p.host.store_window {
             writeln!(
                 f,

@@ -231,3 +231,48 @@ fn a_store_larger_than_the_host_is_paged_only_from_a_file() {
     let text = est.to_string();
     assert!(text.contains("disk tier: the store pages from its file"), "{text}");
 }
+
+/// A LoRA run is priced as it runs: the host updates and lands the adapters alone and casts the
+/// frozen base into each upload (6 B a parameter in bf16), the backward forms no gradient of a
+/// frozen weight (2 FLOPs a parameter a token fewer), and every layer fits held on the GPU.
+#[test]
+fn a_lora_run_is_priced_by_its_adapters_and_its_frozen_base() {
+    let streamed = [
+        "--resident-layers",
+        "0",
+        "--resident-outer",
+        "off",
+        "--held-layers",
+        "0",
+        "--kept-layers",
+        "0",
+        "--gpu-updated-layers",
+        "0",
+    ];
+    let full = estimate_3_6b(&streamed);
+    let lora = estimate_3_6b(&[&streamed[..], &["--lora-rank", "16"]].concat());
+    let p = &lora.plan;
+    let (n, a) = (full.plan.n_params as f64, p.trainable_params as f64);
+    assert_eq!(p.n_params as f64, n + a);
+    // Rank 16 on the seven linear layers of 28 layers of the 3.6B (hidden 3072, kv 1024, ffn 8192).
+    assert_eq!(a, 28.0 * 16.0 * (2.0 * 6144.0 + 2.0 * 4096.0 + 3.0 * 11264.0));
+    // The update (28 B: bf16 gradient, master, m, v, the bf16 copy) over the adapters, the
+    // forward's cast of the base (f32 read, bf16 written).
+    let update = (a * 28.0 + n * 6.0) / 140e9;
+    assert!((lora.host_update_s - update).abs() < 1e-9, "{} vs {update}", lora.host_update_s);
+    // The backward re-casts whole slots (6 B) and lands the adapters' bf16 gradients (4 B).
+    let embedding = 128256.0 * 3072.0 * 2.0; // the outer unit: embedding and LM head, not re-cast
+    let backward = ((n - embedding - 3072.0 + a) * 6.0 + a * 4.0) / 140e9;
+    assert!((lora.host_s - update - backward).abs() < 1e-6, "{} vs {}", lora.host_s - update, backward);
+    assert!(lora.host_s < 0.3 * full.host_s, "{} vs {}", lora.host_s, full.host_s);
+    // No weight gradient of the base: 2·N·T fewer GEMM FLOPs, 6 for each adapter's parameter.
+    let t = 4.0 * 2048.0;
+    let fewer = (2.0 * n - 6.0 * a) * t / 600e12;
+    let d = full.compute_s - lora.compute_s;
+    assert!((d - fewer).abs() < 0.02 * fewer, "{d} vs {fewer}");
+    // Auto on an H200: no optimizer state on the GPU, every layer held.
+    let auto = estimate_3_6b(&["--lora-rank", "16"]);
+    let q = &auto.plan.placement;
+    assert_eq!((q.resident_layers, q.resident_outer, q.gpu_updated_layers, q.held_layers), (0, false, 0, 28));
+    assert!(auto.to_string().contains("frozen base"), "{auto}");
+}

@@ -96,9 +96,12 @@ pub struct LayerPath {
 /// A mixture of experts: `ffn` is the routed width `k·f_e` per token (each token's rows reach
 /// `k` experts of width `f_e`), plus the router's `[t, E]` probabilities; the largest weight
 /// gradient formed at once is one expert's matrix, not the packed tensor.
+///
+/// `trainable` is the layout of what trains ([`ModelLayout::trainable`]): a LoRA run forms
+/// the gradients of its adapters only, never a frozen weight's.
 pub fn layer_workspace(
     cfg: &ModelConfig,
-    layout: &ModelLayout,
+    trainable: &ModelLayout,
     b: usize,
     s: usize,
     e: u64,
@@ -132,12 +135,12 @@ pub fn layer_workspace(
         return acts + FUSED_SCORE_BYTES * score_elems;
     }
     let scores = SCORE_TENSORS * score_elems * 4;
-    let experts = layout.moe.as_ref().map_or(1, |m| m.n_experts);
+    let experts = trainable.moe.as_ref().map_or(1, |m| m.n_experts);
     let matrix = |t: &mt_core::TensorSpec| match t.shape.len() {
         3 => t.numel() / experts,
         _ => t.numel(),
     };
-    let dw = layout.layer.tensors.iter().map(|t| matrix(t) as u64).max().unwrap_or(0) * (e + 8);
+    let dw = trainable.layer.tensors.iter().map(|t| matrix(t) as u64).max().unwrap_or(0) * (e + 8);
     acts + scores + dw
 }
 
@@ -159,8 +162,8 @@ fn flash_acts(cfg: &ModelConfig, t: u64, e: u64, dq_buffer: u64) -> u64 {
 /// Peak transient bytes of the loss over a chunk of `t` tokens: one block of logits
 /// (`rows = min(rows_per_block, t)`), and the normed input and its gradient
 /// (`2 × t × hidden × e`). Candle's ops: `5 × rows × vocab × 4` for the block plus the LM-head
-/// gradient before accumulation (`vocab × hidden × (e + 8)`); the fused kernels:
-/// `rows × vocab × 4` ([`FUSED_LOGIT_BYTES`]) and none.
+/// gradient before accumulation (`vocab × hidden × (e + 8)`; none in a LoRA run, whose head is
+/// frozen); the fused kernels: `rows × vocab × 4` ([`FUSED_LOGIT_BYTES`]) and none.
 pub fn loss_workspace(cfg: &ModelConfig, t: usize, rows_per_block: usize, e: u64, fused: bool) -> u64 {
     let (v, h) = (cfg.vocab_size as u64, cfg.hidden_size as u64);
     let rows = rows_per_block.min(t) as u64;
@@ -168,5 +171,6 @@ pub fn loss_workspace(cfg: &ModelConfig, t: usize, rows_per_block: usize, e: u64
     if fused {
         return FUSED_LOGIT_BYTES * rows * v + io;
     }
-    LOGIT_TENSORS * rows * v * 4 + v * h * (e + 8) + io
+    let head_grad = if cfg.lora.is_some() { 0 } else { v * h * (e + 8) };
+    LOGIT_TENSORS * rows * v * 4 + head_grad + io
 }

@@ -107,6 +107,7 @@ impl fmt::Display for PlanDisplay<'_> {
             sizes(&[
                 (if h.store_window.is_some() { "store (paged from its file)" } else { "store" }, h.store),
                 ("store window in RAM", h.store_window.unwrap_or(0)),
+                ("frozen base (fp32)", h.frozen_base),
                 (rings, h.pinned - h.spilled_checkpoints),
                 ("spilled checkpoints", h.spilled_checkpoints),
                 ("total", h.total),
@@ -125,9 +126,14 @@ impl fmt::Display for PlanDisplay<'_> {
             p.pcie_d2h_per_step,
             human(p.pcie_d2h_per_step)
         )?;
+        let trained = if p.trainable_params < p.n_params {
+            format!(", {} of them trained (the adapters; the base is frozen)", p.trainable_params)
+        } else {
+            String::new()
+        };
         write!(
             f,
-            "model FLOPs per step: {:.4e} (6·N·T + 6·L·s·hidden·T); {} parameters",
+            "model FLOPs per step: {:.4e} (6·N·T + 6·L·s·hidden·T); {} parameters{trained}",
             p.flops_per_step, p.n_params
         )
     }

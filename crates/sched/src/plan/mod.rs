@@ -25,6 +25,13 @@
 //! (page-locked on CUDA): `2 × layer.len × e + outer.len × e` and `2 × layer.len × 4 + outer.len × 4`.
 //! All of it must fit (the store is populated before the engine starts); while training, the
 //! resident units' gradient regions are given back (`HostBytes::released_by_resident`).
+//!
+//! A LoRA run (`cfg.lora`, decision 0044) is priced as it runs: the store, the gradient buffers,
+//! the landing buffers and the downloads are the adapters' (`ModelLayout::trainable`); the weight
+//! slots, the staging buffers and the uploads a slot's (the base and its adapters,
+//! `ModelLayout::new`); the frozen base adds its own bytes to the host's
+//! (`HostBytes::frozen_base`, fp32 as `mt_store::FrozenBase` holds it). No optimizer state goes
+//! on the device: `auto` places none there and asking for it is refused.
 
 use candle_core::DType;
 use mt_core::{ModelConfig, StateDtype};
@@ -165,11 +172,14 @@ pub struct GpuBytes {
 pub struct HostBytes {
     /// The host store's arena.
     pub store: u64,
+    /// A LoRA run's frozen base weights (`mt_store::FrozenBase::bytes`: 4 B/param), 0 without
+    /// LoRA.
+    pub frozen_base: u64,
     /// Staging and landing buffers, and the spilled checkpoints' (page-locked on CUDA).
     pub pinned: u64,
     /// Of `pinned`, the spilled checkpoints' buffers.
     pub spilled_checkpoints: u64,
-    /// Sum of the two (with a paged store, the window and one record instead of the store):
+    /// Sum of the above (with a paged store, the window and one record instead of the store):
     /// what must fit.
     pub total: u64,
     /// Bytes of the store kept in RAM when it is paged from its file (`None`: all of it): the
@@ -218,8 +228,10 @@ pub struct Plan {
     /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise
     /// (layer gradients in bf16 where they land so), plus `s × layer.len` per GPU-updated layer.
     pub pcie_d2h_per_step: u64,
-    /// Model parameters (padding excluded).
+    /// Model parameters (padding excluded; a LoRA run's base and adapters).
     pub n_params: u64,
+    /// Of them, those that train (a LoRA run's adapters; all of them otherwise).
+    pub trainable_params: u64,
     /// Model FLOPs per step ([`mt_core::model_flops_per_step`]: `6·N·T + 6·L·s·hidden·T`, `N`
     /// the active parameters (all of a dense model; a mixture of experts' router and routed
     /// experts), attention with the causal half, recompute not counted).
@@ -240,6 +252,20 @@ pub fn lands_bf16(mode: OptimMode, grad_dtype: GradDtype) -> bool {
 
 /// Plans a step; fails, naming what does not fit and by how much, when it cannot.
 pub fn plan(input: &PlanInput) -> Result<Plan> {
+    if input.cfg.lora.is_none() {
+        return plan_any(input);
+    }
+    // A LoRA run keeps no optimizer state on the device yet (decision 0044).
+    if let Some(flag) = input.placement.device_state_asked() {
+        return Err(crate::Error::Options(format!(
+            "{flag} keeps optimizer state on the GPU, which a LoRA run does not yet (its adapters' AdamW runs on the host): leave it at auto or 0"
+        )));
+    }
+    plan_any(&PlanInput { placement: input.placement.host_state_by_default(), ..input.clone() })
+}
+
+/// [`plan`] of a placement a run may ask for: the outer unit resident, streamed, or the better.
+fn plan_any(input: &PlanInput) -> Result<Plan> {
     match input.placement.resident_outer {
         Some(resident) => phases::plan_placed(input, resident),
         // Resident when it costs no chunk; whichever fits when only one does (the streamed

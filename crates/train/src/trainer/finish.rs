@@ -34,7 +34,7 @@ impl<O: Observer> Trainer<O> {
             }
         };
         let secs = t.elapsed().as_secs_f64();
-        let event = Event::Exported { dir, n_shards, bytes, secs };
+        let event = Event::Exported { dir, kind: self.export_kind(), n_shards, bytes, secs };
         notify(&mut self.observer, &event)
     }
 
@@ -136,6 +136,11 @@ impl<O: Observer> Trainer<O> {
         Ok(())
     }
 
+    /// What the export writes: the model, or a LoRA run's adapter (merged with `--merge`).
+    fn export_kind(&self) -> crate::ExportKind {
+        crate::ExportKind::of(self.base.is_some(), self.config.merge)
+    }
+
     fn summary(&self, exported: Option<PathBuf>) -> TrainSummary {
         let c = &self.config;
         let later = &self.later_s;
@@ -152,6 +157,7 @@ impl<O: Observer> Trainer<O> {
             wall_s: self.t0.elapsed().as_secs_f64(),
             store_bytes: self.store.bytes(),
             store_bytes_per_param: self.store.bytes_per_param(),
+            frozen_base_bytes: self.base.as_ref().map_or(0, |b| b.bytes()),
             optim_states: self.store.state_dtype(),
             rss_bytes: rss_bytes(),
             paging: self.store.paging_stats().map(|p| (p, self.store.bytes_in_memory().unwrap_or(0))),
@@ -168,6 +174,7 @@ impl<O: Observer> Trainer<O> {
             evals: self.evals.clone(),
             skipped_steps: self.skipped,
             exported,
+            export_kind: self.export_kind(),
             export_kept: false,
             device: c.device.kind(),
         }

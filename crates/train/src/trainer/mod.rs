@@ -83,13 +83,10 @@ impl<O: Observer> std::fmt::Debug for Trainer<O> {
 impl<O: Observer> Trainer<O> {
     /// Sets up the run `config` describes, telling `observer` each stage; refuses options that
     /// cannot work before anything large is allocated.
-    pub fn new(mut config: TrainConfig, mut observer: O) -> Result<Self> {
+    pub fn new(config: TrainConfig, mut observer: O) -> Result<Self> {
         let t0 = Instant::now();
         let mut model = ModelSource::load(&config.model)?;
         model.cfg.lora = crate::lora::resolve(&config, &model)?;
-        if model.cfg.lora.is_some() {
-            crate::lora::stream_everything(&mut config.placement);
-        }
         checks::check_sizes(&config, &model.cfg)?;
         checks::check_outputs(&config)?;
         // One run per output, from here to the end (`Drop`); refused at once if another holds one.
@@ -100,7 +97,7 @@ impl<O: Observer> Trainer<O> {
             &crate::lock::this_process(),
         )?;
         checks::check_fresh_start(&config)?;
-        checks::check_room(&checks::outputs(&config, &ModelLayout::new(&model.cfg)))?;
+        checks::check_room(&checks::outputs(&config, &model.cfg))?;
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
         let backend = OpenedDevice::open(&config)?;
@@ -164,6 +161,7 @@ impl<O: Observer> Trainer<O> {
             store_bytes: store.bytes(),
             store_bytes_per_param: store.bytes_per_param(),
             store_path: store.path(),
+            frozen_base_bytes: base.as_ref().map_or(0, |b| b.bytes()),
             flops_per_step: global_flops(&plan, &config),
         };
         notify(&mut observer, &Event::Started(&start))?;

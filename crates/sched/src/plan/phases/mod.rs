@@ -30,7 +30,10 @@ use gpu::place_gpu_updated;
 struct Ctx<'a> {
     input: &'a PlanInput,
     cfg: &'a ModelConfig,
+    /// A device weight slot's layout (with LoRA: the base, then the adapters), and what trains
+    /// (the same, or the adapters alone): the store's records, gradient buffers and landings.
     layout: ModelLayout,
+    trainable: ModelLayout,
     batch: usize,
     seq: usize,
     ring_depth: usize,
@@ -40,6 +43,9 @@ struct Ctx<'a> {
     ll: u64,
     ol: u64,
     nl: u64,
+    /// Elements of a decoder layer's and of the outer unit's gradient (what trains of them).
+    tl: u64,
+    tol: u64,
     tokens: u64,
     hid: u64,
     /// Bytes per element of a landed layer gradient (the outer unit's lands in f32).
@@ -50,9 +56,11 @@ struct Ctx<'a> {
     /// optimizer state), and nominal bytes of them a parameter (12, 8, 6).
     sl: u64,
     s: u64,
-    /// The transferred part of the outer unit (none of it when it is resident), and the bytes of
-    /// its optimizer state on the GPU (none when it streams).
+    /// The transferred part of the outer unit (none of it when it is resident): its slot's
+    /// elements up, its gradient's down; and the bytes of its optimizer state on the GPU (none
+    /// when it streams).
     ol_moved: u64,
+    tol_moved: u64,
     outer_state: u64,
     /// What the plan may use of the GPU, and that in words for refusals.
     budget: u64,
@@ -63,9 +71,10 @@ impl<'a> Ctx<'a> {
     fn new(input: &'a PlanInput, resident_outer: bool, ring_depth: usize) -> Self {
         let PlanInput { cfg, batch, seq, weight_dtype, .. } = input;
         let (batch, seq) = (*batch, *seq);
-        let layout = ModelLayout::new(cfg);
+        let (layout, trainable) = (ModelLayout::new(cfg), ModelLayout::trainable(cfg));
         let e = weight_dtype.size_in_bytes() as u64;
         let (ll, ol, nl) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
+        let (tl, tol) = (trainable.layer.len as u64, trainable.outer.len as u64);
         let budget = (input.gpu_bytes as f64 * GPU_USABLE_FRACTION) as u64;
         Ctx {
             input,
@@ -77,6 +86,8 @@ impl<'a> Ctx<'a> {
             ll,
             ol,
             nl,
+            tl,
+            tol,
             tokens: (batch * seq) as u64,
             hid: cfg.hidden_size as u64,
             le: if lands_bf16(input.mode, input.grad_dtype) { 2 } else { 4 },
@@ -84,6 +95,7 @@ impl<'a> Ctx<'a> {
             sl: input.state_dtype.state_bytes(layout.layer.len) as u64,
             s: input.state_dtype.nominal_state_bytes(),
             ol_moved: if resident_outer { 0 } else { ol },
+            tol_moved: if resident_outer { 0 } else { tol },
             outer_state: if resident_outer {
                 input.state_dtype.state_bytes(layout.outer.len) as u64
             } else {
@@ -96,7 +108,15 @@ impl<'a> Ctx<'a> {
                 gib(input.gpu_bytes)
             ),
             layout,
+            trainable,
         }
+    }
+
+    /// Bytes of a LoRA run's frozen base in host memory (`mt_store::FrozenBase`, fp32): each
+    /// unit's slot less its adapters. 0 without LoRA.
+    fn frozen_base_bytes(&self) -> u64 {
+        let frozen = |u| self.trainable.frozen_len(&self.layout, u) as u64;
+        4 * (frozen(mt_core::Unit::Outer) + self.nl * frozen(mt_core::Unit::Layer(0)))
     }
 
     /// GPU bytes of the GPU-updated layers' state slots with `late` late downloads:
@@ -105,8 +125,8 @@ impl<'a> Ctx<'a> {
     /// and the f32 copy a bf16 gradient is widened into; late downloads also take two more
     /// gradient buffers.
     fn state_cost(&self, late: usize) -> u64 {
-        let Ctx { ring_depth, ll, le, g, sl, .. } = *self;
-        let grad_buf_bytes = ll * 4 + if le == 2 { ll * 2 } else { 0 };
+        let Ctx { ring_depth, ll, tl, le, g, sl, .. } = *self;
+        let grad_buf_bytes = tl * 4 + if le == 2 { tl * 2 } else { 0 };
         (ring_depth + late) as u64 * (sl + g * ll)
             + if g == 2 { 4 * ll } else { 0 }
             + (grad_bufs(late) - N_BUFS as usize) as u64 * grad_buf_bytes
@@ -138,7 +158,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
     place_resident_and_held(&c, &fixed, per_kept_layer, &mut placed, &mut total)?;
     let state_slots = place_gpu_updated(&c, &mut placed, &mut total)?;
     place_kept(&c, per_kept_layer, &mut placed, &mut total)?;
-    let Ctx { ll, ol, nl, e, le, g, sl, ol_moved, .. } = c;
+    let Ctx { ll, nl, tl, tol, e, le, g, sl, ol_moved, tol_moved, .. } = c;
     let Placement {
         resident_layers, held_layers, kept_layers, gpu_updated_layers, early_state_uploads, ..
     } = placed;
@@ -149,7 +169,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
     // A file's pages are the training state: resident units give none back (`release_grad`).
     let grad_region = |len: u64| if input.store_file { 0 } else { round_page(len * g) };
     host.released_by_resident =
-        resident_layers as u64 * grad_region(ll) + if resident_outer { grad_region(ol) } else { 0 };
+        resident_layers as u64 * grad_region(tl) + if resident_outer { grad_region(tol) } else { 0 };
     let gpu = GpuBytes {
         weight_ring: fixed.weight_ring,
         held: held_layers as u64 * ll * e,
@@ -183,8 +203,9 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
             + gu * (sl + g * ll)
             - early_state_uploads as u64 * g * ll,
-        pcie_d2h_per_step: streamed_layers * ll * le + ol_moved * 4 + gu * sl,
+        pcie_d2h_per_step: streamed_layers * tl * le + tol_moved * 4 + gu * sl,
         n_params: c.layout.n_params() as u64,
+        trainable_params: c.trainable.n_params() as u64,
         flops_per_step: mt_core::model_flops_per_step(c.cfg, c.batch, c.seq),
     })
 }
@@ -230,15 +251,18 @@ fn size(b: u64) -> String {
 
 /// Phase 2: the host holds the store and the staging and landing rings (page-locked on CUDA).
 fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
-    let Ctx { input, ll, e, le, ol_moved, .. } = *c;
-    let layout = &c.layout;
+    let Ctx { input, ll, tl, e, le, ol_moved, tol_moved, .. } = *c;
+    let layout = &c.trainable;
     let store = store_bytes(layout, input.grad_dtype, input.state_dtype);
-    let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * ll * le + ol_moved * 4;
+    // Staging holds a slot (a LoRA run's base and adapters), landing a gradient (its adapters').
+    let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * tl * le + tol_moved * 4;
+    let frozen_base = c.frozen_base_bytes();
     let mut host = HostBytes {
         store,
+        frozen_base,
         pinned,
         spilled_checkpoints: 0,
-        total: store + pinned,
+        total: store + frozen_base + pinned,
         store_window: None,
         released_by_resident: 0,
     };
@@ -247,10 +271,18 @@ fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
     if host.total + reserved <= input.host_bytes {
         return Ok(host);
     }
+    let base =
+        if frozen_base > 0 { format!(" + frozen base ({:.2} GiB)", gib(frozen_base)) } else { String::new() };
     let over = format!(
-        "host store ({:.2} GiB) + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
+        "host store ({:.2} GiB){base} + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
         gib(store), gib(pinned), gib(host.total), gib(input.host_bytes), gib(host.total - input.host_bytes)
     );
+    if frozen_base > store {
+        // Paging the adapters' store would not make room: the base is what does not fit.
+        return opt(format!(
+            "{over}; a LoRA run keeps its frozen base in host RAM in fp32 (4 B/param): it needs more --host-mem"
+        ));
+    }
     if !input.store_file {
         return opt(format!(
             "{over}; a file-backed store (--store FILE on a disk with room) pages it from disk"
@@ -260,16 +292,17 @@ fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
     // use and the next at least) and PAGED_IN_FLIGHT more on their way to or from disk.
     let record = largest_record(layout, input.grad_dtype, input.state_dtype);
     let in_flight = mt_store::PAGED_IN_FLIGHT * record;
-    let window = input.host_bytes.saturating_sub(pinned + in_flight + input.host_reserved);
+    let window = input.host_bytes.saturating_sub(frozen_base + pinned + in_flight + input.host_reserved);
     if window < PAGED_MIN_RECORDS * record {
         return opt(format!(
-            "{over}; paging it from its file needs {} beside the pinned buffers and {} for the rest of the run ({} records of {}: in use, next, {} on their way to or from disk)",
-            size((PAGED_MIN_RECORDS + mt_store::PAGED_IN_FLIGHT) * record), size(input.host_reserved),
+            "{over}; paging it from its file needs {} beside the pinned buffers{} and {} for the rest of the run ({} records of {}: in use, next, {} on their way to or from disk)",
+            size((PAGED_MIN_RECORDS + mt_store::PAGED_IN_FLIGHT) * record),
+            if frozen_base > 0 { " and the frozen base" } else { "" }, size(input.host_reserved),
             PAGED_MIN_RECORDS + mt_store::PAGED_IN_FLIGHT, size(record), mt_store::PAGED_IN_FLIGHT
         ));
     }
     host.store_window = Some(window);
-    host.total = window + in_flight + pinned;
+    host.total = window + in_flight + frozen_base + pinned;
     Ok(host)
 }
 
@@ -289,11 +322,13 @@ struct Fixed {
 
 /// Phase 3: the fixed GPU buffers fit.
 fn fixed_gpu_bytes(c: &Ctx<'_>) -> Result<Fixed> {
-    let Ctx { input, ring_depth, e, ll, ol, tokens, hid, le, sl, outer_state, budget, .. } = *c;
+    let Ctx { input, ring_depth, e, ll, ol, tl, tol, tokens, hid, le, sl, outer_state, budget, .. } = *c;
     let (layout, budget_line) = (&c.layout, &c.budget_line);
-    // Layer gradient buffers (f32) with their bf16 twins when bf16 lands, and the outer one.
-    let narrow = if le == 2 { N_BUFS * ll * 2 } else { 0 };
-    let (weight_ring, outer, grads) = (ring_depth as u64 * ll * e, ol * e, N_BUFS * ll * 4 + narrow + ol * 4);
+    // Layer gradient buffers (f32) with their bf16 twins when bf16 lands, and the outer one: of
+    // what trains (a LoRA run's adapters).
+    let narrow = if le == 2 { N_BUFS * tl * 2 } else { 0 };
+    let (weight_ring, outer, grads) =
+        (ring_depth as u64 * ll * e, ol * e, N_BUFS * tl * 4 + narrow + tol * 4);
     let per_resident_layer = ll * (e + 4) + sl;
     if let Some(k) = input.placement.resident_layers.filter(|&k| k > layout.n_layers) {
         return opt(format!("{k} resident layers asked of a {}-layer model", layout.n_layers));
@@ -368,7 +403,7 @@ fn choose_chunking(
                 hopper: flash && input.hopper_attention,
                 mlp_rows,
             };
-            layer_workspace(cfg, layout, b, seq, e, path).max(loss_workspace(
+            layer_workspace(cfg, &c.trainable, b, seq, e, path).max(loss_workspace(
                 cfg,
                 b * seq,
                 input.rows_per_block,
@@ -410,7 +445,7 @@ fn choose_chunking(
         host.total += host.spilled_checkpoints;
         if let Some(w) = host.store_window {
             // A paged store gives the spilled checkpoints room from its window.
-            let record = largest_record(layout, input.grad_dtype, input.state_dtype);
+            let record = largest_record(&c.trainable, input.grad_dtype, input.state_dtype);
             if w >= host.spilled_checkpoints + PAGED_MIN_RECORDS * record {
                 host.store_window = Some(w - host.spilled_checkpoints);
                 host.total -= host.spilled_checkpoints;

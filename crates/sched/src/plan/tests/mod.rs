@@ -3,7 +3,7 @@
 //! helpers the planner's other tests share. One file per concern beside it: residency
 //! (`resident.rs`), what else a plan places on the GPU (`placed.rs`), long sequences
 //! (`long.rs`), the disk tier (`paging.rs`), the moments' precision (`states.rs`), the
-//! optimizer's work (`update.rs`).
+//! optimizer's work (`update.rs`), LoRA (`lora.rs`).
 
 use super::*;
 use crate::program::ProgramSpec;
@@ -62,6 +62,38 @@ pub(super) fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) 
             spilled_checkpoints: Some(0),
         },
     }
+}
+
+/// What the device pool allocates for plan `p` of `i` as the engine specifies it: slots of
+/// `slot` (with LoRA the base and its adapters), gradient buffers of `trainable` (the adapters);
+/// resident units' buffers left out (the tests compare the streamed ones).
+pub(super) fn pool_bytes(
+    p: &Plan,
+    i: &PlanInput,
+    slot: &ModelLayout,
+    trainable: &ModelLayout,
+) -> mt_pool::PoolBytes {
+    let spec = mt_pool::PoolSpec {
+        ring_depth: p.ring_depth,
+        layer_len: slot.layer.len,
+        outer_len: slot.outer.len,
+        grad_lens: (trainable.layer.len, trainable.outer.len),
+        weight_dtype: i.weight_dtype,
+        grad_dtype: DType::F32,
+        n_grad_bufs: grad_bufs(p.placement.late_state_downloads),
+        n_layers: slot.n_layers,
+        n_chunks: p.n_chunks,
+        placement: Placement { resident_outer: false, resident_layers: 0, ..p.placement },
+        land_bf16: lands_bf16(i.mode, i.grad_dtype),
+        state_slots: if p.placement.gpu_updated_layers > 0 {
+            p.ring_depth + p.placement.late_state_downloads
+        } else {
+            0
+        },
+        state_grad_dtype: if i.grad_dtype == GradDtype::F32 { DType::F32 } else { DType::BF16 },
+        state_dtype: i.state_dtype,
+    };
+    mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes()
 }
 
 pub(super) fn err(i: &PlanInput) -> String {
@@ -281,3 +313,6 @@ mod states;
 
 /// The optimizer's work: the forward window, GPU-updated layers, early uploads.
 mod update;
+
+/// LoRA: the adapters' training state, the frozen base beside it.
+mod lora;

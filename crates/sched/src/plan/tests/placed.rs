@@ -32,27 +32,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             ..input(cfg.clone(), 2, 16, GIB)
         };
         let p = plan(&i).unwrap();
-        let spec = mt_pool::PoolSpec {
-            ring_depth: p.ring_depth,
-            layer_len: layout.layer.len,
-            outer_len: layout.outer.len,
-            grad_lens: (layout.layer.len, layout.outer.len),
-            weight_dtype: DType::BF16,
-            grad_dtype: DType::F32,
-            n_grad_bufs: grad_bufs(p.placement.late_state_downloads),
-            n_layers: layout.n_layers,
-            n_chunks: p.n_chunks,
-            placement: Placement { resident_outer: false, resident_layers: 0, ..p.placement },
-            land_bf16: lands_bf16(mode, grad),
-            state_slots: if p.placement.gpu_updated_layers > 0 {
-                p.ring_depth + p.placement.late_state_downloads
-            } else {
-                0
-            },
-            state_grad_dtype: if grad == GradDtype::F32 { DType::F32 } else { DType::BF16 },
-            state_dtype: StateDtype::F32,
-        };
-        let b = mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes();
+        let b = pool_bytes(&p, &i, &layout, &layout);
         let what = format!("{mode:?}, {grad:?} gradients, {late} late");
         assert_eq!(p.placement.late_state_downloads, late, "{what}");
         let per_grad_buf = layout.layer.len as u64 * if lands_bf16(mode, grad) { 6 } else { 4 };
