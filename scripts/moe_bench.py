@@ -2,8 +2,9 @@
 """Our mixture-of-experts kernels (kernels/cuda/moe.cu) against PyTorch, on one GPU, one run.
 
 The kernels are compiled with NVRTC for the GPU's own architecture (sm_XY CUBIN, through
-scripts/hopper_attention.py's NVRTC and driver helpers: ctypes, no CuPy) and launched with the
-geometry the engine's launchers use (kernels/src/ops/moe.rs); a change to one is a change to both.
+scripts/hopper_attention.py's NVRTC and driver helpers: ctypes, no CuPy) and launched as `Moe`
+below does. The engine does not launch them yet (decision 0047, phase 1); its launchers will use
+this geometry, and a change to one is a change to both.
 The MoE MLP is the SwiGLU family's (Qwen3-MoE, Mixtral, OLMoE): router logits in, softmax, top-k
 (CPU engine's tie rule), stable grouping by expert, gate_up and down grouped GEMMs, SwiGLU over
 all rows, the weighted combine; the backward's dX, expert weight gradients (f32) and the router
@@ -176,6 +177,12 @@ class Moe:
         e, f2, _ = w_gu.shape
         f = f2 // 2
         r = t * k
+        if h % 8 or f % 8:
+            raise ValueError(f"hidden {h} and expert width {f} must be multiples of 8 (16-byte rows of bf16)")
+        if e > 1024 or not 1 <= k <= min(e, MAX_K):
+            raise ValueError(f"{e} experts, top-{k}: the kernels take at most 1024 experts and top-{MAX_K}")
+        if r >= 2**31:
+            raise ValueError(f"{t} tokens x top-{k} = {r} routed rows: more than 2^31 - 1")
         probs, top, w = self.route(logits, k, normalise)
         counts, off, perm, row_slot = self.sort(top.view(-1), e)
         gu = self.gemm("mt_moe_gemm_nk", x, row_slot, k, w_gu, off, 2 * f, h, r)

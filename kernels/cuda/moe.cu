@@ -50,6 +50,12 @@
 #define MT_MOE_THREADS 256
 #define MT_MOE_MAX_K 32
 
+// The dynamic shared memory of every kernel here (the CPU emulator, kernels/emu, brings its own).
+#ifndef MT_EMU
+extern __shared__ __align__(128) unsigned char mt_moe_smem[];
+#define MT_MOE_SMEM mt_moe_smem
+#endif
+
 // --- routing -------------------------------------------------------------------------------------
 
 // The f32's position in IEEE total order as an unsigned integer (Rust's f32::total_cmp): negative
@@ -64,11 +70,10 @@ __device__ __forceinline__ unsigned total_order_key(float f) {
 template <bool BF16>
 __device__ void moe_route(const void* __restrict__ logits, float* __restrict__ probs, int* __restrict__ top,
                           float* __restrict__ weights, int T, int E, int K, int normalise) {
-    extern __shared__ __align__(16) unsigned char mt_moe_route_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x * 4 + warp;
-    double* ex = reinterpret_cast<double*>(mt_moe_route_smem) + (size_t)warp * E;
-    float* pr = reinterpret_cast<float*>(reinterpret_cast<double*>(mt_moe_route_smem) + 4 * (size_t)E) + (size_t)warp * E;
+    double* ex = reinterpret_cast<double*>(MT_MOE_SMEM) + (size_t)warp * E;
+    float* pr = reinterpret_cast<float*>(reinterpret_cast<double*>(MT_MOE_SMEM) + 4 * (size_t)E) + (size_t)warp * E;
     if (t >= T) return;
     const size_t row = (size_t)t * E;
     // The maximum: f64's max of f32 values is the f32 max (NaNs ignored, as f64::max ignores them).
@@ -143,7 +148,7 @@ extern "C" __global__ void mt_moe_prob_sums(const float* __restrict__ probs, dou
     sh[threadIdx.x] = s;
     __syncthreads();
     for (int w = 128; w > 0; w >>= 1) {
-        if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
         __syncthreads();
     }
     if (threadIdx.x == 0) sums[e] += sh[0];
@@ -155,31 +160,31 @@ extern "C" __global__ void mt_moe_prob_sums(const float* __restrict__ probs, dou
 // the same expert; chunk_counts[c E + e] = the chunk's slots of expert e. Shared: E ints.
 extern "C" __global__ void mt_moe_sort_count(const int* __restrict__ top, int* __restrict__ rank,
                                              int* __restrict__ chunk_counts, int N, int E) {
-    extern __shared__ int mt_moe_cnt[];
+    int* cnt = reinterpret_cast<int*>(MT_MOE_SMEM);
     const int lane = threadIdx.x;
-    for (int e = lane; e < E; e += 32) mt_moe_cnt[e] = 0;
+    for (int e = lane; e < E; e += 32) cnt[e] = 0;
     __syncwarp();
     const int begin = blockIdx.x * MT_MOE_CHUNK, end = min(N, begin + MT_MOE_CHUNK);
     for (int base = begin; base < end; base += 32) {
         const int s = base + lane;
         const int e = s < end ? top[s] : -1;
         const unsigned same = __match_any_sync(0xffffffffu, e);
+        const int cur = e >= 0 ? cnt[e] : 0;
+        __syncwarp();  // every lane has read its expert's count before a leader moves it on
         if (e >= 0) {
-            const int cur = mt_moe_cnt[e];
             rank[s] = cur + __popc(same & ((1u << lane) - 1u));
-            __syncwarp(same);
-            if (lane == __ffs(same) - 1) mt_moe_cnt[e] = cur + __popc(same);
+            if (lane == __ffs(same) - 1) cnt[e] = cur + __popc(same);
         }
         __syncwarp();
     }
-    for (int e = lane; e < E; e += 32) chunk_counts[(size_t)blockIdx.x * E + e] = mt_moe_cnt[e];
+    for (int e = lane; e < E; e += 32) chunk_counts[(size_t)blockIdx.x * E + e] = cnt[e];
 }
 
 // One block: counts[e] = expert e's rows, off[e] = the first of them (off[E] = N), and
 // chunk_base[c E + e] = the row of chunk c's first slot of expert e. Shared: E ints.
 extern "C" __global__ void mt_moe_sort_scan(const int* __restrict__ chunk_counts, int* __restrict__ chunk_base,
                                             int* __restrict__ counts, int* __restrict__ off, int chunks, int E) {
-    extern __shared__ int mt_moe_off[];
+    int* start = reinterpret_cast<int*>(MT_MOE_SMEM);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int run = 0;
         for (int c = 0; c < chunks; ++c) {
@@ -187,14 +192,14 @@ extern "C" __global__ void mt_moe_sort_scan(const int* __restrict__ chunk_counts
             run += chunk_counts[(size_t)c * E + e];
         }
         counts[e] = run;
-        mt_moe_off[e] = run;
+        start[e] = run;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         int run = 0;
         for (int e = 0; e < E; ++e) {
-            const int n = mt_moe_off[e];
-            mt_moe_off[e] = run;
+            const int n = start[e];
+            start[e] = run;
             off[e] = run;
             run += n;
         }
@@ -202,7 +207,7 @@ extern "C" __global__ void mt_moe_sort_scan(const int* __restrict__ chunk_counts
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x)
-        for (int c = 0; c < chunks; ++c) chunk_base[(size_t)c * E + e] += mt_moe_off[e];
+        for (int c = 0; c < chunks; ++c) chunk_base[(size_t)c * E + e] += start[e];
 }
 
 // perm[s] = the permuted row of slot s, row_slot[perm[s]] = s.
@@ -339,10 +344,9 @@ extern "C" __global__ void mt_moe_router_bwd(const float* __restrict__ probs, co
                                              int tiles, const double* __restrict__ aux_dprob, int normalise,
                                              double* __restrict__ dw, unsigned short* __restrict__ dlogit, int T,
                                              int E, int K) {
-    extern __shared__ __align__(16) unsigned char mt_moe_rb_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x * 4 + warp;
-    double* dp = reinterpret_cast<double*>(mt_moe_rb_smem) + (size_t)warp * E;
+    double* dp = reinterpret_cast<double*>(MT_MOE_SMEM) + (size_t)warp * E;
     if (t >= T) return;
     const float* p = probs + (size_t)t * E;
     for (int e = lane; e < E; e += 32) dp[e] = aux_dprob ? aux_dprob[e] : 0.0;
@@ -378,7 +382,7 @@ __device__ __forceinline__ unsigned rk_at(int r, int c) { return (unsigned)((r *
 __device__ __forceinline__ unsigned kr_at(int r, int c) { return (unsigned)((r * 16 + (c ^ (r & 7))) * 16); }
 
 #define MT_MOE_TILE_BYTES (MT_MOE_BM * MT_MOE_BK * 2)
-#define MT_MOE_SMEM (MT_MOE_STAGES * 2 * MT_MOE_TILE_BYTES)
+#define MT_MOE_GEMM_SMEM_BYTES (MT_MOE_STAGES * 2 * MT_MOE_TILE_BYTES)
 
 // Copies of an "rk" tile: rows [row0, row0 + 128) of a row-major [rows, ld] matrix, columns
 // [k0, k0 + 32); rows at or past `row_end` and columns at or past `kmax` are zero-filled. Row r
@@ -455,8 +459,6 @@ __device__ __forceinline__ void mma_stage(float (*acc)[4][4], unsigned ta, unsig
     }
 }
 
-extern __shared__ __align__(128) unsigned char mt_moe_gemm_smem[];
-
 #define MT_MOE_EPI_STORE 0
 #define MT_MOE_EPI_DMID 1
 
@@ -494,7 +496,7 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
     const int n0 = blockIdx.y * MT_MOE_BN;
     const unsigned short* We = W + (size_t)e * N * K;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
-    const unsigned sbase = smem_addr(mt_moe_gemm_smem);
+    const unsigned sbase = smem_addr(MT_MOE_SMEM);
     float acc[4][4][4];
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi)
@@ -527,7 +529,7 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
     __syncthreads();
     // Epilogue. Thread's elements: rows 64 wm + 16 mi + lane / 4 (+ 8), columns
     // 32 wn + 8 ni + 2 (lane % 4) (+ 1).
-    float* red = reinterpret_cast<float*>(mt_moe_gemm_smem);  // [4 wn][128 rows], after the ring
+    float* red = reinterpret_cast<float*>(MT_MOE_SMEM);  // [4 wn][128 rows], after the ring
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
@@ -612,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
     const int mtiles = (M + MT_MOE_BM - 1) / MT_MOE_BM;
     const int m0 = (blockIdx.x % mtiles) * MT_MOE_BM, n0 = (blockIdx.x / mtiles) * MT_MOE_BN;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
-    const unsigned sbase = smem_addr(mt_moe_gemm_smem);
+    const unsigned sbase = smem_addr(MT_MOE_SMEM);
     float acc[4][4][4];
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi)
