@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import hopper_attention as ha  # noqa: E402  (NVRTC and the driver through ctypes)
+from attention_bench import machine, time_ms  # noqa: E402
 
 SCHEMA_VERSION = 1
 CONFIG = ROOT / "bench-harness" / "configs" / "olmoe-1b-7b.json"
@@ -70,7 +71,11 @@ def ptxas_report(log: str):
 def compile_only() -> int:
     rc = 0
     for arch in ("sm_80", "sm_90"):
-        cubin, log = ha.compile_cubin(source(), "moe.cu", arch)
+        try:
+            cubin, log = ha.compile_cubin(source(), "moe.cu", arch)
+        except OSError as e:
+            print(f"no NVRTC library: {e}\n(set MEGATRAIN_CUDA_PREFIX to the toolchain of scripts/cuda-toolchain.sh)")
+            return 1
         spills = ha.ptxas_spills(log, prefix="mt_moe_")
         regs = ptxas_report(log)
         print(f"{arch}: cubin {len(cubin)} bytes, {len(regs)} kernels; spills: {spills or 'none'}")
@@ -248,12 +253,7 @@ def ref_moe(x, x1, logits, w_gu, w_d, top, normalise, dout, aux_dprob):
     """f32 forward and gradients with the routing `top` fixed: out, dx (experts' share), dW_gu,
     dW_d, dlogits, dw (the routing weights' gradient)."""
     import torch
-    import torch.nn.functional as F
 
-    t, h = x.shape
-    e, f2, _ = w_gu.shape
-    f = f2 // 2
-    k = top.shape[1]
     xf = x.float().requires_grad_()
     guf = w_gu.float().requires_grad_()
     df = w_d.float().requires_grad_()
@@ -262,15 +262,7 @@ def ref_moe(x, x1, logits, w_gu, w_d, top, normalise, dout, aux_dprob):
     p = probs.gather(1, top)
     w = p / p.sum(-1, keepdim=True) if normalise else p
     w.retain_grad()
-    out = x1.float().clone()
-    for ex in range(e):
-        tok, j = (top == ex).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        gu = xf[tok] @ guf[ex].t()
-        mid = F.silu(gu[:, :f]) * gu[:, f:]
-        y = mid @ df[ex].t()
-        out = out.index_add(0, tok, y * w[tok, j].unsqueeze(1))
+    out = per_expert(xf, guf, df, top, w, x1.float().clone())
     loss = (out * dout.float()).sum()
     if aux_dprob is not None:
         loss = loss + (probs * aux_dprob.float()).sum()
@@ -370,46 +362,36 @@ def check(moe, kind, t, e, k, h, f, normalise, seed):
 
 # --- bench ----------------------------------------------------------------------------------------
 
-def time_ms(fn, reps):
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def torch_loop(x, logits, w_gu, w_d, k, normalise):
     """The per-expert loop (transformers 4's MoE block): routing in torch, one gather, two
     matmuls, SwiGLU and an index_add per expert."""
     import torch
-    import torch.nn.functional as F
 
-    e, f2, _ = w_gu.shape
-    f = f2 // 2
     probs = torch.softmax(logits.float(), dim=-1)
     w, top = torch.topk(probs, k, dim=-1)
     if normalise:
         w = w / w.sum(-1, keepdim=True)
     w = w.to(x.dtype)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for ex in range(e):
+    return per_expert(x, w_gu, w_d, top, w, out).to(x.dtype)
+
+
+def per_expert(x, w_gu, w_d, top, w, out):
+    """`out` plus each token's experts' SwiGLU outputs times their weights, one expert at a time
+    (gather, gate_up matmul, SwiGLU, down matmul, index_add), in the dtype of `x`; the sums in
+    `out`'s."""
+    import torch.nn.functional as F
+
+    f = w_gu.shape[1] // 2
+    for ex in range(w_gu.shape[0]):
         tok, j = (top == ex).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
         gu = x[tok] @ w_gu[ex].t()
         mid = F.silu(gu[:, :f]) * gu[:, f:]
         y = mid @ w_d[ex].t()
-        out = out.index_add(0, tok, (y * w[tok, j].unsqueeze(1)).float())
-    return out.to(x.dtype)
+        out = out.index_add(0, tok, (y * w[tok, j].unsqueeze(1)).to(out.dtype))
+    return out
 
 
 def bench(moe, t, e, k, h, f, normalise, reps):
@@ -506,11 +488,10 @@ def main():
     e, k, h, f = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["intermediate_size"]
     normalise = bool(cfg.get("norm_topk_prob", False))
     moe = Moe()
-    gpu = torch.cuda.get_device_properties(0)
     doc = {
         "schema_version": SCHEMA_VERSION,
         "suite": "moe",
-        "machine": machine(gpu),
+        "machine": machine(),
         "commit": os.environ.get("MT_COMMIT"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "config": {"file": str(CONFIG.relative_to(ROOT)), "experts": e, "top_k": k, "hidden": h,
@@ -555,21 +536,6 @@ def main():
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}; checks failed: {failed}")
     return 1 if failed else 0
-
-
-def machine(gpu):
-    import platform
-    import subprocess
-
-    import torch
-
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        smi = None
-    return {"hostname": platform.node(), "gpu": gpu.name, "sm_count": gpu.multi_processor_count,
-            "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
 if __name__ == "__main__":

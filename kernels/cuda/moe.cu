@@ -384,35 +384,24 @@ __device__ __forceinline__ unsigned kr_at(int r, int c) { return (unsigned)((r *
 #define MT_MOE_TILE_BYTES (MT_MOE_BM * MT_MOE_BK * 2)
 #define MT_MOE_GEMM_SMEM_BYTES (MT_MOE_STAGES * 2 * MT_MOE_TILE_BYTES)
 
-// Copies of an "rk" tile: rows [row0, row0 + 128) of a row-major [rows, ld] matrix, columns
-// [k0, k0 + 32); rows at or past `row_end` and columns at or past `kmax` are zero-filled. Row r
-// is read from row idx[r] / div of the source when idx is given.
-__device__ __forceinline__ void load_rk(unsigned dst, const unsigned short* __restrict__ src, long long ld, int row0,
-                                        int row_end, int k0, int kmax, const int* __restrict__ idx, int div) {
-    for (int i = threadIdx.x; i < MT_MOE_BM * 4; i += MT_MOE_THREADS) {
-        const int r = i >> 2, c = i & 3;
-        const int row = row0 + r, k = k0 + c * 8;
-        const bool ok = row < row_end && k < kmax;
-        const unsigned short* p = src;
-        if (ok) p = src + (long long)(idx ? idx[row] / div : row) * ld + k;
-        cp_async16(dst + rk_at(r, c), p, ok ? 16 : 0);
-    }
-}
-
-// Copies of a "kr" tile: rows [k0, k0 + 32) of a row-major [rows, ld] matrix, columns
-// [col0, col0 + 128); rows at or past `k_end` and columns at or past `cmax` are zero-filled; row
-// gather as load_rk.
-__device__ __forceinline__ void load_kr(unsigned dst, const unsigned short* __restrict__ src, long long ld, int k0,
-                                        int k_end, int col0, int cmax, const int* __restrict__ idx, int div) {
-    for (int i = threadIdx.x; i < MT_MOE_BK * 16; i += MT_MOE_THREADS) {
-        const int r = i >> 4, c = i & 15;
-        const int row = k0 + r, col = col0 + c * 8;
-        const bool ok = row < k_end && col < cmax;
+// Copies of a tile of R rows x C 16-byte chunks ("rk": 128 x 4, "kr": 32 x 16): rows
+// [row0, row0 + R) of a row-major [rows, ld] matrix, columns [col0, col0 + 8 C); rows at or past
+// `row_end` and columns at or past `cmax` are zero-filled. Row r is read from row idx[r] / div of
+// the source when idx is given (token rows gathered in permuted order).
+template <int R, int C>
+__device__ __forceinline__ void load_tile(unsigned dst, const unsigned short* __restrict__ src, long long ld, int row0,
+                                          int row_end, int col0, int cmax, const int* __restrict__ idx, int div) {
+    for (int i = threadIdx.x; i < R * C; i += MT_MOE_THREADS) {
+        const int r = i / C, c = i % C;
+        const int row = row0 + r, col = col0 + c * 8;
+        const bool ok = row < row_end && col < cmax;
         const unsigned short* p = src;
         if (ok) p = src + (long long)(idx ? idx[row] / div : row) * ld + col;
-        cp_async16(dst + kr_at(r, c), p, ok ? 16 : 0);
+        cp_async16(dst + (C == 4 ? rk_at(r, c) : kr_at(r, c)), p, ok ? 16 : 0);
     }
 }
+#define load_rk load_tile<MT_MOE_BM, 4>
+#define load_kr load_tile<MT_MOE_BK, 16>
 
 // A fragment (16 rows x 16 k) at rows m0.., k step kk (0 or 1) of an "rk" tile.
 __device__ __forceinline__ void frag_a_rk(unsigned* a, unsigned tile, int m0, int kk) {

@@ -72,7 +72,7 @@ fn launch_cfg(rows: usize) -> LaunchConfig {
 }
 
 /// `name` and a CPU forward that refuses, for an op that exists only as a CUDA kernel; the
-/// argument is the op's arity (1, 2 or 3 inputs; `inplace3` for an `InplaceOp3`).
+/// argument is the op's arity (1, 2 or 3 inputs; `inplace1`..`inplace3` for an `InplaceOp1`..`3`).
 macro_rules! cuda_only {
     ($name:literal, 1) => {
         cuda_only!(@name $name);
@@ -103,6 +103,12 @@ macro_rules! cuda_only {
             _: &CpuStorage,
             _: &Layout,
         ) -> candle_core::Result<(CpuStorage, Shape)> {
+            Err(cuda_only!(@err $name))
+        }
+    };
+    ($name:literal, inplace1) => {
+        cuda_only!(@name $name);
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
             Err(cuda_only!(@err $name))
         }
     };

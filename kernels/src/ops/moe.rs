@@ -562,13 +562,7 @@ struct WeightGrad<'a> {
 }
 
 impl InplaceOp1 for WeightGrad<'_> {
-    fn name(&self) -> &'static str {
-        "mt-moe-weight-grad"
-    }
-
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(msg("mt-moe-weight-grad is a CUDA kernel (no CPU implementation)"))
-    }
+    cuda_only!("mt-moe-weight-grad", inplace1);
 
     fn cuda_fwd(&self, g: &mut CudaStorage, lg: &Layout) -> candle_core::Result<()> {
         let rt = self.routing;
@@ -621,13 +615,7 @@ struct ProbSums<'a> {
 }
 
 impl InplaceOp1 for ProbSums<'_> {
-    fn name(&self) -> &'static str {
-        "mt-moe-prob-sums"
-    }
-
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        Err(msg("mt-moe-prob-sums is a CUDA kernel (no CPU implementation)"))
-    }
+    cuda_only!("mt-moe-prob-sums", inplace1);
 
     fn cuda_fwd(&self, s: &mut CudaStorage, ls: &Layout) -> candle_core::Result<()> {
         let rt = self.routing;
