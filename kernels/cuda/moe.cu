@@ -23,7 +23,8 @@
 //
 // Grouped GEMMs (mt_moe_gemm_*): bf16 operands, f32 accumulation on the tensor cores (mma.sync
 // m16n8k16, ldmatrix, cp.async into a 3-stage ring; sm_80 and later). CTA tile 128 x 128, k step
-// 32, 8 warps of 64 x 32. Two shapes:
+// 32, 8 warps of 64 x 32, two CTAs an SM (at most 128 registers a thread, 2 x 48 KiB of shared
+// memory). Two shapes:
 //   M-grouped (forward products and the backward's dX): C[p, :] = A[p, :] B_e for the rows p of
 //     expert e, B_e = W[e]^T (W stored [N, K], "nk") or W[e] itself (stored [K, N], "kn"). The grid
 //     is sized to the bound ceil(R / 128) + E of row tiles; each CTA finds its expert and row tile
@@ -448,6 +449,35 @@ __device__ __forceinline__ void mma_stage(float (*acc)[4][4], unsigned ta, unsig
     }
 }
 
+// The CTA's whole k loop: acc zeroed, then `steps` k steps of 32 through the 3-stage cp.async
+// ring; load(step, tile_a, tile_b) issues the copies of one step's two tiles.
+template <bool A_KR, bool B_KR, class Load>
+__device__ __forceinline__ void gemm_mainloop(float (*acc)[4][4], int steps, Load load) {
+    const int warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
+    const unsigned sbase = smem_addr(MT_MOE_SMEM);
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
+    auto stage = [&](int step) { return sbase + (step % MT_MOE_STAGES) * 2 * MT_MOE_TILE_BYTES; };
+#pragma unroll
+    for (int s = 0; s < MT_MOE_STAGES - 1; ++s) {
+        if (s < steps) load(s, stage(s), stage(s) + MT_MOE_TILE_BYTES);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<MT_MOE_STAGES - 2>();
+        __syncthreads();  // this step's tiles are in; every warp is done with the stage refilled next
+        const int next = step + MT_MOE_STAGES - 1;
+        if (next < steps) load(next, stage(next), stage(next) + MT_MOE_TILE_BYTES);
+        cp_async_commit();
+        mma_stage<A_KR, B_KR>(acc, stage(step), stage(step) + MT_MOE_TILE_BYTES, wm, wn);
+    }
+    cp_async_wait_all();
+}
+
 #define MT_MOE_EPI_STORE 0
 #define MT_MOE_EPI_DMID 1
 
@@ -485,37 +515,14 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
     const int n0 = blockIdx.y * MT_MOE_BN;
     const unsigned short* We = W + (size_t)e * N * K;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
-    const unsigned sbase = smem_addr(MT_MOE_SMEM);
     float acc[4][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
-    const int steps = (K + MT_MOE_BK - 1) / MT_MOE_BK;
-    auto load = [&](int step) {
-        const unsigned ta = sbase + (step % MT_MOE_STAGES) * 2 * MT_MOE_TILE_BYTES, tb = ta + MT_MOE_TILE_BYTES;
+    gemm_mainloop<false, B_KN>(acc, (K + MT_MOE_BK - 1) / MT_MOE_BK, [&](int step, unsigned ta, unsigned tb) {
         const int k0 = step * MT_MOE_BK;
         load_rk(ta, A, K, row0, row_end, k0, K, a_idx, a_div);
         if (B_KN) load_kr(tb, We, N, k0, K, n0, N, nullptr, 1);
         else load_rk(tb, We, K, n0, N, k0, K, nullptr, 1);
-    };
-#pragma unroll
-    for (int s = 0; s < MT_MOE_STAGES - 1; ++s) {
-        if (s < steps) load(s);
-        cp_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        cp_async_wait<MT_MOE_STAGES - 2>();
-        __syncthreads();  // this step's tiles are in; every warp is done with the stage refilled next
-        if (step + MT_MOE_STAGES - 1 < steps) load(step + MT_MOE_STAGES - 1);
-        cp_async_commit();
-        const unsigned ta = sbase + (step % MT_MOE_STAGES) * 2 * MT_MOE_TILE_BYTES;
-        mma_stage<false, B_KN>(acc, ta, ta + MT_MOE_TILE_BYTES, wm, wn);
-    }
-    cp_async_wait_all();
-    __syncthreads();
+    });
+    __syncthreads();  // the ring is free for the epilogue's reduction
     // Epilogue. Thread's elements: rows 64 wm + 16 mi + lane / 4 (+ 8), columns
     // 32 wn + 8 ni + 2 (lane % 4) (+ 1).
     float* red = reinterpret_cast<float*>(MT_MOE_SMEM);  // [4 wn][128 rows], after the ring
@@ -564,7 +571,7 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
 }
 
 // X W[e]^T: W stored [N, K] per expert (the forward's gate_up and down projections).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
     mt_moe_gemm_nk(const unsigned short* __restrict__ A, const int* __restrict__ a_idx, int a_div,
                    const unsigned short* __restrict__ W, const int* __restrict__ off, int E, int N, int K,
                    unsigned short* __restrict__ C) {
@@ -572,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
 }
 
 // X W[e]: W stored [K, N] per expert (the backward's dX through gate_up: dgu W_gate_up[e]).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
     mt_moe_gemm_kn(const unsigned short* __restrict__ A, const int* __restrict__ a_idx, int a_div,
                    const unsigned short* __restrict__ W, const int* __restrict__ off, int E, int N, int K,
                    unsigned short* __restrict__ C) {
@@ -581,7 +588,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
 
 // The backward through the down projection: g = dY W_down[e] (W stored [K = H, N = F]), written
 // as d_mid = bf16(g w) with the routing weight's partial dots (EPI_DMID above).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
     mt_moe_gemm_kn_dmid(const unsigned short* __restrict__ A, const int* __restrict__ a_idx, int a_div,
                         const unsigned short* __restrict__ W, const int* __restrict__ off, int E, int N, int K,
                         unsigned short* __restrict__ C, const int* __restrict__ row_slot,
@@ -593,7 +600,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
 // K-grouped weight gradient: G[e][m, n] += sum over the rows p of expert e, ascending, of
 // A[p, m] B[p, n]. A [R, M] bf16 (permuted rows); B [*, N] bf16 (row p read from row
 // b_idx[p] / b_div when b_idx is given); G [E, M, N] f32. Grid (ceil(M / 128) ceil(N / 128), E).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
     mt_moe_gemm_wgrad(const unsigned short* __restrict__ A, const unsigned short* __restrict__ B,
                       const int* __restrict__ b_idx, int b_div, const int* __restrict__ off, int M, int N,
                       float* __restrict__ G) {
@@ -603,35 +610,12 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS)
     const int mtiles = (M + MT_MOE_BM - 1) / MT_MOE_BM;
     const int m0 = (blockIdx.x % mtiles) * MT_MOE_BM, n0 = (blockIdx.x / mtiles) * MT_MOE_BN;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
-    const unsigned sbase = smem_addr(MT_MOE_SMEM);
     float acc[4][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
-    const int steps = (p1 - p0 + MT_MOE_BK - 1) / MT_MOE_BK;
-    auto load = [&](int step) {
-        const unsigned ta = sbase + (step % MT_MOE_STAGES) * 2 * MT_MOE_TILE_BYTES, tb = ta + MT_MOE_TILE_BYTES;
+    gemm_mainloop<true, true>(acc, (p1 - p0 + MT_MOE_BK - 1) / MT_MOE_BK, [&](int step, unsigned ta, unsigned tb) {
         const int k0 = p0 + step * MT_MOE_BK;
         load_kr(ta, A, M, k0, p1, m0, M, nullptr, 1);
         load_kr(tb, B, N, k0, p1, n0, N, b_idx, b_div);
-    };
-#pragma unroll
-    for (int s = 0; s < MT_MOE_STAGES - 1; ++s) {
-        if (s < steps) load(s);
-        cp_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        cp_async_wait<MT_MOE_STAGES - 2>();
-        __syncthreads();
-        if (step + MT_MOE_STAGES - 1 < steps) load(step + MT_MOE_STAGES - 1);
-        cp_async_commit();
-        const unsigned ta = sbase + (step % MT_MOE_STAGES) * 2 * MT_MOE_TILE_BYTES;
-        mma_stage<true, true>(acc, ta, ta + MT_MOE_TILE_BYTES, wm, wn);
-    }
-    cp_async_wait_all();
+    });
     float* Ge = G + (size_t)e * M * N;
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi)

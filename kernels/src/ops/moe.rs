@@ -10,7 +10,9 @@
 //! the same geometry from PyTorch).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaDevice, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor};
 use half::bf16;
@@ -44,6 +46,21 @@ fn cfg(grid: (u32, u32, u32), threads: u32, smem: u32) -> LaunchConfig {
 /// A grid-stride launch over `total` items of 256 threads (at most 32 blocks per SM of an H100).
 fn grid_stride(total: usize) -> LaunchConfig {
     cfg((total.div_ceil(256).clamp(1, 132 * 32) as u32, 1, 1), 256, 0)
+}
+
+/// Pushes `v`, or a null pointer where it is absent.
+fn arg_or_null<'a, V>(b: &mut LaunchArgs<'a>, v: Option<&'a V>)
+where
+    LaunchArgs<'a>: PushKernelArg<&'a V> + PushKernelArg<&'a u64>,
+{
+    match v {
+        Some(v) => {
+            <LaunchArgs<'a> as PushKernelArg<&'a V>>::arg(b, v);
+        }
+        None => {
+            <LaunchArgs<'a> as PushKernelArg<&'a u64>>::arg(b, &NULL);
+        }
+    }
 }
 
 fn func(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
@@ -359,16 +376,11 @@ impl MoeRouting {
         let sv = view::<bf16>(&ss, src, DType::BF16, &[t, h], (OP, "gathered rows"))?;
         let rv = view::<u32>(&rs, &self.row_slot, DType::U32, &[r], (OP, "row slots"))?;
         let wv = view::<f32>(&wts, &self.weights, DType::F32, &[t, self.k], (OP, "weights"))?;
-        let null = NULL;
         let f = func(&dev, "mt_moe_gather")?;
         let st = dev.cuda_stream();
         let mut b = st.launch_builder(&f);
         b.arg(&sv).arg(&rv);
-        if weighted {
-            b.arg(&wv);
-        } else {
-            b.arg(&null);
-        }
+        arg_or_null(&mut b, weighted.then_some(&wv));
         b.arg(&out).arg(&ri).arg(&hi).arg(&ki);
         // SAFETY: signature (bf16* src, int* row_slot, float* weights or null, bf16* out, int R,
         // H, K); src T·H, row_slot R slots < T·k, weights T·k, out R·H.
@@ -408,20 +420,12 @@ impl MoeRouting {
             (Some((st, _)), Some(b)) => Some(view::<bf16>(st, b, DType::BF16, &[t, h], (OP, "residual"))?),
             _ => None,
         };
-        let null = NULL;
         let f = func(&dev, "mt_moe_combine")?;
         let st = dev.cuda_stream();
         let mut b = st.launch_builder(&f);
         b.arg(&sv).arg(&pv);
-        if weighted {
-            b.arg(&wv);
-        } else {
-            b.arg(&null);
-        }
-        match &bv {
-            Some(v) => b.arg(v),
-            None => b.arg(&null),
-        };
+        arg_or_null(&mut b, weighted.then_some(&wv));
+        arg_or_null(&mut b, bv.as_ref());
         b.arg(&out).arg(&ti).arg(&hi).arg(&ki);
         if t > 0 {
             // SAFETY: signature (bf16* src, int* perm, float* weights or null, bf16* base or null,
@@ -485,15 +489,11 @@ impl MoeRouting {
             (Some((st, _)), Some(x)) => Some(view::<f64>(st, x, DType::F64, &[e], (OP, "aux dprob"))?),
             _ => None,
         };
-        let null = NULL;
         let f = func(&dev, "mt_moe_router_bwd")?;
         let st = dev.cuda_stream();
         let mut b = st.launch_builder(&f);
         b.arg(&pv).arg(&tv).arg(&mv).arg(&qv).arg(&tl);
-        match &xv {
-            Some(v) => b.arg(v),
-            None => b.arg(&null),
-        };
+        arg_or_null(&mut b, xv.as_ref());
         b.arg(&norm).arg(&dw).arg(&dlogit).arg(&ti).arg(&ei).arg(&ki);
         if t > 0 {
             // SAFETY: signature (float* probs, int* top, int* perm, float* partial, int tiles,
