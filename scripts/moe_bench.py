@@ -2,9 +2,9 @@
 """Our mixture-of-experts kernels (kernels/cuda/moe.cu) against PyTorch, on one GPU, one run.
 
 The kernels are compiled with NVRTC for the GPU's own architecture (sm_XY CUBIN, through
-scripts/hopper_attention.py's NVRTC and driver helpers: ctypes, no CuPy) and launched as `Moe`
-below does. The engine does not launch them yet (decision 0047, phase 1); its launchers will use
-this geometry, and a change to one is a change to both.
+scripts/hopper_attention.py's NVRTC and driver helpers: ctypes, no CuPy) and launched with the
+geometry of mt-kernels' launchers (kernels/src/ops/moe/, not yet called by the engine: decision
+0047); a change to one is a change to both.
 The MoE MLP is the SwiGLU family's (Qwen3-MoE, Mixtral, OLMoE): router logits in, softmax, top-k
 (CPU engine's tie rule), stable grouping by expert, gate_up and down grouped GEMMs, SwiGLU over
 all rows, the weighted combine; the backward's dX, expert weight gradients (f32) and the router
@@ -93,7 +93,7 @@ def _p(t):
 
 
 class Moe:
-    """The kernels of moe.cu, launched as the engine launches them."""
+    """The kernels of moe.cu, launched as kernels/src/ops/moe/ launches them."""
 
     def __init__(self):
         import torch
