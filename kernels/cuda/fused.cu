@@ -8,8 +8,6 @@
 // with --fmad=false) and means are sum * (1/n) as candle computes them. What still differs:
 // the order of the reductions (sums over a row or over rows) and the exp implementation.
 
-__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }  // round through bf16
-
 __device__ __forceinline__ float block_sum(float v, float* sh) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -87,8 +85,6 @@ extern "C" __global__ void mt_rms_bwd_dw(const unsigned short* __restrict__ dy, 
     }
 }
 
-__device__ __forceinline__ float silu_bf(float g) { return rbf(g / (1.0f + expf(-g))); }
-
 // mid = bf16(bf16(silu(g)) u).
 extern "C" __global__ void mt_swiglu_fwd(const unsigned short* __restrict__ g, const unsigned short* __restrict__ u,
                                          unsigned short* __restrict__ mid, long long total) {
@@ -101,11 +97,7 @@ extern "C" __global__ void mt_swiglu_bwd(const unsigned short* __restrict__ d, c
                                          const unsigned short* __restrict__ u, unsigned short* __restrict__ out,
                                          long long total) {
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
-        float gv = bf2f(g[e]), dv = bf2f(d[e]);
-        float s = 1.0f / (1.0f + expf(-gv));
-        float sg = rbf(s * ((gv * (1.0f - s)) + 1.0f));
-        out[e] = f2bf(rbf(dv * bf2f(u[e])) * sg);
-        out[total + e] = f2bf(dv * silu_bf(gv));
+        swiglu_grads(bf2f(d[e]), bf2f(g[e]), bf2f(u[e]), &out[e], &out[total + e]);
     }
 }
 

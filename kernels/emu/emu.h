@@ -1,4 +1,4 @@
-// A CPU emulator of the few CUDA features kernels/cuda/flash_attn.cu uses, to check the kernels'
+// A CPU emulator of the few CUDA features kernels/cuda/flash_attn.cu and moe.cu use, to check the kernels'
 // logic (tiling, masks, packed documents, GQA, fragment layouts as the PTX ISA documents them)
 // on a machine without a GPU. Every CUDA thread is an OS thread; a block's threads run together
 // and meet at std::barrier for __syncthreads and for each warp-wide instruction (shuffle,
@@ -80,6 +80,46 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
     return r;
 }
 
+inline void __syncwarp(unsigned = 0xffffffffu) { warp_sync(); }
+
+// A warp exchange of any value of up to 8 bytes: every lane gives `v`, gets lane `src`'s.
+template <class T>
+inline T emu_shfl(T v, unsigned src) {
+    static_assert(sizeof(T) <= 8);
+    auto& s = emu_block->u[warp_id()];
+    unsigned long long b = 0;
+    std::memcpy(&b, &v, sizeof(T));
+    s[lane_id()] = (unsigned)b;
+    s[32 + lane_id()] = (unsigned)(b >> 32);
+    warp_sync();
+    const unsigned long long r = s[src] | ((unsigned long long)s[32 + src] << 32);
+    warp_sync();
+    T out;
+    std::memcpy(&out, &r, sizeof(T));
+    return out;
+}
+inline double __shfl_sync(unsigned, double v, int src) { return emu_shfl(v, (unsigned)src); }
+inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int m) {
+    return emu_shfl(v, lane_id() ^ (unsigned)m);
+}
+// The lanes whose `v` equals this lane's.
+inline unsigned __match_any_sync(unsigned, int v) {
+    auto& s = emu_block->u[warp_id()];
+    s[lane_id()] = (unsigned)v;
+    warp_sync();
+    unsigned m = 0;
+    for (unsigned l = 0; l < 32; ++l) m |= (s[l] == (unsigned)v ? 1u : 0u) << l;
+    warp_sync();
+    return m;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline float __double2float_rz(double d) {
+    float f = (float)d;
+    if (std::fabs((double)f) > std::fabs(d)) f = std::nextafter(f, 0.0f);
+    return f;
+}
+
 inline unsigned smem_addr(const void* p) { return (unsigned)((const unsigned char*)p - emu_block->smem.data()); }
 inline unsigned short smem_u16(unsigned addr) {
     unsigned short v;
@@ -102,6 +142,8 @@ inline void cp_async4(unsigned dst, const void* src, int bytes) {
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
+template <int N>
+inline void cp_async_wait() {}
 
 // ldmatrix .x4: lanes 8i..8i+7 give the row addresses of matrix i; register i of lane l holds
 // row l/4, columns 2(l%4), 2(l%4)+1 of matrix i (.trans: rows 2(l%4), 2(l%4)+1 of column l/4).

@@ -83,26 +83,26 @@ impl Scalars {
     }
 }
 
-/// A contiguous CUDA tensor's elements, checked for dtype and shape; `what` names the argument
-/// in the error.
-fn view<'a, T: CudaDType>(
+/// A contiguous CUDA tensor's elements (`st`, its read-locked storage), checked for dtype and
+/// shape; `op` and `what` name the operation and the argument in the error.
+pub(super) fn view<'a, T: CudaDType>(
     st: &'a Storage,
     t: &Tensor,
     dtype: DType,
     dims: &[usize],
-    what: &str,
+    (op, what): (&str, &str),
 ) -> candle_core::Result<CudaView<'a, T>> {
     let l = t.layout();
     if t.dtype() != dtype || t.dims() != dims || !l.is_contiguous() {
         return Err(msg(format!(
-            "flash attention: {what} must be a contiguous {dtype:?} tensor of shape {dims:?}, found {:?} {:?}",
+            "{op}: {what} must be a contiguous {dtype:?} tensor of shape {dims:?}, found {:?} {:?}",
             t.dtype(),
             t.dims()
         )));
     }
     match st {
         Storage::Cuda(cs) => Ok(cs.as_cuda_slice::<T>()?.slice(l.start_offset()..)),
-        _ => Err(msg(format!("flash attention: {what} is not on the CUDA device"))),
+        _ => Err(msg(format!("{op}: {what} is not on the CUDA device"))),
     }
 }
 
@@ -123,7 +123,7 @@ impl<'t> Held<'t> {
         dims: &[usize],
         what: &str,
     ) -> candle_core::Result<CudaView<'_, T>> {
-        view(&self.st, self.t, dtype, dims, what)
+        view(&self.st, self.t, dtype, dims, ("flash attention", what))
     }
 }
 
@@ -292,7 +292,7 @@ pub(super) unsafe fn backward_outputs(
     Ok([dq, dk, dv])
 }
 
-fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+pub(super) fn wrap<T: CudaDType>(s: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
     let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone()));
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }

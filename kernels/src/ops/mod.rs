@@ -16,6 +16,8 @@
 //!   candle ops, with the same bf16 roundings as the candle sequence they replace;
 //! - [`ce_loss`] / [`ce_grad`]: cross-entropy over bf16 logits (`ce.rs`); [`col_sums_add`],
 //!   [`swap12`], [`add`], [`add_row`]: a bias gradient, the attention layout and the adds;
+//! - [`MoeRouting`], [`moe_swiglu`], [`moe_swiglu_backward`]: mixture-of-experts on the device
+//!   (routing, grouping by expert, grouped GEMMs, combine; `moe.rs`, not yet called by the engine);
 //! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`).
 //!
 //! The softmax pair replaces ~10 candle passes over the `[b, heads, t, t]` score tensor each
@@ -70,7 +72,7 @@ fn launch_cfg(rows: usize) -> LaunchConfig {
 }
 
 /// `name` and a CPU forward that refuses, for an op that exists only as a CUDA kernel; the
-/// argument is the op's arity (1, 2 or 3 inputs; `inplace3` for an `InplaceOp3`).
+/// argument is the op's arity (1, 2 or 3 inputs; `inplace1`..`inplace3` for an `InplaceOp1`..`3`).
 macro_rules! cuda_only {
     ($name:literal, 1) => {
         cuda_only!(@name $name);
@@ -101,6 +103,12 @@ macro_rules! cuda_only {
             _: &CpuStorage,
             _: &Layout,
         ) -> candle_core::Result<(CpuStorage, Shape)> {
+            Err(cuda_only!(@err $name))
+        }
+    };
+    ($name:literal, inplace1) => {
+        cuda_only!(@name $name);
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
             Err(cuda_only!(@err $name))
         }
     };
@@ -162,6 +170,8 @@ mod rope;
 pub use rope::rope;
 mod ce;
 pub use ce::{ce_grad, ce_loss};
+mod moe;
+pub use moe::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeRouting};
 
 /// Whether the fused bf16 kernels apply to `x`: a bf16 tensor on a CUDA device of compute
 /// capability 8.0 or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). They use nothing newer
@@ -189,3 +199,6 @@ mod ce_tests;
 
 #[cfg(test)]
 mod flash_tests;
+
+#[cfg(test)]
+mod moe_tests;

@@ -35,5 +35,7 @@ pub(crate) static FLASH: Source = source!("flash_attn.cu", "mt_flash");
 /// Flash attention on Hopper: compiled after `flash_attn.cu` (whose helpers it uses) into one
 /// sm_90a CUBIN by `flash_hopper.rs`, not through [`Source::ptx`].
 pub(crate) static FLASH_HOPPER: Source = source!("flash_attn_hopper.cu", "mt_flash_hopper");
+/// Mixture-of-experts: routing, grouping by expert, grouped GEMMs, SwiGLU, combine.
+pub(crate) static MOE: Source = source!("moe.cu", "mt_moe");
 /// The device AdamW, Σg² and the bf16 narrowing of a gradient.
 pub(crate) static ADAMW: Source = source!("adamw.cu", "mt_adamw");
