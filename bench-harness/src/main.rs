@@ -140,14 +140,6 @@ fn parse_tokens(s: &str) -> std::result::Result<(usize, usize), String> {
 }
 
 fn options(cli: &Cli, suite: Suite) -> Options {
-    let default_tokens = match suite {
-        Suite::Smoke => vec![(4, 64)],
-        Suite::Paper => vec![(4, 2048), (16, 2048)],
-        Suite::Longctx => vec![(1, 32768), (1, 131072), (1, 262144), (1, 524288)],
-        // Four sequences per GPU at 4 GPUs.
-        Suite::Scale => vec![(16, 2048)],
-        _ => vec![(4, 2048)],
-    };
     let name = format!("{:?}", suite).to_lowercase();
     let date = bench_harness::schema::utc_now_iso();
     let out = cli.out.clone().unwrap_or_else(|| {
@@ -170,12 +162,11 @@ fn options(cli: &Cli, suite: Suite) -> Options {
             Suite::Longctx => cli.systems.iter().copied().filter(|&s| s != System::Deepspeed).collect(),
             _ => cli.systems.clone(),
         },
-        models: match (&cli.models, suite) {
-            (Some(m), _) => m.iter().filter(|m| m.as_str() != "none").cloned().collect(),
-            (None, Suite::Longctx) => vec!["7b".into()],
-            (None, _) => vec!["3.6b".into(), "14b".into()],
+        models: match &cli.models {
+            Some(m) => m.iter().filter(|m| m.as_str() != "none").cloned().collect(),
+            None => suite.default_models(),
         },
-        tokens: cli.tokens.clone().unwrap_or(default_tokens),
+        tokens: cli.tokens.clone().unwrap_or_else(|| suite.default_tokens()),
         depths: cli.depths.iter().copied().filter(|&d| d > 0).collect(),
         slices: cli.slices.iter().copied().filter(|&d| d > 0).collect(),
         megatrain_args: cli.megatrain_arg.clone(),

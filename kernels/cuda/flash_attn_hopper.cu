@@ -431,9 +431,8 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     };
     // Masks tile jt's scores, updates the running max and sum, turns s into probabilities (f32)
     // and returns each row's rescale factor for O.
-    auto softmax = [&](int jt, float* alpha) {
+    auto softmax_as = [&](int jt, float* alpha, const bool masked) {
         const int j0 = jt * BN;
-        const bool masked = j0 + BN - 1 > row0 || j0 < seg_max;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             float mx = MT_NEG_INF;
@@ -465,6 +464,14 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 }
             l[i] = l[i] * alpha[i] + sum;
         }
+    };
+    // Only the tiles on the diagonal or before a document's start need the mask. Two call sites
+    // with constant flags give two bodies; one body with a run-time flag was if-converted by the
+    // compiler into compares and selects on every element of every tile.
+    auto softmax = [&](int jt, float* alpha) {
+        const int j0 = jt * BN;
+        if (j0 + BN - 1 > row0 || j0 < seg_max) softmax_as(jt, alpha, true);
+        else softmax_as(jt, alpha, false);
     };
 
     // Ping-pong: the two consumers take turns issuing their products (named barriers 3 and 4),
@@ -739,23 +746,29 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         wg_wait<0>();
         fence_regs<BQ / 2>(st);
         fence_regs<BQ / 2>(dp);
+        // P^T and dS^T in place of S^T and dP^T; only items on the diagonal, past T or across a
+        // document's start need the mask (two bodies, as in the forward's softmax).
+        auto probs = [&](const bool masked_items) {
 #pragma unroll
-        for (int jq = 0; jq < BQ / 8; ++jq) {
-            const float2 l2 = lse2[4 * jq], d2 = dd[4 * jq];
+            for (int jq = 0; jq < BQ / 8; ++jq) {
+                const float2 l2 = lse2[4 * jq], d2 = dd[4 * jq];
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+                for (int i = 0; i < 2; ++i)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int x = 4 * jq + 2 * i + e;
-                    float pv = fast_exp2(fmaf(st[x], scale_log2, -(e ? l2.y : l2.x)));
-                    if (masked) {
-                        const int q = i0 + 8 * jq + 2 * tq + e;
-                        if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i])) pv = 0.0f;
+                    for (int e = 0; e < 2; ++e) {
+                        const int x = 4 * jq + 2 * i + e;
+                        float pv = fast_exp2(fmaf(st[x], scale_log2, -(e ? l2.y : l2.x)));
+                        if (masked_items) {
+                            const int q = i0 + 8 * jq + 2 * tq + e;
+                            if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i])) pv = 0.0f;
+                        }
+                        st[x] = pv;
+                        dp[x] = pv * (dp[x] - (e ? d2.y : d2.x));
                     }
-                    st[x] = pv;
-                    dp[x] = pv * (dp[x] - (e ? d2.y : d2.x));
-                }
-        }
+            }
+        };
+        if (masked) probs(true);
+        else probs(false);
         acc_to_frag<BQ>(pa, st);
         acc_to_frag<BQ>(da, dp);
         // dV += P^T dO, dK += dS^T Q (64 keys x HD, contraction over the 64 queries): one group.

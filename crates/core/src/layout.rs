@@ -157,12 +157,38 @@ impl ModelLayout {
                 p(EXPERTS_DOWN_BIAS, vec![e, h]);
             }
         }
+        // A LoRA layer's adapters follow its base tensors, as in [`ModelLayout::trainable`].
+        layer.extend(adapter_specs(cfg));
         ModelLayout {
             outer: UnitLayout::build(outer),
             layer: UnitLayout::build(layer),
             n_layers: cfg.num_hidden_layers,
             moe,
         }
+    }
+
+    /// The layout of what trains: [`ModelLayout::new`]'s, but with LoRA adapters
+    /// (`cfg.lora`) the adapters alone: an empty outer unit and, per layer, `A` and `B` of each
+    /// target. The base's tensors come first in a device slot ([`ModelLayout::new`]) and each
+    /// tensor starts on an aligned offset, so an adapter sits at
+    /// [`ModelLayout::frozen_len`] plus its offset here.
+    pub fn trainable(cfg: &ModelConfig) -> Self {
+        let full = Self::new(cfg);
+        if cfg.lora.is_none() {
+            return full;
+        }
+        ModelLayout {
+            outer: UnitLayout::build(Vec::new()),
+            layer: UnitLayout::build(adapter_specs(cfg)),
+            n_layers: full.n_layers,
+            moe: full.moe,
+        }
+    }
+
+    /// Elements of `u`'s frozen base at the start of its slot (`slot` a [`ModelLayout::new`]
+    /// layout, `self` the [`ModelLayout::trainable`] one of the same config): 0 without LoRA.
+    pub fn frozen_len(&self, slot: &ModelLayout, u: Unit) -> usize {
+        slot.unit(u).len - self.unit(u).len
     }
 
     /// Number of units (outer + layers).
@@ -218,6 +244,19 @@ impl ModelLayout {
             .flat_map(|u| self.unit(u).tensors.iter().map(move |t| (self.hf_name(u, &t.name), u, t)))
             .collect()
     }
+}
+
+/// Every LoRA adapter tensor of a layer (`cfg.lora`), in layout order: per target `A [r, in]`,
+/// then `B [out, r]`.
+fn adapter_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let Some(l) = &cfg.lora else { return Vec::new() };
+    l.targets
+        .iter()
+        .flat_map(|t| {
+            let (out, inp) = t.dims(cfg);
+            [(t.a_name().to_owned(), vec![l.rank, inp]), (t.b_name().to_owned(), vec![out, l.rank])]
+        })
+        .collect()
 }
 
 /// Most parameters a config may describe: 2^48 (281 T). Every size derived from it (a unit's
@@ -351,6 +390,27 @@ mod tests {
         assert!(l.resolve("model.layers.01.mlp.down_proj.weight").is_err());
         assert_eq!(l.resolve("lm_head.weight").unwrap().0, Unit::Outer);
         assert_eq!(l.all_params().len(), 3 + 4 * 9);
+    }
+
+    #[test]
+    fn lora_adapters_follow_the_base_at_their_trainable_offsets() {
+        let mut cfg = ModelConfig::tiny_llama();
+        let base = ModelLayout::new(&cfg);
+        cfg.lora = Some(crate::LoraConfig::new(4, 8.0, &crate::LoraTarget::ALL, 0.0, false).unwrap());
+        let (slot, train) = (ModelLayout::new(&cfg), ModelLayout::trainable(&cfg));
+        assert_eq!(train.outer.len, 0);
+        assert_eq!(train.frozen_len(&slot, Unit::Outer), base.outer.len);
+        let frozen = train.frozen_len(&slot, Unit::Layer(0));
+        assert_eq!(frozen, base.layer.len);
+        assert_eq!(train.layer.tensors.len(), 14);
+        for t in &train.layer.tensors {
+            assert_eq!(slot.layer.get(&t.name).unwrap().offset, frozen + t.offset, "{}", t.name);
+        }
+        let q_a = train.resolve("model.layers.1.self_attn.q_proj.lora_A.weight").unwrap().1;
+        assert_eq!(q_a.shape, vec![4, 128]);
+        let n = cfg.lora.as_ref().unwrap().params_per_layer(&cfg);
+        assert_eq!(train.n_params(), 4 * n);
+        assert_eq!(ModelLayout::trainable(&ModelConfig::tiny_llama()), base);
     }
 
     #[test]

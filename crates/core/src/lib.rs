@@ -1,9 +1,11 @@
 //! Shared vocabulary of megatrain-rs: model configuration (parsed from a Hugging Face
 //! `config.json`), the parameter layout table (names, shapes and offsets of every tensor in a
-//! unit's flat record), and the error type used by the crates below the engine.
+//! unit's flat record), the placement (where a step keeps each unit: [`Placement`]), and the
+//! error type used by the crates below the engine.
 //!
 //! Architecture Invariant: this crate knows nothing about tensors, devices, memory maps or
-//! streams. It is pure data and arithmetic on sizes.
+//! streams (a placement says which units live on "the device", a `DeviceKind` how a plan words
+//! it; neither touches one). It is pure data and arithmetic on sizes and layer indices.
 #![forbid(unsafe_code)]
 
 mod config;
@@ -11,8 +13,10 @@ mod error;
 mod gpt_oss;
 mod hf_names;
 mod layout;
+mod lora;
 mod moe;
 pub mod names;
+pub mod placement;
 mod states;
 pub mod units;
 
@@ -23,5 +27,7 @@ pub use hf_names::{ExpertNames, HfPiece, MoeLayout};
 pub use layout::{
     active_params, model_flops_per_step, ModelLayout, TensorSpec, Unit, UnitLayout, TENSOR_ALIGN_ELEMS,
 };
+pub use lora::{LoraConfig, LoraTarget};
 pub use moe::{ExpertKind, MoeConfig};
+pub use placement::{Placement, PlacementChoice};
 pub use states::{StateDtype, Q8_BLOCK};

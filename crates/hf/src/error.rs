@@ -174,6 +174,14 @@ pub enum Error {
     /// another config.json).
     #[error("config.json does not describe the host store's model: {0}")]
     ConfigMismatch(String),
+    /// A peft adapter directory cannot be read or written as this engine's LoRA needs it.
+    #[error("{path}: {msg}")]
+    Adapter {
+        /// The file concerned.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
     /// Export options are invalid.
     #[error("export: invalid option: {0}")]
     Options(String),

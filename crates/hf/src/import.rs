@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use half::{bf16, f16};
 use mt_core::{names, ModelConfig, ModelLayout};
-use mt_store::HostStore;
+use mt_store::{HostStore, ParamSink};
 use safetensors::Dtype;
 use serde_json::Value;
 
@@ -274,7 +274,7 @@ impl Item<'_> {
 /// `src.config`'s layout. Everything that can be checked from the headers (missing and
 /// unexpected tensors, shapes, dtypes) is checked before any data is read or written, so a
 /// refused import leaves the store unchanged. Tensors are then read one at a time (in file
-/// order), converted from F32/BF16/F16 to f32 and written with [`HostStore::write_param`] (which
+/// order), converted from F32/BF16/F16 to f32 and written with [`ParamSink::write_param`] (which
 /// zeroes the optimizer moments); peak extra memory is one tensor in f32 plus an 8 MiB buffer.
 ///
 /// Ignored: tensors named `*rotary_emb.inv_freq`, and `lm_head.weight` when the config ties the
@@ -288,6 +288,12 @@ impl Item<'_> {
 /// be stored as its `_blocks` and `_scales` (`crate::mxfp4`): it is dequantised exactly, one
 /// expert at a time (peak extra memory: one expert's matrix in f32).
 pub fn import_weights(src: &HfModelDir, store: &HostStore) -> Result<ImportReport> {
+    import_weights_into(src, store)
+}
+
+/// [`import_weights`] into any [`ParamSink`] of the model's layout: the host store, or a LoRA
+/// run's frozen base (`mt_store::FrozenBase`).
+pub fn import_weights_into(src: &HfModelDir, store: &dyn ParamSink) -> Result<ImportReport> {
     let _span = tracing::info_span!("hf_import", dir = %src.dir.display()).entered();
     let layout = ModelLayout::new(&src.config);
     if *store.layout() != layout {
@@ -477,7 +483,7 @@ impl Reader<'_> {
 /// Reads a float tensor in chunks into f32 and writes it; returns its bytes and dtype name.
 fn read_float(
     reader: &mut Reader<'_>,
-    store: &HostStore,
+    store: &dyn ParamSink,
     s: usize,
     t: &TensorEntry,
     dtype: SrcDtype,
@@ -509,7 +515,7 @@ fn read_float(
 /// bytes read and `"MXFP4"`.
 fn read_mxfp4(
     reader: &mut Reader<'_>,
-    store: &HostStore,
+    store: &dyn ParamSink,
     name: &str,
     n_experts: usize,
     shape: mxfp4::ExpertShape,
@@ -560,7 +566,7 @@ fn read_mxfp4(
 }
 
 /// Sets the parameter `name` of `numel` elements back to zero, a chunk at a time.
-fn zero_param(store: &HostStore, name: &str, numel: usize) -> Result<()> {
+fn zero_param(store: &dyn ParamSink, name: &str, numel: usize) -> Result<()> {
     let zeros = vec![0f32; numel.min(READ_CHUNK)];
     let mut at = 0;
     while at < numel {

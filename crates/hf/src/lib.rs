@@ -15,10 +15,11 @@ mod export;
 mod header;
 mod import;
 mod mxfp4;
+pub mod peft;
 
 pub use error::{Error, Result};
 pub use export::{export, ExportDtype, ExportOptions, ExportReport, COPIED_FILES, DEFAULT_MAX_SHARD_BYTES};
 pub use header::{header_from_bytes, read_header, ShardHeader, TensorEntry};
-pub use import::{import_weights, HfModelDir, ImportReport};
+pub use import::{import_weights, import_weights_into, HfModelDir, ImportReport};
 /// The safetensors element type, as found in [`TensorEntry::dtype`].
 pub use safetensors::Dtype;

@@ -13,6 +13,8 @@ use crate::{Error, Result};
 pub struct GradSink<'a> {
     layout: &'a UnitLayout,
     buf: &'a Tensor,
+    /// Names the layout lacks are frozen parameters ([`GradSink::trainable`]), not mistakes.
+    frozen_absent: bool,
 }
 
 impl<'a> GradSink<'a> {
@@ -31,7 +33,24 @@ impl<'a> GradSink<'a> {
         if found < layout.len {
             return Err(Error::SlotTooShort { what: "gradient buffer", expected: layout.len, found });
         }
-        Ok(GradSink { layout, buf })
+        Ok(GradSink { layout, buf, frozen_absent: false })
+    }
+
+    /// A sink over the layout of what trains (`ModelLayout::trainable`: a LoRA layer's
+    /// adapters): a parameter it does not hold is frozen, and accumulating its gradient does
+    /// nothing — the gradient is not even formed (no `dyᵀ x` product for a frozen weight).
+    pub fn trainable(layout: &'a UnitLayout, buf: &'a Tensor) -> Result<Self> {
+        Ok(GradSink { frozen_absent: true, ..Self::new(layout, buf)? })
+    }
+
+    /// `name`'s place in the layout; `None` for a frozen parameter of a [`GradSink::trainable`]
+    /// sink; an unknown name is an error otherwise.
+    fn spec(&self, name: &str) -> Result<Option<&'a mt_core::TensorSpec>> {
+        match self.layout.get(name) {
+            Ok(s) => Ok(Some(s)),
+            Err(_) if self.frozen_absent => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The buffer's dtype (gradients are converted to it before they are added).
@@ -42,7 +61,7 @@ impl<'a> GradSink<'a> {
     /// `buf[name] += g`, with `g` of exactly the tensor's shape in the layout (any float dtype;
     /// an f64 `g` into an f32 buffer is added in f64, so the sum is rounded once).
     pub fn accumulate(&self, name: &str, g: &Tensor) -> Result<()> {
-        let spec = self.layout.get(name)?;
+        let Some(spec) = self.spec(name)? else { return Ok(()) };
         if g.dims() != spec.shape.as_slice() {
             return Err(Error::shape(format!("gradient of {name}"), format!("{:?}", spec.shape), g.dims()));
         }
@@ -69,7 +88,7 @@ impl<'a> GradSink<'a> {
     /// add it as by [`GradSink::accumulate`] (one rounding); elsewhere `dyᵀ x` is formed in the
     /// operands' dtype and added likewise.
     pub fn accumulate_matmul(&self, name: &str, dy: &Tensor, x: &Tensor) -> Result<()> {
-        let spec = self.layout.get(name)?;
+        let Some(spec) = self.spec(name)? else { return Ok(()) };
         let (out, inp) = match spec.shape.as_slice() {
             [o, i] => (*o, *i),
             s => return Err(Error::shape(format!("layout entry {name}"), "a matrix", s)),
@@ -81,7 +100,7 @@ impl<'a> GradSink<'a> {
     /// of experts' `mlp.experts.*`), `dy: [N, out]`, `x: [N, in]`: as
     /// [`GradSink::accumulate_matmul`] on that expert's matrix.
     pub fn accumulate_matmul_expert(&self, name: &str, e: usize, dy: &Tensor, x: &Tensor) -> Result<()> {
-        let spec = self.layout.get(name)?;
+        let Some(spec) = self.spec(name)? else { return Ok(()) };
         let (n_e, out, inp) = match spec.shape.as_slice() {
             [n_e, o, i] => (*n_e, *o, *i),
             s => return Err(Error::shape(format!("layout entry {name}"), "[experts, out, in]", s)),
@@ -127,7 +146,7 @@ impl<'a> GradSink<'a> {
     /// buffer one deterministic column-sum kernel; elsewhere `dy` is cast (f32 on the CPU to f64)
     /// and summed, then added as by [`GradSink::accumulate`].
     pub fn accumulate_col_sums(&self, name: &str, dy: &Tensor) -> Result<()> {
-        let spec = self.layout.get(name)?;
+        let Some(spec) = self.spec(name)? else { return Ok(()) };
         if !matches!((spec.shape.as_slice(), dy.dims()), ([o], [_, o2]) if o == o2) {
             return Err(Error::shape(
                 format!("dy of the gradient of {name}"),
@@ -146,7 +165,7 @@ impl<'a> GradSink<'a> {
     /// `buf[name][e] += Σ_rows dy` for expert `e` of a packed `[E, out]` bias `name` (GPT-OSS's
     /// `mlp.experts.*_bias`), `dy: [N, out]`: as [`GradSink::accumulate_col_sums`] on that row.
     pub fn accumulate_expert_col_sums(&self, name: &str, e: usize, dy: &Tensor) -> Result<()> {
-        let spec = self.layout.get(name)?;
+        let Some(spec) = self.spec(name)? else { return Ok(()) };
         let (n_e, out) = match spec.shape.as_slice() {
             [n_e, o] => (*n_e, *o),
             s => return Err(Error::shape(format!("layout entry {name}"), "[experts, out]", s)),
@@ -167,7 +186,7 @@ impl<'a> GradSink<'a> {
     /// `[n_rows, width]`, `rows` a 1-D u32 tensor of length `k` (on any device: the CUDA kernel
     /// orders them on the host, so host rows save it a read off the GPU), `src` `[k, width]`.
     pub fn index_add_rows(&self, name: &str, rows: &Tensor, src: &Tensor) -> Result<()> {
-        let spec = self.layout.get(name)?;
+        let Some(spec) = self.spec(name)? else { return Ok(()) };
         let width = match spec.shape.as_slice() {
             [_, w] => *w,
             s => return Err(Error::shape(format!("layout entry {name}"), "a matrix", s)),

@@ -22,6 +22,7 @@ mod attention;
 mod decoder;
 mod error;
 mod grads;
+mod lora;
 mod mlp;
 mod moe;
 mod moe_backward;
@@ -71,6 +72,7 @@ pub fn hopper_attention(
 }
 pub use error::{Error, Result};
 pub use grads::GradSink;
+pub use lora::{LoraPair, LoraWeights};
 pub use mt_kernels::{flash_head_dim, hopper_dq_buffer_bytes, FlashKernel};
 pub use outer::Outer;
 pub use positions::Positions;

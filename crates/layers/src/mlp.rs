@@ -5,11 +5,13 @@
 use candle_core::Tensor;
 use mt_core::ModelConfig;
 
+use crate::lora::Adapted;
 use crate::moe::{self, MoeSaved, RouterGrad, RouterStats};
-use crate::ops::{add, linear, linear_backward, rms_norm, rms_norm_backward, silu_grad, RmsCache};
+use crate::ops::{add, rms_norm, rms_norm_backward, silu_grad, RmsCache};
 use crate::profile::mark;
 use crate::weights::{names, LayerWeights, MlpWeights};
 use crate::{moe_backward, Result};
+use mt_core::LoraTarget;
 
 /// What the backward needs of one MLP tile.
 pub(crate) struct MlpSaved {
@@ -66,12 +68,17 @@ pub(crate) fn forward(
     mark(dev, "fwd 6 post norm");
     let (out, body) = match &w.mlp {
         MlpWeights::Dense { gate, up, down } => {
-            let gate = linear(&c, gate, None)?;
-            let up = linear(&c, up, None)?;
+            let lora = w.lora.as_ref();
+            let gate = Adapted::of(lora, LoraTarget::Gate).forward(&c, gate, None)?;
+            let up = Adapted::of(lora, LoraTarget::Up).forward(&c, up, None)?;
             mark(dev, "fwd 7 gate/up proj (GEMM)");
             let (act, mid) = swiglu(&gate, &up)?;
             mark(dev, "fwd 8 silu * up");
-            let out = if want_out { Some(add(x1, &linear(&mid, down, None)?)?) } else { None };
+            let out = if want_out {
+                Some(add(x1, &Adapted::of(lora, LoraTarget::Down).forward(&mid, down, None)?)?)
+            } else {
+                None
+            };
             mark(dev, "fwd 9 down proj (GEMM) + residual");
             (out, Body::Dense(DenseSaved { gate, up, act, mid }))
         }
@@ -99,12 +106,13 @@ pub(crate) fn backward(
     let MlpSaved { norm2, c, body } = m;
     let dc = match (&w.mlp, body) {
         (MlpWeights::Dense { gate, up, down }, Body::Dense(s)) => {
-            let d_mid = linear_backward(dy, &s.mid, down, grads, names::DOWN, None)?;
+            let lora = w.lora.as_ref();
+            let d_mid = Adapted::of(lora, LoraTarget::Down).backward(dy, &s.mid, down, grads, None)?;
             mark(dev, "bwd 9 down proj (2 GEMMs + accumulate)");
             let (d_gate, d_up) = swiglu_backward(&d_mid, &s.gate, &s.up, s.act.as_ref())?;
             mark(dev, "bwd 8 silu * up");
-            let dc_gate = linear_backward(&d_gate, &c, gate, grads, names::GATE, None)?;
-            let dc_up = linear_backward(&d_up, &c, up, grads, names::UP, None)?;
+            let dc_gate = Adapted::of(lora, LoraTarget::Gate).backward(&d_gate, &c, gate, grads, None)?;
+            let dc_up = Adapted::of(lora, LoraTarget::Up).backward(&d_up, &c, up, grads, None)?;
             let dc = add(&dc_gate, &dc_up)?;
             mark(dev, "bwd 7 gate/up proj (4 GEMMs + accumulate)");
             dc

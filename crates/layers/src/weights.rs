@@ -75,6 +75,8 @@ pub struct LayerWeights {
     pub post_norm: Tensor,
     /// The MLP's weights.
     pub mlp: MlpWeights,
+    /// LoRA adapters of its linear layers (`cfg.lora`), after the base tensors in the slot.
+    pub lora: Option<crate::lora::LoraWeights>,
 }
 
 /// Views of a decoder layer's MLP weights.
@@ -160,6 +162,7 @@ impl LayerWeights {
                     }
                 }
             },
+            lora: crate::lora::LoraWeights::bind(cfg, v)?,
         })
     }
 

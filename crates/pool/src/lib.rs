@@ -23,7 +23,7 @@
 #![forbid(unsafe_code)]
 
 use candle_core::{DType, Device, Tensor};
-use mt_core::StateDtype;
+use mt_core::{Placement, StateDtype};
 
 /// Errors of the pool.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +57,9 @@ pub struct PoolSpec {
     pub layer_len: usize,
     /// Elements of the outer record.
     pub outer_len: usize,
+    /// Elements of a layer's and of the outer unit's gradient buffers: `layer_len` and
+    /// `outer_len`, but only the adapters' of a LoRA run (its base is frozen: no gradient).
+    pub grad_lens: (usize, usize),
     /// Weight dtype on the device.
     pub weight_dtype: DType,
     /// Gradient accumulation dtype on the device.
@@ -67,15 +70,14 @@ pub struct PoolSpec {
     pub n_layers: usize,
     /// Token chunks per step.
     pub n_chunks: usize,
-    /// Keep the outer unit's fp32 master weights and AdamW moments on the device
-    /// (`outer_state`), updated there, instead of streaming them through the host optimizer.
-    pub resident_outer: bool,
-    /// Decoder layers `0..resident_layers` get their own slot, gradient buffer and optimizer
-    /// state ([`ResidentLayer`]) instead of passing through the ring.
-    pub resident_layers: usize,
-    /// The last `held_layers` decoder layers (streamed ones) get their own weight slot
-    /// ([`DevicePool::held`]) that holds them from their forward to their backward.
-    pub held_layers: usize,
+    /// Where the step keeps what. The pool reads three of its settings: `resident_outer` (the
+    /// outer unit's fp32 master weights and AdamW moments on the device, `outer_state`),
+    /// `resident_layers` (layers `0..k` get their own slot, gradient buffer and optimizer state,
+    /// [`ResidentLayer`], instead of passing through the ring) and `held_layers` (the last `k`
+    /// decoder layers, streamed ones, get their own weight slot, [`DevicePool::held`], from their
+    /// forward to their backward); the state slots the GPU-updated layers need are
+    /// `state_slots`, and the gradient buffers late downloads need `n_grad_bufs`.
+    pub placement: Placement,
     /// Give every layer gradient buffer a bf16 twin ([`DevicePool::grad_narrow`]) that the
     /// gradient is narrowed into before its download (exact mode with bf16 store gradients: the
     /// host keeps bf16 anyway, so half the bytes cross PCIe and land).
@@ -153,9 +155,9 @@ pub struct DevicePool {
     /// Outer gradient buffer.
     pub outer_grad: Tensor,
     /// The resident outer unit's `[master | m | v]` (f32 words, [`StateDtype::state_words`] of
-    /// `outer_len`), when [`PoolSpec::resident_outer`].
+    /// `outer_len`), when the placement's `resident_outer`.
     pub outer_state: Option<Tensor>,
-    /// Resident decoder layers `0..spec.resident_layers`.
+    /// Resident decoder layers `0..spec.placement.resident_layers`.
     pub resident: Vec<ResidentLayer>,
     /// Weight slots of the held layers `n_layers - held_layers..n_layers`, in layer order.
     pub held: Vec<Tensor>,
@@ -180,16 +182,17 @@ fn tensor_bytes(t: &Tensor) -> usize {
 impl DevicePool {
     /// Allocates every fixed buffer on `device`.
     pub fn new(spec: &PoolSpec, device: &Device) -> Result<Self> {
-        if spec.resident_layers > spec.n_layers {
+        let p = &spec.placement;
+        if p.resident_layers > spec.n_layers {
             return Err(Error::Config(format!(
                 "{} resident layers of a {}-layer model",
-                spec.resident_layers, spec.n_layers
+                p.resident_layers, spec.n_layers
             )));
         }
-        if spec.resident_layers + spec.held_layers > spec.n_layers {
+        if p.resident_layers + p.held_layers > spec.n_layers {
             return Err(Error::Config(format!(
                 "{} held layers beside {} resident ones of a {}-layer model",
-                spec.held_layers, spec.resident_layers, spec.n_layers
+                p.held_layers, p.resident_layers, spec.n_layers
             )));
         }
         if spec.ring_depth == 0 || spec.n_grad_bufs == 0 || spec.n_chunks == 0 {
@@ -208,24 +211,24 @@ impl DevicePool {
             .map(|_| Tensor::zeros(spec.layer_len, spec.weight_dtype, device))
             .collect::<candle_core::Result<_>>()?;
         let grad_bufs = (0..spec.n_grad_bufs)
-            .map(|_| Tensor::zeros(spec.layer_len, spec.grad_dtype, device))
+            .map(|_| Tensor::zeros(spec.grad_lens.0, spec.grad_dtype, device))
             .collect::<candle_core::Result<_>>()?;
         let narrow_bufs = if spec.land_bf16 { spec.n_grad_bufs } else { 0 };
         let grad_narrow = (0..narrow_bufs)
-            .map(|_| Tensor::zeros(spec.layer_len, DType::BF16, device))
+            .map(|_| Tensor::zeros(spec.grad_lens.0, DType::BF16, device))
             .collect::<candle_core::Result<_>>()?;
         Ok(DevicePool {
             slots,
             outer_slot: Tensor::zeros(spec.outer_len, spec.weight_dtype, device)?,
             grad_bufs,
             grad_narrow,
-            outer_grad: Tensor::zeros(spec.outer_len, spec.grad_dtype, device)?,
-            outer_state: if spec.resident_outer {
+            outer_grad: Tensor::zeros(spec.grad_lens.1, spec.grad_dtype, device)?,
+            outer_state: if p.resident_outer {
                 Some(Tensor::zeros(spec.state_dtype.state_words(spec.outer_len), DType::F32, device)?)
             } else {
                 None
             },
-            resident: (0..spec.resident_layers)
+            resident: (0..p.resident_layers)
                 .map(|_| -> candle_core::Result<_> {
                     Ok(ResidentLayer {
                         slot: Tensor::zeros(spec.layer_len, spec.weight_dtype, device)?,
@@ -238,7 +241,7 @@ impl DevicePool {
                     })
                 })
                 .collect::<candle_core::Result<_>>()?,
-            held: (0..spec.held_layers)
+            held: (0..p.held_layers)
                 .map(|_| Tensor::zeros(spec.layer_len, spec.weight_dtype, device))
                 .collect::<candle_core::Result<_>>()?,
             state: (0..spec.state_slots)
@@ -341,19 +344,23 @@ mod tests {
             ring_depth: 2,
             layer_len: 128,
             outer_len: 64,
+            grad_lens: (128, 64),
             weight_dtype: DType::F32,
             grad_dtype: DType::F32,
             n_grad_bufs: 2,
             n_layers: 3,
             n_chunks: 2,
-            resident_outer: false,
-            resident_layers: 0,
-            held_layers: 0,
+            placement: Placement::default(),
             land_bf16: false,
             state_slots: 0,
             state_grad_dtype: DType::BF16,
             state_dtype: StateDtype::F32,
         }
+    }
+
+    /// [`spec`] with `resident_layers` resident and `held_layers` held layers.
+    fn placed(resident_layers: usize, held_layers: usize) -> PoolSpec {
+        PoolSpec { placement: Placement { resident_layers, held_layers, ..Placement::default() }, ..spec() }
     }
 
     #[test]
@@ -385,28 +392,26 @@ mod tests {
 
     #[test]
     fn resident_layers_get_their_own_buffers() {
-        let p = DevicePool::new(&PoolSpec { resident_layers: 2, ..spec() }, &Device::Cpu).unwrap();
+        let p = DevicePool::new(&placed(2, 0), &Device::Cpu).unwrap();
         assert_eq!(p.resident.len(), 2);
         assert_eq!(p.resident[1].state.dims(), [3 * 128]);
         assert_eq!(p.bytes().resident_layers, 2 * (128 * 4 + 128 * 4 + 3 * 128 * 4));
-        let err = DevicePool::new(&PoolSpec { resident_layers: 4, ..spec() }, &Device::Cpu).unwrap_err();
+        let err = DevicePool::new(&placed(4, 0), &Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("4 resident layers of a 3-layer model"), "{err}");
     }
 
     #[test]
     fn held_layers_get_a_slot_each_and_must_be_streamed_ones() {
-        let p = DevicePool::new(&PoolSpec { resident_layers: 1, held_layers: 2, ..spec() }, &Device::Cpu)
-            .unwrap();
+        let p = DevicePool::new(&placed(1, 2), &Device::Cpu).unwrap();
         assert_eq!(p.held.len(), 2);
         assert_eq!(p.bytes().held, 2 * 128 * 4);
-        let without = DevicePool::new(&PoolSpec { resident_layers: 1, ..spec() }, &Device::Cpu).unwrap();
+        let without = DevicePool::new(&placed(1, 0), &Device::Cpu).unwrap();
         assert_eq!(
             p.bytes().total() - without.bytes().total(),
             2 * 128 * 4,
             "held slots counted in the total"
         );
-        let err = DevicePool::new(&PoolSpec { resident_layers: 2, held_layers: 2, ..spec() }, &Device::Cpu)
-            .unwrap_err();
+        let err = DevicePool::new(&placed(2, 2), &Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("2 held layers beside 2 resident ones of a 3-layer model"), "{err}");
     }
 
@@ -430,8 +435,7 @@ mod tests {
         for (states, bytes) in [(StateDtype::F32, 12), (StateDtype::Bf16, 8)] {
             let spec = PoolSpec {
                 state_slots: 1,
-                resident_layers: 1,
-                resident_outer: true,
+                placement: Placement { resident_layers: 1, resident_outer: true, ..Placement::default() },
                 state_dtype: states,
                 ..spec()
             };

@@ -22,6 +22,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod arena;
+mod base;
 mod grad;
 mod header;
 mod host_vec;
@@ -31,6 +32,7 @@ mod snapshot;
 mod transfer_buf;
 
 pub use arena::{HostStore, RecordAddrs, RecordGuard, RecordParts, RecordPartsMut, StoreState};
+pub use base::{FrozenBase, ParamSink};
 pub use grad::{GradDtype, GradMut, GradRef};
 pub use host_vec::{par_copy, HostVec, PinError};
 pub use pager::PagingStats;

@@ -11,6 +11,7 @@
 mod error;
 pub mod golden;
 pub mod init;
+pub mod lora;
 pub mod reference;
 mod reference_moe;
 pub mod tol;

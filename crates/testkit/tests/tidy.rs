@@ -1,7 +1,7 @@
 //! Workspace tidiness checks that run with `cargo test` (rust-analyzer's habit): every Rust
-//! source file says what it is for in a `//!` header, and `unsafe` lives only in the crates
-//! ARCHITECTURE.md allows it in, each use with a SAFETY comment. Long files are listed, as a
-//! warning.
+//! source file says what it is for in a `//!` header, `unsafe` lives only in the crates
+//! ARCHITECTURE.md allows it in, each use with a SAFETY comment, and each placement setting is
+//! declared in at most two structs. Long files are listed, as a warning.
 
 use std::path::{Path, PathBuf};
 
@@ -140,4 +140,113 @@ fn safe_crates_forbid_unsafe_code() {
         }
     }
     assert!(missing.is_empty(), "crate roots without #![forbid(unsafe_code)]:\n{}", missing.join("\n"));
+}
+
+/// Other spellings a placement setting has had or has in a flag (`--spill-checkpoints`), so that a
+/// copy under one of them is counted too.
+const PLACEMENT_ALIASES: [(&str, &str); 4] = [
+    ("spilled_checkpoints", "spill_checkpoints"),
+    ("late_state_downloads", "late_downloads"),
+    ("early_state_uploads", "early_uploads"),
+    ("gpu_updated_layers", "gpu_updated"),
+];
+
+/// The named-field structs of a Rust source, each with its fields' names (comments, attributes
+/// and nested braces skipped; tuple and unit structs have none).
+fn struct_fields(text: &str) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    let mut lines = text.lines().map(|l| l.split("//").next().unwrap_or("").trim());
+    while let Some(line) = lines.next() {
+        // `struct`, `pub struct` or `pub(crate) struct` at the start of the line.
+        let Some((before, rest)) = line.split_once("struct ") else { continue };
+        if !(before.is_empty() || before.ends_with("pub ") || before.ends_with(") ")) {
+            continue;
+        }
+        let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        // The body opens on this line or a later one (a `where` clause), unless a `;` or `(` comes
+        // first (a unit or tuple struct).
+        let mut header = line.to_string();
+        while !header.contains('{') && !header.contains(';') && !header.contains('(') {
+            match lines.next() {
+                Some(l) => header.push_str(l),
+                None => break,
+            }
+        }
+        if !header.contains('{') || header.find('(').is_some_and(|p| p < header.find('{').unwrap_or(0)) {
+            continue;
+        }
+        let mut fields = Vec::new();
+        let mut depth = header.matches('{').count() - header.matches('}').count();
+        while depth > 0 {
+            let Some(l) = lines.next() else { break };
+            if depth == 1 && !l.starts_with('#') {
+                let decl = l
+                    .strip_prefix("pub(crate) ")
+                    .or(l.strip_prefix("pub(super) "))
+                    .or(l.strip_prefix("pub "));
+                let decl = decl.unwrap_or(l);
+                if let Some((field, ty)) = decl.split_once(':') {
+                    let ident = !field.is_empty() && field.chars().all(|c| c.is_alphanumeric() || c == '_');
+                    if ident && !ty.starts_with(':') {
+                        fields.push(field.to_string());
+                    }
+                }
+            }
+            depth = (depth + l.matches('{').count()).saturating_sub(l.matches('}').count());
+        }
+        out.push((name, fields));
+    }
+    out
+}
+
+/// The measure of "one placement type": each setting of `mt_core::Placement` (its field
+/// names, read from the struct, and the other spellings in [`PLACEMENT_ALIASES`]) is declared as a
+/// field of at most two structs in the workspace: `Placement` itself and the CLI's flags
+/// (`PlacementArgs`, one field a flag for clap). Every other struct holds a `Placement`. The byte
+/// breakdowns (`GpuBytes`, `HostBytes`, `PoolBytes`: structs named `*Bytes`, whose fields are
+/// amounts of memory per kind of buffer, some named after the setting that sizes them) are not
+/// counted. The count is printed on the test's standard error:
+/// `cargo test -p mt-testkit --test tidy placement -- --nocapture`.
+#[test]
+fn each_placement_setting_is_declared_in_at_most_two_structs() {
+    use std::io::Write;
+    let root = workspace_root();
+    let placement = std::fs::read_to_string(root.join("crates/core/src/placement/mod.rs")).unwrap();
+    let settings = struct_fields(&placement)
+        .into_iter()
+        .find(|(name, _)| name == "Placement")
+        .map(|(_, fields)| fields)
+        .expect("crates/core/src/placement/mod.rs declares struct Placement");
+    assert_eq!(settings.len(), 8, "the settings of Placement: {settings:?}");
+    let mut declared: Vec<(String, Vec<String>)> = settings.iter().map(|s| (s.clone(), Vec::new())).collect();
+    for p in sources() {
+        let rel = p.strip_prefix(&root).unwrap_or(&p).display().to_string();
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        for (name, fields) in struct_fields(&text) {
+            if name.ends_with("Bytes") {
+                continue;
+            }
+            for (setting, structs) in &mut declared {
+                let alias = PLACEMENT_ALIASES.iter().find(|(s, _)| s == setting).map(|(_, a)| *a);
+                if fields.iter().any(|f| f == setting || Some(f.as_str()) == alias) {
+                    structs.push(format!("{name} ({rel})"));
+                }
+            }
+        }
+    }
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "placement settings, and the structs that declare each:");
+    for (setting, structs) in &declared {
+        let _ = writeln!(err, "  {setting}: {}: {}", structs.len(), structs.join(", "));
+    }
+    let over: Vec<String> = declared
+        .iter()
+        .filter(|(_, s)| s.len() > 2)
+        .map(|(setting, s)| format!("{setting} in {} structs: {}", s.len(), s.join(", ")))
+        .collect();
+    assert!(
+        over.is_empty(),
+        "a placement setting declared beyond Placement and the CLI's flags (hold a Placement instead):\n{}",
+        over.join("\n")
+    );
 }

@@ -69,14 +69,7 @@ pub(crate) fn check_fresh_start(args: &TrainConfig) -> Result<()> {
 
 /// Refuses option combinations the model or the engine cannot run, naming the option to change.
 pub(crate) fn check_sizes(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
-    if args.seq_len > cfg.max_position_embeddings {
-        refuse!(
-            "--seq-len {} exceeds the model's max_position_embeddings ({}); use a shorter sequence",
-            args.seq_len,
-            cfg.max_position_embeddings
-        );
-    }
-    cfg.check_seq_len(args.seq_len).context_with(|| "--seq-len".into())?;
+    cfg.check_train_seq_len(args.seq_len).context_with(|| "--seq-len".into())?;
     if args.device == crate::Device::Cuda {
         mt_layers::check_gpu(cfg).context_with(|| "--device cuda".into())?;
     }

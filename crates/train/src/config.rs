@@ -218,6 +218,13 @@ pub struct TrainConfig {
     /// The export's writes fail as a full disk would after this many bytes (tests only).
     #[doc(hidden)]
     pub inject_export_failure: Option<u64>,
+    /// Train LoRA adapters on a frozen base (`--lora-rank` and its options).
+    pub lora: Option<mt_core::LoraConfig>,
+    /// Continue training the peft adapter in this directory (its `adapter_config.json` says the
+    /// rank, alpha and targets).
+    pub lora_from: Option<PathBuf>,
+    /// A LoRA run exports the merged model (`W + s · B A`) instead of peft's adapter.
+    pub merge: bool,
 }
 
 impl Default for TrainConfig {
@@ -272,6 +279,9 @@ impl Default for TrainConfig {
             delay_us: 0,
             inject_faults: Vec::new(),
             inject_export_failure: None,
+            lora: None,
+            lora_from: None,
+            merge: false,
         }
     }
 }

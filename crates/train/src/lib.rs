@@ -30,6 +30,7 @@ mod error;
 pub mod host;
 pub mod init;
 pub mod lock;
+mod lora;
 mod model;
 mod observer;
 mod oom;

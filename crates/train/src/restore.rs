@@ -128,6 +128,11 @@ pub(crate) fn restore_or_initialise<O: Observer>(
             c.store.as_ref().map(|p| format!("resumed from {} at step {}", p.display(), store.state().step));
         return Ok(Restored { resumed: true, note, no_checkpoint_yet, checkpoint_step: None });
     }
+    if model.cfg.lora.is_some() {
+        let n = crate::lora::init_adapters(c, store)?;
+        notify(observer, &Event::Initialised { n_tensors: n, seed: c.seed, secs: 0.0 })?;
+        return Ok(Restored { resumed: false, note: None, no_checkpoint_yet, checkpoint_step: None });
+    }
     match &model.hf {
         Some(hf) => {
             let r = mt_hf::import_weights(hf, store)

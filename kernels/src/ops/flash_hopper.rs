@@ -18,14 +18,16 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
     CUtensorMapSwizzle,
 };
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, DevicePtr, DeviceRepr, PushKernelArg,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaDevice, DType, Tensor};
-use half::bf16;
+use candle_core::{CudaDevice, Tensor};
 
-use super::flash::{cuda_dev, scales, view, wrap, NULL};
+use super::flash_launch::{
+    allow_smem, backward_outputs, backward_tensors, forward_outputs, forward_tensors, launch_config, row_dot,
+    Operands, Scalars,
+};
 use super::msg;
 use super::nvrtc::compile_cubin;
 use super::sources::{COMMON, FLASH, FLASH_HOPPER};
@@ -150,154 +152,73 @@ fn tensor_map(
 /// `name`'s function with its dynamic shared memory limit raised to `smem`.
 fn kernel(dev: &CudaDevice, name: &str, smem: u32) -> candle_core::Result<CudaFunction> {
     let f = function(dev, name)?;
-    f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-        .w()?;
+    allow_smem(&f, smem)?;
     Ok(f)
 }
 
-fn stream(dev: &CudaDevice) -> Arc<CudaStream> {
-    dev.cuda_stream()
-}
-
 /// Forward (`flash.rs`'s contract): `(o [b, t, nh, hd] bf16, lse [b, nh, t] f32)`.
-pub(super) fn forward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    docs: Option<(&Tensor, &Tensor)>,
-    (b, t, nh, nkv, hd): (usize, usize, usize, usize, usize),
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let dev = cuda_dev(q)?;
-    let st = stream(&dev);
-    let (qs, _) = q.storage_and_layout();
-    let (ks, _) = k.storage_and_layout();
-    let (vs, _) = v.storage_and_layout();
-    let qv = view::<bf16>(&qs, q, DType::BF16, &[b, t, nh, hd], "q")?;
-    let kv = view::<bf16>(&ks, k, DType::BF16, &[b, t, nkv, hd], "k")?;
-    let vv = view::<bf16>(&vs, v, DType::BF16, &[b, t, nkv, hd], "v")?;
-    let lo_st = docs.map(|(lo, _)| lo.storage_and_layout());
-    let lo_v = match (&lo_st, docs) {
-        (Some((s, _)), Some((lo, _))) => Some(view::<u32>(s, lo, DType::U32, &[b, t], "document starts")?),
-        _ => None,
-    };
+pub(super) fn forward(dev: &CudaDevice, operands: &Operands<'_>) -> candle_core::Result<(Tensor, Tensor)> {
+    let shape @ (b, t, nh, nkv, hd) = operands.dims();
+    let st = dev.cuda_stream();
+    let x = operands.views()?;
     // SAFETY: every element is written by the kernel (rows < t of every head).
-    let o = unsafe { dev.alloc::<bf16>(b * t * nh * hd)? };
-    // SAFETY: as above, one value per (sequence, head, row).
-    let lse = unsafe { dev.alloc::<f32>(b * nh * t)? };
+    let (o, lse) = unsafe { forward_outputs(dev, shape)? };
     // The CTAs take their tiles from this counter as they start.
     let counter = dev.alloc_zeros::<i32>(1)?;
-    let (qp, _gq) = qv.device_ptr(&st);
-    let (kp, _gk) = kv.device_ptr(&st);
-    let (vp, _gv) = vv.device_ptr(&st);
+    let (qp, _gq) = x.q.device_ptr(&st);
+    let (kp, _gk) = x.k.device_ptr(&st);
+    let (vp, _gv) = x.v.device_ptr(&st);
     let (tq, tk, tv) = (
         tensor_map(qp, b, t, nh, hd, BM)?,
         tensor_map(kp, b, t, nkv, hd, BN)?,
         tensor_map(vp, b, t, nkv, hd, BN)?,
     );
     let sm = smem_fwd(hd);
-    let f = kernel(&dev, &format!("mt_hfa_fwd_hd{hd}"), sm)?;
-    let (_, sl2) = scales(hd);
-    let (t32, b32, nh32, nkv32) = (t as i32, b as i32, nh as i32, nkv as i32);
+    let f = kernel(dev, &format!("mt_hfa_fwd_hd{hd}"), sm)?;
+    let s = Scalars::new(shape);
     let mut a = st.launch_builder(&f);
     a.arg(&tq);
     a.arg(&tk);
     a.arg(&tv);
     a.arg(&o);
     a.arg(&lse);
-    match &lo_v {
-        Some(lo) => a.arg(lo),
-        None => a.arg(&NULL),
-    };
-    a.arg(&t32);
-    a.arg(&b32);
-    a.arg(&nh32);
-    a.arg(&nkv32);
-    a.arg(&sl2);
+    x.push_starts(&mut a);
+    s.push_sizes(&mut a, true);
+    a.arg(&s.scale_log2);
     a.arg(&counter);
     let tiles = t.div_ceil(BM) * nh * b;
-    let cfg =
-        LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: sm };
+    let cfg = launch_config((tiles as u32, 1, 1), THREADS, sm);
     // SAFETY: signature (MtTmaMap Q, K, V by value, bf16* O, float* LSE, int* seg_lo or null, int
-    // T, B, NH, NKV, float scale_log2, int* counter); the maps describe q, k, v as checked above
-    // (the views stay borrowed, their guards alive, until after the launch); O holds b·t·nh·hd,
-    // LSE b·nh·t, seg_lo b·t; one CTA per 128-row tile of each head, each taking a distinct tile
-    // from the zeroed counter; `sm` bytes of shared memory, allowed above.
+    // T, B, NH, NKV, float scale_log2, int* counter); the maps describe q, k, v as checked by
+    // `views` (the views stay borrowed, their guards alive, until after the launch); O holds
+    // b·t·nh·hd, LSE b·nh·t, seg_lo b·t; one CTA per 128-row tile of each head, each taking a
+    // distinct tile from the zeroed counter; `sm` bytes of shared memory, allowed above.
     unsafe { a.launch(cfg) }.w()?;
-    Ok((wrap(o, &dev, (b, t, nh, hd)), wrap(lse, &dev, (b, nh, t))))
+    Ok(forward_tensors(dev, shape, (o, lse)))
 }
 
 /// Backward (`flash.rs`'s contract): `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    lse: &Tensor,
-    d_o: &Tensor,
-    docs: Option<(&Tensor, &Tensor)>,
-    (b, t, nh, nkv, hd): (usize, usize, usize, usize, usize),
+    dev: &CudaDevice,
+    operands: &Operands<'_>,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    let dev = cuda_dev(q)?;
-    let st = stream(&dev);
-    let (qs, _) = q.storage_and_layout();
-    let (ks, _) = k.storage_and_layout();
-    let (vs, _) = v.storage_and_layout();
-    let (os, _) = o.storage_and_layout();
-    let (ls, _) = lse.storage_and_layout();
-    let (ds, _) = d_o.storage_and_layout();
-    let qv = view::<bf16>(&qs, q, DType::BF16, &[b, t, nh, hd], "q")?;
-    let kv = view::<bf16>(&ks, k, DType::BF16, &[b, t, nkv, hd], "k")?;
-    let vv = view::<bf16>(&vs, v, DType::BF16, &[b, t, nkv, hd], "v")?;
-    let ov = view::<bf16>(&os, o, DType::BF16, &[b, t, nh, hd], "o")?;
-    let lv = view::<f32>(&ls, lse, DType::F32, &[b, nh, t], "lse")?;
-    let dov = view::<bf16>(&ds, d_o, DType::BF16, &[b, t, nh, hd], "d_o")?;
-    let bounds_st = docs.map(|(lo, hi)| (lo.storage_and_layout(), hi.storage_and_layout()));
-    let bounds = match (&bounds_st, docs) {
-        (Some(((lst, _), (hst, _))), Some((lo, hi))) => Some((
-            view::<u32>(lst, lo, DType::U32, &[b, t], "document starts")?,
-            view::<u32>(hst, hi, DType::U32, &[b, t], "document ends")?,
-        )),
-        _ => None,
-    };
-
-    // D = rowsum(dO ⊙ O), the portable file's kernel (one warp per row).
-    let rows = b * t * nh;
-    // SAFETY: one value per (sequence, token, head) row, every one written by the kernel.
-    let d = unsafe { dev.alloc::<f32>(rows)? };
-    let (t32, b32, nh32, nkv32, hd32, rows64) =
-        (t as i32, b as i32, nh as i32, nkv as i32, hd as i32, rows as i64);
-    let f = function(&dev, "mt_flash_bwd_dot")?;
-    let mut a = st.launch_builder(&f);
-    a.arg(&dov);
-    a.arg(&ov);
-    a.arg(&d);
-    a.arg(&t32);
-    a.arg(&nh32);
-    a.arg(&hd32);
-    a.arg(&rows64);
-    let cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(4) as u32, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: signature (bf16* dO, O, float* D, int T, NH, HD, long long rows); one warp per row of
-    // hd elements, `rows` of them in dO and O, D holds `rows`.
-    unsafe { a.launch(cfg) }.w()?;
+    let shape @ (b, t, nh, nkv, hd) = operands.dims();
+    let st = dev.cuda_stream();
+    let x = operands.views()?;
+    let (_, lv, dov) = x.grad()?;
+    // D = rowsum(dO ⊙ O), the portable file's kernel.
+    let d = row_dot(dev, &st, &function(dev, "mt_flash_bwd_dot")?, &x, shape)?;
 
     // The fp32 dQ buffer and, before it, the block counter and one turn counter per dQ tile.
     let nqt = t.div_ceil(BQ);
     let dq_acc = dev.alloc_zeros::<f32>(b * nh * nqt * BQ * hd)?;
     let sync = dev.alloc_zeros::<i32>(1 + b * nh * nqt)?;
-    // SAFETY: every element of each is written by the kernels below (rows < t of every head).
-    let dk = unsafe { dev.alloc::<bf16>(b * t * nkv * hd)? };
-    // SAFETY: as above.
-    let dv = unsafe { dev.alloc::<bf16>(b * t * nkv * hd)? };
-    // SAFETY: as above, by the convert kernel.
-    let dq = unsafe { dev.alloc::<bf16>(b * t * nh * hd)? };
-    let (qp, _gq) = qv.device_ptr(&st);
-    let (kp, _gk) = kv.device_ptr(&st);
-    let (vp, _gv) = vv.device_ptr(&st);
+    // SAFETY: every element of each is written by the kernels below (rows < t of every head): dk
+    // and dv by the backward, dq by the convert kernel.
+    let [dq, dk, dv] = unsafe { backward_outputs(dev, shape)? };
+    let (qp, _gq) = x.q.device_ptr(&st);
+    let (kp, _gk) = x.k.device_ptr(&st);
+    let (vp, _gv) = x.v.device_ptr(&st);
     let (dop, _gdo) = dov.device_ptr(&st);
     let maps = [
         tensor_map(qp, b, t, nh, hd, BQ)?,
@@ -305,67 +226,50 @@ pub(super) fn backward(
         tensor_map(vp, b, t, nkv, hd, BN)?,
         tensor_map(dop, b, t, nh, hd, BQ)?,
     ];
-    let (scale, sl2) = scales(hd);
+    let s = Scalars::new(shape);
     let deterministic = 1i32;
     let sm = smem_bwd(hd);
-    let f = kernel(&dev, &format!("mt_hfa_bwd_hd{hd}"), sm)?;
+    let f = kernel(dev, &format!("mt_hfa_bwd_hd{hd}"), sm)?;
     let mut a = st.launch_builder(&f);
     for m in &maps {
         a.arg(m);
     }
-    a.arg(&lv);
+    a.arg(lv);
     a.arg(&d);
     a.arg(&dq_acc);
     a.arg(&sync);
     a.arg(&dk);
     a.arg(&dv);
-    match &bounds {
-        Some((lo, hi)) => {
-            a.arg(lo);
-            a.arg(hi);
-        }
-        None => {
-            a.arg(&NULL);
-            a.arg(&NULL);
-        }
-    }
-    a.arg(&t32);
-    a.arg(&b32);
-    a.arg(&nh32);
-    a.arg(&nkv32);
-    a.arg(&scale);
-    a.arg(&sl2);
+    x.push_bounds(&mut a)?;
+    s.push_sizes(&mut a, true);
+    a.arg(&s.scale);
+    a.arg(&s.scale_log2);
     a.arg(&deterministic);
     let blocks = t.div_ceil(BN) * nkv * b;
-    let cfg =
-        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: sm };
+    let cfg = launch_config((blocks as u32, 1, 1), THREADS, sm);
     // SAFETY: signature (MtTmaMap Q, K, V, dO by value, float* LSE, D, dQ buffer, int* sync, bf16*
     // dK, dV, int* seg_lo, seg_hi (both or neither null), int T, B, NH, NKV, float scale,
-    // scale_log2, int deterministic); the maps describe q, k, v, dO as checked above (their guards
-    // alive until after the launch); LSE and D hold b·nh·t, the dQ buffer b·nh·⌈t/64⌉·64·hd
-    // zeroed, sync 1 + b·nh·⌈t/64⌉ zeroed (the block counter, then each tile's turn), dK/dV
-    // b·t·nkv·hd; one CTA per 128-key block of each KV head, each taking a distinct block from the
-    // counter as it starts, so the ordered adds wait only for CTAs already running; `sm` bytes of
-    // shared memory, allowed above.
+    // scale_log2, int deterministic); the maps describe q, k, v, dO as checked by `views` (their
+    // guards alive until after the launch); LSE and D hold b·nh·t, the dQ buffer
+    // b·nh·⌈t/64⌉·64·hd zeroed, sync 1 + b·nh·⌈t/64⌉ zeroed (the block counter, then each tile's
+    // turn), dK/dV b·t·nkv·hd; one CTA per 128-key block of each KV head, each taking a distinct
+    // block from the counter as it starts, so the ordered adds wait only for CTAs already
+    // running; `sm` bytes of shared memory, allowed above.
     unsafe { a.launch(cfg) }.w()?;
 
     let groups = b * t * nh * hd / 8;
-    let f = function(&dev, &format!("mt_hfa_dq_convert_hd{hd}"))?;
+    let f = function(dev, &format!("mt_hfa_dq_convert_hd{hd}"))?;
     let mut a = st.launch_builder(&f);
     a.arg(&dq_acc);
     a.arg(&dq);
-    a.arg(&t32);
-    a.arg(&nh32);
-    a.arg(&scale);
+    a.arg(&s.t);
+    a.arg(&s.nh);
+    a.arg(&s.scale);
     let groups64 = groups as i64;
     a.arg(&groups64);
-    let cfg = LaunchConfig {
-        grid_dim: (groups.div_ceil(256) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = launch_config((groups.div_ceil(256) as u32, 1, 1), 256, 0);
     // SAFETY: signature (float* buffer, bf16* dQ, int T, NH, float scale, long long groups); one
     // thread per 8 elements of dQ (b·t·nh·hd of them), reading the buffer filled above.
     unsafe { a.launch(cfg) }.w()?;
-    Ok((wrap(dq, &dev, (b, t, nh, hd)), wrap(dk, &dev, (b, t, nkv, hd)), wrap(dv, &dev, (b, t, nkv, hd))))
+    Ok(backward_tensors(dev, shape, [dq, dk, dv]))
 }

@@ -153,6 +153,7 @@ mod softmax;
 pub use softmax::{causal_softmax, softmax_backward};
 mod flash;
 mod flash_hopper;
+mod flash_launch;
 pub use flash::{flash_backward, flash_forward};
 pub use flash_hopper::hopper_applies;
 mod swiglu;

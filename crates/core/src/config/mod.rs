@@ -86,6 +86,9 @@ pub struct ModelConfig {
     /// The layers that attend over a sliding window of keys (GPT-OSS's `layer_types`); `None`
     /// when every layer attends causally over the whole sequence.
     pub layer_windows: Option<LayerWindows>,
+    /// LoRA adapters on the decoder layers (a training option, not read from `config.json`):
+    /// the layout then holds each layer's adapters after its base tensors, and only they train.
+    pub lora: Option<crate::LoraConfig>,
 }
 
 pub(crate) fn get<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
@@ -280,6 +283,7 @@ impl ModelConfig {
             sliding_window,
             attention_sinks: arch == Arch::GptOss,
             layer_windows,
+            lora: None,
         };
         crate::layout::check_magnitudes(&cfg)?;
         Ok(cfg)
@@ -310,6 +314,7 @@ impl ModelConfig {
             sliding_window: None,
             attention_sinks: false,
             layer_windows: None,
+            lora: None,
         }
     }
 
@@ -398,6 +403,23 @@ impl ModelConfig {
     /// Key/value width (`num_key_value_heads * head_dim`).
     pub fn kv_dim(&self) -> usize {
         self.num_key_value_heads * self.head_dim
+    }
+
+    /// Checks that a training run may use sequences of `seq_len` tokens: within the positions the
+    /// config declares (`max_position_embeddings`) and without changing semantics
+    /// ([`Self::check_seq_len`]). The first is a policy, not a limit of the engine (RoPE has no
+    /// table to run out of): a model whose weights never saw a position past that length is a
+    /// different model there, so training it longer is refused unless its config says so.
+    pub fn check_train_seq_len(&self, seq_len: usize) -> Result<()> {
+        if seq_len > self.max_position_embeddings {
+            return Err(Error::Unsupported(format!(
+                "sequence length {seq_len} exceeds the model's max_position_embeddings ({}); use shorter \
+                 sequences, or raise max_position_embeddings in config.json to train the model at this length \
+                 (with a RoPE scaling where its weights were trained shorter)",
+                self.max_position_embeddings
+            )));
+        }
+        self.check_seq_len(seq_len)
     }
 
     /// Checks that a sequence of `seq_len` tokens can be trained without changing semantics.

@@ -135,3 +135,18 @@ fn sliding_window_refuses_longer_sequences() {
     assert!(c.check_seq_len(8).is_ok());
     assert!(c.check_seq_len(9).unwrap_err().to_string().contains("sliding_window"));
 }
+
+#[test]
+fn training_longer_than_max_position_embeddings_is_refused() {
+    let mut v = base();
+    v["max_position_embeddings"] = json!(8192);
+    let c = ModelConfig::from_json(&v).unwrap();
+    assert!(c.check_train_seq_len(8192).is_ok());
+    let e = c.check_train_seq_len(8193).unwrap_err().to_string();
+    assert!(e.contains("8193") && e.contains("max_position_embeddings (8192)"), "{e}");
+    // Within the positions, the sliding window still binds.
+    v["sliding_window"] = json!(4096);
+    let c = ModelConfig::from_json(&v).unwrap();
+    assert!(c.check_train_seq_len(4096).is_ok());
+    assert!(c.check_train_seq_len(4097).unwrap_err().to_string().contains("sliding_window"));
+}

@@ -13,14 +13,16 @@ use candle_core::Tensor;
 use mt_core::ModelConfig;
 
 use crate::attention::{self, Dims, Extras};
+use crate::lora::Adapted;
 use crate::mlp;
 use crate::moe::{RouterGrad, RouterStats};
-use crate::ops::{add, linear, linear_backward, rms_norm, rms_norm_backward, RmsCache};
+use crate::ops::{add, linear, rms_norm, rms_norm_backward, RmsCache};
 use crate::positions::Positions;
 use crate::profile::{mark, start as prof_start};
 use crate::rope::{self, Rope};
 use crate::weights::{names, LayerWeights};
 use crate::{Error, GradSink, Result};
+use mt_core::LoraTarget;
 
 mod state;
 
@@ -311,7 +313,10 @@ impl DecoderLayer {
         let dx1 = join_rows(dx1_parts, n, &tiles)?;
 
         // Attention: x1 = x + o_proj(attn(rope(q), rope(k), v)).
-        let d_o = linear_backward(&dx1, &o, &w.o, grads, names::O, bias(&w.o_bias, names::O_BIAS))?;
+        let lora = w.lora.as_ref();
+        let back =
+            |t, dy: &Tensor, x: &Tensor, wt: &Tensor, b| Adapted::of(lora, t).backward(dy, x, wt, grads, b);
+        let d_o = back(LoraTarget::O, &dx1, &o, &w.o, bias(&w.o_bias, names::O_BIAS))?;
         drop(o);
         mark(dev, "bwd 5 o proj (2 GEMMs + accumulate)");
         let (dq, dk, dv, dsinks) =
@@ -339,13 +344,13 @@ impl DecoderLayer {
         let dk = dk.reshape((n, nkv * hd))?;
         let dv = dv.reshape((n, nkv * hd))?;
         // a feeds q, k and v: its gradient is the sum of the three (added as they come).
-        let da_q = linear_backward(&dq, &a, &w.q, grads, names::Q, bias(&w.q_bias, names::Q_BIAS))?;
+        let da_q = back(LoraTarget::Q, &dq, &a, &w.q, bias(&w.q_bias, names::Q_BIAS))?;
         drop(dq);
-        let da_k = linear_backward(&dk, &a, &w.k, grads, names::K, bias(&w.k_bias, names::K_BIAS))?;
+        let da_k = back(LoraTarget::K, &dk, &a, &w.k, bias(&w.k_bias, names::K_BIAS))?;
         drop(dk);
         let da = add(&da_q, &da_k)?;
         drop((da_q, da_k));
-        let da_v = linear_backward(&dv, &a, &w.v, grads, names::V, bias(&w.v_bias, names::V_BIAS))?;
+        let da_v = back(LoraTarget::V, &dv, &a, &w.v, bias(&w.v_bias, names::V_BIAS))?;
         drop((dv, a));
         let da = add(&da, &da_v)?;
         drop(da_v);
@@ -419,9 +424,12 @@ impl DecoderLayer {
 
         let (a, norm1) = rms_norm(&xf, &w.input_norm, eps, cfg.norm_weight_before_cast())?;
         mark(dev, "fwd 1 input norm");
-        let q = linear(&a, &w.q, w.q_bias.as_ref())?.reshape((b, t, nh, hd))?;
-        let k = linear(&a, &w.k, w.k_bias.as_ref())?.reshape((b, t, nkv, hd))?;
-        let v = linear(&a, &w.v, w.v_bias.as_ref())?.reshape((b, t, nkv, hd))?;
+        let lora = w.lora.as_ref();
+        let proj =
+            |t: LoraTarget, wt: &Tensor, bias: Option<&Tensor>| Adapted::of(lora, t).forward(&a, wt, bias);
+        let q = proj(LoraTarget::Q, &w.q, w.q_bias.as_ref())?.reshape((b, t, nh, hd))?;
+        let k = proj(LoraTarget::K, &w.k, w.k_bias.as_ref())?.reshape((b, t, nkv, hd))?;
+        let v = proj(LoraTarget::V, &w.v, w.v_bias.as_ref())?.reshape((b, t, nkv, hd))?;
         mark(dev, "fwd 2 qkv proj (GEMM)");
         let full = cfg.qk_norm_full;
         let (q, q_norm) = norm_opt(norm_shape(q, full)?, w.q_norm.as_ref(), eps)?;
@@ -437,7 +445,7 @@ impl DecoderLayer {
         drop((q, k, v));
         let o = o.reshape((n, nh * hd))?;
         mark(dev, "fwd 4 attention");
-        let x1 = add(&xf, &linear(&o, &w.o, w.o_bias.as_ref())?)?;
+        let x1 = add(&xf, &Adapted::of(lora, LoraTarget::O).forward(&o, &w.o, w.o_bias.as_ref())?)?;
         mark(dev, "fwd 5 o proj (GEMM) + residual");
 
         let (out, x1, mlp) = match output {

@@ -39,6 +39,7 @@ pub fn llama_gqa() -> ModelConfig {
         sliding_window: None,
         attention_sinks: false,
         layer_windows: None,
+        lora: None,
     }
 }
 

@@ -9,7 +9,9 @@ use clap::Args;
 use mt_train::{ModelChoice, TrainConfig};
 
 use super::placement_args::PLACEMENT;
-use super::values::{at_least_one, fault, fraction, mlp_rows, non_negative, parse_data, positive_f64};
+use super::values::{
+    at_least_one, fault, fraction, lora_target, mlp_rows, non_negative, parse_data, positive_f64,
+};
 use super::{
     AttentionArg, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, MlpRows, OptimModeArg,
     OptimStatesArg, PlacementArgs, Precision, RopeAnglesArg, ScheduleKind,
@@ -174,6 +176,35 @@ pub struct TrainArgs {
     #[arg(long, value_name = "PATH", help_heading = "Device and memory")]
     pub store: Option<PathBuf>,
 
+    /// Train LoRA adapters of rank R on a frozen base (--model DIR): the base gets no gradient,
+    /// no optimizer state and no update; checkpoints hold the adapters; --out gets peft's format.
+    #[arg(long, value_name = "R", value_parser = at_least_one, help_heading = "LoRA")]
+    pub lora_rank: Option<usize>,
+
+    /// lora_alpha: the adapters' output is scaled by alpha / R [default: R].
+    #[arg(long, value_name = "A", value_parser = positive_f64, help_heading = "LoRA")]
+    pub lora_alpha: Option<f64>,
+
+    /// The adapted linear layers, comma-separated [default: every one of the decoder].
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = lora_target, help_heading = "LoRA")]
+    pub lora_targets: Vec<mt_core::LoraTarget>,
+
+    /// Dropout probability on the adapters' input (only 0 is implemented yet).
+    #[arg(long, value_name = "P", value_parser = fraction, default_value_t = 0.0, help_heading = "LoRA")]
+    pub lora_dropout: f64,
+
+    /// rsLoRA: scale by alpha / sqrt(R) instead of alpha / R.
+    #[arg(long, help_heading = "LoRA")]
+    pub rslora: bool,
+
+    /// Continue training the peft adapter in DIR (adapter_config.json, adapter_model.safetensors).
+    #[arg(long, value_name = "DIR", help_heading = "LoRA")]
+    pub lora_from: Option<PathBuf>,
+
+    /// Export the base with the adapters merged in, as a full model, instead of the adapter.
+    #[arg(long, help_heading = "LoRA")]
+    pub merge: bool,
+
     /// Export the trained model here as a Hugging Face directory (the last step checkpointed first).
     #[arg(long, value_name = "DIR", help_heading = "Outputs and checkpoints")]
     pub out: Option<PathBuf>,
@@ -322,7 +353,24 @@ impl TrainArgs {
             delay_us: self.delay_us,
             inject_faults: self.inject_fault.clone(),
             inject_export_failure: self.inject_export_failure,
+            lora: self.lora(),
+            lora_from: self.lora_from.clone(),
+            merge: self.merge,
         }
+    }
+
+    /// The adapters `--lora-rank` and its options describe (each value checked by its parser).
+    fn lora(&self) -> Option<mt_core::LoraConfig> {
+        let rank = self.lora_rank?;
+        let all = mt_core::LoraTarget::ALL;
+        let given = if self.lora_targets.is_empty() { &all[..] } else { &self.lora_targets[..] };
+        Some(mt_core::LoraConfig {
+            rank,
+            alpha: self.lora_alpha.unwrap_or(rank as f64),
+            targets: all.into_iter().filter(|t| given.contains(t)).collect(),
+            dropout: self.lora_dropout,
+            rslora: self.rslora,
+        })
     }
 }
 

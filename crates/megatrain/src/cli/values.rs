@@ -351,6 +351,13 @@ pub(super) fn fraction(s: &str) -> Result<f64, String> {
     Ok(x)
 }
 
+/// A LoRA target module (`q_proj`, ...; `--lora-targets`).
+pub(super) fn lora_target(s: &str) -> Result<mt_core::LoraTarget, String> {
+    mt_core::LoraTarget::parse(s.trim()).ok_or_else(|| {
+        format!("{s:?} is not a linear layer of the decoder: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj or down_proj")
+    })
+}
+
 pub(super) fn positive_f64(s: &str) -> Result<f64, String> {
     let x: f64 = s.parse().map_err(|e| format!("expected a number, found {s:?} ({e})"))?;
     if !(x.is_finite() && x > 0.0) {

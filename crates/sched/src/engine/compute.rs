@@ -11,7 +11,7 @@ use mt_pool::DevicePool;
 use super::Engine;
 use crate::backend::Backend;
 use crate::batch::Chunk;
-use crate::program::{Op, Slot};
+use crate::program::{BackwardInput, Op, Slot};
 use crate::{Error, Result};
 
 impl<B: Backend> Engine<B> {
@@ -22,13 +22,15 @@ impl<B: Backend> Engine<B> {
         losses: &mut Vec<candle_core::Tensor>,
         args: &StepArgs,
     ) -> Result<()> {
-        let (cfg, layout) = (&self.cfg, &self.layout);
+        let (cfg, layout, slots) = (&self.cfg, &self.layout, &self.slot_layout);
+        // Gradients of what trains only: a LoRA run's base is frozen.
+        let sink_of = |l, buf| sink(cfg.lora.is_some(), l, buf);
         let n_layers = layout.n_layers;
         match *op {
             Op::Embed => {
                 let _s = tracing::debug_span!("embed").entered();
                 DevicePool::zero(&self.pool.outer_grad)?;
-                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
+                let w = OuterWeights::bind(cfg, &slots.outer, &self.pool.outer_slot)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.outer_t.embed(&w, &ch.ids)?;
                     self.pool.put_checkpoint(0, c, x);
@@ -36,7 +38,7 @@ impl<B: Backend> Engine<B> {
             }
             Op::Forward { layer, slot, keep } => {
                 let _s = tracing::debug_span!("forward", layer).entered();
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let w = LayerWeights::bind(cfg, &slots.layer, &self.slot_tensor(slot)?)?;
                 let layer_t = self.layer_t.for_layer(layer)?;
                 for c in 0..chunks.len() {
                     let x = self.pool.checkpoint(layer, c)?.clone();
@@ -67,9 +69,9 @@ impl<B: Backend> Engine<B> {
             }
             Op::Loss => {
                 let _s = tracing::debug_span!("loss").entered();
-                let w = OuterWeights::bind(cfg, &layout.outer, &self.pool.outer_slot)?;
+                let w = OuterWeights::bind(cfg, &slots.outer, &self.pool.outer_slot)?;
                 let gbuf = self.pool.outer_grad.clone();
-                let sink = GradSink::new(&layout.outer, &gbuf)?;
+                let sink = sink_of(&layout.outer, &gbuf)?;
                 // The load-balancing loss (transformers': over every layer's router rows) and
                 // its gradient at the router probabilities, which every layer's backward adds.
                 if let (Some(stats), Some(coef)) =
@@ -90,23 +92,30 @@ impl<B: Backend> Engine<B> {
                 }
                 self.pool.drop_checkpoints(n_layers);
             }
-            Op::Backward { layer, slot, grad_buf } => {
+            Op::Backward { layer, slot, grad_buf, input } => {
                 let _s = tracing::debug_span!("backward", layer).entered();
                 let gbuf = match grad_buf {
-                    Some(k) => self.pool.grad_bufs[k].clone(),
+                    Some(k) => self.ring_grad(k)?,
                     None => self.resident_bufs(Unit::Layer(layer))?.grad,
                 };
                 DevicePool::zero(&gbuf)?;
-                let sink = GradSink::new(&layout.layer, &gbuf)?;
-                let w = LayerWeights::bind(cfg, &layout.layer, &self.slot_tensor(slot)?)?;
+                let sink = sink_of(&layout.layer, &gbuf)?;
+                let w = LayerWeights::bind(cfg, &slots.layer, &self.slot_tensor(slot)?)?;
                 let layer_t = self.layer_t.for_layer(layer)?;
                 for (c, ch) in chunks.iter().enumerate() {
-                    let x = self.backward_input(layer, c, ch)?;
                     let dy = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(layer, c))?;
                     let aux = self.router_grad.as_ref();
-                    let dx = match self.kept.get_mut(layer * chunks.len() + c).and_then(Option::take) {
-                        Some(state) => layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?,
-                        None => {
+                    let dx = match input {
+                        BackwardInput::Kept => {
+                            let state = self
+                                .kept
+                                .get_mut(layer * chunks.len() + c)
+                                .and_then(Option::take)
+                                .ok_or_else(|| not_kept(layer, c))?;
+                            layer_t.backward_kept_routed(&w, state, &dy, &sink, aux)?
+                        }
+                        BackwardInput::Checkpoint | BackwardInput::Reload(_) => {
+                            let x = self.backward_input(layer, c, ch, input)?;
                             let pos = self.positions.get(c).ok_or_else(|| missing_positions(c))?;
                             layer_t.backward_routed(&w, &x, &dy, pos, &sink, aux)?
                         }
@@ -114,12 +123,15 @@ impl<B: Backend> Engine<B> {
                     self.pool.put_act_grad(c, dx);
                 }
                 self.inject_gradient(Unit::Layer(layer), &gbuf)?;
-                self.pool.drop_checkpoints(layer);
+                // Its last reader, unless it was spilled (freed after its forward).
+                if !matches!(input, BackwardInput::Reload(_)) {
+                    self.pool.drop_checkpoints(layer);
+                }
             }
             Op::EmbedBackward => {
                 let _s = tracing::debug_span!("embed_backward").entered();
                 let gbuf = self.pool.outer_grad.clone();
-                let sink = GradSink::new(&layout.outer, &gbuf)?;
+                let sink = sink_of(&layout.outer, &gbuf)?;
                 for (c, ch) in chunks.iter().enumerate() {
                     let dx = self.pool.take_act_grad(c).ok_or_else(|| missing_grad(0, c))?;
                     self.outer_t.embed_backward(&ch.host_ids, &dx, &sink)?;
@@ -178,13 +190,18 @@ impl<B: Backend> Engine<B> {
                     )?;
                 }
             }
-            Op::CopyGrad { unit, grad_buf, buf } => {
+            Op::CopyGrad { unit, grad_buf, buf, narrowed } => {
                 let _s = tracing::debug_span!("copy_grad", ?unit).entered();
-                // What the layer's download moves and its land stores: the bf16 twin, else the
-                // f32 buffer (options refuse early uploads where the store keeps neither).
-                let src = match self.pool.grad_narrow.get(grad_buf) {
-                    Some(narrow) => narrow,
-                    None => self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_grad_buf(grad_buf))?,
+                // What the layer's download moves and its land stores: the bf16 twin or the f32
+                // buffer, as the op says.
+                let src = if narrowed {
+                    self.pool.grad_narrow.get(grad_buf).ok_or_else(|| {
+                        Error::Schedule(format!(
+                            "{unit:?}'s copy: gradient buffer {grad_buf} has no bf16 twin"
+                        ))
+                    })?
+                } else {
+                    self.pool.grad_bufs.get(grad_buf).ok_or_else(|| no_grad_buf(grad_buf))?
                 };
                 let dst = self.state_grad_slot(buf)?;
                 if src.dtype() != dst.dtype() || src.elem_count() != dst.elem_count() {
@@ -251,7 +268,7 @@ impl<B: Backend> Engine<B> {
     /// The device weights behind a compute slot.
     fn slot_tensor(&self, slot: Slot) -> Result<candle_core::Tensor> {
         Ok(match slot {
-            Slot::Ring(k) => self.pool.slots[k].clone(),
+            Slot::Ring(k) => self.ring_slot(k)?,
             Slot::Outer => self.pool.outer_slot.clone(),
             Slot::Resident(l) => self.resident_bufs(Unit::Layer(l))?.slot,
             Slot::Held(l) => self.held_slot(l)?,
@@ -280,10 +297,29 @@ fn no_kept(layer: usize, chunk: usize) -> Error {
     Error::Schedule(format!("no place to keep layer {layer}, chunk {chunk}"))
 }
 
+fn not_kept(layer: usize, chunk: usize) -> Error {
+    Error::Schedule(format!(
+        "layer {layer}, chunk {chunk}: a backward of kept activations its forward did not keep"
+    ))
+}
+
 fn missing_positions(chunk: usize) -> Error {
     Error::Schedule(format!("positions of chunk {chunk} missing"))
 }
 
 fn missing_grad(layer: usize, chunk: usize) -> Error {
     Error::Schedule(format!("activation gradient for layer {layer}, chunk {chunk} missing"))
+}
+
+/// The gradient sink of a unit: over what trains ([`GradSink::trainable`]) in a LoRA run.
+fn sink<'a>(
+    lora: bool,
+    l: &'a mt_core::UnitLayout,
+    buf: &'a candle_core::Tensor,
+) -> mt_layers::Result<GradSink<'a>> {
+    if lora {
+        GradSink::trainable(l, buf)
+    } else {
+        GradSink::new(l, buf)
+    }
 }

@@ -17,14 +17,14 @@ impl<B: Backend> Engine<B> {
         Ok(match *op {
             Op::Upload { staging, slot, .. } => {
                 let dst = match slot {
-                    Slot::Ring(k) => self.pool.slots[k].clone(),
+                    Slot::Ring(k) => self.ring_slot(k)?,
                     Slot::Outer => self.pool.outer_slot.clone(),
                     Slot::Held(l) => self.held_slot(l)?,
                     Slot::Resident(l) => {
                         return Err(Error::Schedule(format!("upload into resident layer {l}'s slot")))
                     }
                 };
-                self.backend.upload(waits, self.staging_of(staging), dst, name)
+                self.backend.upload(waits, self.staging_of(staging)?, dst, name)
             }
             Op::UploadState { unit, buf } => {
                 let (state, grad) = (self.state_slot(buf)?, self.state_grad_slot(buf)?);
@@ -40,13 +40,18 @@ impl<B: Backend> Engine<B> {
             }
             Op::SpillCheckpoint { boundary } => self.issue_spill(boundary, waits, &name)?,
             Op::ReloadCheckpoint { boundary, slot } => self.issue_reload(boundary, slot, waits, &name)?,
-            Op::Download { grad_buf, landing, .. } => {
-                // A layer gradient narrowed to bf16 by its backward downloads from the twin.
-                let src = match grad_buf {
-                    Some(k) => self.pool.grad_narrow.get(k).unwrap_or(&self.pool.grad_bufs[k]).clone(),
-                    None => self.pool.outer_grad.clone(),
+            Op::Download { grad_buf, landing, narrowed, .. } => {
+                let src = match (grad_buf, narrowed) {
+                    (Some(k), true) => self.pool.grad_narrow.get(k).cloned().ok_or_else(|| {
+                        Error::Schedule(format!("{op:?}: gradient buffer {k} has no bf16 twin"))
+                    })?,
+                    (Some(k), false) => self.ring_grad(k)?,
+                    (None, false) => self.pool.outer_grad.clone(),
+                    (None, true) => {
+                        return Err(Error::Schedule(format!("{op:?}: the outer gradient is never narrowed")))
+                    }
                 };
-                self.backend.download(waits, src, self.landing_of(landing), name)
+                self.backend.download(waits, src, self.landing_of(landing)?, name)
             }
             _ => return Err(Error::Schedule(format!("{op:?} is not a copy"))),
         })

@@ -32,15 +32,22 @@ impl<B: Backend> Engine<B> {
         let ids = Tensor::from_slice(&batch.input_ids, (batch.batch, batch.seq), &device)?;
         let load = |u: Unit, dst: &Tensor| -> Result<()> {
             let r = self.store.record(u);
+            // A LoRA run's frozen base first, then its adapters (the slot's layout).
+            let mut at = 0;
+            if let Some(b) = &self.opts.frozen_base {
+                let w = b.unit(u);
+                dst.slice_set(&Tensor::from_slice(&w, w.len(), &device)?.to_dtype(dst.dtype())?, 0, 0)?;
+                at = w.len();
+            }
             let t = Tensor::from_slice(r.master(), r.master().len(), &device)?;
-            dst.slice_set(&t.to_dtype(dst.dtype())?, 0, 0)?;
+            dst.slice_set(&t.to_dtype(dst.dtype())?, 0, at)?;
             Ok(())
         };
         // A resident unit's slot holds its current weights already.
         if !self.opts.placement.resident_outer {
             load(Unit::Outer, &self.pool.outer_slot)?;
         }
-        let ow = OuterWeights::bind(&self.cfg, &self.layout.outer, &self.pool.outer_slot)?;
+        let ow = OuterWeights::bind(&self.cfg, &self.slot_layout.outer, &self.pool.outer_slot)?;
         let mut x = self.outer_t.embed(&ow, &ids)?;
         let rope = self.rope.as_ref().ok_or_else(|| Error::Schedule("rope table missing".into()))?;
         let pos = match &batch.positions {
@@ -57,7 +64,7 @@ impl<B: Backend> Engine<B> {
                     self.pool.slots[0].clone()
                 }
             };
-            let w = LayerWeights::bind(&self.cfg, &self.layout.layer, &slot)?;
+            let w = LayerWeights::bind(&self.cfg, &self.slot_layout.layer, &slot)?;
             let layer_t = self.layer_t.for_layer(l)?;
             if router {
                 routers.extend(layer_t.router_logits(&w, &x, &pos)?);

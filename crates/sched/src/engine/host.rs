@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use mt_core::{StateDtype, Unit};
 use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
-use mt_store::{GradMut, GradRef, RecordGuard, TransferBuf};
+use mt_store::{FrozenBase, GradMut, GradRef, RecordGuard, TransferBuf};
 
 use super::{commit, Engine};
 use crate::backend::{Backend, HostJob};
@@ -55,27 +55,48 @@ pub(super) fn update_unit(
     Ok(())
 }
 
-fn upload_view(s: &mut TransferBuf, n: usize) -> Upload<'_> {
+fn upload_view(s: &mut TransferBuf, range: std::ops::Range<usize>) -> Upload<'_> {
     match s {
-        TransferBuf::F32(v) => Upload::F32(&mut v[..n]),
-        TransferBuf::Bf16(v) => Upload::Bf16(&mut v[..n]),
-        TransferBuf::F16(v) => Upload::F16(&mut v[..n]),
+        TransferBuf::F32(v) => Upload::F32(&mut v[range]),
+        TransferBuf::Bf16(v) => Upload::Bf16(&mut v[range]),
+        TransferBuf::F16(v) => Upload::F16(&mut v[range]),
     }
 }
 
+/// Casts `unit`'s frozen base (a LoRA run's) into the start of its upload copy; returns where
+/// the unit's trainable record goes in it (0 without a base).
+pub(super) fn stage_base(base: Option<&FrozenBase>, unit: Unit, s: &mut TransferBuf) -> Result<usize> {
+    let Some(b) = base else { return Ok(0) };
+    let w = b.unit(unit);
+    mt_optim::cast_into(&w, upload_view(s, 0..w.len()))?;
+    Ok(w.len())
+}
+
 impl<B: Backend> Engine<B> {
-    pub(super) fn staging_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
-        match b {
-            HostBuf::Ring(k) => Arc::clone(&self.staging[k]),
+    /// The staging buffer an upload reads; a ring index the engine lacks is a scheduling error.
+    pub(super) fn staging_of(&self, b: HostBuf) -> Result<Arc<Mutex<TransferBuf>>> {
+        Ok(match b {
+            HostBuf::Ring(k) => Arc::clone(ring(&self.staging, k, "staging buffer")?),
             HostBuf::Outer => Arc::clone(&self.outer_staging),
-        }
+        })
     }
 
-    pub(super) fn landing_of(&self, b: HostBuf) -> Arc<Mutex<TransferBuf>> {
-        match b {
-            HostBuf::Ring(k) => Arc::clone(&self.landing[k]),
+    /// The landing buffer a download writes; a ring index the engine lacks is a scheduling error.
+    pub(super) fn landing_of(&self, b: HostBuf) -> Result<Arc<Mutex<TransferBuf>>> {
+        Ok(match b {
+            HostBuf::Ring(k) => Arc::clone(ring(&self.landing, k, "landing buffer")?),
             HostBuf::Outer => Arc::clone(&self.outer_landing),
-        }
+        })
+    }
+
+    /// Ring slot `k`'s device weights.
+    pub(super) fn ring_slot(&self, k: usize) -> Result<candle_core::Tensor> {
+        ring(&self.pool.slots, k, "ring slot").cloned()
+    }
+
+    /// Gradient buffer `k`.
+    pub(super) fn ring_grad(&self, k: usize) -> Result<candle_core::Tensor> {
+        ring(&self.pool.grad_bufs, k, "gradient buffer").cloned()
     }
 
     /// Issues host-stream op `op` after `waits`.
@@ -84,11 +105,13 @@ impl<B: Backend> Engine<B> {
         let hyper = self.opts.adamw;
         Ok(match *op {
             Op::Stage { unit, staging, update } => {
-                let (store, st) = (Arc::clone(&self.store), self.staging_of(staging));
+                let (store, st) = (Arc::clone(&self.store), self.staging_of(staging)?);
+                let base = self.opts.frozen_base.clone();
                 let job: HostJob = Box::new(move || {
                     let mut r = store.record(unit);
                     let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
-                    let up = upload_view(&mut s, r.master().len());
+                    let at = stage_base(base.as_deref(), unit, &mut s)?;
+                    let up = upload_view(&mut s, at..at + r.master().len());
                     if update {
                         update_unit(unit, &mut r, &hyper, &args, up)
                     } else {
@@ -99,7 +122,7 @@ impl<B: Backend> Engine<B> {
             }
             Op::Land { unit, landing, update } => {
                 let (store, land, sumsq) =
-                    (Arc::clone(&self.store), self.landing_of(landing), Arc::clone(&self.sumsq));
+                    (Arc::clone(&self.store), self.landing_of(landing)?, Arc::clone(&self.sumsq));
                 let job: HostJob = Box::new(move || {
                     let src = land.lock().unwrap_or_else(|p| p.into_inner());
                     let mut r = store.record(unit);
@@ -175,5 +198,27 @@ impl<B: Backend> Engine<B> {
             }
             _ => return Err(Error::Schedule(format!("{op:?} is not a host op"))),
         })
+    }
+}
+
+/// Element `k` of one of the engine's rings, or the scheduling error naming what is missing (a
+/// program built for a deeper ring than this engine's).
+fn ring<'a, T>(items: &'a [T], k: usize, what: &str) -> Result<&'a T> {
+    items
+        .get(k)
+        .ok_or_else(|| Error::Schedule(format!("{what} {k} does not exist (the engine has {})", items.len())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ring_index_beyond_the_ring_is_a_scheduling_error() {
+        assert_eq!(ring(&[10, 11], 1, "ring slot").ok(), Some(&11));
+        match ring(&[10, 11], 2, "ring slot") {
+            Err(Error::Schedule(m)) => assert_eq!(m, "ring slot 2 does not exist (the engine has 2)"),
+            other => panic!("expected a scheduling error, got {other:?}"),
+        }
     }
 }

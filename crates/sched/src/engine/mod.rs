@@ -81,7 +81,11 @@ pub struct Engine<B: Backend> {
     landing: Vec<Arc<Mutex<TransferBuf>>>,
     outer_landing: Arc<Mutex<TransferBuf>>,
     cfg: ModelConfig,
+    /// The layout of what trains: the store's records, gradient buffers and landings.
     layout: ModelLayout,
+    /// The layout of a device weight slot: `layout`, or with LoRA the frozen base then the
+    /// adapters (`ModelLayout::trainable`).
+    slot_layout: ModelLayout,
     store: Arc<HostStore>,
     backend: B,
     pool: DevicePool,
@@ -153,12 +157,13 @@ fn upload_dtype(d: DType) -> Result<TransferDtype> {
 impl<B: Backend> Engine<B> {
     /// Builds an engine over an initialised store.
     pub fn new(cfg: &ModelConfig, store: Arc<HostStore>, backend: B, opts: EngineOptions) -> Result<Self> {
-        let layout = ModelLayout::new(cfg);
+        let (layout, slot_layout) = (ModelLayout::trainable(cfg), ModelLayout::new(cfg));
         if store.layout() != &layout {
             return Err(Error::Options("the host store was built for a different model layout".into()));
         }
         mt_layers::check_device(cfg, backend.device())?;
         opts.check(&layout, store.grad_dtype())?;
+        opts.check_lora(cfg, &layout, &slot_layout)?;
         if backend.pins_host_buffers() && opts.placement.gpu_updated_layers > 0 && store.is_file_backed() {
             // A file's pages written by DMA are not marked dirty (and recent kernels refuse
             // long-term writable pins of shared file mappings): the file would silently keep
@@ -172,16 +177,15 @@ impl<B: Backend> Engine<B> {
         let pool = DevicePool::new(
             &PoolSpec {
                 ring_depth: opts.ring_depth,
-                layer_len: layout.layer.len,
-                outer_len: layout.outer.len,
+                layer_len: slot_layout.layer.len,
+                outer_len: slot_layout.outer.len,
+                grad_lens: (layout.layer.len, layout.outer.len),
                 weight_dtype: opts.weight_dtype,
                 grad_dtype: DType::F32,
                 n_grad_bufs: crate::plan::grad_bufs(opts.placement.late_state_downloads),
                 n_layers: layout.n_layers,
                 n_chunks: opts.n_chunks,
-                resident_outer: opts.placement.resident_outer,
-                resident_layers: opts.placement.resident_layers,
-                held_layers: opts.placement.held_layers,
+                placement: opts.placement,
                 land_bf16,
                 state_slots: if opts.placement.gpu_updated_layers > 0 {
                     opts.ring_depth + opts.placement.late_state_downloads
@@ -208,15 +212,16 @@ impl<B: Backend> Engine<B> {
         // Layer gradients land in bf16 when the device narrows them.
         let layer_land = if land_bf16 { TransferDtype::Bf16 } else { TransferDtype::F32 };
         // A resident outer unit needs no staging or landing buffer of its own.
-        let outer_host_len = if opts.placement.resident_outer { 0 } else { layout.outer.len };
+        let outer_host_len = if opts.placement.resident_outer { 0 } else { slot_layout.outer.len };
+        let outer_land_len = if opts.placement.resident_outer { 0 } else { layout.outer.len };
         let layout_units = layout.n_units();
         let mut engine = Engine {
             pinned_records: None,
             cfg: cfg.clone(),
-            staging: (0..N_STAGING).map(|_| host_buf(up, layout.layer.len)).collect::<Result<_>>()?,
+            staging: (0..N_STAGING).map(|_| host_buf(up, slot_layout.layer.len)).collect::<Result<_>>()?,
             outer_staging: host_buf(up, outer_host_len)?,
             landing: (0..N_LANDING).map(|_| host_buf(layer_land, layout.layer.len)).collect::<Result<_>>()?,
-            outer_landing: host_buf(TransferDtype::F32, outer_host_len)?,
+            outer_landing: host_buf(TransferDtype::F32, outer_land_len)?,
             sumsq: Arc::new(Mutex::new(vec![0.0; layout.n_units()])),
             device_sumsq: Vec::new(),
             kept: Vec::new(),
@@ -236,6 +241,7 @@ impl<B: Backend> Engine<B> {
             positions: Vec::new(),
             spill_host: Vec::new(),
             layout,
+            slot_layout,
             store,
             backend,
             pool,

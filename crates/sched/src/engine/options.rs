@@ -52,6 +52,9 @@ pub struct EngineOptions {
     /// `true`. Not for production use.
     #[doc(hidden)]
     pub device_narrowing: bool,
+    /// A LoRA run's frozen base weights (`ModelConfig::lora`): each unit's slot is its base
+    /// then its adapters, which are the store's records; `None` for full fine-tuning.
+    pub frozen_base: Option<std::sync::Arc<mt_store::FrozenBase>>,
 }
 
 impl Default for EngineOptions {
@@ -71,11 +74,50 @@ impl Default for EngineOptions {
             rope_angles: mt_layers::RopeAngles::Transformers,
             mlp_rows: 0,
             device_narrowing: true,
+            frozen_base: None,
         }
     }
 }
 
 impl EngineOptions {
+    /// Refuses a LoRA model without its frozen base (or a base without LoRA), a base of another
+    /// model, and placements that keep optimizer state on the device, which LoRA runs do not
+    /// have yet (their adapters are streamed with their layer and updated on the host).
+    pub(super) fn check_lora(
+        &self,
+        cfg: &mt_core::ModelConfig,
+        layout: &ModelLayout,
+        slot: &ModelLayout,
+    ) -> Result<()> {
+        let (l, base) = match (&cfg.lora, &self.frozen_base) {
+            (None, None) => return Ok(()),
+            (Some(l), Some(base)) => (l, base),
+            (Some(_), None) => {
+                return Err(Error::Options(
+                    "a LoRA model needs its frozen base weights (EngineOptions::frozen_base)".into(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(Error::Options(
+                    "frozen base weights were given for a model without LoRA adapters".into(),
+                ))
+            }
+        };
+        l.check(cfg)?;
+        if layout.units().any(|u| base.layout().unit(u).len != layout.frozen_len(slot, u)) {
+            return Err(Error::Options(
+                "the frozen base weights were built for a different model layout".into(),
+            ));
+        }
+        let p = &self.placement;
+        if p.resident_outer || p.resident_layers > 0 || p.gpu_updated_layers > 0 {
+            return Err(Error::Options(
+                "a LoRA run keeps no optimizer state on the device yet: use --resident-outer off, --resident-layers 0 and --gpu-updated-layers 0".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Refuses options that cannot run on `layout` with a store keeping `store_grad` gradients,
     /// naming the problem.
     pub(super) fn check(&self, layout: &ModelLayout, store_grad: GradDtype) -> Result<()> {

@@ -10,7 +10,7 @@ use mt_store::TransferBuf;
 use super::{upload_dtype, Engine};
 use crate::backend::Backend;
 use crate::batch::Chunk;
-use crate::program::RELOAD_SLOTS;
+use crate::program::{BackwardInput, RELOAD_SLOTS};
 use crate::{Error, Result};
 
 impl<B: Backend> Engine<B> {
@@ -84,17 +84,17 @@ impl<B: Backend> Engine<B> {
         last.ok_or_else(|| spill_bug(boundary))
     }
 
-    /// The layer input `boundary`, chunk `chunk`, for a backward: from its reload buffer when it
-    /// was spilled (shaped as the chunk's `[b, t, hidden]`), else the pool's checkpoint.
+    /// The layer input `boundary`, chunk `chunk`, for a backward that recomputes from `input`:
+    /// its reload buffer (shaped as the chunk's `[b, t, hidden]`), or the pool's checkpoint.
     pub(super) fn backward_input(
         &self,
         boundary: usize,
         chunk: usize,
         ch: &Chunk,
+        input: BackwardInput,
     ) -> Result<candle_core::Tensor> {
-        let k = self.opts.placement.spilled_checkpoints;
-        match (boundary < k).then(|| crate::program::reload_slot(k, RELOAD_SLOTS, boundary)) {
-            Some(slot) => {
+        match input {
+            BackwardInput::Reload(slot) => {
                 let (b, t) = ch.ids.dims2()?;
                 let buf = self
                     .pool
@@ -104,7 +104,10 @@ impl<B: Backend> Engine<B> {
                     .ok_or_else(|| spill_bug(boundary))?;
                 Ok(buf.reshape((b, t, self.cfg.hidden_size))?)
             }
-            None => Ok(self.pool.checkpoint(boundary, chunk)?.clone()),
+            BackwardInput::Checkpoint => Ok(self.pool.checkpoint(boundary, chunk)?.clone()),
+            BackwardInput::Kept => Err(Error::Schedule(format!(
+                "layer {boundary}'s backward takes its kept activations, not its input"
+            ))),
         }
     }
 }

@@ -263,14 +263,3 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
 
 #[cfg(test)]
 mod tests;
-
-#[cfg(test)]
-mod long_tests;
-#[cfg(test)]
-mod paging_tests;
-
-#[cfg(test)]
-mod states_tests;
-
-#[cfg(test)]
-mod update_tests;

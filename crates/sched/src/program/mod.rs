@@ -65,6 +65,21 @@ pub enum OptimMode {
     Lean,
 }
 
+/// Where a layer's backward finds what its forward saw ([`Op::Backward`]'s `input`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackwardInput {
+    /// Its input checkpoint (boundary `layer`) in the pool, which it recomputes the forward from
+    /// and then frees: the backward is its last reader.
+    Checkpoint,
+    /// What its forward kept ([`Op::Forward`]'s `keep`): no recompute. Its input checkpoint, not
+    /// read, is freed likewise.
+    Kept,
+    /// Reload buffer `slot`, where its spilled input came back ([`Op::ReloadCheckpoint`] into the
+    /// same slot), which it recomputes the forward from. It frees nothing: the device copy was
+    /// freed after the forward ([`Op::DropCheckpoint`]), and the buffer is the next reload's.
+    Reload(usize),
+}
+
 /// One operation of the step.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
@@ -98,10 +113,13 @@ pub enum Op {
         /// Keep the activations its backward needs (`Placement::kept_layers`): no recompute.
         keep: bool,
     },
-    /// Compute: final norm, LM head, cross-entropy and their backward, chunk by chunk.
+    /// Compute: final norm, LM head, cross-entropy and their backward, chunk by chunk; then the
+    /// head's input (checkpoint boundary `n_layers`, never spilled) is freed: the loss is its
+    /// only reader.
     Loss,
-    /// Compute: zero a gradient buffer, recompute the layer from its checkpoints (or take what
-    /// its forward kept) and back-propagate every chunk, accumulating the weight gradient.
+    /// Compute: zero a gradient buffer, recompute the layer from its input (or take what its
+    /// forward kept) as `input` says, and back-propagate every chunk, accumulating the weight
+    /// gradient.
     Backward {
         /// Layer.
         layer: usize,
@@ -109,6 +127,8 @@ pub enum Op {
         slot: Slot,
         /// Gradient buffer of the ring to accumulate into (`None` = the resident layer's own).
         grad_buf: Option<usize>,
+        /// Where it finds what its forward saw, and whether it frees its input checkpoint.
+        input: BackwardInput,
     },
     /// Compute: embedding backward (accumulates into the outer gradient).
     EmbedBackward,
@@ -167,6 +187,9 @@ pub enum Op {
         grad_buf: usize,
         /// State slot.
         buf: usize,
+        /// From the ring buffer's bf16 twin, as the layer's [`Op::Download`] reads
+        /// ([`ProgramSpec::narrow_grads`]), not from the f32 buffer.
+        narrowed: bool,
     },
     /// D2H (GPU-updated layers): state slot `buf`'s master, m and v back into the unit's host
     /// record; once they are there, the record is marked updated (so a retried step does not
@@ -192,7 +215,9 @@ pub enum Op {
         /// Layer boundary (the input of layer `boundary`).
         boundary: usize,
     },
-    /// Compute: frees the device copy of a spilled checkpoint (after its spill is done).
+    /// Compute: frees the device copy of a spilled checkpoint (after its spill is done; a
+    /// checkpoint that is not spilled is freed by the op that reads it last: its layer's
+    /// [`Op::Backward`], or the [`Op::Loss`]).
     DropCheckpoint {
         /// Layer boundary.
         boundary: usize,
@@ -213,6 +238,9 @@ pub enum Op {
         grad_buf: Option<usize>,
         /// Landing buffer.
         landing: HostBuf,
+        /// From the ring buffer's bf16 twin, which its [`Op::SumSquares`] narrowed it into
+        /// ([`ProgramSpec::narrow_grads`]), not from the f32 buffer.
+        narrowed: bool,
     },
     /// Host: landing buffer into the store's gradient buffer (+ its sum of squares); with
     /// `update`, apply AdamW right away (lean mode).

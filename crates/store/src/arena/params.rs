@@ -11,15 +11,7 @@ impl HostStore {
     /// Writes a parameter's master value (by HF name: a layout tensor, or one expert's matrix
     /// under its checkpoint name, [`mt_core::ModelLayout::resolve_piece`]) and zeroes its moments.
     pub fn write_param(&self, hf_name: &str, data: &[f32]) -> Result<()> {
-        let spec = self.layout.resolve_piece(hf_name)?;
-        if data.len() != spec.numel() {
-            return Err(Error::Shape {
-                what: hf_name.to_owned(),
-                expected: spec.shape.clone(),
-                found: vec![data.len()],
-            });
-        }
-        self.write_param_part(hf_name, 0, data)
+        crate::ParamSink::write_param(self, hf_name, data)
     }
 
     /// Writes `data` into a parameter's master value from its element `start` on (row-major,

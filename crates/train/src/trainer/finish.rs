@@ -25,10 +25,16 @@ impl<O: Observer> Trainer<O> {
             copy_files_from: self.model.hf.as_ref().map(|h| h.dir.clone()),
             fail_after_bytes: self.config.inject_export_failure,
         };
-        let r = mt_hf::export(&self.store, &self.model.config_json, dir, &opts)
-            .context_with(|| format!("exporting the model to --out {}", dir.display()))?;
+        let (n_shards, bytes) = match &self.base {
+            Some(base) => crate::lora::export(&self.config, &self.model, &self.store, base, dir, &opts)?,
+            None => {
+                let r = mt_hf::export(&self.store, &self.model.config_json, dir, &opts)
+                    .context_with(|| format!("exporting the model to --out {}", dir.display()))?;
+                (r.n_shards, r.bytes_written)
+            }
+        };
         let secs = t.elapsed().as_secs_f64();
-        let event = Event::Exported { dir, n_shards: r.n_shards, bytes: r.bytes_written, secs };
+        let event = Event::Exported { dir, n_shards, bytes, secs };
         notify(&mut self.observer, &event)
     }
 

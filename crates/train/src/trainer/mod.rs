@@ -39,6 +39,8 @@ pub struct Trainer<O: Observer> {
     data: TrainData,
     plan: Plan,
     store: Arc<HostStore>,
+    /// A LoRA run's frozen base weights.
+    base: Option<Arc<mt_store::FrozenBase>>,
     engine: DeviceEngine,
     observer: O,
     schedule: LrSchedule,
@@ -81,9 +83,13 @@ impl<O: Observer> std::fmt::Debug for Trainer<O> {
 impl<O: Observer> Trainer<O> {
     /// Sets up the run `config` describes, telling `observer` each stage; refuses options that
     /// cannot work before anything large is allocated.
-    pub fn new(config: TrainConfig, mut observer: O) -> Result<Self> {
+    pub fn new(mut config: TrainConfig, mut observer: O) -> Result<Self> {
         let t0 = Instant::now();
-        let model = ModelSource::load(&config.model)?;
+        let mut model = ModelSource::load(&config.model)?;
+        model.cfg.lora = crate::lora::resolve(&config, &model)?;
+        if model.cfg.lora.is_some() {
+            crate::lora::stream_everything(&mut config.placement);
+        }
         checks::check_sizes(&config, &model.cfg)?;
         checks::check_outputs(&config)?;
         // One run per output, from here to the end (`Drop`); refused at once if another holds one.
@@ -99,9 +105,15 @@ impl<O: Observer> Trainer<O> {
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
         let backend = OpenedDevice::open(&config)?;
         let plan = plan_run(&config, &model, &backend, &mut observer)?;
-        let layout = ModelLayout::new(&model.cfg);
+        // What trains: every parameter, or a LoRA run's adapters (its base is frozen, apart).
+        let layout = ModelLayout::trainable(&model.cfg);
         let defining = defining_options(&config, &model)?;
-        let opts = engine_options(&config, &model, &plan);
+        let base = match &model.cfg.lora {
+            Some(_) => Some(crate::lora::load_base(&model)?),
+            None => None,
+        };
+        let mut opts = engine_options(&config, &model, &plan);
+        opts.frozen_base = base.clone();
         let (store, opened) = open_store(&config, &layout)?;
         let store = Arc::new(store);
         if let Some(window) = plan.host.store_window {
@@ -162,6 +174,7 @@ impl<O: Observer> Trainer<O> {
             data,
             plan,
             store,
+            base,
             engine,
             observer,
             schedule,
@@ -486,5 +499,11 @@ fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
         "eps": c.eps,
     });
     crate::states::define(&mut defining, c.optim_states);
+    if let Some(l) = &model.cfg.lora {
+        let targets: Vec<&str> = l.targets.iter().map(|t| t.module()).collect();
+        defining["lora"] = serde_json::json!({
+            "rank": l.rank, "alpha": l.alpha, "targets": targets, "dropout": l.dropout, "rslora": l.rslora,
+        });
+    }
     Ok(defining)
 }

@@ -253,7 +253,8 @@ impl Builder {
     pub(super) fn copy_grad(&mut self, layer: usize, grad_buf: usize) {
         let unit = Unit::Layer(layer);
         if let (Some(&buf), OptimMode::Exact) = (self.gpu.early_slot.get(&unit), self.spec.mode) {
-            self.push(Stream::Compute, Op::CopyGrad { unit, grad_buf, buf }, vec![]);
+            let narrowed = self.spec.narrow_grads;
+            self.push(Stream::Compute, Op::CopyGrad { unit, grad_buf, buf, narrowed }, vec![]);
         }
     }
 }

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 
 use mt_core::Unit;
 
-use super::{HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
+use super::{BackwardInput, HostBuf, Instr, Op, OptimMode, Program, ProgramSpec, Slot, Stream};
 
 impl Program {
     /// Builds the program of one step.
@@ -94,7 +94,8 @@ impl Builder {
         let mut waits: Vec<usize> = self.weights_fetched(layer).into_iter().collect();
         waits.extend(self.last.of(Resource::GradBuf(grad_buf)));
         waits.extend(self.reload_of(layer));
-        let bwd = self.push(Stream::Compute, Op::Backward { layer, slot, grad_buf: Some(grad_buf) }, waits);
+        let op = Op::Backward { layer, slot, grad_buf: Some(grad_buf), input: self.backward_input(layer) };
+        let bwd = self.push(Stream::Compute, op, waits);
         let grad = self.gradient_done(Unit::Layer(layer), Some(grad_buf), bwd);
         self.read_slot(slot, bwd);
         self.reload_after(layer, bwd);
@@ -202,7 +203,8 @@ impl Builder {
         }
         let mut waits = vec![after];
         waits.extend(self.last.of(Resource::Landing(landing)));
-        let dl = self.push(Stream::D2H, Op::Download { unit, grad_buf, landing }, waits);
+        let narrowed = grad_buf.is_some() && self.spec.narrow_grads;
+        let dl = self.push(Stream::D2H, Op::Download { unit, grad_buf, landing, narrowed }, waits);
         if let Some(k) = grad_buf {
             self.last.take(Resource::GradBuf(k), dl);
         }
@@ -352,6 +354,19 @@ impl Builder {
         layer < self.spec.placement.kept_layers
     }
 
+    /// Where `layer`'s backward finds what its forward saw: what the forward kept, else the
+    /// reload buffer its spilled input came back into (the reload is issued by then), else its
+    /// input checkpoint.
+    fn backward_input(&self, layer: usize) -> BackwardInput {
+        if self.keeps(layer) {
+            BackwardInput::Kept
+        } else if let Some(slot) = self.reloaded_into(layer) {
+            BackwardInput::Reload(slot)
+        } else {
+            BackwardInput::Checkpoint
+        }
+    }
+
     fn finish(mut self) -> Program {
         self.gpu.check_done();
         if !self.spec.overlap_optimizer {
@@ -402,6 +417,10 @@ fn check(spec: &ProgramSpec) {
     assert!(
         p.spilled_checkpoints <= spec.n_layers && (p.spilled_checkpoints == 0 || spec.reload_slots >= 1),
         "spilled checkpoints are inputs of layers, reloaded through at least one buffer"
+    );
+    assert!(
+        p.spilled_checkpoints == 0 || p.kept_layers == 0,
+        "spilled checkpoints and kept activations exclude each other"
     );
     assert!(
         spec.early_upload_pairs().len() == p.early_state_uploads

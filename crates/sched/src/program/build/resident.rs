@@ -28,7 +28,12 @@ impl Builder {
 
     /// Resident `layer`'s backward into its own gradient buffer (after its input's reload).
     pub(super) fn resident_backward(&mut self, layer: usize) {
-        let op = Op::Backward { layer, slot: Slot::Resident(layer), grad_buf: None };
+        let op = Op::Backward {
+            layer,
+            slot: Slot::Resident(layer),
+            grad_buf: None,
+            input: self.backward_input(layer),
+        };
         let bwd = self.push(Stream::Compute, op, self.reload_of(layer).into_iter().collect());
         self.gradient_done(Unit::Layer(layer), None, bwd);
         self.reload_after(layer, bwd);

@@ -4,18 +4,22 @@
 //! ([`Op::SpillCheckpoint`], on the D2H stream, beside the next layer's forward), its device copy
 //! is freed after that layer's forward ([`Op::DropCheckpoint`], once the copy is done), and it
 //! comes back up in the backward ([`Op::ReloadCheckpoint`]) into one of `reload_slots` device
-//! buffers, `reload_slots` backward layers ahead of the layer that reads it.
+//! buffers, `reload_slots` backward layers ahead of the layer that reads it (whose
+//! [`Op::Backward`] names that buffer: [`BackwardInput::Reload`]; a checkpoint that is not spilled
+//! is read and freed by its backward, [`BackwardInput::Checkpoint`]).
 
 use std::collections::HashMap;
 
 use super::Builder;
+#[cfg(doc)]
+use crate::program::BackwardInput;
 use crate::program::{reload_slot, Op, Stream};
 
-/// Each spilled boundary's spill, and its reload once issued.
+/// Each spilled boundary's spill, and its reload (with the buffer it goes into) once issued.
 #[derive(Default)]
 pub(super) struct Spills {
     spill_of: HashMap<usize, usize>,
-    reload_of: HashMap<usize, usize>,
+    reload_of: HashMap<usize, (usize, usize)>,
 }
 
 impl Builder {
@@ -51,12 +55,18 @@ impl Builder {
         let slot = reload_slot(self.spec.placement.spilled_checkpoints, self.spec.reload_slots, boundary);
         let waits = self.spill.spill_of.get(&boundary).copied().into_iter().chain(previous).collect();
         let id = self.push(Stream::H2D, Op::ReloadCheckpoint { boundary, slot }, waits);
-        self.spill.reload_of.insert(boundary, id);
+        self.spill.reload_of.insert(boundary, (id, slot));
     }
 
     /// The reload `layer`'s backward waits for, if its input was spilled.
     pub(super) fn reload_of(&self, layer: usize) -> Option<usize> {
-        self.spill.reload_of.get(&layer).copied()
+        self.spill.reload_of.get(&layer).map(|&(id, _)| id)
+    }
+
+    /// The reload buffer `layer`'s backward reads its input from, if that input was spilled
+    /// (its reload issued).
+    pub(super) fn reloaded_into(&self, layer: usize) -> Option<usize> {
+        self.spill.reload_of.get(&layer).map(|&(_, slot)| slot)
     }
 
     /// After the backward `bwd` of `layer`: the reload that takes over its reload buffer.

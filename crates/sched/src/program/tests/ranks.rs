@@ -3,6 +3,8 @@
 //! ablation's waits, on the program data alone (and on `simulate`'s timeline).
 
 use super::*;
+use crate::program::Instr;
+use crate::simulate::simulate;
 
 fn units(n_layers: usize) -> impl Iterator<Item = Unit> {
     std::iter::once(Unit::Outer).chain((0..n_layers).map(Unit::Layer))

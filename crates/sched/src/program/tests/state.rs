@@ -205,7 +205,12 @@ fn early_state_uploads_go_up_in_the_backward_into_their_slot_once_it_is_free() {
             let Op::Backward { grad_buf: Some(k), .. } = p.instrs[bwd].op else {
                 panic!("{s:?}: layer {l} resident")
             };
-            assert_eq!(p.instrs[bwd + 1].op, Op::CopyGrad { unit: u, grad_buf: k, buf: own }, "{s:?}");
+            let narrowed = s.narrow_grads;
+            assert_eq!(
+                p.instrs[bwd + 1].op,
+                Op::CopyGrad { unit: u, grad_buf: k, buf: own, narrowed },
+                "{s:?}"
+            );
             assert_eq!(p.instrs[bwd + 1].stream, Stream::Compute);
             let last = moments.max(bwd + 1);
             let later_writes = p.instrs[last + 1..]

@@ -1,8 +1,8 @@
 //! The planner's placement of the optimizer's work: the forward window that weighs GPU-updated
 //! layers against the host's pass, the GPU-updated layers it picks, and early state uploads.
 
-use super::tests::{err, input, llama3_3b, GIB, H200};
 use super::*;
+use super::{err, input, llama3_3b, GIB, H200};
 use mt_core::ModelLayout;
 
 /// The forward window of 28 streamed layers, `n` GPU-updated, `l` late, `x` early.

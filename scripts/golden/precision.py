@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The diagnostics of scripts/make_golden.py, apart from the fixture writer itself.
 
 - `precision_report(spec)` (`make_golden.py --precision-report`): the effect of transformers'
@@ -17,7 +16,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from make_golden import ADAMW, Spec, build_model, make_batch, train  # noqa: F401
+from golden.model import build_model
+from golden.run import make_batch, train
+from golden.specs import ADAMW, Spec
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 //! per parameter in exact and lean mode, and the state a resident unit, a GPU-updated layer's
 //! slot and the PCIe copies carry.
 
-use super::tests::{input, llama3_3b, H200};
 use super::*;
+use super::{input, llama3_3b, H200};
 use mt_core::ModelLayout;
 
 /// Exact mode with bf16 gradients stores 14 / 10 / 8 B/param, with f32 gradients 16 / 12 / 10;

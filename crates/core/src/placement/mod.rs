@@ -1,15 +1,17 @@
 //! Placement as one concept: where a step keeps each decoder layer's weights, activations,
 //! AdamW update and optimizer state, and the outer unit's. [`Placement`] is the one type of it:
 //! asked for ([`PlacementChoice`], each setting `auto` or fixed: the command line, `TrainConfig`,
-//! the planner's input), decided (the plan, the engine's options, the step program's spec).
-//! Which layers a count picks is decided here too ([`Placement::is_gpu_updated`] and its
-//! siblings), and [`Placement::table`] gives one row per layer.
+//! the planner's input), decided (the plan, the engine's options, the step program's spec, the
+//! device pool's spec). Which layers a count picks is decided here too
+//! ([`Placement::is_gpu_updated`] and its siblings), and [`Placement::table`] gives one row per
+//! layer.
 //!
+//! It lives in mt-core, below every crate that holds one, as [`crate::StateDtype`] does: mt-pool
+//! sizes its buffers from it and sits below mt-sched, which re-exports it (`mt_sched::placement`)
+//! and owns what decides it (the planner) and what implements it (the step program's passes).
 //! A new setting is a field here (with its line in `PlacementChoice::AUTO`, `map` and, if it keeps
 //! state on the device, `with_device_state`), its flag in the CLI's `PlacementArgs`, and the code
-//! that implements it (the program's pass, the planner's phase); every struct of mt-sched and above
-//! holds a `Placement`, and mt-pool's `PoolSpec`, below it, copies the three counts that size
-//! device buffers.
+//! that implements it (the program's pass, the planner's phase, the pool's buffers).
 
 mod table;
 
@@ -257,17 +259,4 @@ impl Placement {
 fn spread(i: usize, n: usize, k: usize) -> bool {
     let k = k.min(n);
     ((i + 1) * k + n / 2) / n > (i * k + n / 2) / n
-}
-
-/// Why `asked` early state uploads are refused when only `capable` of the `late` late-download
-/// layers have a partner (the planner and the engine's option checks say the same).
-pub(crate) fn early_refusal(asked: usize, capable: usize, late: usize, ring_depth: usize) -> String {
-    if late == 0 {
-        return format!(
-            "{asked} early state uploads asked, but no layer downloads its state late: each early upload needs a late-download layer (a held GPU-updated one) at least ring_depth = {ring_depth} layers after it, as there are no more state slots than ring_depth + late downloads; use --late-state-downloads (with --held-layers and --gpu-updated-layers) or --early-state-uploads 0"
-        );
-    }
-    format!(
-        "{asked} early state uploads asked, but only {capable} of the {late} late-download layers have a partner (a GPU-updated layer that does not download late, at least ring_depth = {ring_depth} layers before it): there are no more state slots than ring_depth + late downloads, and each early layer's slot stays taken in the forward until its state has gone back; use more --late-state-downloads or fewer early ones"
-    )
 }

@@ -2,8 +2,8 @@
 //! window the plan sizes (the record in use, the next, one on its way to disk at least); an
 //! anonymous store that does not fit is refused, naming `--store`.
 
-use super::tests::{err, input, llama3_3b, GIB, H200};
 use super::*;
+use super::{err, input, llama3_3b, GIB, H200};
 use mt_core::ModelLayout;
 
 #[test]
