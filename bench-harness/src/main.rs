@@ -1,5 +1,5 @@
-//! bench-harness CLI: `--suite smoke|paper|ablate|regress|replot`; see the library docs and
-//! `results/README.md` for what each suite runs and the results schema.
+//! bench-harness CLI: `--suite smoke|paper|ablate|regress|replot|curves`; see the library docs
+//! and `results/README.md` for what each suite runs and the results schema.
 #![forbid(unsafe_code)]
 
 use std::io::Write;
@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use bench_harness::regress::compare;
+use bench_harness::run::parse_metrics;
 use bench_harness::schema::{Machine, Results};
 use bench_harness::suites::{self, Options, Suite, System};
 use clap::Parser;
@@ -92,6 +93,42 @@ struct Cli {
     /// Print the commands the suite would run, and run nothing.
     #[arg(long)]
     dry_run: bool,
+    /// curves: a megatrain metrics file (JSON Lines; repeat for more, the first is the reference
+    /// of the ratio figure); each curve is named by its file's stem.
+    #[arg(long, value_name = "FILE")]
+    metrics: Vec<PathBuf>,
+    /// curves: what the figures' captions end with [default: the first run's parameter count and
+    /// tokens per step].
+    #[arg(long, value_name = "TEXT")]
+    title: Option<String>,
+}
+
+/// `--suite curves`: the loss curves of the `--metrics` files into `--out`.
+fn draw_curves(cli: &Cli) -> Result<()> {
+    let out = cli.out.as_ref().context("--suite curves needs --out DIR")?;
+    if cli.metrics.is_empty() {
+        bail!("--suite curves needs at least one --metrics FILE");
+    }
+    let mut runs = Vec::new();
+    for path in &cli.metrics {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let metrics = parse_metrics(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let name =
+            path.file_stem().map_or_else(|| path.display().to_string(), |s| s.to_string_lossy().into());
+        runs.push((name, metrics));
+    }
+    let title = cli.title.clone().unwrap_or_else(|| {
+        let run = runs[0].1.run.as_ref();
+        let get = |k: &str| run.and_then(|r| r.get(k)).and_then(serde_json::Value::as_f64);
+        match (get("n_params"), get("tokens_per_step")) {
+            (Some(n), Some(t)) => format!("{:.2}M parameters, {t} tokens a step", n / 1e6),
+            _ => "megatrain runs".to_owned(),
+        }
+    });
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let figures = bench_harness::plot::draw_curves(&runs, &title, out)?;
+    eprintln!("drew {} in {}", figures.join(", "), out.display());
+    Ok(())
 }
 
 fn parse_tokens(s: &str) -> std::result::Result<(usize, usize), String> {
@@ -165,6 +202,9 @@ fn run_suite(cli: &Cli, suite: Suite) -> Result<Option<Results>> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if cli.suite == Suite::Curves {
+        return draw_curves(&cli);
+    }
     if cli.suite == Suite::Replot {
         let out = cli.out.as_ref().context("--suite replot needs --out DIR (a run's directory)")?;
         // The measurements are left as they are: results.json is only read.

@@ -47,11 +47,13 @@ pub struct Metrics {
     pub run: Option<Value>,
     /// `step` records in file order.
     pub steps: Vec<Value>,
+    /// `eval` records (held-out loss) in file order.
+    pub evals: Vec<Value>,
     /// The reason of an `error` record.
     pub error: Option<String>,
 }
 
-/// Parses JSON Lines metrics; records of other types (`eval`, ...) are skipped.
+/// Parses JSON Lines metrics; records of other types are skipped.
 pub fn parse_metrics(text: &str) -> Result<Metrics, String> {
     let mut m = Metrics::default();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -59,6 +61,7 @@ pub fn parse_metrics(text: &str) -> Result<Metrics, String> {
         match v.get("type").and_then(Value::as_str) {
             Some("run") => m.run = Some(v),
             Some("step") => m.steps.push(v),
+            Some("eval") => m.evals.push(v),
             Some("error") => {
                 m.error = Some(v.get("reason").and_then(Value::as_str).unwrap_or("(no reason)").to_owned())
             }
@@ -274,6 +277,7 @@ mod tests {
     fn metrics_parser_skips_warmup_and_weights_by_time() {
         let m = parse_metrics(SAMPLE).expect("parses");
         assert_eq!(m.steps.len(), 3);
+        assert_eq!(m.evals.len(), 1);
         let s = summarize(&m);
         assert_eq!(s.steps_measured, Some(2));
         assert_eq!(s.step_ms, Some(200.0));

@@ -42,6 +42,8 @@ pub enum Suite {
     Regress,
     /// Redraw the figures of an earlier run from its `results.json` (`--out DIR`).
     Replot,
+    /// Loss curves of megatrain metrics files (`--metrics FILE`, repeated) into `--out DIR`.
+    Curves,
 }
 
 impl Suite {
@@ -522,7 +524,7 @@ pub fn plan(opts: &Options) -> Result<Plan> {
             };
             cx.plan.fixed.push(cx.entry(&s, Status::NotRun, Some(reason.into())));
         }
-        Suite::Regress | Suite::Replot => {
+        Suite::Regress | Suite::Replot | Suite::Curves => {
             return Err(Error::Options(format!("{:?} has no runs of its own", opts.suite)))
         }
     }

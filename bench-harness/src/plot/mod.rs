@@ -1,6 +1,7 @@
 //! Figures of a results file, each as PNG and SVG next to the JSON: throughput vs model size,
 //! ratio to the baselines, ablation bars, depth scaling, a stream timeline of one step per
-//! trace, host bytes per parameter. A figure whose data the suite lacks is not drawn.
+//! trace, host bytes per parameter. A figure whose data the suite lacks is not drawn. The loss
+//! curves of runs' metrics files ([`draw_curves`]) are drawn the same way.
 //!
 //! Text in PNGs is rasterised with `ab_glyph` from a DejaVu Sans subset shipped in
 //! `assets/` (no fontconfig or freetype needed); SVGs carry text as text.
@@ -19,7 +20,7 @@ use crate::Error;
 type Area<DB> = DrawingArea<DB, Shift>;
 type Draw = std::result::Result<(), String>;
 
-const FONT: &[u8] = include_bytes!("../assets/DejaVuSans-subset.ttf");
+const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans-subset.ttf");
 const SIZE: (u32, u32) = (1000, 600);
 
 fn msg<E: std::fmt::Display>(e: E) -> String {
@@ -57,6 +58,9 @@ macro_rules! render {
     }};
 }
 
+mod curves;
+pub use curves::draw_curves;
+
 /// A named series of (x, y) points.
 type Series = (String, Vec<(f64, f64)>);
 
@@ -74,17 +78,40 @@ fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
         .map_err(msg)
 }
 
-fn lines<DB: DrawingBackend>(root: &Area<DB>, title: &str, axes: (&str, &str), series: &[Series]) -> Draw {
+/// Where a line chart's y axis starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum YAxis {
+    /// At zero (throughput, time): the heights compare as ratios.
+    FromZero,
+    /// Just below the smallest point (losses, ratios near 1): small differences stay visible.
+    Data,
+}
+
+fn lines<DB: DrawingBackend>(
+    root: &Area<DB>,
+    title: &str,
+    axes: (&str, &str),
+    series: &[Series],
+    y_axis: YAxis,
+) -> Draw {
     let pts = || series.iter().flat_map(|s| s.1.iter());
     let (x0, x1) = pts().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
-    let y1 = pts().fold(0.0f64, |a, p| a.max(p.1));
+    let (y0, y1) = pts().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
     let pad = ((x1 - x0) * 0.08).max(x1.abs() * 0.1).max(1e-9);
+    let y_range = match y_axis {
+        YAxis::FromZero => 0.0..(y1.max(0.0) * 1.2).max(1e-9),
+        YAxis::Data => {
+            // Room above for the legend; a flat series still gets a visible band.
+            let span = (y1 - y0).max(y1.abs() * 1e-3).max(1e-9);
+            (y0 - span * 0.05)..(y1 + span * 0.35)
+        }
+    };
     let mut chart = ChartBuilder::on(root)
         .caption(title, ("sans-serif", 22))
         .margin(20)
         .x_label_area_size(50)
         .y_label_area_size(80)
-        .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..(y1 * 1.2).max(1e-9))
+        .build_cartesian_2d((x0 - pad)..(x1 + pad), y_range)
         .map_err(msg)?;
     chart
         .configure_mesh()
@@ -328,13 +355,18 @@ fn group(
     out
 }
 
-/// Draws every figure the results have data for into `out`; returns their paths relative to it.
-pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
+/// Makes the shipped font the PNG backend's "sans-serif" (once per process).
+fn register_font() {
     static FONT_ONCE: Once = Once::new();
     FONT_ONCE.call_once(|| {
         // The font is compiled in and known to parse (tests draw text); nothing to recover.
         let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
     });
+}
+
+/// Draws every figure the results have data for into `out`; returns their paths relative to it.
+pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
+    register_font();
     let mut files: Vec<PathBuf> = Vec::new();
     let part = |p: &str| -> Vec<&Run> { results.runs.iter().filter(|r| ok(r) && r.part == p).collect() };
     let machine = results.machine.gpu.as_ref().map_or(results.machine.hostname.clone(), |g| g.name.clone());
@@ -354,7 +386,8 @@ pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
             &root,
             &title,
             (x_desc, "model TFLOP/s (6NT + 6LSHT)"),
-            &series
+            &series,
+            YAxis::FromZero
         ));
     }
 
@@ -416,7 +449,8 @@ pub fn draw_all(results: &Results, out: &Path) -> crate::Result<Vec<String>> {
             &root,
             "Depth scaling: time per step vs layers (same width)",
             ("transformer layers", "step time (ms)"),
-            &depth
+            &depth,
+            YAxis::FromZero
         ));
     }
 
