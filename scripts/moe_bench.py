@@ -59,13 +59,15 @@ def source() -> str:
 
 
 def ptxas_report(log: str):
-    regs, cur = {}, None
+    """{kernel: (registers, static shared bytes)} from ptxas's verbose log."""
+    out, cur = {}, None
     for line in log.splitlines():
         if "Compiling entry function" in line:
             cur = line.split("'")[1]
         elif "Used" in line and "registers" in line and cur:
-            regs[cur] = int(line.split("Used")[1].split("registers")[0])
-    return regs
+            smem = int(line.split("bytes smem")[0].split(",")[-1]) if "bytes smem" in line else 0
+            out[cur] = (int(line.split("Used")[1].split("registers")[0]), smem)
+    return out
 
 
 def compile_only() -> int:
@@ -79,8 +81,12 @@ def compile_only() -> int:
         spills = ha.ptxas_spills(log, prefix="mt_moe_")
         regs = ptxas_report(log)
         print(f"{arch}: cubin {len(cubin)} bytes, {len(regs)} kernels; spills: {spills or 'none'}")
-        for name, r in sorted(regs.items()):
-            print(f"  {name}: {r} registers")
+        for name, (r, smem) in sorted(regs.items()):
+            print(f"  {name}: {r} registers, {smem} bytes static shared")
+            if name.startswith("mt_moe_gemm") and smem + GEMM_SMEM > 48 * 1024:
+                # The launchers do not opt in to more than 48 KiB a CTA: such a launch fails.
+                print(f"  {name}: {smem} static + {GEMM_SMEM} dynamic bytes exceed 48 KiB")
+                rc = 1
         if spills:  # stack frames or spills: none expected
             rc = 1
     return rc
@@ -113,7 +119,10 @@ class Moe:
 
         if name not in self.fns:
             self.fns[name] = self.drv.function(self.mod, name, smem)
-        self.drv.launch(self.fns[name], grid, (block, 1, 1), smem, torch.cuda.current_stream().cuda_stream, args)
+        try:
+            self.drv.launch(self.fns[name], grid, (block, 1, 1), smem, torch.cuda.current_stream().cuda_stream, args)
+        except RuntimeError as err:
+            raise RuntimeError(f"{name} (grid {grid}, {block} threads, {smem} B shared): {err}") from None
 
     # Routing and grouping.
     def route(self, logits, k, normalise):

@@ -493,7 +493,9 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
                            unsigned short* __restrict__ C, const int* __restrict__ row_slot,
                            const float* __restrict__ weights, const unsigned short* __restrict__ mid,
                            float* __restrict__ partial) {
-    __shared__ int job[2];
+    // The job goes through the first 8 bytes of the ring (dynamic shared memory): a static
+    // __shared__ array would take the CTA past 48 KiB, the most a launch gets without opting in.
+    int* job = reinterpret_cast<int*>(MT_MOE_SMEM);
     if (threadIdx.x == 0) {
         // Which expert and row tile this CTA computes: the tiles of experts 0, 1, ... in order.
         int cum = 0, e = 0, found = -1;
@@ -510,8 +512,10 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
     }
     __syncthreads();
     const int e = job[0];
-    if (e < 0) return;  // past the last expert's last tile (the grid is sized to a bound)
-    const int row0 = off[e] + job[1] * MT_MOE_BM, row_end = off[e + 1];
+    // Past the last expert's last tile (the grid is sized to a bound): the whole CTA leaves.
+    const int row0 = e < 0 ? 0 : off[e] + job[1] * MT_MOE_BM, row_end = e < 0 ? 0 : off[e + 1];
+    __syncthreads();  // every thread has the job before the ring's first copies overwrite it
+    if (e < 0) return;
     const int n0 = blockIdx.y * MT_MOE_BN;
     const unsigned short* We = W + (size_t)e * N * K;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
