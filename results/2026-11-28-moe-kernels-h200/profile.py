@@ -1,3 +1,6 @@
+"""Per-kernel CUDA time of our MoE forward + backward (3 iterations) at the OLMoE-1B-7B shape, 8192 and
+32768 tokens, through torch.profiler (moe_prof.txt). Run from the repository root:
+python3 results/2026-11-28-moe-kernels-h200/profile.py"""
 import sys, math, torch
 sys.path.insert(0, "scripts")
 import moe_bench as mb
