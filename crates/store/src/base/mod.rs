@@ -2,11 +2,14 @@
 //! only read (cast into a unit's upload copy, ahead of its adapters). Not training state: no
 //! moments, no gradient, never in a checkpoint (those hold the adapters: the `HostStore`).
 //!
-//! fp32 for now (4 B/param); the base's own encodings (bf16, int8, NF4) are its to add.
+//! fp32 for now (4 B/param); the base's own encodings (bf16, int8, NF4) are its to add: their
+//! block codes and reference decoding are in `codec.rs`.
 
 use std::sync::{Mutex, MutexGuard};
 
 use mt_core::{Error, ModelLayout, Result, Unit};
+
+pub mod codec;
 
 /// Writing whole parameters by their Hugging Face name: what an import fills (the host store,
 /// or a LoRA run's frozen base).
