@@ -61,10 +61,12 @@ pub(crate) fn base_config(cfg: &ModelConfig) -> ModelConfig {
     ModelConfig { lora: None, ..cfg.clone() }
 }
 
-/// The frozen base weights, imported from the model directory.
+/// The frozen base weights, imported from the model directory and held in the encoding the
+/// run's LoRA config says.
 pub(crate) fn load_base(model: &ModelSource) -> Result<Arc<FrozenBase>> {
     let hf = model.hf.as_ref().ok_or_else(|| Error::Options("LoRA needs a model directory".into()))?;
-    let base = FrozenBase::zeroed(&ModelLayout::new(&base_config(&model.cfg)));
+    let dtype = model.cfg.lora.as_ref().map_or(mt_core::BaseDtype::F32, |l| l.base);
+    let base = FrozenBase::zeroed(&ModelLayout::new(&base_config(&model.cfg)), dtype);
     mt_hf::import_weights_into(hf, &base)
         .context_with(|| format!("importing the base weights of {}", model.name))?;
     Ok(Arc::new(base))

@@ -47,6 +47,8 @@ impl LoraArgs {
             targets: mt_core::LoraTarget::ALL.into_iter().filter(|t| given.contains(t)).collect(),
             dropout: self.lora_dropout.unwrap_or(0.0),
             rslora: self.rslora,
+            // The base as imported (fp32).
+            base: mt_core::BaseDtype::default(),
         })
     }
 
