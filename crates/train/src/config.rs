@@ -225,6 +225,8 @@ pub struct TrainConfig {
     pub lora_from: Option<PathBuf>,
     /// A LoRA run exports the merged model (`W + s · B A`) instead of peft's adapter.
     pub merge: bool,
+    /// How a LoRA run holds its frozen base in host memory; `None`: [`TrainConfig::base_dtype`].
+    pub base_dtype: Option<mt_core::BaseDtype>,
 }
 
 impl Default for TrainConfig {
@@ -282,6 +284,7 @@ impl Default for TrainConfig {
             lora: None,
             lora_from: None,
             merge: false,
+            base_dtype: None,
         }
     }
 }
@@ -298,6 +301,17 @@ impl TrainConfig {
     /// The store's gradient dtype: `grad_dtype`, else the one matching `precision`.
     pub fn grad_dtype(&self) -> GradDtype {
         self.grad_dtype.unwrap_or(self.precision.default_grad_dtype())
+    }
+
+    /// How a LoRA run holds its frozen base: `base_dtype`, else the weight dtype of `precision`.
+    /// bf16 for a bf16 run: the device computes with bf16 weights, so the base loses nothing
+    /// against an fp32 one (which the upload rounded to bf16 anyway); fp32 for an fp32 run, so
+    /// fp32 runs keep the imported weights exactly (decision 0048).
+    pub fn base_dtype(&self) -> mt_core::BaseDtype {
+        self.base_dtype.unwrap_or(match self.precision {
+            Precision::Fp32 => mt_core::BaseDtype::F32,
+            Precision::Bf16 => mt_core::BaseDtype::Bf16,
+        })
     }
 
     /// The peak learning rate for `cfg`: `lr`, else [`auto_lr`].

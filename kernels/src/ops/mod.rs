@@ -18,7 +18,9 @@
 //!   [`swap12`], [`add`], [`add_row`]: a bias gradient, the attention layout and the adds;
 //! - [`MoeRouting`], [`moe_swiglu`], [`moe_swiglu_backward`]: mixture-of-experts on the device
 //!   (routing, grouping by expert, grouped GEMMs, combine; `moe.rs`, not yet called by the engine);
-//! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`).
+//! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`);
+//! - [`decode_base`]: a LoRA run's int8 or NF4 frozen base dequantised into a weight slot on a
+//!   copy stream (`base.rs`).
 //!
 //! The softmax pair replaces ~10 candle passes over the `[b, heads, t, t]` score tensor each
 //! (casts, scale, broadcast mask, max, subtract, exp, sum, divide) and the per-call upload of a
@@ -170,6 +172,8 @@ mod rope;
 pub use rope::rope;
 mod ce;
 pub use ce::{ce_grad, ce_loss};
+mod base;
+pub use base::decode_base;
 mod moe;
 pub use moe::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeRouting};
 
@@ -193,6 +197,9 @@ pub fn applies_on(device: &candle_core::Device, dtype: DType) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod base_tests;
 
 #[cfg(test)]
 mod ce_tests;

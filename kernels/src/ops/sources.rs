@@ -37,5 +37,7 @@ pub(crate) static FLASH: Source = source!("flash_attn.cu", "mt_flash");
 pub(crate) static FLASH_HOPPER: Source = source!("flash_attn_hopper.cu", "mt_flash_hopper");
 /// Mixture-of-experts: routing, grouping by expert, grouped GEMMs, SwiGLU, combine.
 pub(crate) static MOE: Source = source!("moe.cu", "mt_moe");
+/// A LoRA run's frozen base dequantised into a weight slot.
+pub(crate) static BASE: Source = source!("base.cu", "mt_base");
 /// The device AdamW, Σg² and the bf16 narrowing of a gradient.
 pub(crate) static ADAMW: Source = source!("adamw.cu", "mt_adamw");

@@ -338,6 +338,7 @@ impl TrainArgs {
             lora: self.lora.config(),
             lora_from: self.lora_from.clone(),
             merge: self.merge,
+            base_dtype: self.lora.base_dtype.map(Into::into),
         }
     }
 

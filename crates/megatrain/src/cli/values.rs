@@ -305,6 +305,30 @@ impl From<OptimStatesArg> for StateDtype {
     }
 }
 
+/// How a LoRA run's frozen base is held in host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BaseDtypeArg {
+    /// fp32, as imported (4 B/param).
+    Fp32,
+    /// bf16 (2 B/param).
+    Bf16,
+    /// int8 blockwise (1.06 B/param).
+    Int8,
+    /// QLoRA's 4-bit NormalFloat, blockwise (0.56 B/param).
+    Nf4,
+}
+
+impl From<BaseDtypeArg> for mt_core::BaseDtype {
+    fn from(b: BaseDtypeArg) -> Self {
+        match b {
+            BaseDtypeArg::Fp32 => mt_core::BaseDtype::F32,
+            BaseDtypeArg::Bf16 => mt_core::BaseDtype::Bf16,
+            BaseDtypeArg::Int8 => mt_core::BaseDtype::Int8,
+            BaseDtypeArg::Nf4 => mt_core::BaseDtype::Nf4,
+        }
+    }
+}
+
 impl From<GradDtypeArg> for GradDtype {
     fn from(g: GradDtypeArg) -> Self {
         match g {

@@ -109,6 +109,14 @@ impl EngineOptions {
                 "the frozen base weights were built for a different model layout".into(),
             ));
         }
+        if base.dtype() != l.base {
+            // The planner prices the base by the config's encoding, the engine moves the base's.
+            return Err(Error::Options(format!(
+                "the frozen base is held in {} but the model's LoRA config says {} (LoraConfig::base)",
+                base.dtype(),
+                l.base
+            )));
+        }
         let p = &self.placement;
         if p.resident_outer || p.resident_layers > 0 || p.gpu_updated_layers > 0 {
             return Err(Error::Options(

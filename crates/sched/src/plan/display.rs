@@ -107,7 +107,7 @@ impl fmt::Display for PlanDisplay<'_> {
             sizes(&[
                 (if h.store_window.is_some() { "store (paged from its file)" } else { "store" }, h.store),
                 ("store window in RAM", h.store_window.unwrap_or(0)),
-                ("frozen base (fp32)", h.frozen_base),
+                (&format!("frozen base ({})", p.base.dtype), h.frozen_base),
                 (rings, h.pinned - h.spilled_checkpoints),
                 ("spilled checkpoints", h.spilled_checkpoints),
                 ("total", h.total),

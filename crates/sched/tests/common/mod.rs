@@ -2,6 +2,8 @@
 //! the CPU backend, and maps of the store's parameters and landed gradients.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod lora_base;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

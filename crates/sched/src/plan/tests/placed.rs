@@ -32,7 +32,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             ..input(cfg.clone(), 2, 16, GIB)
         };
         let p = plan(&i).unwrap();
-        let b = pool_bytes(&p, &i, &layout, &layout);
+        let b = pool_bytes(&p, &i, &layout, &layout, 0);
         let what = format!("{mode:?}, {grad:?} gradients, {late} late");
         assert_eq!(p.placement.late_state_downloads, late, "{what}");
         let per_grad_buf = layout.layer.len as u64 * if lands_bf16(mode, grad) { 6 } else { 4 };
