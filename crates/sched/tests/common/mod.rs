@@ -99,3 +99,49 @@ pub fn small_batches(cfg: &ModelConfig, n: u64, seed0: u64) -> Vec<Batch> {
         })
         .collect()
 }
+
+/// The golden Qwen3-MoE model with its routing skewed on purpose (`qwen3_moe`'s fixture, weights
+/// changed, no transformers oracle): the embedding's column 0 is the constant 4 and its column 1
+/// `±4` by the token id's parity, so that every token's post-attention norm output carries both
+/// with a sign known in advance; each layer's router reads column 0 as `+8` for expert 1 and
+/// `-8` for expert 0 and column 1 as `±8` for experts 2 and 3. Every token routes to expert 1
+/// and to expert 2 or 3 (by parity); experts 0 and 4-7 get none, with margins no rounding can
+/// cross (`skewed_routing_is_as_built` checks them).
+pub fn skewed_moe() -> (ModelConfig, BTreeMap<String, Tensor>, Batch) {
+    let g = mt_testkit::golden::load("qwen3_moe").unwrap();
+    let mut params = g.params.clone();
+    let set = |t: &Tensor, f: &dyn Fn(usize, usize, f32) -> f32| {
+        let (r, c) = t.dims2().unwrap();
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let v: Vec<f32> = (0..r * c).map(|i| f(i / c, i % c, v[i])).collect();
+        Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap()
+    };
+    let emb = "model.embed_tokens.weight";
+    params.insert(
+        emb.into(),
+        set(&params[emb], &|tok, col, x| match col {
+            0 => 4.0,
+            1 if tok % 2 == 0 => 4.0,
+            1 => -4.0,
+            _ => x,
+        }),
+    );
+    for l in 0..g.cfg.num_hidden_layers {
+        // The post-attention norm's weight may flip a column's sign: the router follows it.
+        let norm =
+            params[&format!("model.layers.{l}.post_attention_layernorm.weight")].to_vec1::<f32>().unwrap();
+        let (s0, s1) = (norm[0].signum(), norm[1].signum());
+        let name = format!("model.layers.{l}.mlp.gate.weight");
+        let skewed = set(&params[&name], &|e, col, x| match (e, col) {
+            (1, 0) => 8.0 * s0,
+            (0, 0) => -8.0 * s0,
+            (2, 1) => 8.0 * s1,
+            (3, 1) => -8.0 * s1,
+            (_, 0 | 1) => 0.0,
+            _ => x,
+        });
+        params.insert(name, skewed);
+    }
+    let batch = golden_batch(&g);
+    (g.cfg, params, batch)
+}
