@@ -386,6 +386,7 @@ impl Estimate {
         json!({
             "n_params": p.n_params,
             "batch_size": p.batch, "seq_len": p.seq, "n_chunks": p.n_chunks, "ring_depth": p.ring_depth,
+            "moe_kernels": p.moe_kernels,
             "host_bytes": self.host_bytes, "host_store_bytes": p.host.store, "host_staging_bytes": p.host.pinned,
             "host_frozen_base_bytes": p.host.frozen_base, "trainable_params": p.trainable_params,
             "host_peak_bytes": p.host.total, "host_released_by_resident_bytes": p.host.released_by_resident,
