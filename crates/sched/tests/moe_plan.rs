@@ -21,17 +21,12 @@ fn qwen3_30b_a3b() -> ModelConfig {
     bench_config("qwen3-30b-a3b")
 }
 
-#[test]
-fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
-    let cfg = qwen3_30b_a3b();
-    let layout = ModelLayout::new(&cfg);
-    // Hugging Face's model card: 30.5B parameters, 3.3B activated.
-    let (n, active) = (layout.n_params() as f64, active_params(&cfg) as f64);
-    assert!((n / 1e9 - 30.53).abs() < 0.01, "{n}");
-    assert!((active / 1e9 - 3.35).abs() < 0.01, "{active}");
-    let input = PlanInput {
+/// `batch` x 2048 tokens of `cfg` in bf16 on an H200 with 512 GiB of host memory, the device
+/// MoE kernels, the materialised attention and whole-chunk MLPs, the placement fixed to nothing.
+fn h200(cfg: &ModelConfig, batch: usize) -> PlanInput {
+    PlanInput {
         cfg: cfg.clone(),
-        batch: 4,
+        batch,
         seq: 2048,
         weight_dtype: DType::BF16,
         grad_dtype: GradDtype::Bf16,
@@ -49,6 +44,19 @@ fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
         mlp_rows: Some(0),
         store_file: false,
         host_reserved: 0,
+        placement: Placement::default(),
+    }
+}
+
+#[test]
+fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
+    let cfg = qwen3_30b_a3b();
+    let layout = ModelLayout::new(&cfg);
+    // Hugging Face's model card: 30.5B parameters, 3.3B activated.
+    let (n, active) = (layout.n_params() as f64, active_params(&cfg) as f64);
+    assert!((n / 1e9 - 30.53).abs() < 0.01, "{n}");
+    assert!((active / 1e9 - 3.35).abs() < 0.01, "{active}");
+    let input = PlanInput {
         placement: Placement {
             resident_outer: Some(false),
             resident_layers: Some(0),
@@ -59,6 +67,7 @@ fn moe_bytes_are_every_expert_and_flops_the_active_ones() {
             early_state_uploads: None,
             spilled_checkpoints: Some(0),
         },
+        ..h200(&cfg, 4)
     };
     let p = plan(&input).unwrap();
     assert_eq!(p.n_params, layout.n_params() as u64);
@@ -138,26 +147,11 @@ fn the_planner_prices_the_device_moe_kernels_tensors() {
             assert!(device <= portable - portable_mlp + listed + listed / 10, "{b} x {s}: {device}");
         }
         let input = PlanInput {
-            cfg: cfg.clone(),
-            batch: 16,
-            seq: 2048,
-            weight_dtype: DType::BF16,
-            grad_dtype: GradDtype::Bf16,
-            state_dtype: StateDtype::F32,
-            mode: OptimMode::Exact,
-            gpu_bytes: 143_771_000_000,
-            host_bytes: 512 * GIB,
-            ring_depth: None,
-            n_chunks: None,
-            rows_per_block: 1024,
-            fused_kernels: true,
             flash_attention: None,
             hopper_attention: true,
-            moe_kernels: true,
             mlp_rows: None,
-            store_file: false,
-            host_reserved: 0,
             placement: Placement::default(),
+            ..h200(&cfg, 16)
         };
         let p = plan(&input).unwrap();
         let rows = if p.mlp_rows == 0 { (p.seqs_per_chunk * 2048) as u64 } else { p.mlp_rows as u64 };

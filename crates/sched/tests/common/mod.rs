@@ -145,3 +145,21 @@ pub fn skewed_moe() -> (ModelConfig, BTreeMap<String, Tensor>, Batch) {
     let batch = golden_batch(&g);
     (g.cfg, params, batch)
 }
+
+/// The skewed model's (`skewed_moe`) expert gradients in `grads`: exactly zero for the experts
+/// no token reaches (0 and 4-7), not zero for experts 1-3, in every layer.
+pub fn assert_skewed_experts(cfg: &ModelConfig, grads: &BTreeMap<String, Tensor>) {
+    for l in 0..cfg.num_hidden_layers {
+        for local in [mt_core::names::EXPERTS_GATE_UP, mt_core::names::EXPERTS_DOWN] {
+            let g = &grads[&format!("model.layers.{l}.{local}")];
+            let peak =
+                |x: usize| g.get(x).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            for idle in [0, 4, 5, 6, 7] {
+                assert_eq!(peak(idle), 0.0, "layer {l} {local}: expert {idle} gets no token");
+            }
+            for busy in [1, 2, 3] {
+                assert!(peak(busy) > 0.0, "layer {l} {local}: expert {busy}");
+            }
+        }
+    }
+}
