@@ -1,7 +1,8 @@
 //! The GPU engine's mixture of experts, compiled only with the `cuda` feature and run on the GPU
 //! machine: the device MoE kernels (`mt_layers::MoeKernels::Device`, decision 0048) on the golden
 //! MoE models (Qwen3-MoE, Mixtral, OLMoE; GPT-OSS never reaches a GPU) against the CPU engine in
-//! the bounds the dense models are held to (`gpu.rs`), against the portable path on the same GPU,
+//! the bounds the dense models are held to (`gpu.rs`) and against the exact gradient of their
+//! bf16 weights, against the portable path on the same GPU,
 //! on a skewed router (experts without a token, one with every token), bitwise across ring depths
 //! and between a kept forward and the recompute; and what a kept forward holds against the
 //! planner's count, which also shows which path ran (the portable one keeps other tensors).
@@ -21,7 +22,7 @@ use mt_sched::{
 use mt_store::GradDtype;
 use mt_testkit::golden;
 use mt_testkit::tol::compare_maps;
-use mt_testkit::Tolerance;
+use mt_testkit::{ReferenceModel, Tolerance};
 
 use common::*;
 
@@ -80,8 +81,21 @@ fn cuda() -> CudaBackend {
     CudaBackend::new(0, CpuOptions::uniform(300, 7)).unwrap()
 }
 
-fn cpu_run(m: &Model) -> Run {
-    run(m, CpuBackend::on_device(Device::Cpu, CpuOptions::default()), DType::F32, opts(MoeKernels::Device))
+fn cpu_run(m: &Model, dtype: DType) -> Run {
+    run(m, CpuBackend::on_device(Device::Cpu, CpuOptions::default()), dtype, opts(MoeKernels::Device))
+}
+
+/// The exact (f64) gradient of `m`'s loss at its weights rounded to bf16: the oracle of an engine
+/// holding bf16 weights (`Golden::rounded_model_grads`, for any model).
+fn rounded_exact_grads(m: &Model) -> BTreeMap<String, Tensor> {
+    let rounded: BTreeMap<String, Tensor> = m
+        .params
+        .iter()
+        .map(|(n, t)| (n.clone(), t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F64).unwrap()))
+        .collect();
+    let reference = ReferenceModel::new(&m.cfg, &rounded, DType::F64).unwrap();
+    let ids = Tensor::from_slice(&m.batch.input_ids, (m.batch.batch, m.batch.seq), &Device::Cpu).unwrap();
+    reference.loss_and_grads(&ids, &m.batch.targets).unwrap().1
 }
 
 /// Whether the device kernels apply to `cfg` in bf16 on GPU 0.
@@ -109,28 +123,46 @@ fn compare(what: &str, a: &Run, b: &Run, loss_tol: f64, grad_tol: f64) -> Option
     (!grads.is_ok() || loss_rel.iter().any(|x| *x > loss_tol)).then(|| format!("{what}\n{grads}"))
 }
 
-/// The device kernels train the golden MoE models as the CPU engine does (fp32), within the
-/// bounds `gpu.rs` holds the dense models to in bf16: every step's loss within 1e-3, every
-/// gradient within 3e-2 per tensor. The GPU's fp32 run (the portable path: the kernels are
-/// bf16 only) is held to the dense fp32 bounds, 1e-6 and 1e-4.
+/// The device kernels train the golden MoE models and the skewed one as the CPU engine does in
+/// bf16 (the same rounding of the weights: on the CPU, rounding Qwen3-MoE's weights to bf16 alone
+/// moves its experts' gradients by up to 1.6e-1 from the fp32 engine's): every step's loss within 1e-3, every
+/// gradient within 3e-2 per tensor (the dense models' bf16 bounds, `gpu.rs`), and within 3e-2 of
+/// the exact gradient of the bf16 weights (the CPU bf16 engine's bound, `golden_moe.rs`). On the
+/// GPU in fp32 (the portable path: the kernels are bf16 only) the dense fp32 bounds against the
+/// CPU's fp32, 1e-6 and 1e-4.
 #[test]
 fn cuda_moe_kernels_match_the_cpu_engine() {
     candle_core::cuda::set_gemm_reduced_precision_f32(false);
     let mut failures = Vec::new();
-    for name in GPU_MOE_NAMES {
-        let m = golden_model(name);
+    for m in GPU_MOE_NAMES.into_iter().map(golden_model).chain([skewed_model()]) {
+        let name = &m.name;
         assert!(kernels_apply(&m.cfg), "{name}: the device MoE kernels should apply in bf16");
-        let cpu = cpu_run(&m);
-        for (dtype, loss_tol, grad_tol) in [(DType::BF16, 1e-3, 3e-2), (DType::F32, 1e-6, 1e-4)] {
-            let gpu = run(&m, cuda(), dtype, opts(MoeKernels::Device));
-            failures.extend(compare(
-                &format!("gpu moe {name} {dtype:?} vs cpu"),
-                &gpu,
-                &cpu,
-                loss_tol,
-                grad_tol,
-            ));
+        let gpu = run(&m, cuda(), DType::BF16, opts(MoeKernels::Device));
+        failures.extend(compare(
+            &format!("gpu moe {name} bf16 vs cpu bf16"),
+            &gpu,
+            &cpu_run(&m, DType::BF16),
+            1e-3,
+            3e-2,
+        ));
+        let exact = compare_maps(&gpu.grads, &rounded_exact_grads(&m), Tolerance { rel: 3e-2 });
+        let w = exact.worst().unwrap();
+        eprintln!(
+            "SUMMARY gpu moe {name} bf16 vs its bf16 weights' exact gradient: worst {:.2e} ({})",
+            w.rel_err(),
+            w.name
+        );
+        if !exact.is_ok() {
+            failures.push(format!("gpu moe {name} bf16 vs the exact gradient\n{exact}"));
         }
+        let gpu32 = run(&m, cuda(), DType::F32, opts(MoeKernels::Device));
+        failures.extend(compare(
+            &format!("gpu moe {name} f32 vs cpu f32"),
+            &gpu32,
+            &cpu_run(&m, DType::F32),
+            1e-6,
+            1e-4,
+        ));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -151,16 +183,13 @@ fn cuda_moe_kernels_match_the_portable_path() {
 }
 
 /// A skewed router (`common::skewed_moe`: every token to expert 1, none to experts 0 and 4-7):
-/// the device kernels give the idle experts exactly zero gradients and the busy ones some, and
-/// train as the CPU engine does within the bf16 bounds.
+/// the device kernels give the idle experts exactly zero gradients and the busy ones some (its
+/// numbers against the CPU engine and the portable path: the tests above).
 #[test]
 fn cuda_moe_kernels_on_a_skewed_router() {
     let m = skewed_model();
     let gpu = run(&m, cuda(), DType::BF16, opts(MoeKernels::Device));
-    let cpu = cpu_run(&m);
-    let failure = compare("gpu moe skewed vs cpu", &gpu, &cpu, 1e-3, 3e-2);
     assert_skewed_experts(&m.cfg, &gpu.grads);
-    assert!(failure.is_none(), "{}", failure.unwrap_or_default());
 }
 
 fn bitwise_eq(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> bool {
