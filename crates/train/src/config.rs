@@ -206,6 +206,9 @@ pub struct TrainConfig {
     pub mlp_rows: Option<usize>,
     /// How RoPE angles are formed.
     pub rope_angles: mt_layers::RopeAngles,
+    /// Which path a mixture of experts runs: the device kernels wherever they apply (`Device`),
+    /// or the portable one everywhere.
+    pub moe_kernels: mt_layers::MoeKernels,
     /// Rows of logits alive at once in the loss.
     pub rows_per_block: usize,
 
@@ -277,6 +280,7 @@ impl Default for TrainConfig {
             flash_kernel: mt_layers::FlashKernel::Auto,
             mlp_rows: None,
             rope_angles: mt_layers::RopeAngles::Transformers,
+            moe_kernels: mt_layers::MoeKernels::Device,
             rows_per_block: 4096,
             delay_us: 0,
             inject_faults: Vec::new(),

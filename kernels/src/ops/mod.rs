@@ -17,7 +17,8 @@
 //! - [`ce_loss`] / [`ce_grad`]: cross-entropy over bf16 logits (`ce.rs`); [`col_sums_add`],
 //!   [`swap12`], [`add`], [`add_row`]: a bias gradient, the attention layout and the adds;
 //! - [`MoeRouting`], [`moe_swiglu`], [`moe_swiglu_backward`]: mixture-of-experts on the device
-//!   (routing, grouping by expert, grouped GEMMs, combine; `moe.rs`, not yet called by the engine);
+//!   (routing, grouping by expert, grouped GEMMs, combine; `moe/`, called by mt-layers' MoE device
+//!   path);
 //! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`);
 //! - [`decode_base`]: a LoRA run's int8 or NF4 frozen base dequantised into a weight slot on a
 //!   copy stream (`base.rs`).

@@ -200,6 +200,27 @@ impl From<RopeAnglesArg> for mt_layers::RopeAngles {
     }
 }
 
+/// Which path a mixture of experts runs (`--moe-kernels`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MoeKernelsArg {
+    /// The device kernels (routing, grouping by expert and grouped GEMMs on the GPU) wherever
+    /// they apply: bf16 on a CUDA GPU of compute capability 8.0+, SwiGLU experts (not
+    /// GPT-OSS's); the portable path elsewhere.
+    Device,
+    /// The portable path everywhere: the routing on the host, candle ops per expert (to
+    /// compare with the device kernels).
+    Portable,
+}
+
+impl From<MoeKernelsArg> for mt_layers::MoeKernels {
+    fn from(a: MoeKernelsArg) -> Self {
+        match a {
+            MoeKernelsArg::Device => mt_layers::MoeKernels::Device,
+            MoeKernelsArg::Portable => mt_layers::MoeKernels::Portable,
+        }
+    }
+}
+
 /// Rows of a decoder layer's MLP tile (`--mlp-rows`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlpRows {

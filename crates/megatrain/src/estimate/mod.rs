@@ -100,16 +100,20 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
     args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 8.0
 }
 
-/// The kernels the estimate's device runs for a head dim of `head_dim`: the fused ones, and
-/// flash attention on the Hopper kernels at compute capability 9.0 (as
-/// `mt_layers::hopper_attention` decides on a real device).
-fn device_kernels(args: &EstimateArgs, head_dim: usize) -> DeviceKernels {
+/// The kernels the estimate's device runs for `cfg`: the fused ones, flash attention on the
+/// Hopper kernels at compute capability 9.0 (as `mt_layers::hopper_attention` decides on a real
+/// device), and a mixture of experts on the device MoE kernels (as
+/// `mt_layers::moe_kernels_apply` decides).
+fn device_kernels(args: &EstimateArgs, cfg: &mt_core::ModelConfig) -> DeviceKernels {
     let fused = fused_kernels(args);
     let hopper_attention = fused
         && args.compute_capability == 9.0
-        && matches!(head_dim, 64 | 128)
+        && matches!(cfg.head_dim, 64 | 128)
         && args.attention.kernel() != mt_train::FlashKernel::Portable;
-    DeviceKernels { fused, hopper_attention }
+    let moe = fused
+        && mt_layers::MoeKernels::from(args.moe_kernels) == mt_layers::MoeKernels::Device
+        && mt_layers::moe_kernels_fit(cfg);
+    DeviceKernels { fused, hopper_attention, moe }
 }
 
 /// Plans the run and prices it.
@@ -134,6 +138,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         attention: args.attention.choice(),
         flash_kernel: args.attention.kernel(),
         mlp_rows: args.mlp_rows.choice(),
+        moe_kernels: args.moe_kernels.into(),
         store: args.store.clone(),
         lora: args.lora.config(),
         base_dtype: args.lora.base_dtype.map(Into::into),
@@ -158,7 +163,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
     // With --gpus N the plan is each GPU's, for its share of the batch (`plan_for`).
-    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg.head_dim))?;
+    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg))?;
     let n_gpus = args.gpus as f64;
     // Each GPU has its own staging and landing rings; the store is one.
     let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;
@@ -380,6 +385,7 @@ impl Estimate {
         json!({
             "n_params": p.n_params,
             "batch_size": p.batch, "seq_len": p.seq, "n_chunks": p.n_chunks, "ring_depth": p.ring_depth,
+            "moe_kernels": p.moe_kernels,
             "host_bytes": self.host_bytes, "host_store_bytes": p.host.store, "host_staging_bytes": p.host.pinned,
             "host_frozen_base_bytes": p.host.frozen_base, "trainable_params": p.trainable_params,
             "base_dtype": (p.host.frozen_base > 0).then(|| p.base.dtype.name()),

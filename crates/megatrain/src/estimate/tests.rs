@@ -317,3 +317,28 @@ fn a_lora_run_is_priced_by_its_adapters_and_its_frozen_base() {
     assert!(auto.to_string().contains("frozen base (bf16)"), "{auto}");
     assert_eq!(auto.plan.base.dtype, mt_core::BaseDtype::Bf16, "bf16 weights: a bf16 base by default");
 }
+
+/// The OLMoE-1B-7B shape: a bf16 GPU of compute capability 8.0+ prices its MoE layers as the
+/// device kernels run them unless `--moe-kernels portable` says otherwise; below 8.0 (no fused
+/// kernels) and in fp32 the portable path runs whatever is asked. The JSON says which.
+#[test]
+fn the_moe_kernels_are_priced_where_they_run() {
+    let config =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/olmoe-1b-7b.json").to_string();
+    let run = |extra: &[&str]| {
+        let mut argv = vec!["megatrain", "estimate", "--config", &config, "--device", "cuda"];
+        argv.extend(["--batch-size", "16", "--seq-len", "2048", "--host-mem", "200"]);
+        argv.extend(extra);
+        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
+        let e = super::estimate(&args).unwrap();
+        assert_eq!(e.to_json(&args)["moe_kernels"], e.plan.moe_kernels, "{extra:?}");
+        e.plan
+    };
+    let device = run(&["--precision", "bf16"]);
+    assert!(device.moe_kernels, "{device}");
+    let portable = run(&["--precision", "bf16", "--moe-kernels", "portable"]);
+    assert!(!portable.moe_kernels, "{portable}");
+    assert_ne!(device.gpu.workspace, portable.gpu.workspace, "{device}\n{portable}");
+    assert!(!run(&["--precision", "bf16", "--compute-capability", "7.5"]).moe_kernels);
+    assert!(!run(&["--precision", "fp32"]).moe_kernels);
+}

@@ -245,6 +245,7 @@ impl<B: Backend> Engine<B> {
                     flash: opts.flash_attention,
                     flash_kernel: opts.flash_kernel,
                     mlp_rows: opts.mlp_rows,
+                    moe_kernels: opts.moe_kernels,
                 },
             ),
             outer_t: Outer::new(cfg, opts.rows_per_block),

@@ -138,6 +138,9 @@ pub struct LayerPath {
     pub flash: bool,
     /// ... on the Hopper kernels (their fp32 dQ buffer: `mt_layers::hopper_dq_buffer_bytes`).
     pub hopper: bool,
+    /// A mixture of experts on the device MoE kernels (fused only;
+    /// `mt_layers::moe_kernels_apply`).
+    pub moe_kernels: bool,
     /// Rows of an MLP tile (`mt_layers::LayerOptions::mlp_rows`), 0 = all of a chunk's.
     pub mlp_rows: usize,
 }
@@ -154,7 +157,10 @@ pub struct LayerPath {
 ///
 /// A mixture of experts: `ffn` is the routed width `k·f_e` per token (each token's rows reach
 /// `k` experts of width `f_e`), plus the router's `[t, E]` probabilities; the largest weight
-/// gradient formed at once is one expert's matrix, not the packed tensor.
+/// gradient formed at once is one expert's matrix, not the packed tensor. On the device MoE
+/// kernels (fused, `path.moe_kernels`) the tile's MLP tensors are instead
+/// `mt_layers::moe_device_workspace_bytes` (the routing, `gu`, `mid` and the backward's routed
+/// rows; no weight gradient is formed apart: the GEMMs add into the f32 buffer).
 ///
 /// `trainable` is the layout of what trains ([`ModelLayout::trainable`]): a LoRA run forms
 /// the gradients of its adapters only, never a frozen weight's.
@@ -176,7 +182,13 @@ pub fn layer_workspace(
         }
     };
     let qkv = (cfg.q_dim() + 2 * cfg.kv_dim()) as u64;
-    let acts = e * (t * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv) + rows * FFN_TENSORS * f) + router;
+    // The MLP tile's own tensors.
+    let mlp = if path.fused && path.moe_kernels && cfg.moe.is_some() {
+        mt_layers::moe_device_workspace_bytes(cfg, rows as usize, e)
+    } else {
+        e * rows * FFN_TENSORS * f + router
+    };
+    let acts = e * t * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv) + mlp;
     let heads = cfg.num_attention_heads as u64;
     let score_elems = b as u64 * heads * (s * s) as u64;
     if path.fused && path.flash {
@@ -185,10 +197,7 @@ pub fn layer_workspace(
         } else {
             0
         };
-        return flash_acts(cfg, t, e, dq)
-            + e * rows * FFN_TENSORS * f
-            + router
-            + FLASH_ROW_F32 * 4 * t * heads;
+        return flash_acts(cfg, t, e, dq) + mlp + FLASH_ROW_F32 * 4 * t * heads;
     }
     if path.fused {
         return acts + FUSED_SCORE_BYTES * score_elems;

@@ -67,7 +67,7 @@ impl fmt::Display for PlanDisplay<'_> {
         };
         writeln!(
             f,
-            "step: {} x {} tokens in {chunks}; ring depth {}; {} attention; MLP in {}; layer checkpoints {checkpoints}",
+            "step: {} x {} tokens in {chunks}; ring depth {}; {} attention; MLP{} in {}; layer checkpoints {checkpoints}",
             p.batch,
             p.seq,
             p.ring_depth,
@@ -76,6 +76,7 @@ impl fmt::Display for PlanDisplay<'_> {
                 (true, false) => "flash",
                 (false, _) => "materialised",
             },
+            if p.moe_kernels { " (experts on the device MoE kernels)" } else { "" },
             if p.mlp_rows == 0 { "whole chunks".to_string() } else { format!("tiles of {} rows", p.mlp_rows) },
         )?;
         writeln!(f, "{}", p.placement_table().display_on(self.device))?;

@@ -394,7 +394,7 @@ fn plan_run<O: Observer>(
         &model.cfg,
         device,
         host,
-        backend.kernels(c.precision.dtype(), model.cfg.head_dim, c.flash_kernel),
+        backend.kernels(&model.cfg, c.precision.dtype(), c.flash_kernel, c.moe_kernels),
     )?;
     notify(observer, &Event::Planned { plan: &p, device: c.device.kind() })?;
     Ok(p)
@@ -423,6 +423,7 @@ fn engine_options(c: &TrainConfig, model: &ModelSource, plan: &Plan) -> EngineOp
         flash_kernel: c.flash_kernel,
         mlp_rows: plan.mlp_rows,
         rope_angles: c.rope_angles,
+        moe_kernels: c.moe_kernels,
         placement: plan.placement,
         ..EngineOptions::default()
     };

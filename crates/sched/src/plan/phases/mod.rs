@@ -160,6 +160,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         c.e,
         input.fused_kernels,
         chunks.flash,
+        input.moe_kernels,
     );
     place_resident_and_held(&c, &fixed, per_kept_layer, &mut placed, &mut total)?;
     let state_slots = place_gpu_updated(&c, &mut placed, &mut total)?;
@@ -203,6 +204,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         placement: placed,
         flash_attention: chunks.flash,
         hopper_attention: chunks.flash && input.hopper_attention,
+        moe_kernels: input.moe_kernels && input.fused_kernels && c.cfg.moe.is_some(),
         mlp_rows: chunks.mlp_rows,
         gpu,
         host,
@@ -344,6 +346,7 @@ fn choose_chunking(
                 fused: input.fused_kernels,
                 flash,
                 hopper: flash && input.hopper_attention,
+                moe_kernels: input.moe_kernels,
                 mlp_rows,
             };
             layer_workspace(cfg, &c.trainable, b, seq, e, path).max(loss_workspace(

@@ -48,6 +48,7 @@ pub(super) fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) 
         // `long_sequences_*` plan flash attention and MLP tiles.
         flash_attention: Some(false),
         hopper_attention: false,
+        moe_kernels: true,
         mlp_rows: Some(0),
         store_file: false,
         host_reserved: 0,
