@@ -4,7 +4,8 @@
 //! forward and backward through the grouped GEMMs (output, dX, both expert weight gradients, the
 //! routing weights' and the router logits' gradients) from the same bf16 inputs and routing; an
 //! expert with no token and one with every token, tied logits, widths off the tiles, several sort
-//! chunks; a second run compared bit for bit.
+//! chunks; a second run compared bit for bit; and the launchers on views as mt-layers' MoE device
+//! path hands them over (a tile of token rows, gradients added into a flat f32 buffer).
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
