@@ -156,6 +156,7 @@ pub fn run_record(a: &TrainArgs, info: &RunStart<'_>) -> Value {
             "store": a.store,
             "grad_dtype": name_of(&a.grad_dtype()),
             "optim_states": name_of(&a.optim_states),
+            "moe_kernels": name_of(&a.moe_kernels),
             "delay_us": a.delay_us,
         },
         "n_params": info.n_params,

@@ -232,6 +232,7 @@ fn metrics_log_has_a_run_record_and_one_record_per_step() {
     assert_eq!(run["model"]["source"], "builtin:tiny_llama");
     assert_eq!(run["model"]["vocab_size"], 256);
     assert_eq!(run["options"]["batch_size"], 2);
+    assert_eq!(run["options"]["moe_kernels"], "device");
     assert_eq!(run["tokens_per_step"], 32);
     let n_params = run["n_params"].as_u64().unwrap();
     let bpp = run["store_bytes_per_param"].as_f64().unwrap();

@@ -161,4 +161,8 @@ fn the_planner_prices_the_device_moe_kernels_tensors() {
         let portable = plan(&PlanInput { moe_kernels: false, ..input }).unwrap();
         assert!(!portable.moe_kernels && !portable.to_string().contains("MoE kernels"), "{portable}");
     }
+    // GPT-OSS's experts are not the kernels': priced as the portable path runs them, asked or not.
+    let gpt_oss = mt_testkit::golden::load("gpt_oss").unwrap().cfg;
+    let p = plan(&PlanInput { seq: 16, ..h200(&gpt_oss, 4) }).unwrap();
+    assert!(!p.moe_kernels, "{p}");
 }

@@ -4,7 +4,8 @@
 //! forward and backward through the grouped GEMMs (output, dX, both expert weight gradients, the
 //! routing weights' and the router logits' gradients) from the same bf16 inputs and routing; an
 //! expert with no token and one with every token, tied logits, widths off the tiles, several sort
-//! chunks; a second run compared bit for bit.
+//! chunks; a second run compared bit for bit; and the launchers on views as mt-layers' MoE device
+//! path hands them over (a tile of token rows, gradients added into a flat f32 buffer).
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
@@ -288,4 +289,47 @@ fn moe_refuses_what_the_kernels_do_not_take() {
     let w = Tensor::zeros((8, 16, 12), DType::BF16, &dev).unwrap();
     let err = rt.matmul(&x, true, &w, ExpertMatrix::OutIn).err().unwrap().to_string();
     assert!(err.contains("multiples of 8"), "{err}");
+}
+
+/// As the engine hands them over: the token rows a view into a larger tensor (an MLP tile of a
+/// chunk), the expert weight gradients added twice into a view of one flat f32 buffer at an
+/// aligned offset (`mt_layers::GradSink::accumulate_in_place`). The products are the bits of
+/// the same calls on tensors of their own, the second addition doubles the first exactly, and
+/// the rest of the buffer is untouched.
+#[test]
+fn moe_launchers_take_views_as_the_engine_hands_them() {
+    let dev = Device::new_cuda(0).expect("this test needs a CUDA device");
+    let (t, e, k, h, f, skip) = (96, 6, 2, 64, 40, 5);
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut bf = |shape: &[usize], s: f32| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| (rng.random::<f32>() - 0.5) * s).collect();
+        Tensor::from_vec(v, shape, &dev).unwrap().to_dtype(DType::BF16).unwrap()
+    };
+    let rows = bf(&[skip + t, h], 2.0);
+    let x = rows.narrow(0, skip, t).unwrap();
+    let x_own = x.copy().unwrap();
+    let (wgu, wd, dout) = (bf(&[e, 2 * f, h], 0.3), bf(&[e, h, f], 0.3), bf(&[t, h], 2.0));
+    let logits = bf(&[t, e], 4.0);
+    let rt = MoeRouting::route(&logits, k, true).unwrap();
+    let gu = rt.matmul(&x, true, &wgu, ExpertMatrix::OutIn).unwrap();
+    let bits = |t: &Tensor| host(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&gu), bits(&rt.matmul(&x_own, true, &wgu, ExpertMatrix::OutIn).unwrap()));
+    let mid = moe_swiglu(&gu).unwrap();
+    let (d_mid, _) = rt.down_backward(&dout, &wd, &mid).unwrap();
+    let dgu = moe_swiglu_backward(&d_mid, &gu).unwrap();
+    let dys = rt.gather(&dout, true).unwrap();
+    for (shape, a, b, gather) in [([e, h, f], &dys, &mid, false), ([e, 2 * f, h], &dgu, &x, true)] {
+        let n: usize = shape.iter().product();
+        let own = Tensor::zeros(&shape, DType::F32, &dev).unwrap();
+        rt.weight_grad(&own, a, if gather { &x_own } else { b }, gather).unwrap();
+        let flat = Tensor::zeros(64 + n + 64, DType::F32, &dev).unwrap();
+        let view = flat.narrow(0, 64, n).unwrap().reshape(&shape).unwrap();
+        rt.weight_grad(&view, a, b, gather).unwrap();
+        rt.weight_grad(&view, a, b, gather).unwrap();
+        assert_eq!(bits(&view), bits(&(&own * 2.0).unwrap()), "{shape:?}: twice into a view");
+        let edges =
+            Tensor::cat(&[flat.narrow(0, 0, 64).unwrap(), flat.narrow(0, 64 + n, 64).unwrap()], 0).unwrap();
+        assert!(host(&edges).iter().all(|&v| v == 0.0), "{shape:?}: outside the view");
+    }
 }

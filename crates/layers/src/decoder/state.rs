@@ -105,7 +105,7 @@ impl DecoderLayer {
         // host), on the device path its routing.
         let (mlp, act) = match &cfg.moe {
             None => (n * e * 3 * f, n * f * e),
-            Some(m) if moe_device && fused => {
+            Some(m) if moe_device && fused && crate::moe_kernels_fit(cfg) => {
                 let (pairs, fe, ne) =
                     (n * m.num_experts_per_tok as u64, m.moe_intermediate_size as u64, m.num_experts as u64);
                 (pairs * (3 * fe * e + 4 * 4) + n * ne * 4 + 8 * ne + 4, 0)

@@ -207,6 +207,23 @@ mod tests {
         assert_eq!(TrainArgs::default().to_config(), mt_train::TrainConfig::default());
     }
 
+    /// `--moe-kernels portable` reaches the trainer's configuration; the default is the device
+    /// kernels; the help names the flag under the device options.
+    #[test]
+    fn moe_kernels_parse_into_the_config() {
+        let parse = |extra: &[&str]| {
+            let mut v = vec!["megatrain", "train"];
+            v.extend(extra);
+            let Command::Train(a) = parse_args(v).unwrap().command else { panic!("train") };
+            a.to_config().moe_kernels
+        };
+        assert_eq!(parse(&[]), mt_layers::MoeKernels::Device);
+        assert_eq!(parse(&["--moe-kernels", "portable"]), mt_layers::MoeKernels::Portable);
+        assert!(parse_args(["megatrain", "train", "--moe-kernels", "host"]).is_err());
+        let help = Cli::command().find_subcommand_mut("train").unwrap().render_help().to_string();
+        assert!(help.contains("--moe-kernels <device|portable>"), "{help}");
+    }
+
     #[test]
     fn defaults_parse() {
         let a = TrainArgs::default();

@@ -183,7 +183,7 @@ pub fn layer_workspace(
     };
     let qkv = (cfg.q_dim() + 2 * cfg.kv_dim()) as u64;
     // The MLP tile's own tensors.
-    let mlp = if path.fused && path.moe_kernels && cfg.moe.is_some() {
+    let mlp = if path.fused && path.moe_kernels && mt_layers::moe_kernels_fit(cfg) {
         mt_layers::moe_device_workspace_bytes(cfg, rows as usize, e)
     } else {
         e * rows * FFN_TENSORS * f + router

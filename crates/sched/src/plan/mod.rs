@@ -116,10 +116,10 @@ pub struct PlanInput {
     /// capability 9.0, head dim 64 or 128, not forced portable), whose backward needs an fp32 dQ
     /// buffer beside its other transients (`mt_layers::hopper_dq_buffer_bytes`).
     pub hopper_attention: bool,
-    /// A mixture of experts runs the device MoE kernels (`mt_layers::moe_kernels_apply`; with
-    /// the fused kernels only): their routed rows' workspace
-    /// (`mt_layers::moe_device_workspace_bytes`) instead of the portable path's per-expert
-    /// tensors. Ignored for a dense model.
+    /// A mixture of experts runs the device MoE kernels (`mt_layers::moe_kernels_apply`): their
+    /// routed rows' workspace (`mt_layers::moe_device_workspace_bytes`) instead of the portable
+    /// path's per-expert tensors. Only with the fused kernels and where the kernels take the
+    /// model (`mt_layers::moe_kernels_fit`: not a dense model, not GPT-OSS).
     pub moe_kernels: bool,
     /// The store is a file (`--store`): where it does not fit `host_bytes`, it is paged through
     /// a RAM window (the disk tier, `HostStore::start_paging`) instead of refused.

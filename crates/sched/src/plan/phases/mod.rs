@@ -204,7 +204,7 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         placement: placed,
         flash_attention: chunks.flash,
         hopper_attention: chunks.flash && input.hopper_attention,
-        moe_kernels: input.moe_kernels && input.fused_kernels && c.cfg.moe.is_some(),
+        moe_kernels: input.moe_kernels && input.fused_kernels && mt_layers::moe_kernels_fit(c.cfg),
         mlp_rows: chunks.mlp_rows,
         gpu,
         host,
