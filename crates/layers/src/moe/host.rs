@@ -101,9 +101,9 @@ fn top_k(probs: &[f32], e: usize, k: usize, normalise: bool) -> (Vec<u32>, Vec<f
     (top, weights)
 }
 
-/// The MoE MLP of one tile routed on the host, from the post-attention-norm output `c: [rows, h]`: what the
-/// backward needs and, when `want_out`, the tile's output `x1 + Σ_j w_j · expert_j(c)`. The
-/// tile's router statistics are added to `stats` when given.
+/// The MoE MLP of one tile routed on the host, from the post-attention-norm output
+/// `c: [rows, h]`: what the backward needs and, when `want_out`, the tile's output
+/// `x1 + Σ_j w_j · expert_j(c)`. The tile's router statistics are added to `stats` when given.
 pub(crate) fn forward(
     m: &MoeConfig,
     ex: &Experts<'_>,
