@@ -15,19 +15,24 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use half::bf16;
 
-use super::flash_launch::{view, wrap};
+use super::flash_launch::{allow_smem, view, wrap};
 use super::msg;
 use super::sources::MOE;
 
 /// Slots per sort chunk (`MT_MOE_CHUNK`).
 const CHUNK: usize = 1024;
-/// Rows and columns of a GEMM tile (`MT_MOE_BM`, `MT_MOE_BN`).
-const TILE: usize = 128;
-/// Threads of a GEMM CTA (`MT_MOE_THREADS`).
+/// Rows and columns of a GEMM's CTA tile (`MT_MOE_BM`, `MT_MOE_BN`: moe.cu's defaults, which
+/// these follow).
+const BM: usize = 128;
+const BN: usize = 128;
+/// The k step and the stages of the GEMMs' cp.async ring (`MT_MOE_BK`, `MT_MOE_STAGES`).
+const BK: usize = 32;
+const STAGES: usize = 3;
+/// Threads of a GEMM CTA (`MT_MOE_THREADS`: 32 `MT_MOE_WARPS_M` `MT_MOE_WARPS_N`).
 const GEMM_THREADS: u32 = 256;
-/// Dynamic shared memory of a GEMM CTA: 3 stages of two 128 x 32 bf16 tiles (48 KiB, the
-/// default limit).
-const GEMM_SMEM: u32 = 3 * 2 * 128 * 32 * 2;
+/// Dynamic shared memory of a GEMM CTA (`MT_MOE_GEMM_SMEM_BYTES`): each stage an A tile and a
+/// B tile of bf16 (48 KiB today; the launches opt in where a geometry needs more).
+const GEMM_SMEM: u32 = (STAGES * (BM + BN) * BK * 2) as u32;
 /// The largest top-k (`MT_MOE_MAX_K`) and expert count (a 32-bit mask of 32 experts per lane)
 /// the kernels take.
 const MAX_K: usize = 32;
@@ -63,6 +68,13 @@ where
 
 fn func(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
     Ok(dev.get_or_load_custom_func(name, MOE.module, MOE.ptx()?)?.into_cuda_function())
+}
+
+/// A grouped GEMM kernel, allowed its [`GEMM_SMEM`] bytes of dynamic shared memory.
+fn gemm_func(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
+    let f = func(dev, name)?;
+    allow_smem(&f, GEMM_SMEM)?;
+    Ok(f)
 }
 
 fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
