@@ -93,6 +93,13 @@ VARIANTS = {
     # 256 x 128, 8 warps of 64 x 64, k 64, 3 stages (144 KiB), 1 CTA an SM.
     "t256x128_k64": {"MT_MOE_HOIST": 1, "MT_MOE_GROUP": 8, "MT_MOE_BM": 256, "MT_MOE_WARPS_M": 4,
                      "MT_MOE_WARPS_N": 2, "MT_MOE_BK": 64, "MT_MOE_MIN_CTAS": 1},
+    # Every GEMM on wgmma (moe_hopper.cu, sm_90a only): 128 x 256 x 64 tiles, 4 stages (194 KiB),
+    # a copier warpgroup and two multiplying ones, CTAs in groups of 8 row tiles.
+    "wgmma": {"MT_MOE_HOPPER": 1},
+    # The same, 3 stages and a copy lag of 1 (146 KiB).
+    "wgmma_s3": {"MT_MOE_HOPPER": 1, "MT_MOE_H_STAGES": 3, "MT_MOE_H_LAG": 1},
+    # 128 x 128 x 64 tiles, 6 stages (194 KiB).
+    "wgmma_n128": {"MT_MOE_HOPPER": 1, "MT_MOE_H_BN": 128, "MT_MOE_H_STAGES": 6},
 }
 
 
@@ -133,9 +140,35 @@ class Geometry:
                 "smem_bytes": self.smem}
 
 
+class HopperGeometry:
+    """The launch geometry of moe_hopper.cu's GEMMs compiled with `defines` (its MoeH)."""
+
+    def __init__(self, defines=None):
+        d = defines or {}
+        self.bm, self.bk, self.threads = 128, 64, 384
+        self.bn, self.stages = int(d.get("MT_MOE_H_BN", 256)), int(d.get("MT_MOE_H_STAGES", 4))
+        self.smem = self.stages * (self.bm + self.bn) * self.bk * 2 + 16 * self.stages + 16 + 8 * self.bk + 1024
+
+    def as_dict(self):
+        return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "threads": self.threads,
+                "smem_bytes": self.smem, "kernel": "wgmma"}
+
+
+def is_hopper(defines) -> bool:
+    """A variant whose GEMMs run moe_hopper.cu's wgmma kernels (MT_MOE_HOPPER=1, a switch of this
+    script's: an sm_90a CUBIN of moe.cu and moe_hopper.cu)."""
+    return bool(int((defines or {}).get("MT_MOE_HOPPER", 0)))
+
+
 def source(defines=None) -> str:
-    head = "".join(f"#define {k} {v}\n" for k, v in (defines or {}).items())
-    return head + "".join(f'#line 1 "{n}"\n{(ha.KERNELS / n).read_text()}\n' for n in ("common.cuh", "moe.cu"))
+    """The CUDA source of a variant: its defines, and the geometry this script launches it with
+    (MT_MOE_EXPECT_*: the kernels refuse to compile if theirs differs), then the files."""
+    geo = HopperGeometry(defines) if is_hopper(defines) else Geometry(defines)
+    expect = {"MT_MOE_EXPECT_SMEM": geo.smem, "MT_MOE_EXPECT_THREADS": geo.threads, "MT_MOE_EXPECT_BM": geo.bm,
+              "MT_MOE_EXPECT_BN": geo.bn}
+    head = "".join(f"#define {k} {v}\n" for k, v in {**(defines or {}), **expect}.items())
+    files = ("common.cuh", "hopper.cuh", "moe.cu", "moe_hopper.cu") if is_hopper(defines) else ("common.cuh", "moe.cu")
+    return head + "".join(f'#line 1 "{n}"\n{(ha.KERNELS / n).read_text()}\n' for n in files)
 
 
 def ptxas_report(log: str):
@@ -151,14 +184,19 @@ def ptxas_report(log: str):
 
 
 def compile_only(variants) -> int:
-    """Compiles the default kernels and every variant for sm_80 and sm_90: fails on a spill, a
-    stack frame, or a GEMM's shared memory past what a CTA may have."""
+    """Compiles the default kernels and every variant for sm_80 and sm_90 (a wgmma variant for
+    sm_90a only): fails on a spill, a stack frame, a ptxas warning, or a GEMM's shared memory past
+    what a CTA may have."""
     rc = 0
     for arch in ("sm_80", "sm_90"):
-        for vi, (vname, defines) in enumerate(variants):
-            geo = Geometry(defines)
+        first = True
+        for vname, defines in variants:
+            hopper = is_hopper(defines)
+            if hopper and arch != "sm_90":
+                continue
+            geo = HopperGeometry(defines) if hopper else Geometry(defines)
             try:
-                cubin, log = ha.compile_cubin(source(defines), "moe.cu", arch)
+                cubin, log = ha.compile_cubin(source(defines), "moe.cu", "sm_90a" if hopper else arch)
             except OSError as e:
                 print(f"no NVRTC library: {e}\n(set MEGATRAIN_CUDA_PREFIX to the toolchain of scripts/cuda-toolchain.sh)")
                 return 1
@@ -166,22 +204,24 @@ def compile_only(variants) -> int:
                 print(f"{arch} {vname}: FAILED to compile\n{e}")
                 rc = 1
                 continue
-            spills = ha.ptxas_spills(log, prefix="mt_moe_")
-            spills += [ln.strip() for ln in log.splitlines() if "warning" in ln.lower()]
+            problems = ha.ptxas_spills(log, prefix="mt_moe_") + ha.ptxas_warnings(log)
+            problems += [ln.strip() for ln in log.splitlines() if "warning" in ln.lower()]
             regs = ptxas_report(log)
-            if vi == 0:
-                print(f"{arch}: cubin {len(cubin)} bytes, {len(regs)} kernels; spills: {spills or 'none'}")
+            if first:
+                print(f"{arch}: cubin {len(cubin)} bytes, {len(regs)} kernels; spills: {problems or 'none'}")
                 for name, (r, smem) in sorted(regs.items()):
                     print(f"  {name}: {r} registers, {smem} bytes static shared")
-            gemm = {n[len("mt_moe_gemm_"):]: r for n, (r, _) in sorted(regs.items()) if n.startswith("mt_moe_gemm")}
-            static = max((sm for n, (_, sm) in regs.items() if n.startswith("mt_moe_gemm")), default=0)
+                first = False
+            gemm = {n[len("mt_moe_"):]: r for n, (r, _) in sorted(regs.items()) if "gemm" in n}
+            static = max((sm for n, (_, sm) in regs.items() if "gemm" in n), default=0)
             opt_in = " (opts in past 48 KiB)" if static + geo.smem > 48 * 1024 else ""
-            print(f"  variant {vname:13} {geo.bm}x{geo.bn}x{geo.bk} s{geo.stages} {geo.threads} threads, "
-                  f"{geo.smem // 1024} KiB{opt_in}; registers {gemm}; spills: {spills or 'none'}")
+            kind = "wgmma " if hopper else ""
+            print(f"  variant {vname:13} {kind}{geo.bm}x{geo.bn}x{geo.bk} s{geo.stages} {geo.threads} threads, "
+                  f"{geo.smem // 1024} KiB{opt_in}; registers {gemm}; problems: {problems or 'none'}")
             if static + geo.smem > SMEM_MAX:
                 print(f"  variant {vname}: {static} static + {geo.smem} dynamic bytes exceed {SMEM_MAX}")
                 rc = 1
-            if spills:  # stack frames, spills or warnings: none expected
+            if problems:  # stack frames, spills or warnings: none expected
                 rc = 1
     return rc
 
@@ -203,10 +243,19 @@ class Moe:
         major, minor = torch.cuda.get_device_capability()
         self.arch = f"sm_{major}{minor}"
         self.defines = dict(defines or {})
-        self.geo = Geometry(self.defines)
+        # The GEMMs' geometry: moe.cu's, or (a wgmma variant) moe_hopper.cu's.
+        self.hopper = is_hopper(self.defines)
+        self.geo = HopperGeometry(self.defines) if self.hopper else Geometry(self.defines)
+        if self.hopper:
+            if (major, minor) != (9, 0):
+                raise RuntimeError(f"the wgmma kernels need compute capability 9.0 (sm_90a), not {major}.{minor}")
+            self.arch = "sm_90a"
         self.drv = ha.Driver()
         self.cubin, self.log = ha.compile_cubin(source(self.defines), "moe.cu", self.arch)
         self.spills = ha.ptxas_spills(self.log, prefix="mt_moe_")
+        self.ptxas_warnings = ha.ptxas_warnings(self.log)
+        if self.ptxas_warnings:  # the engine refuses such a build (kernels/src/ops/nvrtc.rs)
+            raise RuntimeError("ptxas: " + "; ".join(self.ptxas_warnings))
         self.registers = {n: r for n, (r, _) in ptxas_report(self.log).items()}
         self.mod = self.drv.load(self.cubin)
         self.fns = {}
@@ -267,6 +316,8 @@ class Moe:
         e = w.shape[0]
         c = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
         g = self.geo
+        if self.hopper:
+            name = name.replace("mt_moe_gemm_", "mt_moe_hgemm_")
         grid = ((rows + g.bm - 1) // g.bm + e, (n + g.bn - 1) // g.bn, 1)
         self.go(name, grid, g.threads, g.smem,
                 [_p(a), _p(a_idx), ctypes.c_int(a_div), _p(w), _p(off), ctypes.c_int(e), ctypes.c_int(n),
@@ -277,7 +328,7 @@ class Moe:
         e, m, n = g.shape
         geo = self.geo
         grid = (((m + geo.bm - 1) // geo.bm) * ((n + geo.bn - 1) // geo.bn), e, 1)
-        self.go("mt_moe_gemm_wgrad", grid, geo.threads, geo.smem,
+        self.go("mt_moe_hgemm_wgrad" if self.hopper else "mt_moe_gemm_wgrad", grid, geo.threads, geo.smem,
                 [_p(a), _p(b), _p(b_idx), ctypes.c_int(b_div), _p(off), ctypes.c_int(m), ctypes.c_int(n), _p(g)])
 
     def elementwise_grid(self, total):
@@ -726,7 +777,8 @@ def sweep_variant(name, defines, tokens, e, k, h, f, normalise, a):
     """One variant: compiled, checked, each GEMM kind timed, the whole forward and backward timed."""
     import torch
 
-    res = {"name": name, "defines": defines, "geometry": Geometry(defines).as_dict()}
+    geo = HopperGeometry(defines) if is_hopper(defines) else Geometry(defines)
+    res = {"name": name, "defines": defines, "geometry": geo.as_dict()}
     try:
         moe = Moe(defines)
     except Exception as ex:
@@ -734,7 +786,7 @@ def sweep_variant(name, defines, tokens, e, k, h, f, normalise, a):
         print(f"variant {name}: FAILED to compile or load: {str(ex)[:500]}", flush=True)
         return res, None
     res["arch"], res["ptxas_spills"] = moe.arch, moe.spills
-    res["registers"] = {n: r for n, r in moe.registers.items() if n.startswith("mt_moe_gemm")}
+    res["registers"] = {n: r for n, r in moe.registers.items() if "gemm" in n}
     res["checks"], res["checks_failed"] = run_checks(moe, tokens, e, k, h, f, normalise, label=f"[{name}] ")
     if not a.skip_bench:
         for t in [int(x) for x in a.tokens.split(",") if x]:

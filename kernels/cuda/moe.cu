@@ -425,6 +425,13 @@ static_assert(MT_MOE_STAGES >= 2, "a ring of at least two stages");
 static_assert(MT_MOE_THREADS % (MT_MOE_BK / 8) == 0 && (MT_MOE_BM * MT_MOE_BK / 8) % MT_MOE_THREADS == 0,
               "each thread copies whole rows' worth of the A tile's chunk columns");
 static_assert(4 * MT_MOE_WARPS_N * MT_MOE_BM <= MT_MOE_GEMM_SMEM_BYTES, "the epilogue's reduction fits the ring");
+// A launcher that computes the geometry on its own side (scripts/moe_bench.py) passes what it
+// will launch with; a difference is a compile error, not a kernel reading past its shared memory.
+#if defined(MT_MOE_EXPECT_SMEM) && !defined(MT_MOE_HOPPER)
+static_assert(MT_MOE_EXPECT_SMEM == MT_MOE_GEMM_SMEM_BYTES && MT_MOE_EXPECT_THREADS == MT_MOE_THREADS &&
+                  MT_MOE_EXPECT_BM == MT_MOE_BM && MT_MOE_EXPECT_BN == MT_MOE_BN,
+              "the launcher's GEMM geometry is not the kernels'");
+#endif
 
 // Shared-memory tiles: rows of CH 16-byte chunks, a chunk's place XOR-swizzled so that
 // ldmatrix's 8 row addresses (8 rows, one chunk column) and a warp's cp.async stores hit 8
@@ -584,17 +591,17 @@ __device__ __forceinline__ void gemm_mainloop(float (*acc)[MT_MOE_NI][4], int st
     cp_async_wait_all();
 }
 
-// The expert and row tile of M-grouped row-tile slot `slot` (the tiles of experts 0, 1, ... in
-// order; e = -1 past the last one) into job[0], job[1]. MT_MOE_HOIST: warp 0 scans 32 experts at
-// a time; otherwise thread 0 walks them one by one. The caller synchronises.
-__device__ __forceinline__ void find_expert(int* job, int slot, const int* __restrict__ off, int E) {
-#if MT_MOE_HOIST
+// The expert and row tile of M-grouped row-tile slot `slot` (the tiles of BM rows of experts
+// 0, 1, ... in order; e = -1 past the last one) into job[0], job[1], by warp 0 scanning 32 experts
+// at a time (the other threads return at once). The caller synchronises.
+template <int BM>
+__device__ __forceinline__ void find_expert_warp(int* job, int slot, const int* __restrict__ off, int E) {
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     int cum = 0, found = -1, before = 0;
     for (int base = 0; base < E && found < 0; base += 32) {
         const int e = base + lane;
-        const int tiles = e < E ? (off[e + 1] - off[e] + MT_MOE_BM - 1) / MT_MOE_BM : 0;
+        const int tiles = e < E ? (off[e + 1] - off[e] + BM - 1) / BM : 0;
         int incl = tiles;  // inclusive prefix sum over the lanes
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -614,6 +621,12 @@ __device__ __forceinline__ void find_expert(int* job, int slot, const int* __res
         job[0] = found;
         job[1] = slot - before;
     }
+}
+
+// The same by thread 0 walking the experts one by one (MT_MOE_HOIST 0: the first kernel's way).
+__device__ __forceinline__ void find_expert(int* job, int slot, const int* __restrict__ off, int E) {
+#if MT_MOE_HOIST
+    find_expert_warp<MT_MOE_BM>(job, slot, off, E);
 #else
     if (threadIdx.x != 0) return;
     int cum = 0, e = 0, found = -1;
@@ -628,6 +641,20 @@ __device__ __forceinline__ void find_expert(int* job, int slot, const int* __res
     job[0] = found;
     job[1] = slot - cum;
 #endif
+}
+
+// An M-grouped CTA's row-tile slot and column tile: launch order (group 0: every row tile of
+// column tile 0 first), or groups of `group` row tiles by every column tile, the column tile
+// slowest within a group (grid: row-tile slots x column tiles).
+__device__ __forceinline__ void m_tile(int group, int& slot, int& ct) {
+    slot = blockIdx.x;
+    ct = blockIdx.y;
+    if (group > 0) {
+        const int lin = (int)(blockIdx.x + gridDim.x * blockIdx.y), per = group * (int)gridDim.y;
+        const int g = lin / per, j = lin - g * per, rows = min(group, (int)gridDim.x - g * group);
+        slot = g * group + j % rows;
+        ct = j / rows;
+    }
 }
 
 #define MT_MOE_EPI_STORE 0
@@ -645,17 +672,8 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
                            unsigned short* __restrict__ C, const int* __restrict__ row_slot,
                            const float* __restrict__ weights, const unsigned short* __restrict__ mid,
                            float* __restrict__ partial) {
-    // Which row-tile slot and column tile: launch order, or (GROUP) groups of GROUP row tiles by
-    // every column tile, the column tile slowest within a group.
-    int slot = blockIdx.x, ct = blockIdx.y;
-#if MT_MOE_GROUP > 0
-    {
-        const int lin = (int)(blockIdx.x + gridDim.x * blockIdx.y), per = MT_MOE_GROUP * (int)gridDim.y;
-        const int g = lin / per, j = lin - g * per, rows = min(MT_MOE_GROUP, (int)gridDim.x - g * MT_MOE_GROUP);
-        slot = g * MT_MOE_GROUP + j % rows;
-        ct = j / rows;
-    }
-#endif
+    int slot, ct;
+    m_tile(MT_MOE_GROUP, slot, ct);
     // The job goes through the first 8 bytes of the ring (dynamic shared memory): a static
     // __shared__ array would take the CTA past 48 KiB, the most a launch gets without opting in.
     int* job = reinterpret_cast<int*>(MT_MOE_SMEM);

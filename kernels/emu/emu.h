@@ -34,15 +34,19 @@ struct EmuBlock {
     std::vector<unsigned char> smem;
     std::barrier<> block_bar;
     std::vector<std::barrier<>*> warp_bar;
+    // Warpgroups' (128 threads) barriers, for the warpgroup-wide instructions of emu_hopper.h.
+    std::vector<std::barrier<>*> wg_bar;
     // Per-warp scratch for warp-wide instructions.
     std::vector<std::array<float, 32>> f;
     std::vector<std::array<unsigned, 32 * 6>> u;
     explicit EmuBlock(int threads, size_t smem_bytes)
         : smem(smem_bytes + 16, 0xcd), block_bar(threads), f(threads / 32), u(threads / 32) {
         for (int w = 0; w < threads / 32; ++w) warp_bar.push_back(new std::barrier<>(32));
+        for (int w = 0; w < threads / 128; ++w) wg_bar.push_back(new std::barrier<>(128));
     }
     ~EmuBlock() {
         for (auto* b : warp_bar) delete b;
+        for (auto* b : wg_bar) delete b;
     }
 };
 inline thread_local EmuBlock* emu_block = nullptr;

@@ -30,7 +30,7 @@ use super::flash_launch::{
 };
 use super::msg;
 use super::nvrtc::compile_cubin;
-use super::sources::{COMMON, FLASH, FLASH_HOPPER};
+use super::sources::{COMMON, FLASH, FLASH_HOPPER, HOPPER};
 
 /// Threads of the forward and backward kernels (`MT_HFA_THREADS`: a producer warpgroup and two
 /// consumers).
@@ -72,7 +72,7 @@ pub(super) fn compiled_cubin() -> candle_core::Result<&'static [u8]> {
     let r = CUBIN.get_or_init(|| {
         // The portable file first: the Hopper file reuses its helpers and `mt_flash_bwd_dot`.
         let src = format!(
-            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}\n#line 1 \"{}\"\n{}",
+            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}\n#line 1 \"hopper.cuh\"\n{HOPPER}\n#line 1 \"{}\"\n{}",
             FLASH.file, FLASH.text, FLASH_HOPPER.file, FLASH_HOPPER.text
         );
         compile_cubin(&src, FLASH_HOPPER.file, "sm_90a")

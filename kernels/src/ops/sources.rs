@@ -23,6 +23,8 @@ macro_rules! source {
 
 /// Device helpers every kernel file uses (`bf2f`, `f2bf`, ...), prepended to each source.
 pub(crate) const COMMON: &str = cuda_text!("common.cuh");
+/// The Hopper PTX wrappers (mbarriers, TMA, wgmma, setmaxnreg), prepended to the sm_90a sources.
+pub(crate) const HOPPER: &str = cuda_text!("hopper.cuh");
 
 /// RMSNorm, SwiGLU, RoPE, cross-entropy, column sums, layout copies and adds.
 pub(crate) static FUSED: Source = source!("fused.cu", "mt_fused");
