@@ -66,11 +66,12 @@ SMEM_MAX = 227 * 1024
 FWD_FLOPS = "6*R*H*F, R = tokens*k (gate_up 4RHF + down 2RHF)"
 BWD_FLOPS = "2 x forward (dX and dW of both projections)"
 
-# The GEMM variants a sweep measures: name -> defines (kernels/cuda/moe.cu's switches). Each
-# builds on the one before, so the table reads as a ladder.
+# The GEMM variants a sweep measures: name -> defines (kernels/cuda/moe.cu's and moe_hopper.cu's
+# switches).
 VARIANTS = {
     # Today's kernel: 128 x 128 x 32, 3 stages, 8 warps of 64 x 32, 2 CTAs an SM, 48 KiB.
     "base": {},
+    # The mma.sync ladder, each step on top of the one before.
     # The CTA's setup once: its expert found by a warp's scan, its gathered A rows' sources read
     # once (not an index load and a division per row per k step), a multiplier for the weight
     # gradient's gather.
@@ -82,7 +83,8 @@ VARIANTS = {
     "s4": {"MT_MOE_HOIST": 1, "MT_MOE_GROUP": 8, "MT_MOE_STAGES": 4},
     # + k step 64, 3 stages (96 KiB, 2 CTAs an SM): half the barriers, 128-byte row copies.
     "k64": {"MT_MOE_HOIST": 1, "MT_MOE_GROUP": 8, "MT_MOE_BK": 64},
-    # 4 warps of 64 x 64 (a third fewer ldmatrix per mma), k step 64, 3 stages, 2 CTAs an SM.
+    # Then bigger warp tiles. 4 warps of 64 x 64 (a third fewer ldmatrix per mma), k step 64,
+    # 3 stages, 2 CTAs an SM.
     "w64_k64": {"MT_MOE_HOIST": 1, "MT_MOE_GROUP": 8, "MT_MOE_BK": 64, "MT_MOE_WARPS_M": 2, "MT_MOE_WARPS_N": 2},
     # 128 x 256 CTA tile, 8 warps of 64 x 64, k 32, 4 stages (96 KiB), 1 CTA an SM: a quarter
     # less L2 traffic per FLOP than 128 x 128.
@@ -94,11 +96,13 @@ VARIANTS = {
     "t256x128_k64": {"MT_MOE_HOIST": 1, "MT_MOE_GROUP": 8, "MT_MOE_BM": 256, "MT_MOE_WARPS_M": 4,
                      "MT_MOE_WARPS_N": 2, "MT_MOE_BK": 64, "MT_MOE_MIN_CTAS": 1},
     # Every GEMM on wgmma (moe_hopper.cu, sm_90a only): 128 x 256 x 64 tiles, 4 stages (194 KiB),
-    # a copier warpgroup and two multiplying ones, CTAs in groups of 8 row tiles.
+    # a copier warpgroup and two multiplying ones, CTAs in groups of 8 row tiles. Last, with its
+    # two variations, so that a first run of new kernels that fails the device (a sticky CUDA
+    # error) or hangs cannot take the measurements before it with it.
     "wgmma": {"MT_MOE_HOPPER": 1},
-    # The same, 3 stages and a copy lag of 1 (146 KiB).
+    # The wgmma kernels with 3 stages and a copy lag of 1 (146 KiB).
     "wgmma_s3": {"MT_MOE_HOPPER": 1, "MT_MOE_H_STAGES": 3, "MT_MOE_H_LAG": 1},
-    # 128 x 128 x 64 tiles, 6 stages (194 KiB).
+    # The wgmma kernels with 128 x 128 x 64 tiles, 6 stages (194 KiB).
     "wgmma_n128": {"MT_MOE_HOPPER": 1, "MT_MOE_H_BN": 128, "MT_MOE_H_STAGES": 6},
 }
 
@@ -439,14 +443,15 @@ def errs(got, want):
 def make_logits(kind, t, e, gen):
     import torch
 
+    dev = gen.device
     if kind == "random":
-        return torch.randn(t, e, generator=gen) * 2.0
+        return torch.randn(t, e, generator=gen, device=dev) * 2.0
     if kind == "ties":
         # Few distinct values: many exactly equal probabilities in every row (the tie rule decides).
-        return torch.randint(0, 4, (t, e), generator=gen).float() * 0.5
+        return torch.randint(0, 4, (t, e), generator=gen, device=dev).float() * 0.5
     if kind == "skewed":
         # Experts 0-3 get no token; expert 4 gets every token; the rest share what is left.
-        lg = torch.randn(t, e, generator=gen)
+        lg = torch.randn(t, e, generator=gen, device=dev)
         lg[:, :4] = -30.0
         lg[:, 4] = 12.0
         return lg
@@ -456,16 +461,17 @@ def make_logits(kind, t, e, gen):
 def check(moe, kind, t, e, k, h, f, normalise, seed):
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the GPU: the host's generator takes seconds for the experts' 400M weights.
     dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
-    x = (torch.randn(t, h, generator=gen)).to(bf).to(dev)
-    x1 = (torch.randn(t, h, generator=gen)).to(bf).to(dev)
-    logits = make_logits(kind, t, e, gen).to(bf).to(dev)
-    w_gu = (torch.randn(e, 2 * f, h, generator=gen) / math.sqrt(h)).to(bf).to(dev)
-    w_d = (torch.randn(e, h, f, generator=gen) / math.sqrt(f)).to(bf).to(dev)
-    dout = torch.randn(t, h, generator=gen).to(bf).to(dev)
-    aux = (torch.rand(e, generator=gen, dtype=torch.float64) * 1e-2).to(dev)
+    x = torch.randn(t, h, generator=gen, device=dev).to(bf)
+    x1 = torch.randn(t, h, generator=gen, device=dev).to(bf)
+    logits = make_logits(kind, t, e, gen).to(bf)
+    w_gu = (torch.randn(e, 2 * f, h, generator=gen, device=dev) / math.sqrt(h)).to(bf)
+    w_d = (torch.randn(e, h, f, generator=gen, device=dev) / math.sqrt(f)).to(bf)
+    dout = torch.randn(t, h, generator=gen, device=dev).to(bf)
+    aux = torch.rand(e, generator=gen, dtype=torch.float64, device=dev) * 1e-2
 
     def run():
         g_gu = torch.zeros(e, 2 * f, h, dtype=torch.float32, device=dev)
@@ -779,6 +785,10 @@ def sweep_variant(name, defines, tokens, e, k, h, f, normalise, a):
 
     geo = HopperGeometry(defines) if is_hopper(defines) else Geometry(defines)
     res = {"name": name, "defines": defines, "geometry": geo.as_dict()}
+    if is_hopper(defines) and torch.cuda.get_device_capability() != (9, 0):
+        res["skipped"] = "the wgmma kernels need compute capability 9.0"
+        print(f"variant {name}: skipped ({res['skipped']})", flush=True)
+        return res, None
     try:
         moe = Moe(defines)
     except Exception as ex:
@@ -816,7 +826,8 @@ def print_table(variants, peer):
         p = (v.get("pipeline") or [None])[-1]
         line += f" | {g['total_tflops']:>6.0f}" if g else f" | {'-':>6}"
         line += f" {p['fwd_bwd_tflops']:>7.0f}" if p and p.get("status") == "ok" else f" {'-':>7}"
-        print(line + ("  FAILED: " + v["error"][:60] if "error" in v else ""))
+        print(line + ("  FAILED: " + v["error"][:60] if "error" in v else "")
+              + ("  skipped: " + v["skipped"] if "skipped" in v else ""))
     if peer and peer.get("status") == "ok":
         line = f"{'torch grouped':14} {'':>4} {'':>4} {'':>7} | "
         line += " ".join(f"{peer['kinds'][k]['tflops']:>13.0f}" if "tflops" in peer["kinds"][k] else f"{'fail':>13}"
@@ -883,6 +894,15 @@ def main():
             print(line, flush=True)
             Path(a.out).write_text(json.dumps(doc, indent=1))
     if variants is not None:
+        # The peer first, then the variants (each written out as it ends).
+        peer = None
+        if not a.skip_bench and bench_tokens:
+            try:
+                peer = peer_bench(moe, bench_tokens[-1], e, k, h, f, normalise, a.reps)
+            except Exception as ex:
+                peer = {"status": "failed", "reason": str(ex).splitlines()[0][:300]}
+            doc["peer_grouped_mm"] = peer
+            torch.cuda.empty_cache()
         doc["variants"] = []
         for name, defines in variants:
             res, vmoe = sweep_variant(name, defines, check_tokens, e, k, h, f, normalise, a)
@@ -891,14 +911,7 @@ def main():
             del vmoe
             torch.cuda.empty_cache()
             Path(a.out).write_text(json.dumps(doc, indent=1))
-        peer = None
-        if not a.skip_bench and bench_tokens:
-            try:
-                peer = peer_bench(moe, bench_tokens[-1], e, k, h, f, normalise, a.reps)
-            except Exception as ex:
-                peer = {"status": "failed", "reason": str(ex).splitlines()[0][:300]}
-            doc["peer_grouped_mm"] = peer
-        print_table(doc["variants"], peer)
+            print_table(doc["variants"], peer)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}; checks failed: {failed}")
     return 1 if failed else 0

@@ -660,6 +660,25 @@ __device__ __forceinline__ void m_tile(int group, int& slot, int& ct) {
 #define MT_MOE_EPI_STORE 0
 #define MT_MOE_EPI_DMID 1
 
+// Columns n, n + 1 of row p of an M-grouped product (accumulators v0, v1) into C [*, N]: stored
+// as bf16 (EPI_STORE); or (EPI_DMID) g = bf16(v), dot += g * mid[p, n..] in column order, stored
+// as bf16(g w) (moe_gemm_m's epilogues; moe_hopper.cu's too).
+template <int EPI>
+__device__ __forceinline__ void epi_pair(float v0, float v1, long long p, int n, int N, float w,
+                                         const unsigned short* __restrict__ mid, unsigned short* __restrict__ C,
+                                         float& dot) {
+    if (EPI == MT_MOE_EPI_DMID) {
+        v0 = rbf(v0);
+        v1 = rbf(v1);
+        const unsigned mm = *reinterpret_cast<const unsigned*>(mid + p * N + n);
+        dot = dot + v0 * bf2f((unsigned short)(mm & 0xffffu));
+        dot = dot + v1 * bf2f((unsigned short)(mm >> 16));
+        v0 = v0 * w;
+        v1 = v1 * w;
+    }
+    *reinterpret_cast<unsigned*>(C + p * N + n) = (unsigned)f2bf(v0) | ((unsigned)f2bf(v1) << 16);
+}
+
 // M-grouped: C[p, n] = sum_k A[p, k] B_e[k, n] for the rows p of expert e. A [*, K] bf16 (row p
 // read from row a_idx[p] / a_div when a_idx is given); W: expert e's matrix at W + e N K, stored
 // [N, K] (B_KN false: B_e = W[e]^T) or [K, N] (B_KN true). Grid (ceil(R / BM) + E, ceil(N / BN)).
@@ -718,18 +737,7 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
 #pragma unroll
             for (int ni = 0; ni < MT_MOE_NI; ++ni) {
                 const int n = n0 + wn * MT_MOE_WTN + ni * 8 + (lane & 3) * 2;
-                if (!row_ok || n >= N) continue;
-                float v0 = acc[mi][ni][h * 2], v1 = acc[mi][ni][h * 2 + 1];
-                if (EPI == MT_MOE_EPI_DMID) {
-                    v0 = rbf(v0);
-                    v1 = rbf(v1);
-                    const unsigned mm = *reinterpret_cast<const unsigned*>(mid + (size_t)p * N + n);
-                    dot = dot + v0 * bf2f((unsigned short)(mm & 0xffffu));
-                    dot = dot + v1 * bf2f((unsigned short)(mm >> 16));
-                    v0 = v0 * w;
-                    v1 = v1 * w;
-                }
-                *reinterpret_cast<unsigned*>(C + (size_t)p * N + n) = (unsigned)f2bf(v0) | ((unsigned)f2bf(v1) << 16);
+                if (row_ok && n < N) epi_pair<EPI>(acc[mi][ni][h * 2], acc[mi][ni][h * 2 + 1], p, n, N, w, mid, C, dot);
             }
             if (EPI == MT_MOE_EPI_DMID) {
                 dot += __shfl_xor_sync(0xffffffffu, dot, 1);
@@ -777,6 +785,15 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, MT_MOE_MIN_CTAS)
     moe_gemm_m<true, MT_MOE_EPI_DMID>(A, a_idx, a_div, W, off, E, N, K, C, row_slot, weights, mid, partial);
 }
 
+// G[m, n], G[m, n + 1] += a0, a1 (the K-grouped epilogue: an f32 gradient element's one writer).
+__device__ __forceinline__ void add_pair(float* __restrict__ G, long long m, int n, int N, float a0, float a1) {
+    float2* g = reinterpret_cast<float2*>(G + m * N + n);
+    float2 v = *g;
+    v.x = v.x + a0;
+    v.y = v.y + a1;
+    *g = v;
+}
+
 // K-grouped weight gradient: G[e][m, n] += sum over the rows p of expert e, ascending, of
 // A[p, m] B[p, n]. A [R, M] bf16 (permuted rows); B [*, N] bf16 (row p read from row
 // b_idx[p] / b_div when b_idx is given); G [E, M, N] f32. Grid (ceil(M / BM) ceil(N / BN), E).
@@ -811,12 +828,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, MT_MOE_MIN_CTAS)
 #pragma unroll
             for (int ni = 0; ni < MT_MOE_NI; ++ni) {
                 const int n = n0 + wn * MT_MOE_WTN + ni * 8 + (lane & 3) * 2;
-                if (n >= N) continue;
-                float2* g = reinterpret_cast<float2*>(Ge + (size_t)m * N + n);
-                float2 v = *g;
-                v.x = v.x + acc[mi][ni][h * 2];
-                v.y = v.y + acc[mi][ni][h * 2 + 1];
-                *g = v;
+                if (n < N) add_pair(Ge, m, n, N, acc[mi][ni][h * 2], acc[mi][ni][h * 2 + 1]);
             }
         }
 }

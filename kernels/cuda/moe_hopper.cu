@@ -244,18 +244,7 @@ __device__ void moe_hgemm(const unsigned short* __restrict__ A, const int* __res
 #pragma unroll
         for (int jb = 0; jb < L::BN / 8; ++jb) {
             const int n = n0 + 8 * jb + 2 * tq;
-            if (!row_ok || n >= N) continue;
-            float v0 = acc[4 * jb + 2 * i], v1 = acc[4 * jb + 2 * i + 1];
-            if (EPI == MT_MOE_EPI_DMID) {
-                v0 = rbf(v0);
-                v1 = rbf(v1);
-                const unsigned mm = *reinterpret_cast<const unsigned*>(mid + (size_t)p * N + n);
-                dot = dot + v0 * bf2f((unsigned short)(mm & 0xffffu));
-                dot = dot + v1 * bf2f((unsigned short)(mm >> 16));
-                v0 = v0 * wt;
-                v1 = v1 * wt;
-            }
-            *reinterpret_cast<unsigned*>(C + (size_t)p * N + n) = (unsigned)f2bf(v0) | ((unsigned)f2bf(v1) << 16);
+            if (row_ok && n < N) epi_pair<EPI>(acc[4 * jb + 2 * i], acc[4 * jb + 2 * i + 1], p, n, N, wt, mid, C, dot);
         }
         if (EPI == MT_MOE_EPI_DMID) {
             dot += __shfl_xor_sync(0xffffffffu, dot, 1);
@@ -345,12 +334,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_H_THREADS, 1)
 #pragma unroll
         for (int jb = 0; jb < L::BN / 8; ++jb) {
             const int n = n0 + 8 * jb + 2 * tq;
-            if (n >= N) continue;
-            float2* g = reinterpret_cast<float2*>(Ge + (size_t)m * N + n);
-            float2 v = *g;
-            v.x = v.x + acc[4 * jb + 2 * i];
-            v.y = v.y + acc[4 * jb + 2 * i + 1];
-            *g = v;
+            if (n < N) add_pair(Ge, m, n, N, acc[4 * jb + 2 * i], acc[4 * jb + 2 * i + 1]);
         }
     }
 }
