@@ -17,7 +17,8 @@
 //! - [`ce_loss`] / [`ce_grad`]: cross-entropy over bf16 logits (`ce.rs`); [`col_sums_add`],
 //!   [`swap12`], [`add`], [`add_row`]: a bias gradient, the attention layout and the adds;
 //! - [`MoeRouting`], [`moe_swiglu`], [`moe_swiglu_backward`]: mixture-of-experts on the device
-//!   (routing, grouping by expert, grouped GEMMs, combine; `moe.rs`, not yet called by the engine);
+//!   (routing, grouping by expert, grouped GEMMs on the kernels [`MoeGemm`] picks, combine;
+//!   `moe/`, not yet called by the engine);
 //! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`).
 //!
 //! The softmax pair replaces ~10 candle passes over the `[b, heads, t, t]` score tensor each
@@ -171,7 +172,7 @@ pub use rope::rope;
 mod ce;
 pub use ce::{ce_grad, ce_loss};
 mod moe;
-pub use moe::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeRouting};
+pub use moe::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeGemm, MoeRouting};
 
 /// Whether the fused bf16 kernels apply to `x`: a bf16 tensor on a CUDA device of compute
 /// capability 8.0 or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). They use nothing newer

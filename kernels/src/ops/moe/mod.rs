@@ -8,7 +8,8 @@
 //! Phase 1 of the work: the engine's MoE layer does not call these yet (`moe_tests.rs` checks
 //! them on a GPU against an f64 evaluation; `scripts/moe_bench.py` launches the same kernels with
 //! the same geometry from PyTorch). Here: the routing, its grouping and the shared launch helpers;
-//! `gemm.rs`: the grouped GEMMs; `rows.rs`: gather, combine, SwiGLU, the router's backward.
+//! `gemm.rs`: the grouped GEMMs; `kernels.rs`: their two kernel sets (mma.sync, and wgmma on
+//! Hopper) and launch geometries; `rows.rs`: gather, combine, SwiGLU, the router's backward.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -21,18 +22,6 @@ use super::sources::MOE;
 
 /// Slots per sort chunk (`MT_MOE_CHUNK`).
 const CHUNK: usize = 1024;
-/// Rows and columns of a GEMM's CTA tile (`MT_MOE_BM`, `MT_MOE_BN`: moe.cu's defaults, which
-/// these follow).
-const BM: usize = 128;
-const BN: usize = 128;
-/// The k step and the stages of the GEMMs' cp.async ring (`MT_MOE_BK`, `MT_MOE_STAGES`).
-const BK: usize = 32;
-const STAGES: usize = 3;
-/// Threads of a GEMM CTA (`MT_MOE_THREADS`: 32 `MT_MOE_WARPS_M` `MT_MOE_WARPS_N`).
-const GEMM_THREADS: u32 = 256;
-/// Dynamic shared memory of a GEMM CTA (`MT_MOE_GEMM_SMEM_BYTES`): each stage an A tile and a
-/// B tile of bf16 (48 KiB today; the launches opt in where a geometry needs more).
-const GEMM_SMEM: u32 = (STAGES * (BM + BN) * BK * 2) as u32;
 /// The largest top-k (`MT_MOE_MAX_K`) and expert count (a 32-bit mask of 32 experts per lane)
 /// the kernels take.
 const MAX_K: usize = 32;
@@ -70,13 +59,6 @@ fn func(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
     Ok(dev.get_or_load_custom_func(name, MOE.module, MOE.ptx()?)?.into_cuda_function())
 }
 
-/// A grouped GEMM kernel, allowed its [`GEMM_SMEM`] bytes of dynamic shared memory.
-fn gemm_func(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
-    let f = func(dev, name)?;
-    allow_smem(&f, GEMM_SMEM)?;
-    Ok(f)
-}
-
 fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
     match t.device() {
         Device::Cuda(d) => Ok(d.clone()),
@@ -94,6 +76,8 @@ fn int(v: usize, what: &str) -> candle_core::Result<i32> {
 /// one, so the offsets always cover every row once: what lets the GEMMs below promise to write
 /// every output row.
 pub struct MoeRouting {
+    /// The grouped GEMM kernels its products run.
+    gemm: GemmSet,
     tokens: usize,
     experts: usize,
     k: usize,
@@ -117,7 +101,12 @@ pub enum ExpertMatrix {
 }
 
 mod gemm;
+mod kernels;
 mod rows;
+#[cfg(test)]
+pub(super) use kernels::wgmma_cubin;
+use kernels::GemmSet;
+pub use kernels::MoeGemm;
 pub use rows::{moe_swiglu, moe_swiglu_backward};
 
 impl MoeRouting {
@@ -214,6 +203,7 @@ impl MoeRouting {
             unsafe { a.launch(grid_stride(r)) }.w()?;
         }
         Ok(MoeRouting {
+            gemm: GemmSet::pick(MoeGemm::Auto, &dev)?,
             tokens: t,
             experts: e,
             k,
@@ -226,6 +216,13 @@ impl MoeRouting {
             perm: wrap(perm, &dev, r),
             row_slot: wrap(row_slot, &dev, r),
         })
+    }
+
+    /// The same routing with its grouped GEMMs on the kernels `choice` names (the GPU's default,
+    /// [`MoeGemm::Auto`], after [`MoeRouting::route`]); an error where they cannot run on this GPU.
+    pub fn with_gemm(mut self, choice: MoeGemm) -> candle_core::Result<Self> {
+        self.gemm = GemmSet::pick(choice, &cuda_dev(&self.offsets)?)?;
+        Ok(self)
     }
 
     /// Router probabilities `[T, E]` f32.
