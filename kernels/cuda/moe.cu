@@ -25,7 +25,7 @@
 // m16n8k16, ldmatrix, cp.async into a ring of stages; sm_80 and later). By default CTA tile
 // 128 x 128, k step 32, 3 stages, 8 warps of 64 x 32, two CTAs an SM (at most 128 registers a
 // thread, 2 x 48 KiB of shared memory); other geometries are compile-time switches (the GEMM
-// section below). Two shapes:
+// section below); moe_hopper.cu has the same GEMMs on wgmma for Hopper. Two shapes:
 //   M-grouped (forward products and the backward's dX): C[p, :] = A[p, :] B_e for the rows p of
 //     expert e, B_e = W[e]^T (W stored [N, K], "nk") or W[e] itself (stored [K, N], "kn"). The grid
 //     is sized to the bound ceil(R / BM) + E of row tiles; each CTA finds its expert and row tile

@@ -1,29 +1,31 @@
-// The mixture-of-experts' M-grouped GEMMs on Hopper (compute capability 9.0, `sm_90a`): the
-// products of moe.cu's mt_moe_gemm_nk, _kn and _kn_dmid (same arguments, same outputs, the same
-// expert search and CTA grouping) on wgmma, the asynchronous warpgroup matrix multiply, instead
-// of mma.sync. Compiled after common.cuh, hopper.cuh and moe.cu (whose expert search, CTA order
-// and epilogue arithmetic it reuses) into one sm_90a CUBIN. The weight gradients stay on moe.cu's
-// K-grouped kernel.
+// The mixture-of-experts' grouped GEMMs on Hopper (compute capability 9.0, `sm_90a`): moe.cu's
+// mt_moe_gemm_nk, _kn, _kn_dmid and _wgrad (same arguments, same outputs, the same expert search
+// and CTA grouping) on wgmma, the asynchronous warpgroup matrix multiply, instead of mma.sync.
+// Compiled after common.cuh, hopper.cuh and moe.cu (whose expert search, CTA order and epilogue
+// arithmetic it reuses) into one sm_90a CUBIN.
 //
-// A CTA computes 128 rows x HBN columns (256 by default) of one expert, k step 64, with three
-// warpgroups: warpgroup 0 copies, warpgroups 1 and 2 multiply (rows 0-63 and 64-127, one
-// m64nHBNk16 wgmma per k16 step, the accumulators in registers: HBN / 2 floats a thread), with
-// setmaxnreg moving registers from the copier to them.
+// A CTA computes a 128 x HBN tile (HBN 256 by default), k step 64, with three warpgroups:
+// warpgroup 0 copies, warpgroups 1 and 2 multiply (rows 0-63 and 64-127, one m64nHBNk16 wgmma
+// per k16 step, the accumulators in registers: HBN / 2 floats a thread), with setmaxnreg moving
+// registers from the copier to them.
 //
 // The copier's 128 threads move each k step with cp.async into one of HSTAGES stages, laid out
 // the way wgmma's shared-memory descriptors read them (128-byte swizzle: the 16-byte piece c of a
-// 128-byte row r at piece c ^ (r mod 8), every tile 1024-byte aligned): A as [128 rows][64 k]
-// (K-major); B as [HBN rows n][64 k] (K-major) when W is stored [N, K] ("nk"), as HBN / 64 blocks
-// of [64 k][64 n] (MN-major) when it is stored [K, N] ("kn"). A's rows may be gathered through
-// a_idx / a_div, their sources found once per CTA: TMA cannot gather rows, so cp.async moves both
-// operands. A copier thread waits for its own copies of a stage HLAG steps after issuing them
+// 128-byte row r at piece c ^ (r mod 8), every tile 1024-byte aligned). M-grouped: A as
+// [128 rows][64 k] (K-major); B as [HBN rows n][64 k] (K-major) when W is stored [N, K] ("nk"),
+// as HBN / 64 blocks of [64 k][64 n] (MN-major) when it is stored [K, N] ("kn"). K-grouped (the
+// weight gradients): both as blocks of [64 rows p][64 columns] (MN-major). Rows may be gathered
+// (a_idx / a_div, b_idx / b_div): TMA cannot gather rows, so cp.async moves every operand. A
+// copier thread waits for its own copies of a stage HLAG steps after issuing them
 // (cp.async.wait_group), makes them visible to the async proxy through which wgmma reads shared
 // memory (fence.proxy.async), and arrives on the stage's "full" mbarrier (128 arrivals); each
 // multiplying warp arrives on its "empty" mbarrier once the wgmma that read it has completed.
 //
 // Epilogues as moe.cu's, from the wgmma accumulator layout: bf16 store; or g = bf16(acc),
 // C = bf16(g w) and per row the sum over the tile's columns of g * mid (each row's 64 x HBN
-// products live in one quad of lanes: a quad sum, no shared memory), in a fixed order.
+// products live in one quad of lanes: a quad sum, no shared memory), in a fixed order; or the
+// f32 gradient's read-modify-write (one writer per element). Deterministic: every sum in a fixed
+// order, though not moe.cu's (the tensor cores' order within a k step, 64-row steps).
 
 #ifndef MT_MOE_H_BN
 #define MT_MOE_H_BN 256
