@@ -811,27 +811,35 @@ def sweep_variant(name, defines, tokens, e, k, h, f, normalise, a):
     return res, moe
 
 
+TABLE_HEAD = (f"{'variant':14} {'regs':>4} {'KiB':>4} {'checks':>7} | " + " ".join(f"{k:>13}" for k in GEMM_KINDS)
+              + f" | {'gemms':>6} {'fwd+bwd':>7}  (TFLOP/s)")
+
+
+def table_row(v):
+    """A variant's line of the table: TFLOP/s of each GEMM kind (the largest token count), their
+    sum, the whole layer."""
+    regs = max(v.get("registers", {}).values(), default=0)
+    n_checks = len(v.get("checks", []))
+    line = (f"{v['name']:14} {regs:>4} {v['geometry']['smem_bytes'] // 1024:>4} "
+            f"{n_checks - v.get('checks_failed', n_checks):>3}/{n_checks:<3} | ")
+    g = (v.get("gemms") or [None])[-1]
+    line += " ".join(f"{g['kinds'][k]['tflops']:>13.0f}" if g else f"{'-':>13}" for k in GEMM_KINDS)
+    p = (v.get("pipeline") or [None])[-1]
+    line += f" | {g['total_tflops']:>6.0f}" if g else f" | {'-':>6}"
+    line += f" {p['fwd_bwd_tflops']:>7.0f}" if p and p.get("status") == "ok" else f" {'-':>7}"
+    return (line + ("  FAILED: " + v["error"][:60] if "error" in v else "")
+            + ("  skipped: " + v["skipped"] if "skipped" in v else ""))
+
+
 def print_table(variants, peer):
-    """TFLOP/s of each GEMM kind per variant (the largest token count), the sum, the whole layer."""
-    kinds = list(GEMM_KINDS)
-    head = f"{'variant':14} {'regs':>4} {'KiB':>4} {'checks':>7} | " + " ".join(f"{k:>13}" for k in kinds)
-    print(head + f" | {'gemms':>6} {'fwd+bwd':>7}  (TFLOP/s)")
+    """Every variant's line, and the peer's."""
+    print(TABLE_HEAD)
     for v in variants:
-        regs = max(v.get("registers", {}).values(), default=0)
-        n_checks = len(v.get("checks", []))
-        line = (f"{v['name']:14} {regs:>4} {v['geometry']['smem_bytes'] // 1024:>4} "
-                f"{n_checks - v.get('checks_failed', n_checks):>3}/{n_checks:<3} | ")
-        g = (v.get("gemms") or [None])[-1]
-        line += " ".join(f"{g['kinds'][k]['tflops']:>13.0f}" if g else f"{'-':>13}" for k in kinds)
-        p = (v.get("pipeline") or [None])[-1]
-        line += f" | {g['total_tflops']:>6.0f}" if g else f" | {'-':>6}"
-        line += f" {p['fwd_bwd_tflops']:>7.0f}" if p and p.get("status") == "ok" else f" {'-':>7}"
-        print(line + ("  FAILED: " + v["error"][:60] if "error" in v else "")
-              + ("  skipped: " + v["skipped"] if "skipped" in v else ""))
+        print(table_row(v))
     if peer and peer.get("status") == "ok":
         line = f"{'torch grouped':14} {'':>4} {'':>4} {'':>7} | "
         line += " ".join(f"{peer['kinds'][k]['tflops']:>13.0f}" if "tflops" in peer["kinds"][k] else f"{'fail':>13}"
-                         for k in kinds)
+                         for k in GEMM_KINDS)
         line += f" | {peer['total_tflops']:>6.0f}" if "total_tflops" in peer else f" | {'-':>6}"
         print(line)
     elif peer:
@@ -894,24 +902,30 @@ def main():
             print(line, flush=True)
             Path(a.out).write_text(json.dumps(doc, indent=1))
     if variants is not None:
-        # The peer first, then the variants (each written out as it ends).
+        # The mma.sync variants, the peer, then the wgmma variants (new kernels last: one that
+        # fails the device or hangs takes nothing measured before it), each written out as it ends.
         peer = None
-        if not a.skip_bench and bench_tokens:
-            try:
-                peer = peer_bench(moe, bench_tokens[-1], e, k, h, f, normalise, a.reps)
-            except Exception as ex:
-                peer = {"status": "failed", "reason": str(ex).splitlines()[0][:300]}
-            doc["peer_grouped_mm"] = peer
-            torch.cuda.empty_cache()
         doc["variants"] = []
-        for name, defines in variants:
+        order = [v for v in variants if not is_hopper(v[1])] + [None] + [v for v in variants if is_hopper(v[1])]
+        for item in order:
+            if item is None:
+                if not a.skip_bench and bench_tokens:
+                    try:
+                        peer = peer_bench(moe, bench_tokens[-1], e, k, h, f, normalise, a.reps)
+                    except Exception as ex:
+                        peer = {"status": "failed", "reason": str(ex).splitlines()[0][:300]}
+                    doc["peer_grouped_mm"] = peer
+                    torch.cuda.empty_cache()
+                continue
+            name, defines = item
             res, vmoe = sweep_variant(name, defines, check_tokens, e, k, h, f, normalise, a)
             failed += res.get("checks_failed", 0) + (1 if "error" in res else 0)
             doc["variants"].append(res)
             del vmoe
             torch.cuda.empty_cache()
             Path(a.out).write_text(json.dumps(doc, indent=1))
-            print_table(doc["variants"], peer)
+            print(table_row(res), flush=True)
+        print_table(doc["variants"], peer)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}; checks failed: {failed}")
     return 1 if failed else 0
