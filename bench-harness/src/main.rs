@@ -34,8 +34,8 @@ struct Cli {
     /// Systems (paper).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ours,torch,deepspeed")]
     systems: Vec<System>,
-    /// Models (paper, longctx): 3.6b, 7b, 8b, 14b, 32b, 120b or config.json paths; `none` for no
-    /// throughput part [default: paper 3.6b,14b; longctx 7b].
+    /// Models (paper, longctx): 3.6b, 7b, 8b, 14b, 32b, 120b, olmoe, 30b-a3b or config.json
+    /// paths; `none` for no throughput part [default: paper 3.6b,14b; longctx 7b].
     #[arg(long, value_delimiter = ',')]
     models: Option<Vec<String>>,
     /// Tokens per step as BATCHxSEQ [default: smoke 4x64, paper 4x2048,16x2048, ablate 4x2048,

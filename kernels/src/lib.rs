@@ -26,9 +26,9 @@ pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use ops::{
     accumulate_matmul_t, add, add_row, applies, applies_on, causal_softmax, ce_grad, ce_loss, col_sums_add,
-    flash_backward, flash_forward, gemm_applies, hopper_applies, moe_swiglu, moe_swiglu_backward, rms_norm,
-    rms_norm_backward, rope, rows_add, softmax_backward, swap12, swiglu, swiglu_backward, ExpertMatrix,
-    MoeGemm, MoeRouting,
+    decode_base, flash_backward, flash_forward, gemm_applies, hopper_applies, moe_swiglu,
+    moe_swiglu_backward, rms_norm, rms_norm_backward, rope, rows_add, softmax_backward, swap12, swiglu,
+    swiglu_backward, ExpertMatrix, MoeGemm, MoeRouting,
 };
 
 /// Which flash attention kernels run (`megatrain train --attention`): the Hopper kernels wherever
@@ -59,8 +59,58 @@ pub fn hopper_dq_buffer_bytes(b: usize, t: usize, heads: usize, hd: usize) -> u6
     (b * heads * t.div_ceil(HOPPER_BQ) * HOPPER_BQ * hd * 4) as u64
 }
 
+/// The most experts the MoE kernels route over (`ops/moe`: a 32-bit mask of 32 experts a lane).
+pub const MOE_MAX_EXPERTS: usize = 1024;
+/// The largest top-k the MoE kernels route (`MT_MOE_MAX_K` of `kernels/cuda/moe.cu`).
+pub const MOE_MAX_TOP_K: usize = 32;
+
+/// Routed rows per chunk of the MoE kernels' counting sort (`MT_MOE_CHUNK`): each chunk keeps a
+/// `[E]` u32 count and base.
+pub const MOE_SORT_CHUNK: usize = 1024;
+/// Columns of a MoE grouped GEMM tile (`MT_MOE_BN`), the narrowest of the kernel sets' (the
+/// wgmma set's are 256): the down projection's backward writes one f32 partial of the routing
+/// weights' gradient per row and column tile, so this counts the most partials any set writes.
+pub const MOE_GEMM_TILE: usize = 128;
+
+/// Whether the MoE kernels (`MoeRouting` and its grouped GEMMs, under `cuda`) take a layer of
+/// `experts` experts of width `width`, top-`k` routing and hidden size `hidden`, over a tile of
+/// `tokens` rows: 1 to [`MOE_MAX_EXPERTS`] experts, top-1 to top-[`MOE_MAX_TOP_K`] (at most the
+/// experts), both widths non-zero multiples of 8 (16-byte rows of bf16), fewer than 2^31 routed
+/// rows (`tokens · k`, the kernels' `int` indices). The launchers refuse anything else.
+pub fn moe_fits(experts: usize, k: usize, hidden: usize, width: usize, tokens: usize) -> bool {
+    (1..=MOE_MAX_EXPERTS).contains(&experts)
+        && (1..=MOE_MAX_TOP_K.min(experts)).contains(&k)
+        && hidden > 0
+        && width > 0
+        && hidden.is_multiple_of(8)
+        && width.is_multiple_of(8)
+        && tokens.checked_mul(k).is_some_and(|r| r < 1 << 31)
+}
+
 /// Whether flash attention is built for head dim `hd` (it also needs bf16 on a CUDA device of
 /// compute capability 8.0 or later: `applies_on`).
 pub fn flash_head_dim(hd: usize) -> bool {
     matches!(hd, 16 | 32 | 64 | 128)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::moe_fits;
+
+    /// The launchers' limits, at their edges (`ops/moe`'s checks refuse what this refuses).
+    #[test]
+    fn moe_fits_is_the_launchers_limits() {
+        assert!(moe_fits(64, 8, 2048, 1024, 32768));
+        assert!(moe_fits(1024, 32, 8, 8, 1));
+        assert!(!moe_fits(1025, 8, 2048, 1024, 1), "experts");
+        assert!(!moe_fits(0, 1, 2048, 1024, 1), "no experts");
+        assert!(!moe_fits(64, 33, 2048, 1024, 1), "top-33");
+        assert!(!moe_fits(4, 5, 2048, 1024, 1), "top-k above the experts");
+        assert!(!moe_fits(64, 0, 2048, 1024, 1), "top-0");
+        assert!(!moe_fits(64, 8, 2044, 1024, 1), "hidden size");
+        assert!(!moe_fits(64, 8, 2048, 1020, 1), "expert width");
+        assert!(!moe_fits(64, 8, 0, 1024, 1), "zero width");
+        assert!(moe_fits(64, 8, 2048, 1024, (1 << 28) - 1));
+        assert!(!moe_fits(64, 8, 2048, 1024, 1 << 28), "2^31 routed rows");
+    }
 }

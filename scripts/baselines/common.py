@@ -85,9 +85,31 @@ def model_dims(cfg: dict) -> dict:
     }
 
 
+MOE_TYPES = ("olmoe", "qwen3_moe", "mixtral", "gpt_oss")
+
+
+def active_params(cfg: dict, n_params: int) -> int:
+    """Parameters one token's forward uses (megatrain's mt_core::active_params): all of a dense
+    model's; for a mixture of experts, all but the (E - k) experts per layer a token is not routed
+    to (3 h f_e each; GPT-OSS adds its 2 f_e + h expert biases). The router counts in full."""
+    mt = cfg["model_type"]
+    if mt not in MOE_TYPES:
+        return n_params
+    e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0)
+    if not 0 < k <= e:
+        raise ValueError(f"{mt}: {e} experts with top-{k}")
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"{mt}: dense layers among the MoE ones are not counted here")
+    h = int(cfg["hidden_size"])
+    fe = int(cfg["moe_intermediate_size"] if mt == "qwen3_moe" else cfg["intermediate_size"])
+    per_expert = 3 * h * fe + (2 * fe + h if mt == "gpt_oss" else 0)
+    return n_params - int(cfg["num_hidden_layers"]) * (e - k) * per_expert
+
+
 def model_flops_per_step(n_params: int, batch: int, seq: int, layers: int, hidden: int) -> float:
-    """6*N*T + 6*L*S*H*T with T = batch*seq (attention counted, recompute not; the same convention
-    as megatrain's mt_core::model_flops_per_step)."""
+    """6*N*T + 6*L*S*H*T with T = batch*seq and N the active parameters (active_params: attention
+    counted, recompute not; the same convention as megatrain's mt_core::model_flops_per_step)."""
     t = batch * seq
     return 6.0 * n_params * t + 6.0 * layers * seq * hidden * t
 
@@ -173,8 +195,9 @@ def run_record(system: str, args: argparse.Namespace, cfg: dict, n_params: int, 
         "seed": args.seed,
         "activation_checkpointing": not args.no_checkpointing,
         "tokens_per_step": args.batch_size * args.seq_len,
+        "active_params": active_params(cfg, n_params),
         "model_flops_per_step": model_flops_per_step(
-            n_params, args.batch_size, args.seq_len, dims["num_hidden_layers"], dims["hidden_size"]
+            active_params(cfg, n_params), args.batch_size, args.seq_len, dims["num_hidden_layers"], dims["hidden_size"]
         ),
         "flops_formula": FLOPS_FORMULA,
         "cpus": os.cpu_count(),

@@ -54,7 +54,7 @@ def train(args, writer) -> None:
     common.sync(args.device)
     init_s = timer.s()
 
-    flops = common.model_flops_per_step(n_params, args.batch_size, args.seq_len, dims["num_hidden_layers"], dims["hidden_size"])
+    flops = common.model_flops_per_step(common.active_params(cfg_dict, n_params), args.batch_size, args.seq_len, dims["num_hidden_layers"], dims["hidden_size"])
     writer.write(
         common.run_record(
             SYSTEM,

@@ -26,6 +26,36 @@ def llama_n_params(c: dict) -> int:
     return 2 * v * h + layers * layer + h
 
 
+class ActiveParams(unittest.TestCase):
+    """The MoE shapes' active parameters and FLOPs, as `megatrain estimate` prints them."""
+
+    def config(self, name):
+        return common.read_config(os.path.join(ROOT, "bench-harness", "configs", name))
+
+    def test_dense_counts_every_parameter(self):
+        self.assertEqual(common.active_params(common.read_config(LLAMA_3_6B), 123), 123)
+
+    def test_olmoe_counts_8_of_64_experts(self):
+        c = self.config("olmoe-1b-7b.json")
+        # megatrain estimate: 6919161856 parameters, 1.6578e13 FLOPs at 1 x 2048.
+        n = common.active_params(c, 6_919_161_856)
+        self.assertEqual(n, 6_919_161_856 - 16 * 56 * 3 * 2048 * 1024)
+        f = common.model_flops_per_step(n, 1, 2048, 16, 2048)
+        self.assertAlmostEqual(f / 1.6578e13, 1.0, places=4)
+
+    def test_qwen3_30b_a3b_counts_8_of_128_experts(self):
+        c = self.config("qwen3-30b-a3b.json")
+        n = common.active_params(c, 30_532_122_624)
+        self.assertEqual(n, 3_353_032_704)
+        f = common.model_flops_per_step(n, 1, 2048, 48, 2048)
+        self.assertAlmostEqual(f / 4.3676e13, 1.0, places=4)
+
+    def test_dense_layers_among_moe_ones_are_refused(self):
+        c = dict(self.config("qwen3-30b-a3b.json"), mlp_only_layers=[0])
+        with self.assertRaises(ValueError):
+            common.active_params(c, 1)
+
+
 class Flops(unittest.TestCase):
     def test_formula(self):
         # 6*N*T + 6*L*S*H*T with T = B*S

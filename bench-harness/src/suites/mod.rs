@@ -165,10 +165,12 @@ pub fn model_config_path(label: &str) -> Result<PathBuf> {
         "14b" => "qwen2.5-14b.json",
         "32b" => "qwen2.5-32b.json",
         "120b" => "dense-120b.json",
+        "olmoe" => "olmoe-1b-7b.json",
+        "30b-a3b" => "qwen3-30b-a3b.json",
         other if other.ends_with(".json") => return Ok(PathBuf::from(other)),
         other => {
             return Err(Error::Options(format!(
-                "unknown model {other:?}: use 3.6b, 7b, 8b, 14b, 32b, 120b or a .json path"
+                "unknown model {other:?}: use 3.6b, 7b, 8b, 14b, 32b, 120b, olmoe, 30b-a3b or a .json path"
             )))
         }
     };
@@ -540,12 +542,21 @@ pub fn plan(opts: &Options) -> Result<Plan> {
 
 #[cfg(test)]
 mod tests {
-    use super::model_label;
+    use super::{model_config_path, model_label};
 
     #[test]
     fn model_labels_keep_their_dots_and_paths_lose_their_directory() {
         assert_eq!(model_label("3.6b"), "3.6b");
         assert_eq!(model_label("14b"), "14b");
         assert_eq!(model_label("bench-harness/configs/llama3-3.6b.json"), "llama3-3.6b");
+    }
+
+    #[test]
+    fn every_known_label_names_a_committed_config() {
+        for label in ["3.6b", "7b", "8b", "14b", "32b", "120b", "olmoe", "30b-a3b"] {
+            let path = model_config_path(label).unwrap();
+            assert!(path.is_file(), "{label}: {} is missing", path.display());
+        }
+        assert!(model_config_path("13b").is_err());
     }
 }

@@ -8,6 +8,7 @@
 //! it; neither touches one). It is pure data and arithmetic on sizes and layer indices.
 #![forbid(unsafe_code)]
 
+mod base;
 mod config;
 mod error;
 mod gpt_oss;
@@ -20,6 +21,7 @@ pub mod placement;
 mod states;
 pub mod units;
 
+pub use base::{BaseCode, BaseDtype, BaseEncoding, BaseSegment, BASE_BLOCK};
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use gpt_oss::{ClampedGlu, LayerWindows};

@@ -3,7 +3,7 @@
 //! `W [out, in]`, `A [r, in]` and `B [out, r]`: `y = x Wᵀ + s · (x Aᵀ) Bᵀ` with `s = alpha / r`
 //! (rsLoRA: `alpha / √r`). Only `A` and `B` train.
 
-use crate::{Error, ModelConfig, Result};
+use crate::{BaseDtype, Error, ModelConfig, Result};
 
 /// A linear layer of a decoder layer that an adapter may target (peft's `target_modules` names
 /// them by their module's last component: `q_proj`, ...).
@@ -119,6 +119,9 @@ pub struct LoraConfig {
     pub dropout: f64,
     /// rsLoRA scaling: `alpha / √r` instead of `alpha / r`.
     pub rslora: bool,
+    /// How the frozen base is held in host memory (`--base-dtype`; [`LoraConfig::new`]: fp32,
+    /// the weights as imported).
+    pub base: BaseDtype,
 }
 
 impl LoraConfig {
@@ -137,7 +140,7 @@ impl LoraConfig {
             return Err(Error::Unsupported("LoRA with no target module".into()));
         }
         let targets = LoraTarget::ALL.into_iter().filter(|t| targets.contains(t)).collect();
-        Ok(LoraConfig { rank, alpha, targets, dropout, rslora })
+        Ok(LoraConfig { rank, alpha, targets, dropout, rslora, base: BaseDtype::F32 })
     }
 
     /// The scale `s` of the adapter's output: `alpha / r`, or `alpha / √r` with rsLoRA.

@@ -111,6 +111,22 @@ impl<'a> GradSink<'a> {
         self.matmul_at(name, spec.offset + e * out * inp, out, inp, dy, x)
     }
 
+    /// `buf[name] += g` for a gradient `add` forms in place: `add` is given an f32 tensor of
+    /// `name`'s shape and adds its product into it (the MoE kernels' expert weight gradients,
+    /// `mt_kernels::MoeRouting::weight_grad`). An f32 buffer hands it its own view (no copy,
+    /// nothing read back); any other a tensor of zeros, then added as by
+    /// [`GradSink::accumulate`]. A frozen parameter's `add` is not called.
+    pub fn accumulate_in_place(&self, name: &str, add: impl FnOnce(&Tensor) -> Result<()>) -> Result<()> {
+        let Some(spec) = self.spec(name)? else { return Ok(()) };
+        let shape = spec.shape.as_slice();
+        if self.buf.dtype() == DType::F32 {
+            return add(&self.buf.narrow(0, spec.offset, spec.numel())?.reshape(shape)?);
+        }
+        let g = Tensor::zeros(shape, DType::F32, self.buf.device())?;
+        add(&g)?;
+        self.add_at(spec.offset, spec.numel(), &g)
+    }
+
     /// `buf[offset ..][out × inp] += dyᵀ x`, checked against the shapes.
     fn matmul_at(
         &self,

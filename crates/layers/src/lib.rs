@@ -25,7 +25,6 @@ mod grads;
 mod lora;
 mod mlp;
 mod moe;
-mod moe_backward;
 mod ops;
 mod outer;
 mod positions;
@@ -35,7 +34,9 @@ mod weights;
 
 pub use attention::{check_device, check_gpu};
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
-pub use moe::{RouterGrad, RouterStats};
+pub use moe::{
+    moe_device_workspace_bytes, moe_kernels_apply, moe_kernels_fit, MoeKernels, RouterGrad, RouterStats,
+};
 
 /// Whether the fused CUDA kernels (`kernels/cuda/*.cu`, compiled by NVRTC for the device's compute
 /// capability) run for tensors of `dtype` on `device`: bf16 on a GPU of compute capability 8.0

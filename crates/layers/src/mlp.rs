@@ -6,11 +6,11 @@ use candle_core::Tensor;
 use mt_core::ModelConfig;
 
 use crate::lora::Adapted;
-use crate::moe::{self, MoeSaved, RouterGrad, RouterStats};
+use crate::moe::{self, MoeKernels, MoeSaved, RouterGrad, RouterStats};
 use crate::ops::{add, rms_norm, rms_norm_backward, silu_grad, RmsCache};
 use crate::profile::mark;
 use crate::weights::{names, LayerWeights, MlpWeights};
-use crate::{moe_backward, Result};
+use crate::Result;
 use mt_core::LoraTarget;
 
 /// What the backward needs of one MLP tile.
@@ -55,13 +55,15 @@ impl MlpSaved {
 }
 
 /// One tile `x1: [rows, h]`: what its backward needs and, when `want_out`, its output
-/// `x1 + mlp(norm2(x1))`. A MoE layer adds its router's statistics to `stats` when given.
+/// `x1 + mlp(norm2(x1))`. A MoE layer adds its router's statistics to `stats` when given and
+/// runs the path `moe_kernels` asks for where it applies.
 pub(crate) fn forward(
     cfg: &ModelConfig,
     w: &LayerWeights,
     x1: &Tensor,
     want_out: bool,
     stats: Option<&mut RouterStats>,
+    moe_kernels: MoeKernels,
 ) -> Result<(Option<Tensor>, MlpSaved)> {
     let dev = x1.device();
     let (c, norm2) = rms_norm(x1, &w.post_norm, cfg.rms_norm_eps, cfg.norm_weight_before_cast())?;
@@ -84,7 +86,7 @@ pub(crate) fn forward(
         }
         MlpWeights::Moe { .. } => {
             let m = cfg.moe.as_ref().expect("MoE weights are bound only for a MoE config");
-            let (out, saved) = moe::forward(m, &w.mlp, &c, x1, want_out, stats)?;
+            let (out, saved) = moe::forward(m, &w.mlp, &c, x1, want_out, stats, moe_kernels)?;
             mark(dev, "fwd 7-9 experts + residual");
             (out, Body::Moe(saved))
         }
@@ -119,7 +121,7 @@ pub(crate) fn backward(
         }
         (MlpWeights::Moe { .. }, Body::Moe(s)) => {
             let m = cfg.moe.as_ref().expect("MoE weights are bound only for a MoE config");
-            let dc = moe_backward::backward(&moe::Experts::of(m, &w.mlp), &c, s, dy, grads, aux)?;
+            let dc = moe::backward(&moe::Experts::of(m, &w.mlp), &c, s, dy, grads, aux)?;
             mark(dev, "bwd 7-9 experts");
             dc
         }

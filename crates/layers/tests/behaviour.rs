@@ -119,6 +119,50 @@ fn grad_sink_writes_through_to_the_buffer_and_its_views() {
     assert!(matches!(GradSink::new(&layout, &bf), Err(Error::DType { .. })));
 }
 
+/// A gradient formed in place (the MoE kernels' expert weight gradients) is formed in the f32
+/// buffer's own view, or in f32 zeros then added to an f64 buffer; the name is checked.
+#[test]
+fn grad_sink_forms_a_gradient_in_place_of_the_buffer() {
+    let (_, cfg) = moe_configs().remove(0);
+    let layout = ModelLayout::new(&cfg).layer;
+    let spec = layout.get(names::EXPERTS_DOWN).unwrap().clone();
+    let ones = Tensor::ones(spec.shape.as_slice(), DType::F32, &Device::Cpu).unwrap();
+    // `slice_set` overwrites: the f32 buffer holds ones however often, the f64 one sums them.
+    let set_ones = |g: &Tensor| -> mt_layers::Result<()> {
+        assert_eq!(g.dims(), spec.shape.as_slice());
+        assert_eq!(g.dtype(), DType::F32);
+        Ok(g.slice_set(&ones, 0, 0)?)
+    };
+    for (dtype, want) in [(DType::F32, 1.0), (DType::F64, 2.0)] {
+        let buf = zeros(layout.len, dtype);
+        let sink = GradSink::new(&layout, &buf).unwrap();
+        sink.accumulate_in_place(names::EXPERTS_DOWN, set_ones).unwrap();
+        sink.accumulate_in_place(names::EXPERTS_DOWN, set_ones).unwrap();
+        let total = buf.to_dtype(DType::F64).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+        assert_eq!(total, want * spec.numel() as f64, "{dtype:?}");
+        let region = buf.narrow(0, spec.offset, spec.numel()).unwrap().to_dtype(DType::F64).unwrap();
+        assert_eq!(region.min(0).unwrap().to_scalar::<f64>().unwrap(), want, "{dtype:?}");
+        assert!(matches!(sink.accumulate_in_place("nope", set_ones), Err(Error::Core(_))));
+    }
+}
+
+/// Which MoE layers the device kernels take: SwiGLU experts with widths that are multiples of 8,
+/// not GPT-OSS's, not a dense model; never on the CPU.
+#[test]
+fn the_moe_kernels_take_swiglu_experts_within_their_limits() {
+    let (_, mut cfg) = moe_configs().remove(0);
+    // Expert width 12: not a multiple of 8.
+    assert!(!mt_layers::moe_kernels_fit(&cfg));
+    cfg.moe.as_mut().unwrap().moe_intermediate_size = 16;
+    assert!(mt_layers::moe_kernels_fit(&cfg));
+    cfg.moe.as_mut().unwrap().num_experts_per_tok = 33;
+    assert!(!mt_layers::moe_kernels_fit(&cfg), "top-33 of 4 experts");
+    cfg.moe.as_mut().unwrap().num_experts_per_tok = 2;
+    assert!(!mt_layers::moe_kernels_apply(&cfg, &Device::Cpu, DType::BF16, mt_layers::MoeKernels::Device));
+    assert!(!mt_layers::moe_kernels_fit(&gpt_oss()));
+    assert!(!mt_layers::moe_kernels_fit(&llama_gqa()));
+}
+
 /// `1 / theta^(2i/hd)` in f64.
 fn plain_inv_freq(theta: f64, hd: usize, i: usize) -> f64 {
     1.0 / theta.powf((2 * i) as f64 / hd as f64)
@@ -375,7 +419,7 @@ fn a_kept_forward_holds_what_the_planner_counts_and_backs_up_as_the_recompute() 
             let e = dtype.size_in_bytes() as u64;
             assert_eq!(
                 state.bytes(),
-                DecoderLayer::kept_state_bytes(&cfg, 2, 8, e, false, false),
+                DecoderLayer::kept_state_bytes(&cfg, 2, 8, e, false, false, false),
                 "{name} {dtype:?}"
             );
             let plain = layer.forward(&w, &x, &rope).unwrap();

@@ -12,7 +12,8 @@
 //! - `options`: every `megatrain train` option as given (defaults filled in)
 //! - `n_params`, `start_step`, `resumed`, `tokens_per_step`
 //! - `store_bytes`, `store_bytes_per_param`, `store_path` (null for an anonymous store),
-//!   `frozen_base_bytes` (a LoRA run's frozen base in host memory; 0 without LoRA)
+//!   `frozen_base_bytes` (a LoRA run's frozen base in host memory; 0 without LoRA),
+//!   `base_dtype` (how it is held: `fp32`, `bf16`, `int8`, `nf4`; null without LoRA)
 //! - `model_flops_per_step` and `flops_formula`: `6*N*T + 6*L*S*H*T` (N active parameters: all
 //!   of a dense model, a mixture of experts' router and the k experts a token reaches; T
 //!   tokens per step, L layers, S sequence length, H hidden size; recompute not counted, causal
@@ -165,6 +166,7 @@ pub fn run_record(a: &TrainArgs, info: &RunStart<'_>) -> Value {
         "store_bytes_per_param": info.store_bytes_per_param,
         "store_path": info.store_path,
         "frozen_base_bytes": info.frozen_base_bytes,
+        "base_dtype": info.frozen_base_dtype.map(|d| d.name()),
         "model_flops_per_step": info.flops_per_step,
         "flops_formula": FLOPS_FORMULA,
     })

@@ -1,7 +1,9 @@
 //! Device buffer pool: every long-lived buffer the step program uses on the compute device.
 //!
 //! - an N-deep ring of weight slots, each a flat 1-D tensor holding one decoder layer laid out by
-//!   the layer [`mt_core::UnitLayout`] (templates bind views into it, no copy);
+//!   the layer [`mt_core::UnitLayout`] (templates bind views into it, no copy), and for a LoRA
+//!   run's int8 or NF4 base the buffer its encoded bytes land in before their dequantisation into
+//!   a slot;
 //! - the outer slot (embedding, final norm, LM head), resident for a whole step;
 //! - for each resident decoder layer (the first `resident_layers`, when the planner keeps them
 //!   on the GPU): its own weight slot, fp32 gradient buffer and `[master | m | v]` state (fp32
@@ -90,6 +92,9 @@ pub struct PoolSpec {
     /// The moments' encoding, which every `[master | m | v]` keeps (the store's): a unit of `n`
     /// parameters takes [`StateDtype::state_words`]`(n)` f32 words.
     pub state_dtype: StateDtype,
+    /// Bytes of a decoder layer's frozen base as uploaded encoded (a LoRA run's int8 or NF4
+    /// base, [`DevicePool::base_scratch`]); 0 when nothing is.
+    pub base_scratch: usize,
 }
 
 /// The device buffers of one resident decoder layer.
@@ -106,7 +111,7 @@ pub struct ResidentLayer {
 /// Bytes held by each kind of buffer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolBytes {
-    /// Weight ring.
+    /// Weight ring (with a LoRA run's base scratch, [`DevicePool::base_scratch`]).
     pub weight_ring: usize,
     /// Held layers' slots.
     pub held: usize,
@@ -167,6 +172,10 @@ pub struct DevicePool {
     pub state: Vec<Tensor>,
     /// The stored gradient of the layer in `state[k]` (`layer_len`, the store's dtype).
     pub state_grad: Vec<Tensor>,
+    /// Where a LoRA run's int8 or NF4 base lands, a layer at a time, encoded (u8), before it is
+    /// dequantised into the slot (`PoolSpec::base_scratch` bytes; `None` when 0). One buffer:
+    /// the uploads that fill it and the dequantisations that read it run in order on one stream.
+    pub base_scratch: Option<Tensor>,
     /// Reload buffers of spilled checkpoints: `reload[slot][chunk]`, flat, in the weight dtype
     /// (allocated by [`DevicePool::ensure_reload`] for a step's chunk sizes).
     pub reload: Vec<Vec<Tensor>>,
@@ -250,6 +259,10 @@ impl DevicePool {
             state_grad: (0..spec.state_slots)
                 .map(|_| Tensor::zeros(spec.layer_len, spec.state_grad_dtype, device))
                 .collect::<candle_core::Result<_>>()?,
+            base_scratch: match spec.base_scratch {
+                0 => None,
+                n => Some(Tensor::zeros(n, DType::U8, device)?),
+            },
             reload: Vec::new(),
             checkpoints: vec![vec![None; spec.n_chunks]; spec.n_layers + 1],
             act_grads: vec![None; spec.n_chunks],
@@ -316,7 +329,7 @@ impl DevicePool {
     pub fn bytes(&self) -> PoolBytes {
         let live = |v: &[Option<Tensor>]| v.iter().flatten().map(tensor_bytes).sum::<usize>();
         PoolBytes {
-            weight_ring: self.slots.iter().map(tensor_bytes).sum(),
+            weight_ring: self.slots.iter().chain(&self.base_scratch).map(tensor_bytes).sum(),
             held: self.held.iter().map(tensor_bytes).sum(),
             outer: tensor_bytes(&self.outer_slot),
             grads: self.grad_bufs.iter().chain(&self.grad_narrow).map(tensor_bytes).sum::<usize>()
@@ -355,6 +368,7 @@ mod tests {
             state_slots: 0,
             state_grad_dtype: DType::BF16,
             state_dtype: StateDtype::F32,
+            base_scratch: 0,
         }
     }
 
@@ -447,6 +461,17 @@ mod tests {
         let spec = PoolSpec { state_slots: 1, state_dtype: StateDtype::Int8, ..spec() };
         let p = DevicePool::new(&spec, &Device::Cpu).unwrap();
         assert_eq!(p.state[0].elem_count() * 4, 4 * 128 + 2 * (128 + 4), "master, codes, one scale each");
+    }
+
+    /// A LoRA run's int8 or NF4 base gets one scratch buffer of its encoded layer's bytes,
+    /// counted with the weight ring.
+    #[test]
+    fn an_encoded_base_gets_one_scratch_buffer() {
+        let p = DevicePool::new(&PoolSpec { base_scratch: 1000, ..spec() }, &Device::Cpu).unwrap();
+        let scratch = p.base_scratch.as_ref().unwrap();
+        assert_eq!((scratch.dtype(), scratch.elem_count()), (DType::U8, 1000));
+        assert_eq!(p.bytes().weight_ring, 2 * 128 * 4 + 1000);
+        assert!(DevicePool::new(&spec(), &Device::Cpu).unwrap().base_scratch.is_none());
     }
 
     #[test]

@@ -9,11 +9,24 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
-use mt_core::Unit;
+use mt_core::{BaseEncoding, Unit};
 use mt_store::{HostStore, TransferBuf};
 
 use crate::program::Stream;
 use crate::Result;
+
+/// What of an upload's staging buffer is a unit's frozen base in its encoding (a LoRA run's
+/// int8 or NF4 decoder layer): its first `encoding.bytes` bytes go into `scratch` and are
+/// dequantised into the slot's first `encoding.elems()` elements (bitwise
+/// `mt_store::decode_unit`), and the rest of the slot's elements (the adapters) are copied from
+/// the same elements of the staging buffer, as a plain upload copies them.
+#[derive(Debug, Clone)]
+pub struct EncodedBase {
+    /// The unit's base encoding.
+    pub encoding: Arc<BaseEncoding>,
+    /// The device buffer the encoded bytes land in (`mt_pool::DevicePool::base_scratch`).
+    pub scratch: Tensor,
+}
 
 /// A CPU-side job for the host stream.
 pub type HostJob = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
@@ -39,12 +52,14 @@ pub trait Backend {
     /// The compute device (where slots, gradient buffers and checkpoints live).
     fn device(&self) -> &Device;
 
-    /// H2D stream: copy a staging buffer into a device slot after `waits`.
+    /// H2D stream: copy a staging buffer into a device slot after `waits`; with `base`, its head
+    /// is an encoded frozen base, dequantised into the slot on the same stream ([`EncodedBase`]).
     fn upload(
         &self,
         waits: &[Self::Event],
         src: Arc<Mutex<TransferBuf>>,
         dst: Tensor,
+        base: Option<EncodedBase>,
         name: String,
     ) -> Self::Event;
 

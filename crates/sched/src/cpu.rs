@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use mt_core::Unit;
-use mt_store::{GradRef, HostStore, TransferBuf};
+use mt_store::{decode_unit, Decoded, GradRef, HostStore, TransferBuf};
 
-use crate::backend::{Backend, HostJob, Span};
+use crate::backend::{Backend, EncodedBase, HostJob, Span};
 use crate::program::Stream;
 use crate::worker::Workers;
 pub use crate::worker::{CpuEvent, CpuOptions};
@@ -43,6 +43,40 @@ impl CpuBackend {
     }
 }
 
+/// The head of `staging` that is an encoded frozen base (`b`) through the scratch buffer, as on
+/// the GPU, dequantised into `dst`'s first elements by the reference decoding; returns the bytes
+/// copied.
+fn upload_encoded_base(
+    staging: &TransferBuf,
+    b: &EncodedBase,
+    dst: &Tensor,
+    device: &Device,
+) -> Result<usize> {
+    let (bytes, n) = (b.encoding.bytes, b.encoding.elems());
+    b.scratch.slice_set(&Tensor::from_slice(&staging.as_bytes()[..bytes], bytes, device)?, 0, 0)?;
+    let encoded = b.scratch.narrow(0, 0, bytes)?.to_vec1::<u8>()?;
+    let t = match dst.dtype() {
+        DType::BF16 => {
+            let mut v = vec![half::bf16::ZERO; n];
+            decode_unit(&b.encoding, &encoded, Decoded::Bf16(&mut v));
+            Tensor::from_vec(v, n, device)?
+        }
+        DType::F32 => {
+            let mut v = vec![0f32; n];
+            decode_unit(&b.encoding, &encoded, Decoded::F32(&mut v));
+            Tensor::from_vec(v, n, device)?
+        }
+        other => {
+            return Err(Error::Stream {
+                stream: "h2d",
+                msg: format!("an encoded base into a {other:?} slot"),
+            })
+        }
+    };
+    dst.slice_set(&t, 0, 0)?;
+    Ok(bytes)
+}
+
 impl Backend for CpuBackend {
     type Event = CpuEvent;
 
@@ -55,19 +89,28 @@ impl Backend for CpuBackend {
         waits: &[CpuEvent],
         src: Arc<Mutex<TransferBuf>>,
         dst: Tensor,
+        base: Option<EncodedBase>,
         name: String,
     ) -> CpuEvent {
         let device = self.device.clone();
         let clock = Arc::clone(&self.workers.clock);
         let job: HostJob = Box::new(move || {
             let staging = src.lock().unwrap_or_else(|p| p.into_inner());
-            let t = match &*staging {
-                TransferBuf::F32(v) => Tensor::from_slice(v, v.len(), &device)?,
-                TransferBuf::Bf16(v) => Tensor::from_slice(v, v.len(), &device)?,
-                TransferBuf::F16(v) => Tensor::from_slice(v, v.len(), &device)?,
+            // An encoded base's elements come from its dequantisation; the rest as staged.
+            let (at, mut bytes) = match &base {
+                Some(b) => (b.encoding.elems(), upload_encoded_base(&staging, b, &dst, &device)?),
+                None => (0, 0),
             };
-            dst.slice_set(&t, 0, 0)?;
-            clock.h2d_bytes.fetch_add((t.elem_count() * t.dtype().size_in_bytes()) as u64, Ordering::Relaxed);
+            let t = match &*staging {
+                TransferBuf::F32(v) => Tensor::from_slice(&v[at..], v.len() - at, &device)?,
+                TransferBuf::Bf16(v) => Tensor::from_slice(&v[at..], v.len() - at, &device)?,
+                TransferBuf::F16(v) => Tensor::from_slice(&v[at..], v.len() - at, &device)?,
+            };
+            if t.elem_count() > 0 {
+                dst.slice_set(&t, 0, at)?;
+            }
+            bytes += t.elem_count() * t.dtype().size_in_bytes();
+            clock.h2d_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
             Ok(())
         });
         self.workers.submit(Stream::H2D, waits.to_vec(), job, name)

@@ -27,6 +27,7 @@ use half::{bf16, f16};
 use mt_core::Unit;
 use mt_store::{HostStore, TransferBuf};
 
+use crate::backend::EncodedBase;
 use crate::{Error, Result};
 
 fn check(what: &str, r: sys::CUresult) -> Result<()> {
@@ -262,7 +263,8 @@ fn device_ptr(t: &Tensor, stream: &CudaStream) -> Result<(sys::CUdeviceptr, usiz
         DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(stream).0,
         DType::BF16 => cs.as_cuda_slice::<bf16>()?.device_ptr(stream).0,
         DType::F16 => cs.as_cuda_slice::<f16>()?.device_ptr(stream).0,
-        other => return Err(Error::Cuda(format!("transfer buffers are f32/bf16/f16, not {other:?}"))),
+        DType::U8 => cs.as_cuda_slice::<u8>()?.device_ptr(stream).0,
+        other => return Err(Error::Cuda(format!("transfer buffers are f32/bf16/f16/u8, not {other:?}"))),
     };
     Ok((ptr, t.elem_count() * t.dtype().size_in_bytes()))
 }
@@ -285,6 +287,47 @@ pub(crate) fn enqueue_upload(staging: &TransferBuf, dst: &Tensor, stream: &CudaS
     // and outlives it (module invariant).
     unsafe { htod_async(dptr, bytes, stream)? };
     Ok(bytes.len() as u64)
+}
+
+/// Enqueues the upload of a staging buffer whose head is a unit's encoded frozen base (`base`):
+/// those bytes into the scratch buffer, their dequantisation into the slot's first elements
+/// (mt-kernels' `decode_base`, on `stream` too), and the rest of the staging buffer (the
+/// adapters) into the rest of the slot; returns the bytes copied. Sound under the module
+/// invariant; the scratch buffer is rewritten only by the next such upload, which `stream`
+/// runs after this one's dequantisation.
+pub(crate) fn enqueue_encoded_upload(
+    staging: &TransferBuf,
+    dst: &Tensor,
+    base: &EncodedBase,
+    stream: &CudaStream,
+) -> Result<u64> {
+    let bytes = staging.as_bytes();
+    let (encoded, at) = (base.encoding.bytes, base.encoding.elems() * staging.dtype().size());
+    let (sptr, sbytes) = device_ptr(&base.scratch, stream)?;
+    let (dptr, dbytes) = device_ptr(dst, stream)?;
+    if dst.dtype().size_in_bytes() != staging.dtype().size()
+        || dbytes != bytes.len()
+        || encoded > sbytes
+        || encoded > at
+        || at > bytes.len()
+    {
+        return Err(Error::Cuda(format!(
+            "upload of {} staged bytes ({:?}; an encoded base of {encoded} bytes for {at} bytes of the slot) into a {dbytes}-byte {:?} slot through a {sbytes}-byte scratch buffer",
+            bytes.len(),
+            staging.dtype(),
+            dst.dtype()
+        )));
+    }
+    // SAFETY: sptr is the scratch buffer's whole allocation of sbytes >= encoded bytes, kept
+    // alive by the pool; the staging buffer stays untouched until the copy completes and
+    // outlives it (module invariant); nothing but this stream's dequantisation reads the scratch.
+    unsafe { htod_async(sptr, &bytes[..encoded], stream)? };
+    mt_kernels::decode_base(stream, &base.scratch, dst, &base.encoding.segments)
+        .map_err(|e| Error::Cuda(format!("dequantising the frozen base: {e}")))?;
+    // SAFETY: dptr + at is inside dst's allocation of dbytes == bytes.len() >= at bytes, whose
+    // last bytes.len() - at bytes this fills; the staging buffer as above.
+    unsafe { htod_async(dptr + at as u64, &bytes[at..], stream)? };
+    Ok((encoded + bytes.len() - at) as u64)
 }
 
 /// Enqueues the download of a whole device buffer's bytes into a page-locked landing buffer of

@@ -483,7 +483,9 @@ fn cuda_kept_activations_and_held_weights_train_bitwise_as_recompute() {
                     // candle's ops (which keep more).
                     let (e, fused) = if dtype == DType::BF16 { (2, true) } else { (4, false) };
                     let planned = kept as u64
-                        * mt_layers::DecoderLayer::kept_state_bytes(&g.cfg, g.batch, g.seq, e, fused, false);
+                        * mt_layers::DecoderLayer::kept_state_bytes(
+                            &g.cfg, g.batch, g.seq, e, fused, false, false,
+                        );
                     let (same_losses, same_grads, same_params) = (
                         r.losses == full.losses,
                         bitwise_eq(&r.grads, &full.grads),

@@ -1,29 +1,25 @@
 //! LoRA on the streamed engine against peft + transformers (fixtures:
 //! crates/testkit/fixtures/lora, made by scripts/make_lora_golden.py): the frozen base is a
-//! golden fixture's weights, the adapters train.
+//! golden fixture's weights, the adapters train. A base held in int8 or NF4 goes up encoded and
+//! trains bitwise as an fp32 base of its dequantised weights would, with the uploads the plan
+//! prices.
 
 mod common;
 
 use std::sync::Arc;
 
-use mt_core::{ModelConfig, ModelLayout};
-use mt_sched::{CpuBackend, Engine, EngineOptions};
-use mt_store::{FrozenBase, GradDtype, HostStore, ParamSink};
+use mt_core::ModelConfig;
+use mt_sched::{CpuBackend, CpuOptions, Engine, EngineOptions};
+use mt_store::{FrozenBase, GradDtype, HostStore};
 use mt_testkit::lora::{self, LoraGolden, LORA_NAMES};
 use mt_testkit::tol::{compare_maps, diff, Tolerance};
 
+use common::lora_base::{self, stores_on};
 use common::*;
 
-/// The base weights of `g` and a store of its initial adapters.
+/// The base weights of `g` (fp32) and a store of its initial adapters.
 fn stores(g: &LoraGolden) -> (Arc<FrozenBase>, Arc<HostStore>) {
-    let cfg = &g.base.cfg;
-    let base = FrozenBase::zeroed(&ModelLayout::new(&ModelConfig { lora: None, ..cfg.clone() }));
-    for (name, t) in &g.base.params {
-        base.write_param(name, &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).unwrap();
-    }
-    let store = HostStore::anonymous(&ModelLayout::trainable(cfg), GradDtype::F32).unwrap();
-    fill_store(&store, &g.adapters);
-    (Arc::new(base), Arc::new(store))
+    stores_on(&g.base.cfg, |name| g.base.params[name].flatten_all().unwrap().to_vec1::<f32>().unwrap(), g)
 }
 
 fn lora_engine(g: &LoraGolden, base: &Arc<FrozenBase>, store: &Arc<HostStore>) -> Engine<CpuBackend> {
@@ -122,4 +118,15 @@ fn a_lora_engine_needs_its_base() {
     let err =
         Engine::new(&full, full_store, CpuBackend::new(Default::default()), opts).unwrap_err().to_string();
     assert!(err.contains("without LoRA"), "{err}");
+}
+
+/// An int8 or NF4 base, staged and uploaded in its encoding and dequantised by the CPU backend,
+/// is bitwise an fp32 base holding its dequantised weights, with the uploads the plan prices
+/// (`common::lora_base`; `tests/gpu_lora.rs` runs the same on the GPU).
+#[test]
+fn an_encoded_base_trains_as_its_dequantised_weights() {
+    let g = lora::load("llama_gqa").unwrap();
+    lora_base::an_encoded_base_trains_as_its_dequantised_weights(&g, || {
+        CpuBackend::new(CpuOptions::uniform(200, 7))
+    });
 }

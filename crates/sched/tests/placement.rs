@@ -29,6 +29,7 @@ fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) -> PlanInpu
         fused_kernels: true,
         flash_attention: Some(false),
         hopper_attention: false,
+        moe_kernels: true,
         mlp_rows: Some(0),
         store_file: false,
         host_reserved: 0,

@@ -32,7 +32,7 @@ mod snapshot;
 mod transfer_buf;
 
 pub use arena::{HostStore, RecordAddrs, RecordGuard, RecordParts, RecordPartsMut, StoreState};
-pub use base::{FrozenBase, ParamSink};
+pub use base::{codec as base_codec, decode_unit, uploads_encoded, BaseUnit, Decoded, FrozenBase, ParamSink};
 pub use grad::{GradDtype, GradMut, GradRef};
 pub use host_vec::{par_copy, HostVec, PinError};
 pub use pager::PagingStats;

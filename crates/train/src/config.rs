@@ -206,6 +206,9 @@ pub struct TrainConfig {
     pub mlp_rows: Option<usize>,
     /// How RoPE angles are formed.
     pub rope_angles: mt_layers::RopeAngles,
+    /// Which path a mixture of experts runs: the device kernels wherever they apply (`Device`),
+    /// or the portable one everywhere.
+    pub moe_kernels: mt_layers::MoeKernels,
     /// Rows of logits alive at once in the loss.
     pub rows_per_block: usize,
 
@@ -225,6 +228,8 @@ pub struct TrainConfig {
     pub lora_from: Option<PathBuf>,
     /// A LoRA run exports the merged model (`W + s · B A`) instead of peft's adapter.
     pub merge: bool,
+    /// How a LoRA run holds its frozen base in host memory; `None`: [`TrainConfig::base_dtype`].
+    pub base_dtype: Option<mt_core::BaseDtype>,
 }
 
 impl Default for TrainConfig {
@@ -275,6 +280,7 @@ impl Default for TrainConfig {
             flash_kernel: mt_layers::FlashKernel::Auto,
             mlp_rows: None,
             rope_angles: mt_layers::RopeAngles::Transformers,
+            moe_kernels: mt_layers::MoeKernels::Device,
             rows_per_block: 4096,
             delay_us: 0,
             inject_faults: Vec::new(),
@@ -282,6 +288,7 @@ impl Default for TrainConfig {
             lora: None,
             lora_from: None,
             merge: false,
+            base_dtype: None,
         }
     }
 }
@@ -298,6 +305,17 @@ impl TrainConfig {
     /// The store's gradient dtype: `grad_dtype`, else the one matching `precision`.
     pub fn grad_dtype(&self) -> GradDtype {
         self.grad_dtype.unwrap_or(self.precision.default_grad_dtype())
+    }
+
+    /// How a LoRA run holds its frozen base: `base_dtype`, else the weight dtype of `precision`.
+    /// bf16 for a bf16 run: the device computes with bf16 weights, so the base loses nothing
+    /// against an fp32 one (which the upload rounded to bf16 anyway); fp32 for an fp32 run, so
+    /// fp32 runs keep the imported weights exactly (decision 0048).
+    pub fn base_dtype(&self) -> mt_core::BaseDtype {
+        self.base_dtype.unwrap_or(match self.precision {
+            Precision::Fp32 => mt_core::BaseDtype::F32,
+            Precision::Bf16 => mt_core::BaseDtype::Bf16,
+        })
     }
 
     /// The peak learning rate for `cfg`: `lr`, else [`auto_lr`].

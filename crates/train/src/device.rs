@@ -92,17 +92,18 @@ impl OpenedDevice {
         }
     }
 
-    /// Which of our kernels run here for activations of `dtype` and a head dim of `head_dim`
-    /// (`mt_layers::fused_kernels`, `mt_layers::hopper_attention`).
+    /// Which of our kernels run here for `cfg` with activations of `dtype`
+    /// (`mt_layers::fused_kernels`, `mt_layers::hopper_attention`, `mt_layers::moe_kernels_apply`).
     pub(crate) fn kernels(
         &self,
+        cfg: &ModelConfig,
         dtype: candle_core::DType,
-        head_dim: usize,
         flash_kernel: mt_layers::FlashKernel,
+        moe_kernels: mt_layers::MoeKernels,
     ) -> crate::DeviceKernels {
         match self {
             OpenedDevice::Cpu(_) => {
-                let _ = (dtype, head_dim, flash_kernel);
+                let _ = (cfg, dtype, flash_kernel, moe_kernels);
                 crate::DeviceKernels::default()
             }
             #[cfg(feature = "cuda")]
@@ -110,7 +111,8 @@ impl OpenedDevice {
                 let d = mt_sched::Backend::device(b);
                 crate::DeviceKernels {
                     fused: mt_layers::fused_kernels(d, dtype),
-                    hopper_attention: mt_layers::hopper_attention(d, dtype, head_dim, flash_kernel),
+                    hopper_attention: mt_layers::hopper_attention(d, dtype, cfg.head_dim, flash_kernel),
+                    moe: mt_layers::moe_kernels_apply(cfg, d, dtype, moe_kernels),
                 }
             }
         }

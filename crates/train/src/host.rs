@@ -58,6 +58,8 @@ pub struct DeviceKernels {
     pub fused: bool,
     /// Flash attention on the Hopper kernels (`mt_layers::hopper_attention`).
     pub hopper_attention: bool,
+    /// A mixture of experts on the device MoE kernels (`mt_layers::moe_kernels_apply`).
+    pub moe: bool,
 }
 
 /// The step `c` asks for, planned for a device of `device_bytes` (the GPU's; on the CPU, host
@@ -142,6 +144,7 @@ fn plan_with(
         fused_kernels: kernels.fused,
         flash_attention: c.attention,
         hopper_attention: kernels.hopper_attention,
+        moe_kernels: kernels.moe,
         mlp_rows: c.mlp_rows,
         store_file: c.store.is_some(),
         host_reserved,

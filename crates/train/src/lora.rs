@@ -19,6 +19,11 @@ use crate::{ModelSource, TrainConfig};
 pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<LoraConfig>> {
     let options = c.lora.clone().map(|l| l.for_model(&model.cfg));
     let l = match (&c.lora_from, options) {
+        (None, None) if c.base_dtype.is_some() => {
+            return Err(Error::Options(
+                "a base dtype applies to a LoRA run's frozen base, but this is not a LoRA run: give --lora-rank R (or --lora-from DIR) with it, or leave --base-dtype out".into(),
+            ))
+        }
         (None, None) => return Ok(None),
         (None, Some(l)) => l,
         (Some(dir), given) => {
@@ -53,7 +58,7 @@ pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<Lor
     if c.gpus > 1 {
         return Err(Error::Options("LoRA runs on one device for now: use --gpus 1".into()));
     }
-    Ok(Some(l))
+    Ok(Some(LoraConfig { base: c.base_dtype(), ..l }))
 }
 
 /// The base model's config (without the adapters).
@@ -61,10 +66,12 @@ pub(crate) fn base_config(cfg: &ModelConfig) -> ModelConfig {
     ModelConfig { lora: None, ..cfg.clone() }
 }
 
-/// The frozen base weights, imported from the model directory.
+/// The frozen base weights, imported from the model directory and held in the encoding the
+/// run's LoRA config says (`--base-dtype`).
 pub(crate) fn load_base(model: &ModelSource) -> Result<Arc<FrozenBase>> {
     let hf = model.hf.as_ref().ok_or_else(|| Error::Options("LoRA needs a model directory".into()))?;
-    let base = FrozenBase::zeroed(&ModelLayout::new(&base_config(&model.cfg)));
+    let dtype = model.cfg.lora.as_ref().map_or(mt_core::BaseDtype::F32, |l| l.base);
+    let base = FrozenBase::zeroed(&ModelLayout::new(&base_config(&model.cfg)), dtype);
     mt_hf::import_weights_into(hf, &base)
         .context_with(|| format!("importing the base weights of {}", model.name))?;
     Ok(Arc::new(base))

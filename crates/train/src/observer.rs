@@ -136,6 +136,8 @@ pub struct RunStart<'a> {
     /// A LoRA run's frozen base weights in host memory, bytes (`mt_store::FrozenBase::bytes`;
     /// 0 without LoRA).
     pub frozen_base_bytes: usize,
+    /// How a LoRA run holds its frozen base (`--base-dtype`; `None` without LoRA).
+    pub frozen_base_dtype: Option<mt_core::BaseDtype>,
     /// Model FLOPs per step.
     pub flops_per_step: f64,
 }

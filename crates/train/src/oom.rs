@@ -55,6 +55,7 @@ mod tests {
             fused_kernels: true,
             flash_attention: None,
             hopper_attention: false,
+            moe_kernels: true,
             mlp_rows: None,
             store_file: false,
             host_reserved: 0,

@@ -96,6 +96,8 @@ pub struct TrainSummary {
     pub store_bytes_per_param: f64,
     /// A LoRA run's frozen base in host memory, bytes (0 without LoRA).
     pub frozen_base_bytes: usize,
+    /// How a LoRA run holds its frozen base (`None` without LoRA).
+    pub frozen_base_dtype: Option<mt_core::BaseDtype>,
     /// The precision of the store's AdamW moments.
     pub optim_states: mt_core::StateDtype,
     /// Resident set size of the process at the end (`None` where it cannot be read).
@@ -334,10 +336,10 @@ impl fmt::Display for TrainSummary {
             self.store_bytes_per_param,
             self.optim_states
         )?;
-        if self.frozen_base_bytes > 0 {
+        if let Some(dtype) = self.frozen_base_dtype {
             writeln!(
                 f,
-                "frozen base: {} in host memory (fp32; the store above is the adapters')",
+                "frozen base: {} in host memory ({dtype}; the store above is the adapters')",
                 mb(self.frozen_base_bytes as f64)
             )?;
         }
@@ -513,6 +515,7 @@ mod tests {
             store_bytes: 140,
             store_bytes_per_param: 14.0,
             frozen_base_bytes: 0,
+            frozen_base_dtype: None,
             optim_states: mt_core::StateDtype::F32,
             rss_bytes: Some(200),
             paging: None,

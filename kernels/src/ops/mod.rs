@@ -18,8 +18,10 @@
 //!   [`swap12`], [`add`], [`add_row`]: a bias gradient, the attention layout and the adds;
 //! - [`MoeRouting`], [`moe_swiglu`], [`moe_swiglu_backward`]: mixture-of-experts on the device
 //!   (routing, grouping by expert, grouped GEMMs on the kernels [`MoeGemm`] picks, combine;
-//!   `moe/`, not yet called by the engine);
-//! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`).
+//!   `moe/`, called by mt-layers' MoE device path);
+//! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`);
+//! - [`decode_base`]: a LoRA run's int8 or NF4 frozen base dequantised into a weight slot on a
+//!   copy stream (`base.rs`).
 //!
 //! The softmax pair replaces ~10 candle passes over the `[b, heads, t, t]` score tensor each
 //! (casts, scale, broadcast mask, max, subtract, exp, sum, divide) and the per-call upload of a
@@ -171,6 +173,8 @@ mod rope;
 pub use rope::rope;
 mod ce;
 pub use ce::{ce_grad, ce_loss};
+mod base;
+pub use base::decode_base;
 mod moe;
 pub use moe::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeGemm, MoeRouting};
 
@@ -194,6 +198,9 @@ pub fn applies_on(device: &candle_core::Device, dtype: DType) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod base_tests;
 
 #[cfg(test)]
 mod ce_tests;

@@ -39,6 +39,8 @@ pub(crate) static FLASH: Source = source!("flash_attn.cu", "mt_flash");
 pub(crate) static FLASH_HOPPER: Source = source!("flash_attn_hopper.cu", "mt_flash_hopper");
 /// Mixture-of-experts: routing, grouping by expert, grouped GEMMs, SwiGLU, combine.
 pub(crate) static MOE: Source = source!("moe.cu", "mt_moe");
+/// A LoRA run's frozen base dequantised into a weight slot.
+pub(crate) static BASE: Source = source!("base.cu", "mt_base");
 /// The MoE grouped GEMMs on Hopper: compiled after `moe.cu` (whose helpers it uses) into one
 /// sm_90a CUBIN by `moe/kernels.rs`, not through [`Source::ptx`].
 pub(crate) static MOE_HOPPER: Source = source!("moe_hopper.cu", "mt_moe_hopper");

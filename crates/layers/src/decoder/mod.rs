@@ -53,6 +53,8 @@ pub struct LayerOptions {
     pub flash_kernel: mt_kernels::FlashKernel,
     /// Rows (tokens of a chunk, all its sequences together) of each MLP tile; 0 = all at once.
     pub mlp_rows: usize,
+    /// Which path a mixture of experts runs (the device kernels wherever they apply, by default).
+    pub moe_kernels: crate::MoeKernels,
 }
 
 /// Whether the flash path applies to activations of `dtype` on `device` for a head dim of
@@ -303,7 +305,15 @@ impl DecoderLayer {
                 Some(m) => m,
                 None => {
                     let x1 = x1.as_ref().expect("x1 is kept when the MLP is recomputed");
-                    mlp::forward(&self.cfg, w, &x1.narrow(0, r.start, r.len())?, false, None)?.1
+                    mlp::forward(
+                        &self.cfg,
+                        w,
+                        &x1.narrow(0, r.start, r.len())?,
+                        false,
+                        None,
+                        self.opts.moe_kernels,
+                    )?
+                    .1
                 }
             };
             let dy_t = dy.narrow(0, r.start, r.len())?;
@@ -457,7 +467,8 @@ impl DecoderLayer {
                 let mut mlp = Vec::new();
                 for r in &tiles {
                     let x1_t = x1.narrow(0, r.start, r.len())?;
-                    let (y, m) = mlp::forward(cfg, w, &x1_t, true, stats.as_deref_mut())?;
+                    let (y, m) =
+                        mlp::forward(cfg, w, &x1_t, true, stats.as_deref_mut(), self.opts.moe_kernels)?;
                     outs.push(y.expect("the tile's output was asked for"));
                     if output == Output::KeepAll {
                         mlp.push(m);

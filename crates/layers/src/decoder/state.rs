@@ -78,19 +78,38 @@ impl DecoderLayer {
     /// input copy and normalised input, `silu(gate)`, and f32 probabilities instead of the
     /// scores; GPT-OSS: each row's sink probability, the norms' `x·r` in the statistics dtype,
     /// and no activation of its clamped GLU. Linear in `b`: a batch's chunks together hold what
-    /// the whole batch would.
+    /// the whole batch would. A mixture of experts on the device kernels (`moe_device`: fused,
+    /// and [`moe_kernels_apply`]) keeps per routed row `[gate | up]` and `mid` and the routing
+    /// (per token the f32 probabilities, per routed row the expert, weight, permuted row and
+    /// slot), and per MLP tile its counts and offsets (`8·E + 4` bytes, counted here once: a
+    /// step of several chunks or tiles holds that much more per extra one).
     ///
     /// [`fused_kernels`]: crate::fused_kernels
-    pub fn kept_state_bytes(cfg: &ModelConfig, b: usize, s: usize, e: u64, fused: bool, flash: bool) -> u64 {
+    /// [`moe_kernels_apply`]: crate::moe_kernels_apply
+    pub fn kept_state_bytes(
+        cfg: &ModelConfig,
+        b: usize,
+        s: usize,
+        e: u64,
+        fused: bool,
+        flash: bool,
+        moe_device: bool,
+    ) -> u64 {
         let (n, sq) = ((b * s) as u64, (s * s) as u64);
         let (h, f, hd) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.head_dim as u64);
         let (qd, kvd) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
         let heads = (b * cfg.num_attention_heads) as u64;
         // The MLP's gate, up and mid, and (unfused) silu(gate): per token for a dense MLP; per
-        // routed (token, expert) pair for a mixture of experts, which also keeps each pair's
-        // u32 row index (its router probabilities and routing stay on the host).
+        // routed (token, expert) pair for a mixture of experts, which on the portable path also
+        // keeps each pair's u32 row index (its router probabilities and routing stay on the
+        // host), on the device path its routing.
         let (mlp, act) = match &cfg.moe {
             None => (n * e * 3 * f, n * f * e),
+            Some(m) if moe_device && fused => {
+                let (pairs, fe, ne) =
+                    (n * m.num_experts_per_tok as u64, m.moe_intermediate_size as u64, m.num_experts as u64);
+                (pairs * (3 * fe * e + 4 * 4) + n * ne * 4 + 8 * ne + 4, 0)
+            }
             Some(m) => {
                 let (pairs, fe) = (n * m.num_experts_per_tok as u64, m.moe_intermediate_size as u64);
                 // GPT-OSS's clamped GLU keeps no activation of its own (its backward recomputes).

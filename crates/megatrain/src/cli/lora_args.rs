@@ -4,7 +4,7 @@
 
 use clap::Args;
 
-use super::values::{at_least_one, fraction, lora_target, positive_f64};
+use super::values::{at_least_one, fraction, lora_target, positive_f64, BaseDtypeArg};
 
 /// The `--help` heading of the LoRA options.
 pub(super) const LORA: &str = "LoRA";
@@ -33,6 +33,12 @@ pub struct LoraArgs {
     /// rsLoRA: scale by alpha / sqrt(R) instead of alpha / R.
     #[arg(long, help_heading = LORA)]
     pub rslora: bool,
+
+    /// The frozen base in host RAM: bf16 (2 B/param), int8 or nf4 (blockwise, 1.06 or 0.56
+    /// B/param, dequantised on the GPU; norms, embedding and LM head stay bf16), or fp32
+    /// [default: as --precision].
+    #[arg(long, value_enum, value_name = "bf16|int8|nf4|fp32", hide_possible_values = true, help_heading = LORA)]
+    pub base_dtype: Option<BaseDtypeArg>,
 }
 
 impl LoraArgs {
@@ -47,11 +53,13 @@ impl LoraArgs {
             targets: mt_core::LoraTarget::ALL.into_iter().filter(|t| given.contains(t)).collect(),
             dropout: self.lora_dropout.unwrap_or(0.0),
             rslora: self.rslora,
+            // The run's (`--base-dtype`, else as `--precision`): `TrainConfig::base_dtype`.
+            base: mt_core::BaseDtype::default(),
         })
     }
 
     /// The first option given that shapes adapters (`--lora-alpha`, `--lora-targets`,
-    /// `--lora-dropout`, `--rslora`), and `others` given (`train`'s `--merge`), when no adapters
+    /// `--lora-dropout`, `--rslora`) or holds their base (`--base-dtype`), and `others` given (`train`'s `--merge`), when no adapters
     /// are asked for: neither `--lora-rank` nor a `source` of them (`train`'s `--lora-from`,
     /// named in the refusal as `source.0`). The refusal, a sentence naming the option.
     pub fn refuse_without_adapters(
@@ -67,6 +75,7 @@ impl LoraArgs {
             ("--lora-targets", !self.lora_targets.is_empty()),
             ("--lora-dropout", self.lora_dropout.is_some()),
             ("--rslora", self.rslora),
+            ("--base-dtype", self.base_dtype.is_some()),
         ];
         let Some((flag, _)) = given.iter().chain(others).find(|(_, on)| *on) else { return Ok(()) };
         let ask = match source {

@@ -17,7 +17,7 @@ pub use placement_args::PlacementArgs;
 pub use train_args::{default_grad_dtype, TrainArgs};
 use values::{at_least_one, mlp_rows, positive_f64, tflops_pair};
 pub use values::{
-    AttentionArg, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, OptimModeArg,
+    AttentionArg, DeviceKind, ExportDtypeArg, GradDtypeArg, LayerCount, MlpRows, MoeKernelsArg, OptimModeArg,
     OptimStatesArg, Precision, ResidentOuter, RopeAnglesArg, ScheduleKind,
 };
 
@@ -95,6 +95,9 @@ pub struct EstimateArgs {
     /// As `megatrain train --mlp-rows`.
     #[arg(long, value_name = "auto|N", default_value = "auto", value_parser = mlp_rows)]
     pub mlp_rows: MlpRows,
+    /// As `megatrain train --moe-kernels` (what a mixture of experts' workspace is priced as).
+    #[arg(long, value_enum, default_value_t = MoeKernelsArg::Device, value_name = "device|portable")]
+    pub moe_kernels: MoeKernelsArg,
     /// GPU memory in GiB (for --device cuda) [default: 139.8, one H200].
     #[arg(long, value_name = "GIB", value_parser = positive_f64)]
     pub gpu_mem: Option<f64>,

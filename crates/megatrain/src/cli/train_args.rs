@@ -12,7 +12,7 @@ use super::lora_args::{LoraArgs, LORA};
 use super::placement_args::PLACEMENT;
 use super::values::{at_least_one, fault, fraction, mlp_rows, non_negative, parse_data, positive_f64};
 use super::{
-    AttentionArg, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, MlpRows, OptimModeArg,
+    AttentionArg, DataSource, DeviceKind, ExportDtypeArg, GradDtypeArg, MlpRows, MoeKernelsArg, OptimModeArg,
     OptimStatesArg, PlacementArgs, Precision, RopeAnglesArg, ScheduleKind,
 };
 
@@ -231,6 +231,11 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = RopeAnglesArg::Transformers, help_heading = "Long sequences", value_name = "transformers|exact", hide_possible_values = true)]
     pub rope_angles: RopeAnglesArg,
 
+    /// A mixture of experts on the GPU kernels (bf16 on a CUDA GPU, SwiGLU experts), or the
+    /// portable per-expert path everywhere (to compare).
+    #[arg(long, value_enum, default_value_t = MoeKernelsArg::Device, help_heading = "Device and memory", value_name = "device|portable", hide_possible_values = true)]
+    pub moe_kernels: MoeKernelsArg,
+
     /// Rows of logits alive at once in the loss.
     #[arg(long, default_value_t = 4096, value_parser = at_least_one, hide = true)]
     pub rows_per_block: usize,
@@ -331,6 +336,7 @@ impl TrainArgs {
             flash_kernel: self.attention.kernel(),
             mlp_rows: self.mlp_rows.choice(),
             rope_angles: self.rope_angles.into(),
+            moe_kernels: self.moe_kernels.into(),
             rows_per_block: self.rows_per_block,
             delay_us: self.delay_us,
             inject_faults: self.inject_fault.clone(),
@@ -338,6 +344,7 @@ impl TrainArgs {
             lora: self.lora.config(),
             lora_from: self.lora_from.clone(),
             merge: self.merge,
+            base_dtype: self.lora.base_dtype.map(Into::into),
         }
     }
 

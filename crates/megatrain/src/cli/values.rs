@@ -200,6 +200,27 @@ impl From<RopeAnglesArg> for mt_layers::RopeAngles {
     }
 }
 
+/// Which path a mixture of experts runs (`--moe-kernels`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MoeKernelsArg {
+    /// The device kernels (routing, grouping by expert and grouped GEMMs on the GPU) wherever
+    /// they apply: bf16 on a CUDA GPU of compute capability 8.0+, SwiGLU experts (not
+    /// GPT-OSS's); the portable path elsewhere.
+    Device,
+    /// The portable path everywhere: the routing on the host, candle ops per expert (to
+    /// compare with the device kernels).
+    Portable,
+}
+
+impl From<MoeKernelsArg> for mt_layers::MoeKernels {
+    fn from(a: MoeKernelsArg) -> Self {
+        match a {
+            MoeKernelsArg::Device => mt_layers::MoeKernels::Device,
+            MoeKernelsArg::Portable => mt_layers::MoeKernels::Portable,
+        }
+    }
+}
+
 /// Rows of a decoder layer's MLP tile (`--mlp-rows`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MlpRows {
@@ -301,6 +322,30 @@ impl From<OptimStatesArg> for StateDtype {
             OptimStatesArg::Fp32 => StateDtype::F32,
             OptimStatesArg::Bf16 => StateDtype::Bf16,
             OptimStatesArg::Int8 => StateDtype::Int8,
+        }
+    }
+}
+
+/// How a LoRA run's frozen base is held in host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BaseDtypeArg {
+    /// fp32, as imported (4 B/param).
+    Fp32,
+    /// bf16 (2 B/param).
+    Bf16,
+    /// int8 blockwise (1.06 B/param).
+    Int8,
+    /// QLoRA's 4-bit NormalFloat, blockwise (0.56 B/param).
+    Nf4,
+}
+
+impl From<BaseDtypeArg> for mt_core::BaseDtype {
+    fn from(b: BaseDtypeArg) -> Self {
+        match b {
+            BaseDtypeArg::Fp32 => mt_core::BaseDtype::F32,
+            BaseDtypeArg::Bf16 => mt_core::BaseDtype::Bf16,
+            BaseDtypeArg::Int8 => mt_core::BaseDtype::Int8,
+            BaseDtypeArg::Nf4 => mt_core::BaseDtype::Nf4,
         }
     }
 }

@@ -100,16 +100,20 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
     args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 8.0
 }
 
-/// The kernels the estimate's device runs for a head dim of `head_dim`: the fused ones, and
-/// flash attention on the Hopper kernels at compute capability 9.0 (as
-/// `mt_layers::hopper_attention` decides on a real device).
-fn device_kernels(args: &EstimateArgs, head_dim: usize) -> DeviceKernels {
+/// The kernels the estimate's device runs for `cfg`: the fused ones, flash attention on the
+/// Hopper kernels at compute capability 9.0 (as `mt_layers::hopper_attention` decides on a real
+/// device), and a mixture of experts on the device MoE kernels (as
+/// `mt_layers::moe_kernels_apply` decides).
+fn device_kernels(args: &EstimateArgs, cfg: &mt_core::ModelConfig) -> DeviceKernels {
     let fused = fused_kernels(args);
     let hopper_attention = fused
         && args.compute_capability == 9.0
-        && matches!(head_dim, 64 | 128)
+        && matches!(cfg.head_dim, 64 | 128)
         && args.attention.kernel() != mt_train::FlashKernel::Portable;
-    DeviceKernels { fused, hopper_attention }
+    let moe = fused
+        && mt_layers::MoeKernels::from(args.moe_kernels) == mt_layers::MoeKernels::Device
+        && mt_layers::moe_kernels_fit(cfg);
+    DeviceKernels { fused, hopper_attention, moe }
 }
 
 /// Plans the run and prices it.
@@ -134,14 +138,16 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         attention: args.attention.choice(),
         flash_kernel: args.attention.kernel(),
         mlp_rows: args.mlp_rows.choice(),
+        moe_kernels: args.moe_kernels.into(),
         store: args.store.clone(),
         lora: args.lora.config(),
+        base_dtype: args.lora.base_dtype.map(Into::into),
         ..TrainConfig::default()
     };
     let mut model = ModelSource::load(&config.model)?;
     if let Some(l) = &config.lora {
         // As `megatrain train` would refuse them (it also needs the weights: --model DIR).
-        let l = l.clone().for_model(&model.cfg);
+        let l = mt_core::LoraConfig { base: config.base_dtype(), ..l.clone().for_model(&model.cfg) };
         l.check(&model.cfg)?;
         if args.gpus > 1 {
             anyhow::bail!("LoRA runs on one device for now: use --gpus 1");
@@ -157,7 +163,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
     // With --gpus N the plan is each GPU's, for its share of the batch (`plan_for`).
-    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg.head_dim))?;
+    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg))?;
     let n_gpus = args.gpus as f64;
     // Each GPU has its own staging and landing rings; the store is one.
     let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;
@@ -199,15 +205,16 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let bwd_s = compute_s - fwd_s;
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer works on the streamed units only: resident ones are updated on the GPU.
-    // A LoRA run's frozen base is only cast into its slots' upload copies (f32 read, `e` written).
+    // A LoRA run's frozen base is only staged into its slots' upload copies, as its encoding
+    // says (`plan::BaseBytes`: an fp32 base cast, f32 read and `e` written; a bf16 one copied;
+    // an int8 or NF4 layer's encoded bytes copied, to be dequantised on the GPU).
     let streamed_layers = layout.n_layers - p.placement.resident_layers;
     let layer_params = (streamed_layers * trainable.layer.n_params()) as f64;
     let outer_params = if p.placement.resident_outer { 0.0 } else { trainable.outer.n_params() as f64 };
-    let frozen_of = |u: &mt_core::UnitLayout, t: &mt_core::UnitLayout| (u.n_params() - t.n_params()) as f64;
-    let frozen_layer = frozen_of(&layout.layer, &trainable.layer);
-    let frozen_outer =
-        if p.placement.resident_outer { 0.0 } else { frozen_of(&layout.outer, &trainable.outer) };
-    let base_cast = 4.0 + args.precision.bytes();
+    let base_layer_stage = p.base.layer_stage as f64;
+    let base_outer_stage = if p.placement.resident_outer { 0.0 } else { p.base.outer_stage as f64 };
+    // Bytes uploaded with a decoder layer: its base as staged, and what trains in the weight dtype.
+    let layer_up = p.base.layer_up as f64 + trainable.layer.len as f64 * args.precision.bytes();
     let mode = args.optim_mode.into();
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
     let states = mt_core::StateDtype::from(args.optim_states);
@@ -233,16 +240,16 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => (n_gpus - 1.0) * (4.0 + args.precision.bytes()),
         mt_sched::OptimMode::Lean => 0.0,
     };
-    let frozen_streamed = streamed_layers as f64 * frozen_layer + frozen_outer;
+    let base_staged = streamed_layers as f64 * base_layer_stage + base_outer_stage;
     let host_update_s = secs(
         (layer_params - gpu_params + outer_params) * (b.update + n_gpus * b.fwd_cast + other_casts)
-            + frozen_streamed * n_gpus * base_cast
+            + base_staged * n_gpus
             + state_dma,
     );
     // Held layers are not re-cast for the backward (their weights stay on the GPU).
-    let recast_params = ((streamed_layers - p.placement.held_layers) * layout.layer.n_params()) as f64;
+    let recast_layers = (streamed_layers - p.placement.held_layers) as f64;
     let host_backward_s = secs(
-        n_gpus * recast_params * b.bwd_cast
+        n_gpus * recast_layers * (trainable.layer.n_params() as f64 * b.bwd_cast + base_layer_stage)
             + layer_params * b.land
             + outer_params * b.outer_land
             + late_params * s
@@ -251,9 +258,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let host_s = host_update_s + host_backward_s;
     // The first streamed layer's upload and update are not hidden behind anything.
     let fill = if streamed_layers > 0 {
-        let (n, t) = (layout.layer.n_params() as f64, trainable.layer.n_params() as f64);
-        n * args.precision.bytes() / (args.pcie_gbs * 1e9)
-            + secs(t * (b.update + b.fwd_cast) + frozen_layer * base_cast)
+        let t = trainable.layer.n_params() as f64;
+        layer_up / (args.pcie_gbs * 1e9) + secs(t * (b.update + b.fwd_cast) + base_layer_stage)
     } else {
         0.0
     };
@@ -262,9 +268,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         // waits for it layer by layer) and cannot overlap the backward. The forward's uploads
         // overlap the forward; the backward's re-uploads and every download the backward.
         mt_sched::OptimMode::Exact => {
-            let bwd_h2d = ((streamed_layers - p.placement.held_layers) * layout.layer.len) as f64
-                * args.precision.bytes()
-                + early_params * s;
+            let bwd_h2d = recast_layers * layer_up + early_params * s;
             // GPU-updated layers' master and moments come back during the forward (the late
             // ones' during the backward).
             let fwd_d2h = ((p.placement.gpu_updated_layers - p.placement.late_state_downloads)
@@ -381,8 +385,11 @@ impl Estimate {
         json!({
             "n_params": p.n_params,
             "batch_size": p.batch, "seq_len": p.seq, "n_chunks": p.n_chunks, "ring_depth": p.ring_depth,
+            "moe_kernels": p.moe_kernels,
             "host_bytes": self.host_bytes, "host_store_bytes": p.host.store, "host_staging_bytes": p.host.pinned,
             "host_frozen_base_bytes": p.host.frozen_base, "trainable_params": p.trainable_params,
+            "base_dtype": (p.host.frozen_base > 0).then(|| p.base.dtype.name()),
+            "base_upload_bytes_per_layer": p.base.layer_up, "base_stage_bytes_per_layer": p.base.layer_stage,
             "host_peak_bytes": p.host.total, "host_released_by_resident_bytes": p.host.released_by_resident,
             "host_store_window_bytes": p.host.store_window,
             "pinned_bytes": self.pinned_bytes, "device_bytes": self.device_bytes,
@@ -440,12 +447,27 @@ impl std::fmt::Display for Estimate {
             gib(p.host.pinned)
         )?;
         if p.host.frozen_base > 0 {
+            let frozen = (p.n_params - p.trainable_params).max(1) as f64;
+            let staged = match p.base.dtype {
+                mt_core::BaseDtype::F32 => "cast to the weight dtype into each slot's upload",
+                mt_core::BaseDtype::Bf16 => "copied into each slot's upload",
+                // Where the layers go up encoded (bf16 or fp32 slots): their scratch buffer.
+                _ if p.base.scratch > 0 => {
+                    "a decoder layer's matrices uploaded encoded and dequantised on the GPU, the rest as bf16 weights"
+                }
+                _ => "dequantised on the host into each slot's upload",
+            };
             writeln!(
                 f,
                 "LoRA: {} of the {} parameters train (the adapters: their fp32 master, AdamW moments \
-                 and gradients are the store); the base is frozen in host RAM in fp32, cast into each \
-                 slot's upload beside its adapters; only the adapters' gradients come down",
-                p.trainable_params, p.n_params
+                 and gradients are the store); the base is frozen in host RAM as {} ({:.2} B/param; \
+                 {staged}; {} a decoder layer's upload beside its adapters); only the adapters' \
+                 gradients come down",
+                p.trainable_params,
+                p.n_params,
+                p.base.dtype,
+                p.host.frozen_base as f64 / frozen,
+                gib(p.base.layer_up)
             )?;
         }
         if let Some(w) = p.host.store_window {

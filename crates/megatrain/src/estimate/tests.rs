@@ -5,6 +5,11 @@ use clap::Parser;
 use crate::cli::{Cli, Command};
 
 fn estimate_3_6b(extra: &[&str]) -> super::Estimate {
+    super::estimate(&args_of(extra)).unwrap()
+}
+
+/// `megatrain estimate` of the 3.6B at 4 x 2048 in bf16 on a 139.8 GiB GPU, with `extra`.
+fn args_of(extra: &[&str]) -> crate::cli::EstimateArgs {
     let config =
         concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/llama3-3.6b.json").to_string();
     let mut argv = vec!["megatrain", "estimate", "--config", &config, "--device", "cuda"];
@@ -12,7 +17,7 @@ fn estimate_3_6b(extra: &[&str]) -> super::Estimate {
     argv.extend(["--precision", "bf16"]);
     argv.extend(extra);
     let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
-    super::estimate(&args).unwrap()
+    args
 }
 
 /// With --gpus each GPU is planned for its share of the batch with no optimizer state on it,
@@ -232,9 +237,12 @@ fn a_store_larger_than_the_host_is_paged_only_from_a_file() {
     assert!(text.contains("disk tier: the store pages from its file"), "{text}");
 }
 
-/// A LoRA run is priced as it runs: the host updates and lands the adapters alone and casts the
-/// frozen base into each upload (6 B a parameter in bf16), the backward forms no gradient of a
-/// frozen weight (2 FLOPs a parameter a token fewer), and every layer fits held on the GPU.
+/// A LoRA run is priced as it runs: the host updates and lands the adapters alone and stages
+/// the frozen base into each upload in its encoding (`--base-dtype`: fp32 cast, 4 + 2 B a
+/// parameter read and written; bf16 copied, 2 + 2; an int8 or NF4 layer's encoded bytes copied,
+/// twice 17/16 or 9/16 a matrix parameter and 2 + 2 for the rest), each layer goes up in those
+/// bytes, the backward forms no gradient of a frozen weight (2 FLOPs a parameter a token fewer),
+/// and every layer fits held on the GPU.
 #[test]
 fn a_lora_run_is_priced_by_its_adapters_and_its_frozen_base() {
     let streamed = [
@@ -250,29 +258,87 @@ fn a_lora_run_is_priced_by_its_adapters_and_its_frozen_base() {
         "0",
     ];
     let full = estimate_3_6b(&streamed);
-    let lora = estimate_3_6b(&[&streamed[..], &["--lora-rank", "16"]].concat());
-    let p = &lora.plan;
-    let (n, a) = (full.plan.n_params as f64, p.trainable_params as f64);
-    assert_eq!(p.n_params as f64, n + a);
+    let layout = &full.plan;
+    let n = layout.n_params as f64;
     // Rank 16 on the seven linear layers of 28 layers of the 3.6B (hidden 3072, kv 1024, ffn 8192).
-    assert_eq!(a, 28.0 * 16.0 * (2.0 * 6144.0 + 2.0 * 4096.0 + 3.0 * 11264.0));
-    // The update (28 B: bf16 gradient, master, m, v, the bf16 copy) over the adapters, the
-    // forward's cast of the base (f32 read, bf16 written).
-    let update = (a * 28.0 + n * 6.0) / 140e9;
-    assert!((lora.host_update_s - update).abs() < 1e-9, "{} vs {update}", lora.host_update_s);
-    // The backward re-casts whole slots (6 B) and lands the adapters' bf16 gradients (4 B).
-    let embedding = 128256.0 * 3072.0 * 2.0; // the outer unit: embedding and LM head, not re-cast
-    let backward = ((n - embedding - 3072.0 + a) * 6.0 + a * 4.0) / 140e9;
-    assert!((lora.host_s - update - backward).abs() < 1e-6, "{} vs {}", lora.host_s - update, backward);
-    assert!(lora.host_s < 0.3 * full.host_s, "{} vs {}", lora.host_s, full.host_s);
-    // No weight gradient of the base: 2·N·T fewer GEMM FLOPs, 6 for each adapter's parameter.
-    let t = 4.0 * 2048.0;
-    let fewer = (2.0 * n - 6.0 * a) * t / 600e12;
-    let d = full.compute_s - lora.compute_s;
-    assert!((d - fewer).abs() < 0.02 * fewer, "{d} vs {fewer}");
+    let a = 28.0 * 16.0 * (2.0 * 6144.0 + 2.0 * 4096.0 + 3.0 * 11264.0);
+    // A layer's matrices and norms; the outer unit: embedding and LM head, the final norm.
+    let mats = 2.0 * 3072.0 * 3072.0 + 2.0 * 3072.0 * 1024.0 + 3.0 * 3072.0 * 8192.0;
+    let (norms, outer) = (2.0 * 3072.0, 128256.0 * 3072.0 * 2.0 + 3072.0);
+    assert_eq!(n, 28.0 * (mats + norms) + outer);
+    let mut h2d = Vec::new();
+    for (dtype, matrix_bytes, other_bytes) in
+        [("fp32", 4.0, 4.0), ("bf16", 2.0, 2.0), ("int8", 17.0 / 16.0, 2.0), ("nf4", 9.0 / 16.0, 2.0)]
+    {
+        let lora = estimate_3_6b(&[&streamed[..], &["--lora-rank", "16", "--base-dtype", dtype]].concat());
+        let p = &lora.plan;
+        assert_eq!((p.n_params as f64, p.trainable_params as f64), (n + a, a), "{dtype}");
+        let held = 28.0 * (mats * matrix_bytes + norms * other_bytes) + outer * other_bytes;
+        assert_eq!(p.host.frozen_base as f64, held, "{dtype}: the base in host memory");
+        // Staged: the base read as held, then written as it goes up (bf16 weights, or an int8 or
+        // NF4 layer's encoding again); the adapters cast beside it.
+        let encoded = matrix_bytes < 2.0;
+        let layer_up = if encoded { mats * matrix_bytes + norms * 2.0 } else { (mats + norms) * 2.0 };
+        let layer_stage = mats * matrix_bytes + norms * other_bytes + layer_up;
+        let outer_stage = outer * (other_bytes + 2.0);
+        // The update (28 B: bf16 gradient, master, m, v, the bf16 copy) over the adapters, the
+        // forward's staging of the base.
+        let update = (a * 28.0 + 28.0 * layer_stage + outer_stage) / 140e9;
+        assert!((lora.host_update_s - update).abs() < 1e-9, "{dtype}: {} vs {update}", lora.host_update_s);
+        // The backward re-stages each layer (the adapters cast, 6 B) and lands the adapters'
+        // bf16 gradients (4 B).
+        let backward = (28.0 * layer_stage + a * 6.0 + a * 4.0) / 140e9;
+        let b = lora.host_s - update;
+        assert!((b - backward).abs() < 1e-6, "{dtype}: {b} vs {backward}");
+        assert!(lora.host_s < 0.3 * full.host_s, "{dtype}: {} vs {}", lora.host_s, full.host_s);
+        // Each layer up twice, the outer unit once, in bf16 but for an encoded layer's base.
+        let up = 2.0 * 28.0 * (layer_up + a / 28.0 * 2.0) + outer * 2.0;
+        assert_eq!(p.pcie_h2d_per_step as f64, up, "{dtype}: the uploads");
+        h2d.push(p.pcie_h2d_per_step);
+        // No weight gradient of the base: 2·N·T fewer GEMM FLOPs, 6 for each adapter's parameter.
+        let t = 4.0 * 2048.0;
+        let fewer = (2.0 * n - 6.0 * a) * t / 600e12;
+        let d = full.compute_s - lora.compute_s;
+        assert!((d - fewer).abs() < 0.02 * fewer, "{dtype}: {d} vs {fewer}");
+        let text = lora.to_string();
+        assert!(
+            text.contains(&format!("frozen base ({dtype})")) && text.contains(&format!("as {dtype} (")),
+            "{text}"
+        );
+        assert!(text.contains("uploaded encoded and dequantised on the GPU") == encoded, "{text}");
+        let json = lora.to_json(&args_of(&["--lora-rank", "16", "--base-dtype", dtype]));
+        assert_eq!(json["base_dtype"], dtype);
+    }
+    assert!(h2d[3] < h2d[2] && h2d[2] < h2d[1] && h2d[1] == h2d[0], "{h2d:?}");
     // Auto on an H200: no optimizer state on the GPU, every layer held.
     let auto = estimate_3_6b(&["--lora-rank", "16"]);
     let q = &auto.plan.placement;
     assert_eq!((q.resident_layers, q.resident_outer, q.gpu_updated_layers, q.held_layers), (0, false, 0, 28));
-    assert!(auto.to_string().contains("frozen base"), "{auto}");
+    assert!(auto.to_string().contains("frozen base (bf16)"), "{auto}");
+    assert_eq!(auto.plan.base.dtype, mt_core::BaseDtype::Bf16, "bf16 weights: a bf16 base by default");
+}
+
+/// The OLMoE-1B-7B shape: a bf16 GPU of compute capability 8.0+ prices its MoE layers as the
+/// device kernels run them unless `--moe-kernels portable` says otherwise; below 8.0 (no fused
+/// kernels) and in fp32 the portable path runs whatever is asked. The JSON says which.
+#[test]
+fn the_moe_kernels_are_priced_where_they_run() {
+    let config =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/olmoe-1b-7b.json").to_string();
+    let run = |extra: &[&str]| {
+        let mut argv = vec!["megatrain", "estimate", "--config", &config, "--device", "cuda"];
+        argv.extend(["--batch-size", "16", "--seq-len", "2048", "--host-mem", "200"]);
+        argv.extend(extra);
+        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
+        let e = super::estimate(&args).unwrap();
+        assert_eq!(e.to_json(&args)["moe_kernels"], e.plan.moe_kernels, "{extra:?}");
+        e.plan
+    };
+    let device = run(&["--precision", "bf16"]);
+    assert!(device.moe_kernels, "{device}");
+    let portable = run(&["--precision", "bf16", "--moe-kernels", "portable"]);
+    assert!(!portable.moe_kernels, "{portable}");
+    assert_ne!(device.gpu.workspace, portable.gpu.workspace, "{device}\n{portable}");
+    assert!(!run(&["--precision", "bf16", "--compute-capability", "7.5"]).moe_kernels);
+    assert!(!run(&["--precision", "fp32"]).moe_kernels);
 }

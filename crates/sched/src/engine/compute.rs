@@ -77,9 +77,9 @@ impl<B: Backend> Engine<B> {
                 if let (Some(stats), Some(coef)) =
                     (&self.router_stats, cfg.moe.as_ref().and_then(|m| m.aux_coef()))
                 {
-                    losses
-                        .push(candle_core::Tensor::new(coef * stats.aux_loss(), &candle_core::Device::Cpu)?);
-                    self.router_grad = Some(stats.grad(coef));
+                    // On the device where the routing ran there: read with the chunks' losses.
+                    losses.push(stats.weighted_loss(coef)?);
+                    self.router_grad = Some(stats.grad(coef)?);
                 }
                 for (c, ch) in chunks.iter().enumerate() {
                     let x = self.pool.checkpoint(n_layers, c)?.clone();

@@ -4,8 +4,10 @@
 
 use std::sync::Arc;
 
+use mt_core::Unit;
+
 use super::Engine;
-use crate::backend::Backend;
+use crate::backend::{Backend, EncodedBase};
 use crate::program::{Op, Slot};
 use crate::{Error, Result};
 
@@ -15,7 +17,7 @@ impl<B: Backend> Engine<B> {
     pub(super) fn issue_copy(&self, op: &Op, waits: &[B::Event], applied: u64) -> Result<B::Event> {
         let name = format!("{op:?}");
         Ok(match *op {
-            Op::Upload { staging, slot, .. } => {
+            Op::Upload { unit, staging, slot } => {
                 let dst = match slot {
                     Slot::Ring(k) => self.ring_slot(k)?,
                     Slot::Outer => self.pool.outer_slot.clone(),
@@ -24,7 +26,15 @@ impl<B: Backend> Engine<B> {
                         return Err(Error::Schedule(format!("upload into resident layer {l}'s slot")))
                     }
                 };
-                self.backend.upload(waits, self.staging_of(staging)?, dst, name)
+                // A decoder layer of an int8 or NF4 base goes up encoded (its staging says so too:
+                // `host::stage_base`).
+                let base = match (unit, &self.encoded_base, &self.pool.base_scratch) {
+                    (Unit::Layer(_), Some(encoding), Some(scratch)) => {
+                        Some(EncodedBase { encoding: Arc::clone(encoding), scratch: scratch.clone() })
+                    }
+                    _ => None,
+                };
+                self.backend.upload(waits, self.staging_of(staging)?, dst, base, name)
             }
             Op::UploadState { unit, buf } => {
                 let (state, grad) = (self.state_slot(buf)?, self.state_grad_slot(buf)?);

@@ -4,6 +4,7 @@
 use candle_core::{DType, Tensor, D};
 use mt_core::Unit;
 use mt_layers::{LayerWeights, OuterWeights, Positions};
+use mt_store::{decode_unit, Decoded};
 
 use super::Engine;
 use crate::backend::Backend;
@@ -32,12 +33,15 @@ impl<B: Backend> Engine<B> {
         let ids = Tensor::from_slice(&batch.input_ids, (batch.batch, batch.seq), &device)?;
         let load = |u: Unit, dst: &Tensor| -> Result<()> {
             let r = self.store.record(u);
-            // A LoRA run's frozen base first, then its adapters (the slot's layout).
+            // A LoRA run's frozen base first (the values its encoding holds, rounded to the slot's
+            // dtype as its upload's are), then its adapters (the slot's layout).
             let mut at = 0;
             if let Some(b) = &self.opts.frozen_base {
-                let w = b.unit(u);
-                dst.slice_set(&Tensor::from_slice(&w, w.len(), &device)?.to_dtype(dst.dtype())?, 0, 0)?;
-                at = w.len();
+                let enc = b.encoding(u);
+                let mut w = vec![0f32; enc.elems()];
+                decode_unit(enc, &b.unit(u), Decoded::F32(&mut w));
+                dst.slice_set(&Tensor::from_vec(w, enc.elems(), &device)?.to_dtype(dst.dtype())?, 0, 0)?;
+                at = enc.elems();
             }
             let t = Tensor::from_slice(r.master(), r.master().len(), &device)?;
             dst.slice_set(&t.to_dtype(dst.dtype())?, 0, at)?;

@@ -4,9 +4,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use mt_core::{StateDtype, Unit};
+use mt_core::{BaseDtype, StateDtype, Unit};
 use mt_optim::{AdamW, Grad, Moments, StepArgs, Upload};
-use mt_store::{FrozenBase, GradMut, GradRef, RecordGuard, TransferBuf};
+use mt_store::{decode_unit, Decoded, FrozenBase, GradMut, GradRef, RecordGuard, TransferBuf};
 
 use super::{commit, Engine};
 use crate::backend::{Backend, HostJob};
@@ -63,13 +63,32 @@ fn upload_view(s: &mut TransferBuf, range: std::ops::Range<usize>) -> Upload<'_>
     }
 }
 
-/// Casts `unit`'s frozen base (a LoRA run's) into the start of its upload copy; returns where
-/// the unit's trainable record goes in it (0 without a base).
+/// Stages `unit`'s frozen base (a LoRA run's) into the start of its upload copy: its encoded
+/// bytes where the device dequantises them (`mt_store::uploads_encoded`: an int8 or NF4 decoder
+/// layer; the upload then says so, `copy.rs`), else its weights in the copy's dtype (an fp32
+/// base cast as a master is, a bf16 one copied into bf16). Returns where the unit's trainable
+/// record goes in the copy: after the base's elements (0 without a base).
 pub(super) fn stage_base(base: Option<&FrozenBase>, unit: Unit, s: &mut TransferBuf) -> Result<usize> {
     let Some(b) = base else { return Ok(0) };
-    let w = b.unit(unit);
-    mt_optim::cast_into(&w, upload_view(s, 0..w.len()))?;
-    Ok(w.len())
+    let (enc, w) = (b.encoding(unit), b.unit(unit));
+    let n = enc.elems();
+    if mt_store::uploads_encoded(enc, s.dtype()) {
+        mt_store::par_copy(&mut s.as_bytes_mut()[..w.len()], &w);
+        return Ok(n);
+    }
+    match s {
+        _ if b.dtype() == BaseDtype::F32 => {
+            mt_optim::cast_into(bytemuck::cast_slice(&w), upload_view(s, 0..n))?
+        }
+        TransferBuf::F32(v) => decode_unit(enc, &w, Decoded::F32(&mut v[..n])),
+        TransferBuf::Bf16(v) => decode_unit(enc, &w, Decoded::Bf16(&mut v[..n])),
+        TransferBuf::F16(v) => {
+            let mut f = vec![0f32; n];
+            decode_unit(enc, &w, Decoded::F32(&mut f));
+            mt_optim::cast_into(&f, Upload::F16(&mut v[..n]))?;
+        }
+    }
+    Ok(n)
 }
 
 impl<B: Backend> Engine<B> {

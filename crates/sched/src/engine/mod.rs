@@ -86,6 +86,10 @@ pub struct Engine<B: Backend> {
     /// The layout of a device weight slot: `layout`, or with LoRA the frozen base then the
     /// adapters (`ModelLayout::trainable`).
     slot_layout: ModelLayout,
+    /// A LoRA run's decoder-layer base encoding, where its layers go up encoded and are
+    /// dequantised on the device (`mt_store::uploads_encoded`: an int8 or NF4 base) into the
+    /// pool's `base_scratch`.
+    encoded_base: Option<Arc<mt_core::BaseEncoding>>,
     store: Arc<HostStore>,
     backend: B,
     pool: DevicePool,
@@ -173,6 +177,12 @@ impl<B: Backend> Engine<B> {
             ));
         }
         let up = upload_dtype(opts.weight_dtype)?;
+        let encoded_base = opts
+            .frozen_base
+            .as_ref()
+            .map(|b| b.encoding(Unit::Layer(0)))
+            .filter(|enc| mt_store::uploads_encoded(enc, up))
+            .map(|enc| Arc::new(enc.clone()));
         let land_bf16 = opts.device_narrowing && crate::plan::lands_bf16(opts.mode, store.grad_dtype());
         let pool = DevicePool::new(
             &PoolSpec {
@@ -194,6 +204,7 @@ impl<B: Backend> Engine<B> {
                 },
                 state_grad_dtype: if store.grad_dtype() == GradDtype::F32 { DType::F32 } else { DType::BF16 },
                 state_dtype: store.state_dtype(),
+                base_scratch: encoded_base.as_ref().map_or(0, |e| e.bytes),
             },
             backend.device(),
         )?;
@@ -234,6 +245,7 @@ impl<B: Backend> Engine<B> {
                     flash: opts.flash_attention,
                     flash_kernel: opts.flash_kernel,
                     mlp_rows: opts.mlp_rows,
+                    moe_kernels: opts.moe_kernels,
                 },
             ),
             outer_t: Outer::new(cfg, opts.rows_per_block),
@@ -242,6 +254,7 @@ impl<B: Backend> Engine<B> {
             spill_host: Vec::new(),
             layout,
             slot_layout,
+            encoded_base,
             store,
             backend,
             pool,

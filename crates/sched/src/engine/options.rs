@@ -43,6 +43,9 @@ pub struct EngineOptions {
     pub flash_kernel: mt_layers::FlashKernel,
     /// How RoPE angles are formed (`mt_layers::RopeAngles`: transformers' f32 product by default).
     pub rope_angles: mt_layers::RopeAngles,
+    /// Which path a mixture of experts runs (`mt_layers::MoeKernels`): the device kernels
+    /// wherever they apply (`mt_layers::moe_kernels_apply`), or the portable path everywhere.
+    pub moe_kernels: mt_layers::MoeKernels,
     /// Rows of each decoder layer's MLP tile (`mt_layers::LayerOptions::mlp_rows`; 0 = a chunk's
     /// rows at once): bounds the `[rows, ffn]` tensors of long sequences.
     pub mlp_rows: usize,
@@ -72,6 +75,7 @@ impl Default for EngineOptions {
             flash_attention: false,
             flash_kernel: mt_layers::FlashKernel::Auto,
             rope_angles: mt_layers::RopeAngles::Transformers,
+            moe_kernels: mt_layers::MoeKernels::Device,
             mlp_rows: 0,
             device_narrowing: true,
             frozen_base: None,
@@ -108,6 +112,14 @@ impl EngineOptions {
             return Err(Error::Options(
                 "the frozen base weights were built for a different model layout".into(),
             ));
+        }
+        if base.dtype() != l.base {
+            // The planner prices the base by the config's encoding, the engine moves the base's.
+            return Err(Error::Options(format!(
+                "the frozen base is held in {} but the model's LoRA config says {} (LoraConfig::base)",
+                base.dtype(),
+                l.base
+            )));
         }
         let p = &self.placement;
         if p.resident_outer || p.resident_layers > 0 || p.gpu_updated_layers > 0 {

@@ -79,7 +79,13 @@ impl<B: Backend> Engine<B> {
         let mut last = None;
         for (c, (src, dst)) in host.iter().zip(bufs).enumerate() {
             let w = if c == 0 { waits.to_vec() } else { Vec::new() };
-            last = Some(self.backend.upload(&w, Arc::clone(src), dst.clone(), format!("{name} chunk {c}")));
+            last = Some(self.backend.upload(
+                &w,
+                Arc::clone(src),
+                dst.clone(),
+                None,
+                format!("{name} chunk {c}"),
+            ));
         }
         last.ok_or_else(|| spill_bug(boundary))
     }

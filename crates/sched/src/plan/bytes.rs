@@ -1,9 +1,11 @@
-//! What each thing the planner places costs in bytes: the host store's arena, and the transient
-//! workspace of a layer's backward and of the loss (counted tensor by tensor, measured against
-//! the device pool's high-water mark).
+//! What each thing the planner places costs in bytes: the host store's arena, a LoRA run's
+//! frozen base (held, staged and uploaded in its encoding), and the transient workspace of a
+//! layer's backward and of the loss (counted tensor by tensor, measured against the device
+//! pool's high-water mark).
 
-use mt_core::{ModelConfig, ModelLayout, StateDtype};
-use mt_store::{GradDtype, PAGE};
+use candle_core::DType;
+use mt_core::{ModelConfig, ModelLayout, StateDtype, Unit};
+use mt_store::{GradDtype, TransferDtype, PAGE};
 
 /// `[t, hidden]` tensors alive at the peak of a layer's backward (a, x1, c, output, dy, dx1,
 /// da, dx).
@@ -35,6 +37,63 @@ const FUSED_SCORE_BYTES: u64 = 8;
 /// logits and the bf16 dlogits of `mt_ce_grad`; the head's weight gradient is accumulated into
 /// its f32 buffer by the GEMM itself (no transient copy).
 const FUSED_LOGIT_BYTES: u64 = 4;
+
+/// A LoRA run's frozen base as it is held, staged and uploaded into slots of a weight dtype
+/// ([`base_bytes`]); all zero without LoRA.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BaseBytes {
+    /// Its encoding (`--base-dtype`).
+    pub dtype: mt_core::BaseDtype,
+    /// In host memory (`mt_store::FrozenBase::bytes`): its encoding's.
+    pub host: u64,
+    /// Uploaded with a decoder layer's slot: the encoded bytes where the device dequantises them
+    /// (`mt_store::uploads_encoded`), else the weights in the slot's dtype.
+    pub layer_up: u64,
+    /// Uploaded with the outer unit's slot (never encoded: its tensors stay bf16 or fp32).
+    pub outer_up: u64,
+    /// Host memory read and written staging a decoder layer's base into its upload copy: the
+    /// encoding read, then what goes up written.
+    pub layer_stage: u64,
+    /// The same for the outer unit's base.
+    pub outer_stage: u64,
+    /// The device buffer a layer's encoded base lands in before its dequantisation
+    /// (`mt_pool::PoolSpec::base_scratch`; 0 where the base goes up as weights).
+    pub scratch: u64,
+}
+
+/// The staging buffers' element type for device weights of `d`.
+pub(crate) fn transfer_dtype(d: DType) -> TransferDtype {
+    match d {
+        DType::F32 => TransferDtype::F32,
+        DType::F16 => TransferDtype::F16,
+        _ => TransferDtype::Bf16,
+    }
+}
+
+/// `cfg`'s frozen base (`cfg.lora`'s `base` encoding) staged and uploaded into slots of
+/// `weight_dtype`.
+pub fn base_bytes(cfg: &ModelConfig, weight_dtype: DType) -> BaseBytes {
+    let Some(l) = &cfg.lora else { return BaseBytes::default() };
+    let layout = ModelLayout::new(&ModelConfig { lora: None, ..cfg.clone() });
+    let (e, td) = (weight_dtype.size_in_bytes(), transfer_dtype(weight_dtype));
+    // (held, staged, uploaded, encoded) bytes of a unit.
+    let unit = |u: Unit| {
+        let (enc, n) = (l.base.encoding(layout.unit(u), u), layout.unit(u).len);
+        let encoded = mt_store::uploads_encoded(&enc, td);
+        let up = if encoded { enc.bytes } else { n * e } as u64;
+        (enc.bytes as u64, enc.bytes as u64 + up, up, encoded)
+    };
+    let ((oh, os, ou, _), (lh, ls, lu, lenc)) = (unit(Unit::Outer), unit(Unit::Layer(0)));
+    BaseBytes {
+        dtype: l.base,
+        host: oh + layout.n_layers as u64 * lh,
+        layer_up: lu,
+        outer_up: ou,
+        layer_stage: ls,
+        outer_stage: os,
+        scratch: if lenc { lu } else { 0 },
+    }
+}
 
 pub(super) fn grad_elem_bytes(grad: GradDtype) -> u64 {
     match grad {
@@ -79,6 +138,9 @@ pub struct LayerPath {
     pub flash: bool,
     /// ... on the Hopper kernels (their fp32 dQ buffer: `mt_layers::hopper_dq_buffer_bytes`).
     pub hopper: bool,
+    /// A mixture of experts on the device MoE kernels (fused only;
+    /// `mt_layers::moe_kernels_apply`).
+    pub moe_kernels: bool,
     /// Rows of an MLP tile (`mt_layers::LayerOptions::mlp_rows`), 0 = all of a chunk's.
     pub mlp_rows: usize,
 }
@@ -95,7 +157,10 @@ pub struct LayerPath {
 ///
 /// A mixture of experts: `ffn` is the routed width `k·f_e` per token (each token's rows reach
 /// `k` experts of width `f_e`), plus the router's `[t, E]` probabilities; the largest weight
-/// gradient formed at once is one expert's matrix, not the packed tensor.
+/// gradient formed at once is one expert's matrix, not the packed tensor. On the device MoE
+/// kernels (fused, `path.moe_kernels`) the tile's MLP tensors are instead
+/// `mt_layers::moe_device_workspace_bytes` (the routing, `gu`, `mid` and the backward's routed
+/// rows; no weight gradient is formed apart: the GEMMs add into the f32 buffer).
 ///
 /// `trainable` is the layout of what trains ([`ModelLayout::trainable`]): a LoRA run forms
 /// the gradients of its adapters only, never a frozen weight's.
@@ -117,7 +182,13 @@ pub fn layer_workspace(
         }
     };
     let qkv = (cfg.q_dim() + 2 * cfg.kv_dim()) as u64;
-    let acts = e * (t * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv) + rows * FFN_TENSORS * f) + router;
+    // The MLP tile's own tensors.
+    let mlp = if path.fused && path.moe_kernels && cfg.moe.is_some() {
+        mt_layers::moe_device_workspace_bytes(cfg, rows as usize, e)
+    } else {
+        e * rows * FFN_TENSORS * f + router
+    };
+    let acts = e * t * (HIDDEN_TENSORS * h + QKV_TENSORS * qkv) + mlp;
     let heads = cfg.num_attention_heads as u64;
     let score_elems = b as u64 * heads * (s * s) as u64;
     if path.fused && path.flash {
@@ -126,10 +197,7 @@ pub fn layer_workspace(
         } else {
             0
         };
-        return flash_acts(cfg, t, e, dq)
-            + e * rows * FFN_TENSORS * f
-            + router
-            + FLASH_ROW_F32 * 4 * t * heads;
+        return flash_acts(cfg, t, e, dq) + mlp + FLASH_ROW_F32 * 4 * t * heads;
     }
     if path.fused {
         return acts + FUSED_SCORE_BYTES * score_elems;

@@ -67,7 +67,7 @@ impl fmt::Display for PlanDisplay<'_> {
         };
         writeln!(
             f,
-            "step: {} x {} tokens in {chunks}; ring depth {}; {} attention; MLP in {}; layer checkpoints {checkpoints}",
+            "step: {} x {} tokens in {chunks}; ring depth {}; {} attention; MLP{} in {}; layer checkpoints {checkpoints}",
             p.batch,
             p.seq,
             p.ring_depth,
@@ -76,6 +76,7 @@ impl fmt::Display for PlanDisplay<'_> {
                 (true, false) => "flash",
                 (false, _) => "materialised",
             },
+            if p.moe_kernels { " (experts on the device MoE kernels)" } else { "" },
             if p.mlp_rows == 0 { "whole chunks".to_string() } else { format!("tiles of {} rows", p.mlp_rows) },
         )?;
         writeln!(f, "{}", p.placement_table().display_on(self.device))?;
@@ -107,7 +108,7 @@ impl fmt::Display for PlanDisplay<'_> {
             sizes(&[
                 (if h.store_window.is_some() { "store (paged from its file)" } else { "store" }, h.store),
                 ("store window in RAM", h.store_window.unwrap_or(0)),
-                ("frozen base (fp32)", h.frozen_base),
+                (&format!("frozen base ({})", p.base.dtype), h.frozen_base),
                 (rings, h.pinned - h.spilled_checkpoints),
                 ("spilled checkpoints", h.spilled_checkpoints),
                 ("total", h.total),

@@ -30,8 +30,10 @@
 //! the landing buffers and the downloads are the adapters' (`ModelLayout::trainable`); the weight
 //! slots, the staging buffers and the uploads a slot's (the base and its adapters,
 //! `ModelLayout::new`); the frozen base adds its own bytes to the host's
-//! (`HostBytes::frozen_base`, fp32 as `mt_store::FrozenBase` holds it). No optimizer state goes
-//! on the device: `auto` places none there and asking for it is refused.
+//! (`HostBytes::frozen_base`, in its encoding as `mt_store::FrozenBase` holds it: fp32, bf16,
+//! int8 or NF4), and it is staged and uploaded in that encoding where the device dequantises it
+//! (`Plan::base`, decision 0048). No optimizer state goes on the device: `auto` places none
+//! there and asking for it is refused.
 
 use candle_core::DType;
 use mt_core::{ModelConfig, StateDtype};
@@ -41,7 +43,10 @@ use crate::placement::{Placement, PlacementChoice};
 use crate::{OptimMode, Result};
 
 mod bytes;
-pub use bytes::{largest_record, layer_workspace, loss_workspace, store_bytes, LayerPath, PAGED_MIN_RECORDS};
+pub use bytes::{
+    base_bytes, largest_record, layer_workspace, loss_workspace, store_bytes, BaseBytes, LayerPath,
+    PAGED_MIN_RECORDS,
+};
 mod display;
 mod model;
 mod phases;
@@ -111,6 +116,11 @@ pub struct PlanInput {
     /// capability 9.0, head dim 64 or 128, not forced portable), whose backward needs an fp32 dQ
     /// buffer beside its other transients (`mt_layers::hopper_dq_buffer_bytes`).
     pub hopper_attention: bool,
+    /// A mixture of experts runs the device MoE kernels (`mt_layers::moe_kernels_apply`; with
+    /// the fused kernels only): their routed rows' workspace
+    /// (`mt_layers::moe_device_workspace_bytes`) instead of the portable path's per-expert
+    /// tensors. Ignored for a dense model.
+    pub moe_kernels: bool,
     /// The store is a file (`--store`): where it does not fit `host_bytes`, it is paged through
     /// a RAM window (the disk tier, `HostStore::start_paging`) instead of refused.
     pub store_file: bool,
@@ -172,8 +182,8 @@ pub struct GpuBytes {
 pub struct HostBytes {
     /// The host store's arena.
     pub store: u64,
-    /// A LoRA run's frozen base weights (`mt_store::FrozenBase::bytes`: 4 B/param), 0 without
-    /// LoRA.
+    /// A LoRA run's frozen base weights (`mt_store::FrozenBase::bytes`: 4, 2, ~1.06 or ~0.56
+    /// B/param by its encoding), 0 without LoRA.
     pub frozen_base: u64,
     /// Staging and landing buffers, and the spilled checkpoints' (page-locked on CUDA).
     pub pinned: u64,
@@ -213,6 +223,8 @@ pub struct Plan {
     pub flash_attention: bool,
     /// ... on the Hopper kernels (`PlanInput::hopper_attention`).
     pub hopper_attention: bool,
+    /// A mixture of experts on the device MoE kernels (`PlanInput::moe_kernels`).
+    pub moe_kernels: bool,
     /// Rows of each MLP tile (0 = a chunk's rows at once).
     pub mlp_rows: usize,
     /// GPU bytes.
@@ -220,7 +232,8 @@ pub struct Plan {
     /// Host bytes.
     pub host: HostBytes,
     /// Bytes uploaded per step: `(outer.len + (2 × streamed layers - held layers) × layer.len)
-    /// × e`, without the `outer.len` term when the outer unit is resident; each GPU-updated
+    /// × e`, without the `outer.len` term when the outer unit is resident (a LoRA run's frozen
+    /// base part of each as [`BaseBytes`] says: an int8 or NF4 layer's encoded); each GPU-updated
     /// layer's forward upload (`layer.len × e`) is replaced by its state (`(s + g) ×
     /// layer.len`), an early-upload one's by `s × layer.len` (its gradient is copied on the
     /// device).
@@ -232,6 +245,8 @@ pub struct Plan {
     pub n_params: u64,
     /// Of them, those that train (a LoRA run's adapters; all of them otherwise).
     pub trainable_params: u64,
+    /// A LoRA run's frozen base as held, staged and uploaded (all zero without LoRA).
+    pub base: BaseBytes,
     /// Model FLOPs per step ([`mt_core::model_flops_per_step`]: `6·N·T + 6·L·s·hidden·T`, `N`
     /// the active parameters (all of a dense model; a mixture of experts' router and routed
     /// experts), attention with the causal half, recompute not counted).

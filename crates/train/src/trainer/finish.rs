@@ -158,6 +158,7 @@ impl<O: Observer> Trainer<O> {
             store_bytes: self.store.bytes(),
             store_bytes_per_param: self.store.bytes_per_param(),
             frozen_base_bytes: self.base.as_ref().map_or(0, |b| b.bytes()),
+            frozen_base_dtype: self.base.as_ref().map(|b| b.dtype()),
             optim_states: self.store.state_dtype(),
             rss_bytes: rss_bytes(),
             paging: self.store.paging_stats().map(|p| (p, self.store.bytes_in_memory().unwrap_or(0))),

@@ -162,6 +162,7 @@ impl<O: Observer> Trainer<O> {
             store_bytes_per_param: store.bytes_per_param(),
             store_path: store.path(),
             frozen_base_bytes: base.as_ref().map_or(0, |b| b.bytes()),
+            frozen_base_dtype: base.as_ref().map(|b| b.dtype()),
             flops_per_step: global_flops(&plan, &config),
         };
         notify(&mut observer, &Event::Started(&start))?;
@@ -393,7 +394,7 @@ fn plan_run<O: Observer>(
         &model.cfg,
         device,
         host,
-        backend.kernels(c.precision.dtype(), model.cfg.head_dim, c.flash_kernel),
+        backend.kernels(&model.cfg, c.precision.dtype(), c.flash_kernel, c.moe_kernels),
     )?;
     notify(observer, &Event::Planned { plan: &p, device: c.device.kind() })?;
     Ok(p)
@@ -422,6 +423,7 @@ fn engine_options(c: &TrainConfig, model: &ModelSource, plan: &Plan) -> EngineOp
         flash_kernel: c.flash_kernel,
         mlp_rows: plan.mlp_rows,
         rope_angles: c.rope_angles,
+        moe_kernels: c.moe_kernels,
         placement: plan.placement,
         ..EngineOptions::default()
     };
@@ -502,6 +504,14 @@ fn defining_options(c: &TrainConfig, model: &ModelSource) -> Result<Value> {
         defining["lora"] = serde_json::json!({
             "rank": l.rank, "alpha": l.alpha, "targets": targets, "dropout": l.dropout, "rslora": l.rslora,
         });
+        // The base's encoding where it changes what the device computes with: not an fp32 base,
+        // nor a bf16 one under bf16 weights (the upload rounds an fp32 base to the same bits),
+        // so the checkpoints of runs that held the base in fp32 resume as they were.
+        let lossless = l.base == mt_core::BaseDtype::F32
+            || (l.base == mt_core::BaseDtype::Bf16 && c.precision == crate::Precision::Bf16);
+        if !lossless {
+            defining["lora"]["base_dtype"] = l.base.name().into();
+        }
     }
     Ok(defining)
 }

@@ -1,4 +1,4 @@
-//! The two sets of grouped GEMM kernels a routing's products can run (decision 0049): moe.cu's
+//! The two sets of grouped GEMM kernels a routing's products can run (decision 0050): moe.cu's
 //! mma.sync kernels (any GPU of compute capability 8.0 or later, the PTX of `MOE`) and
 //! moe_hopper.cu's wgmma kernels (compute capability 9.0 only: an sm_90a CUBIN of both files),
 //! each with its launch geometry. Both take the same arguments and write the same outputs.

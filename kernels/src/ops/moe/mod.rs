@@ -5,9 +5,9 @@
 //! Nothing is read back to the host: the per-expert offsets stay in device memory and the GEMMs
 //! read them there. Deterministic (no float atomics).
 //!
-//! Phase 1 of the work: the engine's MoE layer does not call these yet (`moe_tests.rs` checks
-//! them on a GPU against an f64 evaluation; `scripts/moe_bench.py` launches the same kernels with
-//! the same geometry from PyTorch). Here: the routing, its grouping and the shared launch helpers;
+//! mt-layers' MoE device path chains them (decision 0049); `moe_tests.rs` checks them on a GPU
+//! against an f64 evaluation, and `scripts/moe_bench.py` launches the same kernels with the same
+//! geometry from PyTorch. Here: the routing, its grouping and the shared launch helpers;
 //! `gemm.rs`: the grouped GEMMs; `kernels.rs`: their two kernel sets (mma.sync, and wgmma on
 //! Hopper) and launch geometries; `rows.rs`: gather, combine, SwiGLU, the router's backward.
 

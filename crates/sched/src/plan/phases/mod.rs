@@ -8,8 +8,8 @@ use mt_core::{ModelConfig, ModelLayout};
 use mt_store::GradDtype;
 
 use super::bytes::{
-    grad_elem_bytes, largest_record, layer_workspace, loss_workspace, round_page, store_bytes, LayerPath,
-    PAGED_MIN_RECORDS,
+    base_bytes, grad_elem_bytes, largest_record, layer_workspace, loss_workspace, round_page, store_bytes,
+    BaseBytes, LayerPath, PAGED_MIN_RECORDS,
 };
 use super::model::{
     early_upload_capacity, forward_window, late_download_capacity, HOST_MEMORY_GBS, STATE_UPLOAD_GBS,
@@ -24,7 +24,9 @@ use crate::program::RELOAD_SLOTS;
 use crate::{Error, OptimMode, Result};
 
 mod gpu;
+mod host;
 use gpu::place_gpu_updated;
+use host::host_bytes;
 
 /// What every phase of [`plan_placed`] reads: the request, the model's sizes and the GPU's budget.
 struct Ctx<'a> {
@@ -62,6 +64,13 @@ struct Ctx<'a> {
     ol_moved: u64,
     tol_moved: u64,
     outer_state: u64,
+    /// A LoRA run's frozen base as held, staged and uploaded (all zero without LoRA).
+    base: BaseBytes,
+    /// Bytes uploaded with a streamed decoder layer (its base as [`BaseBytes::layer_up`] says, its
+    /// adapters or all its weights in the weight dtype) and with the outer unit (none when it is
+    /// resident).
+    layer_up: u64,
+    outer_up: u64,
     /// What the plan may use of the GPU, and that in words for refusals.
     budget: u64,
     budget_line: String,
@@ -76,6 +85,7 @@ impl<'a> Ctx<'a> {
         let (ll, ol, nl) = (layout.layer.len as u64, layout.outer.len as u64, layout.n_layers as u64);
         let (tl, tol) = (trainable.layer.len as u64, trainable.outer.len as u64);
         let budget = (input.gpu_bytes as f64 * GPU_USABLE_FRACTION) as u64;
+        let base = base_bytes(cfg, *weight_dtype);
         Ctx {
             input,
             cfg,
@@ -101,6 +111,9 @@ impl<'a> Ctx<'a> {
             } else {
                 0
             },
+            base,
+            layer_up: base.layer_up + tl * e,
+            outer_up: if resident_outer { 0 } else { base.outer_up + tol * e },
             budget,
             budget_line: format!(
                 "{:.2} GiB usable ({GPU_USABLE_FRACTION} of {:.2} GiB)",
@@ -110,13 +123,6 @@ impl<'a> Ctx<'a> {
             layout,
             trainable,
         }
-    }
-
-    /// Bytes of a LoRA run's frozen base in host memory (`mt_store::FrozenBase`, fp32): each
-    /// unit's slot less its adapters. 0 without LoRA.
-    fn frozen_base_bytes(&self) -> u64 {
-        let frozen = |u| self.trainable.frozen_len(&self.layout, u) as u64;
-        4 * (frozen(mt_core::Unit::Outer) + self.nl * frozen(mt_core::Unit::Layer(0)))
     }
 
     /// GPU bytes of the GPU-updated layers' state slots with `late` late downloads:
@@ -154,11 +160,12 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         c.e,
         input.fused_kernels,
         chunks.flash,
+        input.moe_kernels,
     );
     place_resident_and_held(&c, &fixed, per_kept_layer, &mut placed, &mut total)?;
     let state_slots = place_gpu_updated(&c, &mut placed, &mut total)?;
     place_kept(&c, per_kept_layer, &mut placed, &mut total)?;
-    let Ctx { ll, nl, tl, tol, e, le, g, sl, ol_moved, tol_moved, .. } = c;
+    let Ctx { ll, nl, tl, tol, e, le, g, sl, tol_moved, layer_up, outer_up, .. } = c;
     let Placement {
         resident_layers, held_layers, kept_layers, gpu_updated_layers, early_state_uploads, ..
     } = placed;
@@ -197,15 +204,18 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         placement: placed,
         flash_attention: chunks.flash,
         hopper_attention: chunks.flash && input.hopper_attention,
+        moe_kernels: input.moe_kernels && input.fused_kernels && c.cfg.moe.is_some(),
         mlp_rows: chunks.mlp_rows,
         gpu,
         host,
-        pcie_h2d_per_step: (ol_moved + (2 * streamed_layers - held_layers as u64 - gu) * ll) * e
+        pcie_h2d_per_step: outer_up
+            + (2 * streamed_layers - held_layers as u64 - gu) * layer_up
             + gu * (sl + g * ll)
             - early_state_uploads as u64 * g * ll,
         pcie_d2h_per_step: streamed_layers * tl * le + tol_moved * 4 + gu * sl,
         n_params: c.layout.n_params() as u64,
         trainable_params: c.trainable.n_params() as u64,
+        base: c.base,
         flops_per_step: mt_core::model_flops_per_step(c.cfg, c.batch, c.seq),
     })
 }
@@ -240,72 +250,6 @@ fn check_input(input: &PlanInput) -> Result<usize> {
     Ok(ring_depth)
 }
 
-/// `b` bytes in GiB, or in MiB below one.
-fn size(b: u64) -> String {
-    if b >= 1 << 30 {
-        format!("{:.2} GiB", gib(b))
-    } else {
-        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
-    }
-}
-
-/// Phase 2: the host holds the store and the staging and landing rings (page-locked on CUDA).
-fn host_bytes(c: &Ctx<'_>) -> Result<HostBytes> {
-    let Ctx { input, ll, tl, e, le, ol_moved, tol_moved, .. } = *c;
-    let layout = &c.trainable;
-    let store = store_bytes(layout, input.grad_dtype, input.state_dtype);
-    // Staging holds a slot (a LoRA run's base and adapters), landing a gradient (its adapters').
-    let pinned = N_BUFS * ll * e + ol_moved * e + N_BUFS * tl * le + tol_moved * 4;
-    let frozen_base = c.frozen_base_bytes();
-    let mut host = HostBytes {
-        store,
-        frozen_base,
-        pinned,
-        spilled_checkpoints: 0,
-        total: store + frozen_base + pinned,
-        store_window: None,
-        released_by_resident: 0,
-    };
-    // A file-backed store stays whole in RAM only if the rest of the run fits beside it too.
-    let reserved = if input.store_file { input.host_reserved } else { 0 };
-    if host.total + reserved <= input.host_bytes {
-        return Ok(host);
-    }
-    let base =
-        if frozen_base > 0 { format!(" + frozen base ({:.2} GiB)", gib(frozen_base)) } else { String::new() };
-    let over = format!(
-        "host store ({:.2} GiB){base} + pinned staging/landing ({:.2} GiB) = {:.2} GiB exceed the host's {:.2} GiB by {:.2} GiB",
-        gib(store), gib(pinned), gib(host.total), gib(input.host_bytes), gib(host.total - input.host_bytes)
-    );
-    if frozen_base > store {
-        // Paging the adapters' store would not make room: the base is what does not fit.
-        return opt(format!(
-            "{over}; a LoRA run keeps its frozen base in host RAM in fp32 (4 B/param): it needs more --host-mem"
-        ));
-    }
-    if !input.store_file {
-        return opt(format!(
-            "{over}; a file-backed store (--store FILE on a disk with room) pages it from disk"
-        ));
-    }
-    // The disk tier: the store stays in its file; RAM holds a window of records (the record in
-    // use and the next at least) and PAGED_IN_FLIGHT more on their way to or from disk.
-    let record = largest_record(layout, input.grad_dtype, input.state_dtype);
-    let in_flight = mt_store::PAGED_IN_FLIGHT * record;
-    let window = input.host_bytes.saturating_sub(frozen_base + pinned + in_flight + input.host_reserved);
-    if window < PAGED_MIN_RECORDS * record {
-        return opt(format!(
-            "{over}; paging it from its file needs {} beside the pinned buffers{} and {} for the rest of the run ({} records of {}: in use, next, {} on their way to or from disk)",
-            size((PAGED_MIN_RECORDS + mt_store::PAGED_IN_FLIGHT) * record),
-            if frozen_base > 0 { " and the frozen base" } else { "" }, size(input.host_reserved),
-            PAGED_MIN_RECORDS + mt_store::PAGED_IN_FLIGHT, size(record), mt_store::PAGED_IN_FLIGHT
-        ));
-    }
-    host.store_window = Some(window);
-    host.total = window + in_flight + frozen_base + pinned;
-    Ok(host)
-}
-
 /// The GPU buffers whose size does not depend on the chunking: weight ring, outer slot, gradient
 /// buffers, resident state asked for, and the activation gradients of one boundary.
 struct Fixed {
@@ -327,8 +271,9 @@ fn fixed_gpu_bytes(c: &Ctx<'_>) -> Result<Fixed> {
     // Layer gradient buffers (f32) with their bf16 twins when bf16 lands, and the outer one: of
     // what trains (a LoRA run's adapters).
     let narrow = if le == 2 { N_BUFS * tl * 2 } else { 0 };
+    // The ring's slots, and the buffer an encoded base lands in before its dequantisation.
     let (weight_ring, outer, grads) =
-        (ring_depth as u64 * ll * e, ol * e, N_BUFS * tl * 4 + narrow + tol * 4);
+        (ring_depth as u64 * ll * e + c.base.scratch, ol * e, N_BUFS * tl * 4 + narrow + tol * 4);
     let per_resident_layer = ll * (e + 4) + sl;
     if let Some(k) = input.placement.resident_layers.filter(|&k| k > layout.n_layers) {
         return opt(format!("{k} resident layers asked of a {}-layer model", layout.n_layers));
@@ -401,6 +346,7 @@ fn choose_chunking(
                 fused: input.fused_kernels,
                 flash,
                 hopper: flash && input.hopper_attention,
+                moe_kernels: input.moe_kernels,
                 mlp_rows,
             };
             layer_workspace(cfg, &c.trainable, b, seq, e, path).max(loss_workspace(

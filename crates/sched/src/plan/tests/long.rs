@@ -44,6 +44,7 @@ fn input(seq: usize, gpu_bytes: u64, host_gib: u64, mode: OptimMode) -> PlanInpu
         fused_kernels: true,
         flash_attention: None,
         hopper_attention: false,
+        moe_kernels: true,
         mlp_rows: None,
         store_file: false,
         host_reserved: 0,

@@ -48,6 +48,7 @@ pub(super) fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) 
         // `long_sequences_*` plan flash attention and MLP tiles.
         flash_attention: Some(false),
         hopper_attention: false,
+        moe_kernels: true,
         mlp_rows: Some(0),
         store_file: false,
         host_reserved: 0,
@@ -65,13 +66,15 @@ pub(super) fn input(cfg: ModelConfig, batch: usize, seq: usize, gpu_bytes: u64) 
 }
 
 /// What the device pool allocates for plan `p` of `i` as the engine specifies it: slots of
-/// `slot` (with LoRA the base and its adapters), gradient buffers of `trainable` (the adapters);
-/// resident units' buffers left out (the tests compare the streamed ones).
+/// `slot` (with LoRA the base and its adapters), gradient buffers of `trainable` (the adapters),
+/// the scratch buffer of `base_scratch` bytes (a LoRA run's int8 or NF4 layer); resident units'
+/// buffers left out (the tests compare the streamed ones).
 pub(super) fn pool_bytes(
     p: &Plan,
     i: &PlanInput,
     slot: &ModelLayout,
     trainable: &ModelLayout,
+    base_scratch: usize,
 ) -> mt_pool::PoolBytes {
     let spec = mt_pool::PoolSpec {
         ring_depth: p.ring_depth,
@@ -92,6 +95,7 @@ pub(super) fn pool_bytes(
         },
         state_grad_dtype: if i.grad_dtype == GradDtype::F32 { DType::F32 } else { DType::BF16 },
         state_dtype: i.state_dtype,
+        base_scratch,
     };
     mt_pool::DevicePool::new(&spec, &candle_core::Device::Cpu).unwrap().bytes()
 }

@@ -32,7 +32,7 @@ fn the_planned_gpu_buffers_are_what_the_pool_allocates() {
             ..input(cfg.clone(), 2, 16, GIB)
         };
         let p = plan(&i).unwrap();
-        let b = pool_bytes(&p, &i, &layout, &layout);
+        let b = pool_bytes(&p, &i, &layout, &layout, 0);
         let what = format!("{mode:?}, {grad:?} gradients, {late} late");
         assert_eq!(p.placement.late_state_downloads, late, "{what}");
         let per_grad_buf = layout.layer.len as u64 * if lands_bf16(mode, grad) { 6 } else { 4 };
@@ -65,7 +65,7 @@ fn kept_activations_fill_what_residency_leaves() {
         ..input(llama3_3b(), 4, 2048, H200)
     };
     let cfg = llama3_3b();
-    let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, true, false);
+    let per = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, true, false, false);
     // a, x1, c, q, o (3072 each), k, v (1024 each), gate, up, mid (8192 each) per token in bf16,
     // raw scores and probabilities of 4 x 24 heads with their f32 (max, sum) per row, the two
     // norms' f32 reciprocal RMS per token: ~2.1 GiB a layer.
@@ -75,7 +75,7 @@ fn kept_activations_fill_what_residency_leaves() {
     assert_eq!(per, acts + scores + stats + rms);
     // candle's ops also keep each norm's f32 input copy and x·r, silu(gate), and f32
     // probabilities instead of the bf16 scores and probabilities with their statistics.
-    let unfused = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, false, false);
+    let unfused = mt_layers::DecoderLayer::kept_state_bytes(&cfg, 4, 2048, 2, false, false, false);
     let n = 4 * 2048;
     assert_eq!(unfused, per + 2 * n * 3072 * 4 + n * 3072 * 2 + n * 8192 * 2 - stats);
     // Auto keeps none of the streamed, not held layers' (their backward waits on the host);

@@ -1,5 +1,5 @@
-//! The mixture-of-experts MLP's backward, written out (no autograd), from what
-//! [`crate::moe::forward`] saved.
+//! The portable mixture-of-experts MLP's backward, written out (no autograd), from what
+//! [`super::host::forward`] saved.
 //!
 //! With `out_t = Σ_j w_tj · y_tj`, `y = down(silu(gate(c)) ⊙ up(c))` of expert `e_tj`:
 //! - each expert's rows get `dy_e = dout ⊙ w`, and its weights `dW_down[e] += dy_eᵀ mid`,
@@ -17,14 +17,15 @@
 //! `dw_tj = dout_t · y_tj` gains `dout_t · b_down[e]`; the biases' gradients are the column sums
 //! of `dy_e ⊙ w` and `[d_gate | d_up]` (interleaved as the parameters); the matrices are stored
 //! `[in, out]`, so their gradients are the transposed products (`midᵀ dy_e`, `c_eᵀ d_gu`); the
-//! clamped GLU's backward is [`crate::moe::clamped_glu_backward`]; the router bias gets
+//! clamped GLU's backward is [`super::clamped_glu_backward`]; the router bias gets
 //! `Σ_rows dlogit`.
 
 use candle_core::{DType, Tensor, D};
 use mt_core::ExpertKind;
 
+use super::host::HostSaved;
+use super::{clamped_glu_backward, Experts, RouterGrad};
 use crate::mlp::swiglu_backward;
-use crate::moe::{clamped_glu_backward, Experts, MoeSaved, RouterGrad};
 use crate::ops::{linear_backward, matmul_wide, wide_dtype};
 use crate::weights::names;
 use crate::{GradSink, Result};
@@ -34,7 +35,7 @@ use crate::{GradSink, Result};
 pub(crate) fn backward(
     ex: &Experts<'_>,
     c: &Tensor,
-    s: MoeSaved,
+    s: HostSaved,
     dy: &Tensor,
     grads: &GradSink,
     aux: Option<&RouterGrad>,
@@ -94,7 +95,8 @@ pub(crate) fn backward(
         let dc_e = matmul_wide(&d_gu, &ex.gate_up_out_in(e)?)?;
         dc = dc.index_add(&x.idx, &dc_e, 0)?;
     }
-    let dlogit = router_backward(&s, &dw, ne, k, aux);
+    let aux = aux.map(RouterGrad::dprob).transpose()?;
+    let dlogit = router_backward(&s, &dw, ne, k, aux.as_deref());
     let dlogit = Tensor::from_vec(dlogit, (rows, ne), dev)?.to_dtype(dtype)?;
     let (router, bias) =
         if gpt_oss { (names::GPT_OSS_ROUTER, Some(names::ROUTER_BIAS)) } else { (names::ROUTER, None) };
@@ -103,14 +105,14 @@ pub(crate) fn backward(
 }
 
 /// `dL/dlogits` `[rows, E]` (row-major, f64) from the routing weights' gradient `dw`
-/// `[rows, k]` and the load-balancing loss's `aux`.
-fn router_backward(s: &MoeSaved, dw: &[f64], ne: usize, k: usize, aux: Option<&RouterGrad>) -> Vec<f64> {
+/// `[rows, k]` and the load-balancing loss's `aux` (`dL/dp[t, e]` for every row).
+fn router_backward(s: &HostSaved, dw: &[f64], ne: usize, k: usize, aux: Option<&[f64]>) -> Vec<f64> {
     let normalise = s.normalised;
     let mut out = Vec::with_capacity(s.probs.len());
     let mut dp = vec![0f64; ne];
     for ((p, top), dw) in s.probs.chunks_exact(ne).zip(s.top.chunks_exact(k)).zip(dw.chunks_exact(k)) {
         match aux {
-            Some(a) => dp.copy_from_slice(a.dprob()),
+            Some(a) => dp.copy_from_slice(a),
             None => dp.fill(0.0),
         }
         let sum: f64 = top.iter().map(|&x| f64::from(p[x as usize])).sum();
