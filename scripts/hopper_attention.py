@@ -30,7 +30,7 @@ BAD_PTXAS = ("setmaxnreg ignored", "serialized", "bytes spill stores", "Local me
 
 def source(extra: str = "") -> str:
     parts = [("common.cuh", KERNELS / "common.cuh"), ("flash_attn.cu", KERNELS / "flash_attn.cu"),
-             ("flash_attn_hopper.cu", KERNELS / "flash_attn_hopper.cu")]
+             ("hopper.cuh", KERNELS / "hopper.cuh"), ("flash_attn_hopper.cu", KERNELS / "flash_attn_hopper.cu")]
     text = "".join(f'#line 1 "{n}"\n{p.read_text()}\n' for n, p in parts)
     return text + extra
 

@@ -22,12 +22,13 @@
 // per-chunk bases; a scatter writes perm and row_slot. Integer work only: exact and repeatable.
 //
 // Grouped GEMMs (mt_moe_gemm_*): bf16 operands, f32 accumulation on the tensor cores (mma.sync
-// m16n8k16, ldmatrix, cp.async into a 3-stage ring; sm_80 and later). CTA tile 128 x 128, k step
-// 32, 8 warps of 64 x 32, two CTAs an SM (at most 128 registers a thread, 2 x 48 KiB of shared
-// memory). Two shapes:
+// m16n8k16, ldmatrix, cp.async into a ring of stages; sm_80 and later). By default CTA tile
+// 128 x 128, k step 32, 3 stages, 8 warps of 64 x 32, two CTAs an SM (at most 128 registers a
+// thread, 2 x 48 KiB of shared memory); other geometries are compile-time switches (the GEMM
+// section below); moe_hopper.cu has the same GEMMs on wgmma for Hopper. Two shapes:
 //   M-grouped (forward products and the backward's dX): C[p, :] = A[p, :] B_e for the rows p of
 //     expert e, B_e = W[e]^T (W stored [N, K], "nk") or W[e] itself (stored [K, N], "kn"). The grid
-//     is sized to the bound ceil(R / 128) + E of row tiles; each CTA finds its expert and row tile
+//     is sized to the bound ceil(R / BM) + E of row tiles; each CTA finds its expert and row tile
 //     by walking off[] (read from device memory: no host copy of the counts). A's rows may be
 //     gathered from token rows (a_slot[p] / a_div), so the permuted copy of the input is optional.
 //   K-grouped (weight gradients): G_e[m, n] += sum over the rows p of expert e of A[p, m] B[p, n],
@@ -44,11 +45,6 @@
 // K (top-k) <= 32, R < 2^31.
 
 #define MT_MOE_CHUNK 1024
-#define MT_MOE_BM 128
-#define MT_MOE_BN 128
-#define MT_MOE_BK 32
-#define MT_MOE_STAGES 3
-#define MT_MOE_THREADS 256
 #define MT_MOE_MAX_K 32
 
 // The dynamic shared memory of every kernel here (the CPU emulator, kernels/emu, brings its own).
@@ -375,117 +371,319 @@ extern "C" __global__ void mt_moe_router_bwd(const float* __restrict__ probs, co
 
 // --- grouped GEMMs -----------------------------------------------------------------------------
 
-// Shared-memory tiles, 16-byte chunks with an XOR swizzle so that ldmatrix's 8 row addresses hit
-// 8 different 16-byte bank groups:
-//   "rk" tile: 128 rows x 32 k (4 chunks a row; rows are m or n, k contiguous);
-//   "kr" tile: 32 k rows x 128 (16 chunks a row; k-major, m or n contiguous).
-__device__ __forceinline__ unsigned rk_at(int r, int c) { return (unsigned)((r * 4 + (c ^ ((r >> 1) & 3))) * 16); }
-__device__ __forceinline__ unsigned kr_at(int r, int c) { return (unsigned)((r * 16 + (c ^ (r & 7))) * 16); }
+// Geometry and variants, each a -D define. The defaults are what the launchers
+// (kernels/src/ops/moe/) and scripts/moe_bench.py launch; another set is compiled for a
+// measurement (moe_bench.py --variants) and becomes the default only once a GPU says it is faster.
+//   BM x BN: the CTA tile; BK: the k step; STAGES: the depth of the cp.async ring;
+//   WARPS_M x WARPS_N warps, each owning a (BM / WARPS_M) x (BN / WARPS_N) warp tile;
+//   MIN_CTAS: the CTAs an SM is promised (__launch_bounds__: what caps the registers).
+//   HOIST 1: the CTA's setup done once instead of per k step: one warp scans the offsets for the
+//     CTA's expert, each thread finds its gathered A rows' sources once, and the weight
+//     gradient's per-step gather divides by a multiplier computed once (FastDiv).
+//   GROUP g > 0: the M-grouped CTAs run in groups of g row tiles times every column tile, rather
+//     than every row tile of column tile 0 first: an A tile is read by all its column tiles while
+//     it is still in L2, instead of once from DRAM per column tile.
+#ifndef MT_MOE_BM
+#define MT_MOE_BM 128
+#endif
+#ifndef MT_MOE_BN
+#define MT_MOE_BN 128
+#endif
+#ifndef MT_MOE_BK
+#define MT_MOE_BK 32
+#endif
+#ifndef MT_MOE_STAGES
+#define MT_MOE_STAGES 3
+#endif
+#ifndef MT_MOE_WARPS_M
+#define MT_MOE_WARPS_M 2
+#endif
+#ifndef MT_MOE_WARPS_N
+#define MT_MOE_WARPS_N 4
+#endif
+#ifndef MT_MOE_MIN_CTAS
+#define MT_MOE_MIN_CTAS 2
+#endif
+#ifndef MT_MOE_HOIST
+#define MT_MOE_HOIST 0
+#endif
+#ifndef MT_MOE_GROUP
+#define MT_MOE_GROUP 0
+#endif
+#define MT_MOE_THREADS (32 * MT_MOE_WARPS_M * MT_MOE_WARPS_N)
+#define MT_MOE_WTM (MT_MOE_BM / MT_MOE_WARPS_M)  // a warp tile's rows
+#define MT_MOE_WTN (MT_MOE_BN / MT_MOE_WARPS_N)  // and columns
+#define MT_MOE_MI (MT_MOE_WTM / 16)              // its m16 fragments
+#define MT_MOE_NI (MT_MOE_WTN / 8)               // and n8 fragments
+#define MT_MOE_A_BYTES (MT_MOE_BM * MT_MOE_BK * 2)
+#define MT_MOE_STAGE_BYTES ((MT_MOE_BM + MT_MOE_BN) * MT_MOE_BK * 2)
+#define MT_MOE_GEMM_SMEM_BYTES (MT_MOE_STAGES * MT_MOE_STAGE_BYTES)
+static_assert(MT_MOE_WTM % 16 == 0 && MT_MOE_WTN % 16 == 0, "warp tiles are made of 16 x 16 blocks");
+static_assert(MT_MOE_BM % 64 == 0 && MT_MOE_BN % 64 == 0, "CTA tiles are multiples of 64 (kr tiles' swizzle)");
+static_assert(MT_MOE_BK == 32 || MT_MOE_BK % 64 == 0, "k step 32 or a multiple of 64 (rk tiles' swizzle)");
+static_assert(MT_MOE_STAGES >= 2, "a ring of at least two stages");
+static_assert(MT_MOE_THREADS % (MT_MOE_BK / 8) == 0 && (MT_MOE_BM * MT_MOE_BK / 8) % MT_MOE_THREADS == 0,
+              "each thread copies whole rows' worth of the A tile's chunk columns");
+static_assert(4 * MT_MOE_WARPS_N * MT_MOE_BM <= MT_MOE_GEMM_SMEM_BYTES, "the epilogue's reduction fits the ring");
+// A launcher that computes the geometry on its own side (scripts/moe_bench.py) passes what it
+// will launch with; a difference is a compile error, not a kernel reading past its shared memory.
+#if defined(MT_MOE_EXPECT_SMEM) && !defined(MT_MOE_HOPPER)
+static_assert(MT_MOE_EXPECT_SMEM == MT_MOE_GEMM_SMEM_BYTES && MT_MOE_EXPECT_THREADS == MT_MOE_THREADS &&
+                  MT_MOE_EXPECT_BM == MT_MOE_BM && MT_MOE_EXPECT_BN == MT_MOE_BN,
+              "the launcher's GEMM geometry is not the kernels'");
+#endif
 
-#define MT_MOE_TILE_BYTES (MT_MOE_BM * MT_MOE_BK * 2)
-#define MT_MOE_GEMM_SMEM_BYTES (MT_MOE_STAGES * 2 * MT_MOE_TILE_BYTES)
+// Shared-memory tiles: rows of CH 16-byte chunks, a chunk's place XOR-swizzled so that
+// ldmatrix's 8 row addresses (8 rows, one chunk column) and a warp's cp.async stores hit 8
+// different 16-byte bank groups. "rk" tiles: rows m or n, BK k contiguous (CH = BK / 8); "kr"
+// tiles: BK rows of k, m or n contiguous (CH = BM / 8 or BN / 8).
+template <int CH>
+__device__ __forceinline__ unsigned sw_at(int r, int c) {
+    static_assert(CH == 4 || CH % 8 == 0, "4 chunks a row, or a multiple of 8");
+    return CH == 4 ? (unsigned)((r * 4 + (c ^ ((r >> 1) & 3))) * 16) : (unsigned)((r * CH + (c ^ (r & 7))) * 16);
+}
 
-// Copies of a tile of R rows x C 16-byte chunks ("rk": 128 x 4, "kr": 32 x 16): rows
-// [row0, row0 + R) of a row-major [rows, ld] matrix, columns [col0, col0 + 8 C); rows at or past
-// `row_end` and columns at or past `cmax` are zero-filled. Row r is read from row idx[r] / div of
-// the source when idx is given (token rows gathered in permuted order).
-template <int R, int C>
+// n / d for 0 <= n < 2^31 and 1 <= d <= 32 by a multiply-high and a shift (Granlund and
+// Montgomery: with l = ceil(log2 d) and m = ceil(2^(31 + l) / d), m d - 2^(31 + l) < d <= 2^l,
+// so floor(m n / 2^(31 + l)) = floor(n / d)); d = 1 is n itself.
+struct FastDiv {
+    unsigned m;
+    int shift, d;
+};
+__device__ __forceinline__ FastDiv fast_div(int d) {
+    FastDiv f{0u, 0, d};
+    if (d > 1) {
+        const int l = 32 - __clz(d - 1);
+        f.m = (unsigned)(((1ull << (31 + l)) + (unsigned long long)d - 1ull) / (unsigned long long)d);
+        f.shift = l - 1;
+    }
+    return f;
+}
+__device__ __forceinline__ int quot(int n, int d) { return n / d; }
+__device__ __forceinline__ int quot(int n, FastDiv f) {
+    return f.d == 1 ? n : (int)(__umulhi((unsigned)n, f.m) >> f.shift);
+}
+
+// Copies of a tile of R rows x C 16-byte chunks: rows [row0, row0 + R) of a row-major [rows, ld]
+// matrix, columns [col0, col0 + 8 C); rows at or past `row_end` and columns at or past `cmax` are
+// zero-filled. Row r is read from row idx[r] / div of the source when idx is given (token rows
+// gathered in permuted order); `div` an int or a FastDiv.
+template <int R, int C, class Div>
 __device__ __forceinline__ void load_tile(unsigned dst, const unsigned short* __restrict__ src, long long ld, int row0,
-                                          int row_end, int col0, int cmax, const int* __restrict__ idx, int div) {
-    for (int i = threadIdx.x; i < R * C; i += MT_MOE_THREADS) {
+                                          int row_end, int col0, int cmax, const int* __restrict__ idx, Div div) {
+#pragma unroll
+    for (int j = 0; j < (R * C + MT_MOE_THREADS - 1) / MT_MOE_THREADS; ++j) {
+        const int i = (int)threadIdx.x + j * MT_MOE_THREADS;
+        if ((R * C) % MT_MOE_THREADS != 0 && i >= R * C) break;
         const int r = i / C, c = i % C;
         const int row = row0 + r, col = col0 + c * 8;
         const bool ok = row < row_end && col < cmax;
         const unsigned short* p = src;
-        if (ok) p = src + (long long)(idx ? idx[row] / div : row) * ld + col;
-        cp_async16(dst + (C == 4 ? rk_at(r, c) : kr_at(r, c)), p, ok ? 16 : 0);
+        if (ok) p = src + (long long)(idx ? quot(idx[row], div) : row) * ld + col;
+        cp_async16(dst + sw_at<C>(r, c), p, ok ? 16 : 0);
     }
 }
-#define load_rk load_tile<MT_MOE_BM, 4>
-#define load_kr load_tile<MT_MOE_BK, 16>
 
-// A fragment (16 rows x 16 k) at rows m0.., k step kk (0 or 1) of an "rk" tile.
+// MT_MOE_HOIST: a thread's share of the M-grouped A tile (BM rows x BK k, "rk"), found once per
+// CTA: chunk column tid % CH of rows tid / CH + j STEP, src[j] the source row of each (through
+// idx / div when gathered) or -1 past the expert's rows.
+struct ARows {
+    static constexpr int CH = MT_MOE_BK / 8, N = MT_MOE_BM * CH / MT_MOE_THREADS, STEP = MT_MOE_THREADS / CH;
+    int src[N];
+};
+__device__ __forceinline__ void a_rows_init(ARows& a, int row0, int row_end, const int* __restrict__ idx, int div) {
+#pragma unroll
+    for (int j = 0; j < ARows::N; ++j) {
+        const int row = row0 + (int)threadIdx.x / ARows::CH + j * ARows::STEP;
+        a.src[j] = row < row_end ? (idx ? idx[row] / div : row) : -1;
+    }
+}
+// The copies of k step [k0, k0 + BK) of those rows (A [*, K] row-major).
+__device__ __forceinline__ void a_rows_load(const ARows& a, unsigned dst, const unsigned short* __restrict__ src, int K,
+                                            int k0) {
+    const int c = (int)threadIdx.x % ARows::CH, col = k0 + c * 8;
+#pragma unroll
+    for (int j = 0; j < ARows::N; ++j) {
+        const bool ok = a.src[j] >= 0 && col < K;
+        const unsigned short* p = ok ? src + (long long)a.src[j] * K + col : src;
+        cp_async16(dst + sw_at<ARows::CH>((int)threadIdx.x / ARows::CH + j * ARows::STEP, c), p, ok ? 16 : 0);
+    }
+}
+
+// A fragment (16 rows x 16 k) at rows m0.., k step kk of an "rk" tile.
 __device__ __forceinline__ void frag_a_rk(unsigned* a, unsigned tile, int m0, int kk) {
     const int lane = threadIdx.x & 31, mi = lane >> 3;
-    ldsm_x4(a, tile + rk_at(m0 + (mi & 1) * 8 + (lane & 7), kk * 2 + (mi >> 1)));
+    ldsm_x4(a, tile + sw_at<MT_MOE_BK / 8>(m0 + (mi & 1) * 8 + (lane & 7), kk * 2 + (mi >> 1)));
 }
 // A fragment (16 m x 16 k) at m0.., k rows 16 kk.. of a "kr" tile (the tile holds A transposed).
 __device__ __forceinline__ void frag_a_kr(unsigned* a, unsigned tile, int m0, int kk) {
     const int lane = threadIdx.x & 31, mi = lane >> 3;
-    ldsm_x4_t(a, tile + kr_at(kk * 16 + (mi >> 1) * 8 + (lane & 7), (m0 >> 3) + (mi & 1)));
+    ldsm_x4_t(a, tile + sw_at<MT_MOE_BM / 8>(kk * 16 + (mi >> 1) * 8 + (lane & 7), (m0 >> 3) + (mi & 1)));
 }
 // B fragments of two n-tiles (n0.., n0 + 8..), k step kk, of an "rk" tile holding B^T (n rows).
 __device__ __forceinline__ void frag_b_rk(unsigned* b, unsigned tile, int n0, int kk) {
     const int lane = threadIdx.x & 31, mi = lane >> 3;
-    ldsm_x4(b, tile + rk_at(n0 + (mi >> 1) * 8 + (lane & 7), kk * 2 + (mi & 1)));
+    ldsm_x4(b, tile + sw_at<MT_MOE_BK / 8>(n0 + (mi >> 1) * 8 + (lane & 7), kk * 2 + (mi & 1)));
 }
 // B fragments of two n-tiles (n0.., n0 + 8..), k rows 16 kk.. of a "kr" tile holding B.
 __device__ __forceinline__ void frag_b_kr(unsigned* b, unsigned tile, int n0, int kk) {
     const int lane = threadIdx.x & 31, mi = lane >> 3;
-    ldsm_x4_t(b, tile + kr_at(kk * 16 + (mi & 1) * 8 + (lane & 7), (n0 >> 3) + (mi >> 1)));
+    ldsm_x4_t(b, tile + sw_at<MT_MOE_BN / 8>(kk * 16 + (mi & 1) * 8 + (lane & 7), (n0 >> 3) + (mi >> 1)));
 }
 
-// The tensor-core work of one k step (32) of the CTA tile on one stage: warp (wm, wn) owns rows
-// [64 wm, 64 wm + 64) and columns [32 wn, 32 wn + 32): acc[mi][ni][4].
+// The tensor-core work of one k step of the CTA tile on one stage: warp (wm, wn) owns rows
+// [WTM wm, WTM (wm + 1)) and columns [WTN wn, WTN (wn + 1)): acc[MI][NI][4].
+// Unrolled by two k16 steps, not more: a longer unroll lets the compiler hoist every step's
+// fragments ahead of the mma's, more registers than two CTAs an SM leave a thread.
 template <bool A_KR, bool B_KR>
-__device__ __forceinline__ void mma_stage(float (*acc)[4][4], unsigned ta, unsigned tb, int wm, int wn) {
+__device__ __forceinline__ void mma_stage(float (*acc)[MT_MOE_NI][4], unsigned ta, unsigned tb, int wm, int wn) {
+#pragma unroll 2
+    for (int kk = 0; kk < MT_MOE_BK / 16; ++kk) {
+        unsigned a[MT_MOE_MI][4], b[MT_MOE_NI / 2][4];
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-        unsigned a[4][4], b[2][4];
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi) {
-            if (A_KR) frag_a_kr(a[mi], ta, wm * 64 + mi * 16, kk);
-            else frag_a_rk(a[mi], ta, wm * 64 + mi * 16, kk);
+        for (int mi = 0; mi < MT_MOE_MI; ++mi) {
+            if (A_KR) frag_a_kr(a[mi], ta, wm * MT_MOE_WTM + mi * 16, kk);
+            else frag_a_rk(a[mi], ta, wm * MT_MOE_WTM + mi * 16, kk);
         }
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-            if (B_KR) frag_b_kr(b[np], tb, wn * 32 + np * 16, kk);
-            else frag_b_rk(b[np], tb, wn * 32 + np * 16, kk);
+        for (int np = 0; np < MT_MOE_NI / 2; ++np) {
+            if (B_KR) frag_b_kr(b[np], tb, wn * MT_MOE_WTN + np * 16, kk);
+            else frag_b_rk(b[np], tb, wn * MT_MOE_WTN + np * 16, kk);
         }
 #pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
+        for (int mi = 0; mi < MT_MOE_MI; ++mi)
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) mma16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+            for (int ni = 0; ni < MT_MOE_NI; ++ni)
+                mma16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
     }
 }
 
-// The CTA's whole k loop: acc zeroed, then `steps` k steps of 32 through the 3-stage cp.async
+// The CTA's whole k loop: acc zeroed, then `steps` k steps of BK through the STAGES-deep cp.async
 // ring; load(step, tile_a, tile_b) issues the copies of one step's two tiles.
 template <bool A_KR, bool B_KR, class Load>
-__device__ __forceinline__ void gemm_mainloop(float (*acc)[4][4], int steps, Load load) {
-    const int warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
+__device__ __forceinline__ void gemm_mainloop(float (*acc)[MT_MOE_NI][4], int steps, Load load) {
+    const int warp = threadIdx.x >> 5, wm = warp / MT_MOE_WARPS_N, wn = warp % MT_MOE_WARPS_N;
     const unsigned sbase = smem_addr(MT_MOE_SMEM);
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
+    for (int mi = 0; mi < MT_MOE_MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
+        for (int ni = 0; ni < MT_MOE_NI; ++ni)
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.0f;
-    auto stage = [&](int step) { return sbase + (step % MT_MOE_STAGES) * 2 * MT_MOE_TILE_BYTES; };
 #pragma unroll
     for (int s = 0; s < MT_MOE_STAGES - 1; ++s) {
-        if (s < steps) load(s, stage(s), stage(s) + MT_MOE_TILE_BYTES);
+        const unsigned st = sbase + s * MT_MOE_STAGE_BYTES;
+        if (s < steps) load(s, st, st + MT_MOE_A_BYTES);
         cp_async_commit();
     }
+    int rd = 0, wr = MT_MOE_STAGES - 1;  // the stages read and refilled this step
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<MT_MOE_STAGES - 2>();
         __syncthreads();  // this step's tiles are in; every warp is done with the stage refilled next
         const int next = step + MT_MOE_STAGES - 1;
-        if (next < steps) load(next, stage(next), stage(next) + MT_MOE_TILE_BYTES);
+        const unsigned sw = sbase + wr * MT_MOE_STAGE_BYTES, sr = sbase + rd * MT_MOE_STAGE_BYTES;
+        if (next < steps) load(next, sw, sw + MT_MOE_A_BYTES);
         cp_async_commit();
-        mma_stage<A_KR, B_KR>(acc, stage(step), stage(step) + MT_MOE_TILE_BYTES, wm, wn);
+        mma_stage<A_KR, B_KR>(acc, sr, sr + MT_MOE_A_BYTES, wm, wn);
+        rd = rd + 1 == MT_MOE_STAGES ? 0 : rd + 1;
+        wr = wr + 1 == MT_MOE_STAGES ? 0 : wr + 1;
     }
     cp_async_wait_all();
+}
+
+// The expert and row tile of M-grouped row-tile slot `slot` (the tiles of BM rows of experts
+// 0, 1, ... in order; e = -1 past the last one) into job[0], job[1], by warp 0 scanning 32 experts
+// at a time (the other threads return at once). The caller synchronises.
+template <int BM>
+__device__ __forceinline__ void find_expert_warp(int* job, int slot, const int* __restrict__ off, int E) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    int cum = 0, found = -1, before = 0;
+    for (int base = 0; base < E && found < 0; base += 32) {
+        const int e = base + lane;
+        const int tiles = e < E ? (off[e + 1] - off[e] + BM - 1) / BM : 0;
+        int incl = tiles;  // inclusive prefix sum over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, slot < cum + incl);
+        if (hit) {
+            const int l = __ffs(hit) - 1;
+            found = base + l;
+            before = cum + __shfl_sync(0xffffffffu, incl - tiles, l);
+        } else {
+            cum += __shfl_sync(0xffffffffu, incl, 31);
+        }
+    }
+    if (lane == 0) {
+        job[0] = found;
+        job[1] = slot - before;
+    }
+}
+
+// The same by thread 0 walking the experts one by one (MT_MOE_HOIST 0: the first kernel's way).
+__device__ __forceinline__ void find_expert(int* job, int slot, const int* __restrict__ off, int E) {
+#if MT_MOE_HOIST
+    find_expert_warp<MT_MOE_BM>(job, slot, off, E);
+#else
+    if (threadIdx.x != 0) return;
+    int cum = 0, e = 0, found = -1;
+    for (; e < E; ++e) {
+        const int tiles = (off[e + 1] - off[e] + MT_MOE_BM - 1) / MT_MOE_BM;
+        if (slot < cum + tiles) {
+            found = e;
+            break;
+        }
+        cum += tiles;
+    }
+    job[0] = found;
+    job[1] = slot - cum;
+#endif
+}
+
+// An M-grouped CTA's row-tile slot and column tile: launch order (group 0: every row tile of
+// column tile 0 first), or groups of `group` row tiles by every column tile, the column tile
+// slowest within a group (grid: row-tile slots x column tiles).
+__device__ __forceinline__ void m_tile(int group, int& slot, int& ct) {
+    slot = blockIdx.x;
+    ct = blockIdx.y;
+    if (group > 0) {
+        const int lin = (int)(blockIdx.x + gridDim.x * blockIdx.y), per = group * (int)gridDim.y;
+        const int g = lin / per, j = lin - g * per, rows = min(group, (int)gridDim.x - g * group);
+        slot = g * group + j % rows;
+        ct = j / rows;
+    }
 }
 
 #define MT_MOE_EPI_STORE 0
 #define MT_MOE_EPI_DMID 1
 
+// Columns n, n + 1 of row p of an M-grouped product (accumulators v0, v1) into C [*, N]: stored
+// as bf16 (EPI_STORE); or (EPI_DMID) g = bf16(v), dot += g * mid[p, n..] in column order, stored
+// as bf16(g w) (moe_gemm_m's epilogues; moe_hopper.cu's too).
+template <int EPI>
+__device__ __forceinline__ void epi_pair(float v0, float v1, long long p, int n, int N, float w,
+                                         const unsigned short* __restrict__ mid, unsigned short* __restrict__ C,
+                                         float& dot) {
+    if (EPI == MT_MOE_EPI_DMID) {
+        v0 = rbf(v0);
+        v1 = rbf(v1);
+        const unsigned mm = *reinterpret_cast<const unsigned*>(mid + p * N + n);
+        dot = dot + v0 * bf2f((unsigned short)(mm & 0xffffu));
+        dot = dot + v1 * bf2f((unsigned short)(mm >> 16));
+        v0 = v0 * w;
+        v1 = v1 * w;
+    }
+    *reinterpret_cast<unsigned*>(C + p * N + n) = (unsigned)f2bf(v0) | ((unsigned)f2bf(v1) << 16);
+}
+
 // M-grouped: C[p, n] = sum_k A[p, k] B_e[k, n] for the rows p of expert e. A [*, K] bf16 (row p
 // read from row a_idx[p] / a_div when a_idx is given); W: expert e's matrix at W + e N K, stored
-// [N, K] (B_KN false: B_e = W[e]^T) or [K, N] (B_KN true). Grid (ceil(R / 128) + E, ceil(N / 128)).
+// [N, K] (B_KN false: B_e = W[e]^T) or [K, N] (B_KN true). Grid (ceil(R / BM) + E, ceil(N / BN)).
 // EPI_STORE: C [R, N] bf16. EPI_DMID: g = bf16(acc), C = bf16(g w(p)) with w(p) =
-// bf16(weights[row_slot[p]]), partial[p tiles + blockIdx.y] = sum over the tile's columns of
+// bf16(weights[row_slot[p]]), partial[p tiles + column tile] = sum over the tile's columns of
 // g * mid[p, n] (mid [R, N] bf16), in a fixed order.
 template <bool B_KN, int EPI>
 __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __restrict__ a_idx, int a_div,
@@ -493,67 +691,53 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
                            unsigned short* __restrict__ C, const int* __restrict__ row_slot,
                            const float* __restrict__ weights, const unsigned short* __restrict__ mid,
                            float* __restrict__ partial) {
+    int slot, ct;
+    m_tile(MT_MOE_GROUP, slot, ct);
     // The job goes through the first 8 bytes of the ring (dynamic shared memory): a static
     // __shared__ array would take the CTA past 48 KiB, the most a launch gets without opting in.
     int* job = reinterpret_cast<int*>(MT_MOE_SMEM);
-    if (threadIdx.x == 0) {
-        // Which expert and row tile this CTA computes: the tiles of experts 0, 1, ... in order.
-        int cum = 0, e = 0, found = -1;
-        for (; e < E; ++e) {
-            const int tiles = (off[e + 1] - off[e] + MT_MOE_BM - 1) / MT_MOE_BM;
-            if ((int)blockIdx.x < cum + tiles) {
-                found = e;
-                break;
-            }
-            cum += tiles;
-        }
-        job[0] = found;
-        job[1] = (int)blockIdx.x - cum;
-    }
+    find_expert(job, slot, off, E);
     __syncthreads();
     const int e = job[0];
     // Past the last expert's last tile (the grid is sized to a bound): the whole CTA leaves.
     const int row0 = e < 0 ? 0 : off[e] + job[1] * MT_MOE_BM, row_end = e < 0 ? 0 : off[e + 1];
     __syncthreads();  // every thread has the job before the ring's first copies overwrite it
     if (e < 0) return;
-    const int n0 = blockIdx.y * MT_MOE_BN;
+    const int n0 = ct * MT_MOE_BN;
     const unsigned short* We = W + (size_t)e * N * K;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
-    float acc[4][4][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp / MT_MOE_WARPS_N, wn = warp % MT_MOE_WARPS_N;
+    float acc[MT_MOE_MI][MT_MOE_NI][4];
+#if MT_MOE_HOIST
+    ARows ar;
+    a_rows_init(ar, row0, row_end, a_idx, a_div);
+#endif
     gemm_mainloop<false, B_KN>(acc, (K + MT_MOE_BK - 1) / MT_MOE_BK, [&](int step, unsigned ta, unsigned tb) {
         const int k0 = step * MT_MOE_BK;
-        load_rk(ta, A, K, row0, row_end, k0, K, a_idx, a_div);
-        if (B_KN) load_kr(tb, We, N, k0, K, n0, N, nullptr, 1);
-        else load_rk(tb, We, K, n0, N, k0, K, nullptr, 1);
+#if MT_MOE_HOIST
+        a_rows_load(ar, ta, A, K, k0);
+#else
+        load_tile<MT_MOE_BM, MT_MOE_BK / 8>(ta, A, K, row0, row_end, k0, K, a_idx, a_div);
+#endif
+        if (B_KN) load_tile<MT_MOE_BK, MT_MOE_BN / 8>(tb, We, N, k0, K, n0, N, nullptr, 1);
+        else load_tile<MT_MOE_BN, MT_MOE_BK / 8>(tb, We, K, n0, N, k0, K, nullptr, 1);
     });
     __syncthreads();  // the ring is free for the epilogue's reduction
-    // Epilogue. Thread's elements: rows 64 wm + 16 mi + lane / 4 (+ 8), columns
-    // 32 wn + 8 ni + 2 (lane % 4) (+ 1).
-    float* red = reinterpret_cast<float*>(MT_MOE_SMEM);  // [4 wn][128 rows], after the ring
+    // Epilogue. Thread's elements: rows WTM wm + 16 mi + lane / 4 (+ 8), columns
+    // WTN wn + 8 ni + 2 (lane % 4) (+ 1).
+    float* red = reinterpret_cast<float*>(MT_MOE_SMEM);  // [WARPS_N][BM]
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
+    for (int mi = 0; mi < MT_MOE_MI; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int rl = wm * 64 + mi * 16 + (lane >> 2) + h * 8;
+            const int rl = wm * MT_MOE_WTM + mi * 16 + (lane >> 2) + h * 8;
             const int p = row0 + rl;
             const bool row_ok = p < row_end;
             float w = 1.0f, dot = 0.0f;
             if (EPI == MT_MOE_EPI_DMID && row_ok) w = rbf(weights[row_slot[p]]);
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int n = n0 + wn * 32 + ni * 8 + (lane & 3) * 2;
-                if (!row_ok || n >= N) continue;
-                float v0 = acc[mi][ni][h * 2], v1 = acc[mi][ni][h * 2 + 1];
-                if (EPI == MT_MOE_EPI_DMID) {
-                    v0 = rbf(v0);
-                    v1 = rbf(v1);
-                    const unsigned mm = *reinterpret_cast<const unsigned*>(mid + (size_t)p * N + n);
-                    dot = dot + v0 * bf2f((unsigned short)(mm & 0xffffu));
-                    dot = dot + v1 * bf2f((unsigned short)(mm >> 16));
-                    v0 = v0 * w;
-                    v1 = v1 * w;
-                }
-                *reinterpret_cast<unsigned*>(C + (size_t)p * N + n) = (unsigned)f2bf(v0) | ((unsigned)f2bf(v1) << 16);
+            for (int ni = 0; ni < MT_MOE_NI; ++ni) {
+                const int n = n0 + wn * MT_MOE_WTN + ni * 8 + (lane & 3) * 2;
+                if (row_ok && n < N) epi_pair<EPI>(acc[mi][ni][h * 2], acc[mi][ni][h * 2 + 1], p, n, N, w, mid, C, dot);
             }
             if (EPI == MT_MOE_EPI_DMID) {
                 dot += __shfl_xor_sync(0xffffffffu, dot, 1);
@@ -563,19 +747,19 @@ __device__ void moe_gemm_m(const unsigned short* __restrict__ A, const int* __re
         }
     if (EPI == MT_MOE_EPI_DMID) {
         __syncthreads();
-        if (threadIdx.x < MT_MOE_BM) {
-            const int p = row0 + (int)threadIdx.x;
+        for (int i = threadIdx.x; i < MT_MOE_BM; i += MT_MOE_THREADS) {
+            const int p = row0 + i;
             if (p < row_end) {
                 float s = 0.0f;
-                for (int q = 0; q < 4; ++q) s += red[q * MT_MOE_BM + threadIdx.x];
-                partial[(size_t)p * gridDim.y + blockIdx.y] = s;
+                for (int q = 0; q < MT_MOE_WARPS_N; ++q) s += red[q * MT_MOE_BM + i];
+                partial[(size_t)p * gridDim.y + ct] = s;
             }
         }
     }
 }
 
 // X W[e]^T: W stored [N, K] per expert (the forward's gate_up and down projections).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, MT_MOE_MIN_CTAS)
     mt_moe_gemm_nk(const unsigned short* __restrict__ A, const int* __restrict__ a_idx, int a_div,
                    const unsigned short* __restrict__ W, const int* __restrict__ off, int E, int N, int K,
                    unsigned short* __restrict__ C) {
@@ -583,7 +767,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
 }
 
 // X W[e]: W stored [K, N] per expert (the backward's dX through gate_up: dgu W_gate_up[e]).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, MT_MOE_MIN_CTAS)
     mt_moe_gemm_kn(const unsigned short* __restrict__ A, const int* __restrict__ a_idx, int a_div,
                    const unsigned short* __restrict__ W, const int* __restrict__ off, int E, int N, int K,
                    unsigned short* __restrict__ C) {
@@ -592,7 +776,7 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
 
 // The backward through the down projection: g = dY W_down[e] (W stored [K = H, N = F]), written
 // as d_mid = bf16(g w) with the routing weight's partial dots (EPI_DMID above).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, MT_MOE_MIN_CTAS)
     mt_moe_gemm_kn_dmid(const unsigned short* __restrict__ A, const int* __restrict__ a_idx, int a_div,
                         const unsigned short* __restrict__ W, const int* __restrict__ off, int E, int N, int K,
                         unsigned short* __restrict__ C, const int* __restrict__ row_slot,
@@ -601,10 +785,19 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
     moe_gemm_m<true, MT_MOE_EPI_DMID>(A, a_idx, a_div, W, off, E, N, K, C, row_slot, weights, mid, partial);
 }
 
+// G[m, n], G[m, n + 1] += a0, a1 (the K-grouped epilogue: an f32 gradient element's one writer).
+__device__ __forceinline__ void add_pair(float* __restrict__ G, long long m, int n, int N, float a0, float a1) {
+    float2* g = reinterpret_cast<float2*>(G + m * N + n);
+    float2 v = *g;
+    v.x = v.x + a0;
+    v.y = v.y + a1;
+    *g = v;
+}
+
 // K-grouped weight gradient: G[e][m, n] += sum over the rows p of expert e, ascending, of
 // A[p, m] B[p, n]. A [R, M] bf16 (permuted rows); B [*, N] bf16 (row p read from row
-// b_idx[p] / b_div when b_idx is given); G [E, M, N] f32. Grid (ceil(M / 128) ceil(N / 128), E).
-extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
+// b_idx[p] / b_div when b_idx is given); G [E, M, N] f32. Grid (ceil(M / BM) ceil(N / BN), E).
+extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, MT_MOE_MIN_CTAS)
     mt_moe_gemm_wgrad(const unsigned short* __restrict__ A, const unsigned short* __restrict__ B,
                       const int* __restrict__ b_idx, int b_div, const int* __restrict__ off, int M, int N,
                       float* __restrict__ G) {
@@ -613,29 +806,29 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_THREADS, 2)
     if (p0 == p1) return;  // no rows: nothing to add
     const int mtiles = (M + MT_MOE_BM - 1) / MT_MOE_BM;
     const int m0 = (blockIdx.x % mtiles) * MT_MOE_BM, n0 = (blockIdx.x / mtiles) * MT_MOE_BN;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp >> 2, wn = warp & 3;
-    float acc[4][4][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wm = warp / MT_MOE_WARPS_N, wn = warp % MT_MOE_WARPS_N;
+#if MT_MOE_HOIST
+    const FastDiv bdiv = fast_div(b_div);
+#else
+    const int bdiv = b_div;
+#endif
+    float acc[MT_MOE_MI][MT_MOE_NI][4];
     gemm_mainloop<true, true>(acc, (p1 - p0 + MT_MOE_BK - 1) / MT_MOE_BK, [&](int step, unsigned ta, unsigned tb) {
         const int k0 = p0 + step * MT_MOE_BK;
-        load_kr(ta, A, M, k0, p1, m0, M, nullptr, 1);
-        load_kr(tb, B, N, k0, p1, n0, N, b_idx, b_div);
+        load_tile<MT_MOE_BK, MT_MOE_BM / 8>(ta, A, M, k0, p1, m0, M, nullptr, 1);
+        load_tile<MT_MOE_BK, MT_MOE_BN / 8>(tb, B, N, k0, p1, n0, N, b_idx, bdiv);
     });
     float* Ge = G + (size_t)e * M * N;
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
+    for (int mi = 0; mi < MT_MOE_MI; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int m = m0 + wm * 64 + mi * 16 + (lane >> 2) + h * 8;
+            const int m = m0 + wm * MT_MOE_WTM + mi * 16 + (lane >> 2) + h * 8;
             if (m >= M) continue;
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int n = n0 + wn * 32 + ni * 8 + (lane & 3) * 2;
-                if (n >= N) continue;
-                float2* g = reinterpret_cast<float2*>(Ge + (size_t)m * N + n);
-                float2 v = *g;
-                v.x = v.x + acc[mi][ni][h * 2];
-                v.y = v.y + acc[mi][ni][h * 2 + 1];
-                *g = v;
+            for (int ni = 0; ni < MT_MOE_NI; ++ni) {
+                const int n = n0 + wn * MT_MOE_WTN + ni * 8 + (lane & 3) * 2;
+                if (n < N) add_pair(Ge, m, n, N, acc[mi][ni][h * 2], acc[mi][ni][h * 2 + 1]);
             }
         }
 }

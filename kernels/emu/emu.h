@@ -34,15 +34,19 @@ struct EmuBlock {
     std::vector<unsigned char> smem;
     std::barrier<> block_bar;
     std::vector<std::barrier<>*> warp_bar;
+    // Warpgroups' (128 threads) barriers, for the warpgroup-wide instructions of emu_hopper.h.
+    std::vector<std::barrier<>*> wg_bar;
     // Per-warp scratch for warp-wide instructions.
     std::vector<std::array<float, 32>> f;
     std::vector<std::array<unsigned, 32 * 6>> u;
     explicit EmuBlock(int threads, size_t smem_bytes)
         : smem(smem_bytes + 16, 0xcd), block_bar(threads), f(threads / 32), u(threads / 32) {
         for (int w = 0; w < threads / 32; ++w) warp_bar.push_back(new std::barrier<>(32));
+        for (int w = 0; w < threads / 128; ++w) wg_bar.push_back(new std::barrier<>(128));
     }
     ~EmuBlock() {
         for (auto* b : warp_bar) delete b;
+        for (auto* b : wg_bar) delete b;
     }
 };
 inline thread_local EmuBlock* emu_block = nullptr;
@@ -99,6 +103,19 @@ inline T emu_shfl(T v, unsigned src) {
     return out;
 }
 inline double __shfl_sync(unsigned, double v, int src) { return emu_shfl(v, (unsigned)src); }
+inline int __shfl_sync(unsigned, int v, int src) { return emu_shfl(v, (unsigned)src); }
+// Lane l gets lane l - d's value (its own where l < d).
+inline int __shfl_up_sync(unsigned, int v, unsigned d) { return emu_shfl(v, lane_id() >= d ? lane_id() - d : lane_id()); }
+// Bit l: lane l's predicate.
+inline unsigned __ballot_sync(unsigned, int pred) {
+    auto& s = emu_block->u[warp_id()];
+    s[lane_id()] = pred ? 1u : 0u;
+    warp_sync();
+    unsigned m = 0;
+    for (unsigned l = 0; l < 32; ++l) m |= s[l] << l;
+    warp_sync();
+    return m;
+}
 inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int m) {
     return emu_shfl(v, lane_id() ^ (unsigned)m);
 }
@@ -113,6 +130,8 @@ inline unsigned __match_any_sync(unsigned, int v) {
     return m;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline float __double2float_rz(double d) {
     float f = (float)d;

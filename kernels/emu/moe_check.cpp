@@ -3,9 +3,12 @@
 // (counts, offsets, permutation against a stable sort), and the whole MoE MLP forward and backward
 // through the grouped GEMMs (output, dX, both expert weight gradients, the routing weights' and
 // router logits' gradients) against a float64 evaluation from the same bf16 inputs and the same
-// routing. Shapes off the tiles (hidden 72, expert width 40), an expert with no rows, one with
-// every token, tied logits; the routing and grouping alone over several sort chunks. Build and run:
-//   kernels/emu/run_moe.sh
+// routing. Shapes off the tiles (hidden 72, expert width 40; hidden 264, expert width 136 for
+// several column tiles), an expert with no rows, one with
+// every token, tied logits, more experts than a warp has lanes, top-1; the routing and grouping
+// alone over several sort chunks. Build and run (extra arguments: a GEMM variant's defines;
+// -DMT_MOE_CHECK_HOPPER: the GEMMs through moe_hopper.cu's wgmma kernels):
+//   kernels/emu/run_moe.sh [-DMT_MOE_CHECK_HOPPER] [-DMT_MOE_BK=64 ...]
 #include <math.h>
 
 #include "emu.h"
@@ -18,7 +21,22 @@ struct float2 {
 };
 #define MT_MOE_SMEM (emu_block->smem.data())
 #include "../cuda/common.cuh"
+#include "emu_hopper.h"
+#include "../cuda/hopper.cuh"
 #include "../cuda/moe.cu"
+#include "../cuda/moe_hopper.cu"
+
+// The grouped GEMMs through moe.cu's mma.sync kernels, or (-DMT_MOE_CHECK_HOPPER)
+// moe_hopper.cu's wgmma kernels.
+#ifdef MT_MOE_CHECK_HOPPER
+#define GEMM(kind) mt_moe_hgemm_##kind
+constexpr int MBM = MoeH::BM, MBN = MoeH::BN, MTHREADS = MT_MOE_H_THREADS;
+constexpr size_t MSMEM = MoeH::SMEM;
+#else
+#define GEMM(kind) mt_moe_gemm_##kind
+constexpr int MBM = MT_MOE_BM, MBN = MT_MOE_BN, MTHREADS = MT_MOE_THREADS;
+constexpr size_t MSMEM = MT_MOE_GEMM_SMEM_BYTES;
+#endif
 
 #include <cstdio>
 #include <numeric>
@@ -136,38 +154,37 @@ static bool run_case(const char* name, int T, int E, int K, int H, int F, bool n
     if (!gemms) return ok;
 
     // Forward.
-    const dim3e gemm_gu{(unsigned)((R + 127) / 128 + E), (unsigned)((F2 + 127) / 128), 1};
-    const dim3e gemm_h{(unsigned)((R + 127) / 128 + E), (unsigned)((H + 127) / 128), 1};
-    const dim3e gemm_f{(unsigned)((R + 127) / 128 + E), (unsigned)((F + 127) / 128), 1};
-    const size_t sm = MT_MOE_GEMM_SMEM_BYTES;
+    const dim3e gemm_gu{(unsigned)((R + MBM - 1) / MBM + E), (unsigned)((F2 + MBN - 1) / MBN), 1};
+    const dim3e gemm_h{(unsigned)((R + MBM - 1) / MBM + E), (unsigned)((H + MBN - 1) / MBN), 1};
+    const dim3e gemm_f{(unsigned)((R + MBM - 1) / MBM + E), (unsigned)((F + MBN - 1) / MBN), 1};
     std::vector<u16> gu((size_t)R * F2), mid((size_t)R * F), y((size_t)R * H), out(T * H);
-    emu_launch(gemm_gu, 256, sm,
-               [&] { mt_moe_gemm_nk(x.data(), row_slot.data(), K, wgu.data(), off.data(), E, F2, H, gu.data()); });
+    emu_launch(gemm_gu, MTHREADS, MSMEM,
+               [&] { GEMM(nk)(x.data(), row_slot.data(), K, wgu.data(), off.data(), E, F2, H, gu.data()); });
     emu_launch({8, 1, 1}, 256, 0, [&] { mt_moe_swiglu(gu.data(), mid.data(), R, F); });
-    emu_launch(gemm_h, 256, sm,
-               [&] { mt_moe_gemm_nk(mid.data(), nullptr, 1, wd.data(), off.data(), E, H, F, y.data()); });
+    emu_launch(gemm_h, MTHREADS, MSMEM,
+               [&] { GEMM(nk)(mid.data(), nullptr, 1, wd.data(), off.data(), E, H, F, y.data()); });
     emu_launch({(unsigned)T, 1, 1}, 256, 0,
                [&] { mt_moe_combine(y.data(), perm.data(), w.data(), x1.data(), out.data(), T, H, K); });
 
     // Backward.
-    const int tiles = (F + 127) / 128;
+    const int tiles = (F + MBN - 1) / MBN;
     std::vector<u16> dys((size_t)R * H), dmid((size_t)R * F), dgu((size_t)R * F2), dcp((size_t)R * H), dc(T * H),
         dlogit(T * E);
     std::vector<float> partial((size_t)R * tiles), g_gu((size_t)E * F2 * H, 0.0f), g_d((size_t)E * H * F, 0.0f);
     std::vector<double> dw(R);
     emu_launch({8, 1, 1}, 256, 0,
                [&] { mt_moe_gather(dout.data(), row_slot.data(), w.data(), dys.data(), R, H, K); });
-    emu_launch(gemm_f, 256, sm, [&] {
-        mt_moe_gemm_kn_dmid(dout.data(), row_slot.data(), K, wd.data(), off.data(), E, F, H, dmid.data(),
-                            row_slot.data(), w.data(), mid.data(), partial.data());
+    emu_launch(gemm_f, MTHREADS, MSMEM, [&] {
+        GEMM(kn_dmid)(dout.data(), row_slot.data(), K, wd.data(), off.data(), E, F, H, dmid.data(), row_slot.data(),
+                        w.data(), mid.data(), partial.data());
     });
     emu_launch({8, 1, 1}, 256, 0, [&] { mt_moe_swiglu_bwd(dmid.data(), gu.data(), dgu.data(), R, F); });
-    emu_launch({(unsigned)(((H + 127) / 128) * ((F + 127) / 128)), (unsigned)E, 1}, 256, sm,
-               [&] { mt_moe_gemm_wgrad(dys.data(), mid.data(), nullptr, 1, off.data(), H, F, g_d.data()); });
-    emu_launch({(unsigned)(((F2 + 127) / 128) * ((H + 127) / 128)), (unsigned)E, 1}, 256, sm,
-               [&] { mt_moe_gemm_wgrad(dgu.data(), x.data(), row_slot.data(), K, off.data(), F2, H, g_gu.data()); });
-    emu_launch(gemm_h, 256, sm,
-               [&] { mt_moe_gemm_kn(dgu.data(), nullptr, 1, wgu.data(), off.data(), E, H, F2, dcp.data()); });
+    emu_launch({(unsigned)(((H + MBM - 1) / MBM) * ((F + MBN - 1) / MBN)), (unsigned)E, 1}, MTHREADS, MSMEM,
+               [&] { GEMM(wgrad)(dys.data(), mid.data(), nullptr, 1, off.data(), H, F, g_d.data()); });
+    emu_launch({(unsigned)(((F2 + MBM - 1) / MBM) * ((H + MBN - 1) / MBN)), (unsigned)E, 1}, MTHREADS, MSMEM,
+               [&] { GEMM(wgrad)(dgu.data(), x.data(), row_slot.data(), K, off.data(), F2, H, g_gu.data()); });
+    emu_launch(gemm_h, MTHREADS, MSMEM,
+               [&] { GEMM(kn)(dgu.data(), nullptr, 1, wgu.data(), off.data(), E, H, F2, dcp.data()); });
     emu_launch({(unsigned)T, 1, 1}, 256, 0,
                [&] { mt_moe_combine(dcp.data(), perm.data(), nullptr, nullptr, dc.data(), T, H, K); });
     emu_launch({(unsigned)(T + 3) / 4, 1, 1}, 128, 4 * E * 8, [&] {
@@ -242,6 +259,10 @@ int main() {
     ok &= run_case("random", 150, 5, 2, 72, 40, true, 0, 1);
     ok &= run_case("ties", 97, 6, 3, 64, 24, false, 1, 2);
     ok &= run_case("skewed", 200, 5, 2, 72, 40, false, 2, 3);
+    // Widths past two or three column tiles of every GEMM geometry, k steps with a tail.
+    ok &= run_case("wide", 64, 3, 2, 264, 136, true, 0, 8);
+    // More experts than a warp's lanes (the GEMMs' expert search scans 32 at a time), top-1.
+    ok &= run_case("many", 48, 40, 1, 16, 24, false, 0, 6);
     // Routing and grouping only, over several sort chunks.
     ok &= run_case("chunks", 1500, 7, 3, 8, 8, true, 0, 4, false);
     ok &= run_case("chunks-skewed", 1100, 9, 2, 8, 8, false, 2, 5, false);

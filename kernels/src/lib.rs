@@ -28,7 +28,7 @@ pub use ops::{
     accumulate_matmul_t, add, add_row, applies, applies_on, causal_softmax, ce_grad, ce_loss, col_sums_add,
     decode_base, flash_backward, flash_forward, gemm_applies, hopper_applies, moe_swiglu,
     moe_swiglu_backward, rms_norm, rms_norm_backward, rope, rows_add, softmax_backward, swap12, swiglu,
-    swiglu_backward, ExpertMatrix, MoeRouting,
+    swiglu_backward, ExpertMatrix, MoeGemm, MoeRouting,
 };
 
 /// Which flash attention kernels run (`megatrain train --attention`): the Hopper kernels wherever
@@ -67,8 +67,9 @@ pub const MOE_MAX_TOP_K: usize = 32;
 /// Routed rows per chunk of the MoE kernels' counting sort (`MT_MOE_CHUNK`): each chunk keeps a
 /// `[E]` u32 count and base.
 pub const MOE_SORT_CHUNK: usize = 1024;
-/// Columns of a MoE grouped GEMM tile (`MT_MOE_BN`): the down projection's backward writes one
-/// f32 partial of the routing weights' gradient per row and column tile.
+/// Columns of a MoE grouped GEMM tile (`MT_MOE_BN`), the narrowest of the kernel sets' (the
+/// wgmma set's are 256): the down projection's backward writes one f32 partial of the routing
+/// weights' gradient per row and column tile, so this counts the most partials any set writes.
 pub const MOE_GEMM_TILE: usize = 128;
 
 /// Whether the MoE kernels (`MoeRouting` and its grouped GEMMs, under `cuda`) take a layer of

@@ -11,16 +11,11 @@
 //! two runs give the same bits. `scripts/hopper_attention.py` launches the same kernels the same
 //! way for the kernel benchmark.
 
-use std::sync::{Arc, Mutex, OnceLock};
-
 use candle_core::cuda_backend::cudarc::driver::sys::{
     self, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
     CUtensorMapSwizzle,
 };
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, DevicePtr, DeviceRepr, PushKernelArg,
-};
-use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DevicePtr, DeviceRepr, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Tensor};
 
@@ -29,8 +24,8 @@ use super::flash_launch::{
     Operands, Scalars,
 };
 use super::msg;
-use super::nvrtc::compile_cubin;
-use super::sources::{COMMON, FLASH, FLASH_HOPPER};
+use super::nvrtc::{sm90a_runs, Cubin};
+use super::sources::{COMMON, FLASH, FLASH_HOPPER, HOPPER};
 
 /// Threads of the forward and backward kernels (`MT_HFA_THREADS`: a producer warpgroup and two
 /// consumers).
@@ -57,44 +52,34 @@ fn smem_bwd(hd: usize) -> u32 {
     (2 * tk + 4 * tq + 2 * ds + 2 * dq + 4 * BQ * 4 + 8 * 9 + 8 + 1024) as u32
 }
 
-/// Whether the Hopper kernels run on `dev` for head dim `hd`: a GPU of compute capability 9.0
-/// exactly (sm_90a code runs on nothing else), head dim 64 or 128, and no `MEGATRAIN_NVRTC_CC`
-/// below 90 (which asks for an older GPU's code, the portable kernels, on this one).
+/// Whether the Hopper kernels run on `dev` for head dim `hd`: a GPU that runs sm_90a code
+/// ([`sm90a_runs`]: compute capability 9.0, no `MEGATRAIN_NVRTC_CC` below 90) and head dim 64
+/// or 128.
 pub fn hopper_applies(dev: &CudaDevice, hd: usize) -> bool {
-    let cc = dev.cuda_stream().context().compute_capability().ok();
-    let forced = std::env::var("MEGATRAIN_NVRTC_CC").ok().and_then(|s| s.trim().parse::<i32>().ok());
-    cc == Some((9, 0)) && forced.is_none_or(|f| f >= 90) && matches!(hd, 64 | 128)
+    sm90a_runs(dev) && matches!(hd, 64 | 128)
 }
 
-/// The CUBIN, compiled once per process (its compile log kept for the error of a failure).
+/// The CUBIN of the Hopper kernels.
+static CUBIN: Cubin = Cubin::new("flash_attn_hopper.cu");
+
+/// Its source: the portable file first (the Hopper file reuses its helpers and
+/// `mt_flash_bwd_dot`), then the Hopper wrappers and the Hopper file.
+fn source() -> String {
+    format!(
+        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}\n#line 1 \"hopper.cuh\"\n{HOPPER}\n#line 1 \"{}\"\n{}",
+        FLASH.file, FLASH.text, FLASH_HOPPER.file, FLASH_HOPPER.text
+    )
+}
+
+/// The CUBIN, compiled once per process (for the test that it compiles cleanly).
+#[cfg(test)]
 pub(super) fn compiled_cubin() -> candle_core::Result<&'static [u8]> {
-    static CUBIN: OnceLock<Result<Vec<u8>, String>> = OnceLock::new();
-    let r = CUBIN.get_or_init(|| {
-        // The portable file first: the Hopper file reuses its helpers and `mt_flash_bwd_dot`.
-        let src = format!(
-            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}\n#line 1 \"{}\"\n{}",
-            FLASH.file, FLASH.text, FLASH_HOPPER.file, FLASH_HOPPER.text
-        );
-        compile_cubin(&src, FLASH_HOPPER.file, "sm_90a")
-    });
-    r.as_deref().map_err(|e| msg(format!("NVRTC compiling kernels/cuda/{}: {e}", FLASH_HOPPER.file)))
+    CUBIN.bytes(source)
 }
 
 /// `name` of the module loaded on `dev`'s GPU (once per GPU of the process).
 fn function(dev: &CudaDevice, name: &str) -> candle_core::Result<CudaFunction> {
-    static MODULES: Mutex<Vec<(usize, Arc<CudaModule>)>> = Mutex::new(Vec::new());
-    let ctx = dev.cuda_stream().context().clone();
-    let ordinal = ctx.ordinal();
-    let mut mods = MODULES.lock().map_err(|_| msg("flash attention: the module cache was poisoned"))?;
-    let module = match mods.iter().find(|(o, _)| *o == ordinal) {
-        Some((_, m)) => m.clone(),
-        None => {
-            let m = ctx.load_module(Ptx::from_binary(compiled_cubin()?.to_vec())).w()?;
-            mods.push((ordinal, m.clone()));
-            m
-        }
-    };
-    module.load_function(name).w()
+    CUBIN.function(dev, name, source)
 }
 
 /// A CUtensorMap: 128 opaque bytes the kernel takes by value (`MtTmaMap`).

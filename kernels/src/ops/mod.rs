@@ -17,8 +17,8 @@
 //! - [`ce_loss`] / [`ce_grad`]: cross-entropy over bf16 logits (`ce.rs`); [`col_sums_add`],
 //!   [`swap12`], [`add`], [`add_row`]: a bias gradient, the attention layout and the adds;
 //! - [`MoeRouting`], [`moe_swiglu`], [`moe_swiglu_backward`]: mixture-of-experts on the device
-//!   (routing, grouping by expert, grouped GEMMs, combine; `moe/`, called by mt-layers' MoE device
-//!   path);
+//!   (routing, grouping by expert, grouped GEMMs on the kernels [`MoeGemm`] picks, combine;
+//!   `moe/`, called by mt-layers' MoE device path);
 //! - the device AdamW's kernels (`optim.rs`, called by `crate::device_optim`);
 //! - [`decode_base`]: a LoRA run's int8 or NF4 frozen base dequantised into a weight slot on a
 //!   copy stream (`base.rs`).
@@ -176,7 +176,7 @@ pub use ce::{ce_grad, ce_loss};
 mod base;
 pub use base::decode_base;
 mod moe;
-pub use moe::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeRouting};
+pub use moe::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeGemm, MoeRouting};
 
 /// Whether the fused bf16 kernels apply to `x`: a bf16 tensor on a CUDA device of compute
 /// capability 8.0 or later (A100, RTX 30xx, RTX 40xx / L40S, H100 / H200). They use nothing newer

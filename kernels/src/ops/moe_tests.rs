@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use super::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeRouting};
+use super::{moe_swiglu, moe_swiglu_backward, ExpertMatrix, MoeGemm, MoeRouting};
 
 #[derive(Clone, Copy)]
 enum Logits {
@@ -79,10 +79,11 @@ fn run(
     aux: &Tensor,
     k: usize,
     normalise: bool,
+    gemm: MoeGemm,
 ) -> Run {
     let (e, f2, h) = wgu.dims3().unwrap();
     let f = f2 / 2;
-    let rt = MoeRouting::route(logits, k, normalise).unwrap();
+    let rt = MoeRouting::route(logits, k, normalise).unwrap().with_gemm(gemm).unwrap();
     let gu = rt.matmul(x, true, wgu, ExpertMatrix::OutIn).unwrap();
     let mid = moe_swiglu(&gu).unwrap();
     let y = rt.matmul(&mid, false, wd, ExpertMatrix::OutIn).unwrap();
@@ -117,10 +118,41 @@ fn run(
     }
 }
 
+/// The kernel sets this GPU runs: mma.sync everywhere, wgmma on compute capability 9.0.
+fn gemm_sets(dev: &Device) -> Vec<MoeGemm> {
+    let hopper = match dev {
+        Device::Cuda(d) => super::nvrtc::sm90a_runs(d),
+        _ => false,
+    };
+    if hopper {
+        vec![MoeGemm::MmaSync, MoeGemm::Wgmma]
+    } else {
+        vec![MoeGemm::MmaSync]
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn check_case(t: usize, e: usize, k: usize, h: usize, f: usize, normalise: bool, kind: Logits, seed: u64) {
-    eprintln!("T={t} E={e} k={k} h={h} f={f} normalise={normalise}");
     let dev = Device::new_cuda(0).expect("this test needs a CUDA device");
+    for gemm in gemm_sets(&dev) {
+        eprintln!("T={t} E={e} k={k} h={h} f={f} normalise={normalise} {gemm:?}");
+        check_case_on(&dev, t, e, k, h, f, normalise, kind, seed, gemm);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_case_on(
+    dev: &Device,
+    t: usize,
+    e: usize,
+    k: usize,
+    h: usize,
+    f: usize,
+    normalise: bool,
+    kind: Logits,
+    seed: u64,
+    gemm: MoeGemm,
+) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut normal = |s: f32| -> f32 {
         // Box-Muller from two uniforms (rand's normal distribution lives in another crate).
@@ -149,15 +181,15 @@ fn check_case(t: usize, e: usize, k: usize, h: usize, f: usize, normalise: bool,
             .unwrap()
             .to_dtype(DType::BF16)
             .unwrap()
-            .to_device(&dev)
+            .to_device(dev)
             .unwrap()
     };
-    let lt = Tensor::from_vec(logits.clone(), (t, e), &dev).unwrap();
+    let lt = Tensor::from_vec(logits.clone(), (t, e), dev).unwrap();
     let (xt, x1t, dt) = (bf_dev(&x, &[t, h]), bf_dev(&x1, &[t, h]), bf_dev(&dout, &[t, h]));
     let (gut, wdt) = (bf_dev(&wgu, &[e, f2, h]), bf_dev(&wd, &[e, h, f]));
-    let auxt = Tensor::from_vec(aux.clone(), e, &dev).unwrap();
-    let a = run(&dev, &lt, &xt, &x1t, &gut, &wdt, &dt, &auxt, k, normalise);
-    let b = run(&dev, &lt, &xt, &x1t, &gut, &wdt, &dt, &auxt, k, normalise);
+    let auxt = Tensor::from_vec(aux.clone(), e, dev).unwrap();
+    let a = run(dev, &lt, &xt, &x1t, &gut, &wdt, &dt, &auxt, k, normalise, gemm);
+    let b = run(dev, &lt, &xt, &x1t, &gut, &wdt, &dt, &auxt, k, normalise, gemm);
     assert!(a == b, "a second run differs");
 
     // Routing: the CPU engine's rule (crates/layers/src/moe.rs).
@@ -275,6 +307,19 @@ fn moe_kernels_match_an_f64_evaluation() {
     // Rows past one sort chunk and one 128-row tile per expert, widths past one column tile.
     check_case(700, 8, 2, 136, 136, true, Logits::Random, 4);
     check_case(700, 8, 2, 136, 136, false, Logits::Skewed, 5);
+    // Widths past two 256-wide column tiles, k steps with a tail (the wgmma kernels' tiles).
+    check_case(160, 4, 2, 520, 264, true, Logits::Random, 6);
+}
+
+/// The wgmma kernels' CUBIN compiles with no ptxas warning that they lost their Hopper features
+/// (`compile_cubin` refuses those) and the geometry the launchers use (the kernels refuse another
+/// at compile time). Needs NVRTC, not a GPU.
+#[test]
+fn moe_wgmma_kernels_compile_without_lost_features() {
+    let cubin = super::moe::wgmma_cubin().expect("the wgmma kernels compile cleanly");
+    for name in ["mt_moe_hgemm_nk", "mt_moe_hgemm_kn", "mt_moe_hgemm_kn_dmid", "mt_moe_hgemm_wgrad"] {
+        assert!(cubin.windows(name.len()).any(|w| w == name.as_bytes()), "{name} is not in the CUBIN");
+    }
 }
 
 /// Bad shapes are refused with a sentence, before any launch.

@@ -3,9 +3,12 @@
 //! way; one release binary serves compute capability 8.0 to 9.0), the PTX then loaded through
 //! candle's per-device module cache. The sources themselves are listed in `sources.rs`.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule};
+use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::CudaDevice;
 
 use super::msg;
 use super::sources::COMMON;
@@ -40,6 +43,15 @@ pub(crate) fn note_device(dev: &candle_core::CudaDevice) -> &'static str {
         };
         cc.map_or("compute_80", |cc| nvrtc_arch(cc / 10, cc % 10))
     })
+}
+
+/// Whether `dev` runs our `sm_90a` code (the Hopper kernels): a GPU of compute capability 9.0
+/// exactly (sm_90a code runs on nothing else) and no `MEGATRAIN_NVRTC_CC` below 90 (which asks
+/// for an older GPU's code, the portable kernels, on this one).
+pub(crate) fn sm90a_runs(dev: &CudaDevice) -> bool {
+    let cc = dev.cuda_stream().context().compute_capability().ok();
+    let forced = std::env::var("MEGATRAIN_NVRTC_CC").ok().and_then(|s| s.trim().parse::<i32>().ok());
+    cc == Some((9, 0)) && forced.is_none_or(|f| f >= 90)
 }
 
 /// One CUDA source file of `kernels/cuda/` (`sources.rs` lists them all), compiled at its first
@@ -143,4 +155,51 @@ pub(crate) fn compile_cubin_logged(src: &str, name: &str, arch: &str) -> (Result
         other => other,
     };
     (result, log)
+}
+
+/// An `sm_90a` CUBIN of our sources (the Hopper kernels: `flash_hopper.rs`, `moe/`): compiled by
+/// [`compile_cubin`] once per process (its error kept for every later call) and loaded once per
+/// GPU of the process.
+pub(crate) struct Cubin {
+    /// The kernel file the CUBIN is named after (in messages).
+    file: &'static str,
+    bytes: OnceLock<Result<Vec<u8>, String>>,
+    modules: Mutex<Vec<(usize, Arc<CudaModule>)>>,
+}
+
+impl Cubin {
+    /// The CUBIN of `kernels/cuda/<file>` (and what it is compiled with), not compiled yet.
+    pub(crate) const fn new(file: &'static str) -> Self {
+        Cubin { file, bytes: OnceLock::new(), modules: Mutex::new(Vec::new()) }
+    }
+
+    /// The CUBIN, compiled from `src()` by the first call.
+    pub(crate) fn bytes(&self, src: impl FnOnce() -> String) -> candle_core::Result<&[u8]> {
+        let r = self.bytes.get_or_init(|| compile_cubin(&src(), self.file, "sm_90a"));
+        r.as_deref().map_err(|e| msg(format!("NVRTC compiling kernels/cuda/{}: {e}", self.file)))
+    }
+
+    /// Kernel `name` of the CUBIN loaded on `dev`'s GPU (compiled from `src()` if it is not yet).
+    pub(crate) fn function(
+        &self,
+        dev: &CudaDevice,
+        name: &str,
+        src: impl FnOnce() -> String,
+    ) -> candle_core::Result<CudaFunction> {
+        let ctx = dev.cuda_stream().context().clone();
+        let ordinal = ctx.ordinal();
+        let mut mods = self
+            .modules
+            .lock()
+            .map_err(|_| msg(format!("the module cache of kernels/cuda/{} was poisoned", self.file)))?;
+        let module = match mods.iter().find(|(o, _)| *o == ordinal) {
+            Some((_, m)) => m.clone(),
+            None => {
+                let m = ctx.load_module(Ptx::from_binary(self.bytes(src)?.to_vec())).w()?;
+                mods.push((ordinal, m.clone()));
+                m
+            }
+        };
+        module.load_function(name).w()
+    }
 }

@@ -23,6 +23,8 @@ macro_rules! source {
 
 /// Device helpers every kernel file uses (`bf2f`, `f2bf`, ...), prepended to each source.
 pub(crate) const COMMON: &str = cuda_text!("common.cuh");
+/// The Hopper PTX wrappers (mbarriers, TMA, wgmma, setmaxnreg), prepended to the sm_90a sources.
+pub(crate) const HOPPER: &str = cuda_text!("hopper.cuh");
 
 /// RMSNorm, SwiGLU, RoPE, cross-entropy, column sums, layout copies and adds.
 pub(crate) static FUSED: Source = source!("fused.cu", "mt_fused");
@@ -39,5 +41,8 @@ pub(crate) static FLASH_HOPPER: Source = source!("flash_attn_hopper.cu", "mt_fla
 pub(crate) static MOE: Source = source!("moe.cu", "mt_moe");
 /// A LoRA run's frozen base dequantised into a weight slot.
 pub(crate) static BASE: Source = source!("base.cu", "mt_base");
+/// The MoE grouped GEMMs on Hopper: compiled after `moe.cu` (whose helpers it uses) into one
+/// sm_90a CUBIN by `moe/kernels.rs`, not through [`Source::ptx`].
+pub(crate) static MOE_HOPPER: Source = source!("moe_hopper.cu", "mt_moe_hopper");
 /// The device AdamW, Σg² and the bf16 narrowing of a gradient.
 pub(crate) static ADAMW: Source = source!("adamw.cu", "mt_adamw");

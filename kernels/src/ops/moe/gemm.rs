@@ -8,10 +8,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Tensor};
 use half::bf16;
 
-use super::{
-    cfg, cuda_dev, func, int, msg, view, wrap, ExpertMatrix, MoeRouting, GEMM_SMEM, GEMM_THREADS, NULL, OP,
-    TILE,
-};
+use super::{cfg, cuda_dev, int, msg, view, wrap, ExpertMatrix, MoeRouting, NULL, OP};
 
 impl MoeRouting {
     /// The M-grouped product of each expert's rows with its matrix: row `p` of expert `e` is
@@ -30,18 +27,18 @@ impl MoeRouting {
             ExpertMatrix::OutIn => (d1, d2),
             ExpertMatrix::InOut => (d2, d1),
         };
-        let name = match layout {
-            ExpertMatrix::OutIn => "mt_moe_gemm_nk",
-            ExpertMatrix::InOut => "mt_moe_gemm_kn",
+        let kind = match layout {
+            ExpertMatrix::OutIn => "nk",
+            ExpertMatrix::InOut => "kn",
         };
-        self.gemm_m(a, gather, w, (e, n, kk), name, None)
+        self.gemm_m(a, gather, w, (e, n, kk), kind, None)
     }
 
     /// The backward through the down projection `[E, h, f]`: `g = bf16(dy W_down[e])` for each
     /// routed row (dy `[T, h]`, the token rows), returned as `d_mid = bf16(g · w)` `[T·k, f]`
-    /// with `w` the slot's weight rounded through bf16, and `[T·k, ⌈f / 128⌉]` f32 partial sums
-    /// of `g · mid` per column tile, which [`MoeRouting::router_backward`] finishes into the
-    /// routing weights' gradient.
+    /// with `w` the slot's weight rounded through bf16, and `[T·k, tiles]` f32 partial sums of
+    /// `g · mid`, one per column tile of the GEMM (`tiles` = ⌈f / its tile width⌉), which
+    /// [`MoeRouting::router_backward`] finishes into the routing weights' gradient.
     pub fn down_backward(
         &self,
         dy: &Tensor,
@@ -51,11 +48,12 @@ impl MoeRouting {
         let (e, h, f) = w_down.dims3()?;
         let r = self.rows();
         let dev = cuda_dev(dy)?;
+        let tiles = f.div_ceil(self.gemm.bn);
         // SAFETY: every row's partial of every column tile is written by the GEMM's epilogue (the
         // routing's offsets cover every row once).
-        let partial = unsafe { dev.alloc::<f32>(r * f.div_ceil(TILE))? };
-        let d_mid = self.gemm_m(dy, true, w_down, (e, f, h), "mt_moe_gemm_kn_dmid", Some((mid, &partial)))?;
-        Ok((d_mid, wrap(partial, &dev, (r, f.div_ceil(TILE)))))
+        let partial = unsafe { dev.alloc::<f32>(r * tiles)? };
+        let d_mid = self.gemm_m(dy, true, w_down, (e, f, h), "kn_dmid", Some((mid, &partial)))?;
+        Ok((d_mid, wrap(partial, &dev, (r, tiles))))
     }
 
     fn gemm_m(
@@ -64,7 +62,7 @@ impl MoeRouting {
         gather: bool,
         w: &Tensor,
         (e, n, kk): (usize, usize, usize),
-        name: &str,
+        kind: &str,
         dmid: Option<(&Tensor, &CudaSlice<f32>)>,
     ) -> candle_core::Result<Tensor> {
         let r = self.rows();
@@ -100,7 +98,8 @@ impl MoeRouting {
             (Some((ms, _)), Some((m, _))) => Some(view::<bf16>(ms, m, DType::BF16, &[r, n], (OP, "mid"))?),
             _ => None,
         };
-        let f = func(&dev, name)?;
+        let g = self.gemm;
+        let f = g.func(&dev, kind)?;
         let mut b = st.launch_builder(&f);
         b.arg(&av);
         if gather {
@@ -112,13 +111,13 @@ impl MoeRouting {
         if let (Some(mv), Some((_, partial))) = (&mid_v, dmid) {
             b.arg(&rv).arg(&wtv).arg(mv).arg(partial);
         }
-        let grid = ((r.div_ceil(TILE) + e) as u32, n.div_ceil(TILE) as u32, 1);
+        let grid = ((r.div_ceil(g.bm) + e) as u32, n.div_ceil(g.bn) as u32, 1);
         // SAFETY: signature (bf16* A, int* a_idx or null, int a_div, bf16* W, int* off, int E, N,
         // K, bf16* C[, int* row_slot, float* weights, bf16* mid, float* partial]); A holds
         // a_rows·K (checked; a gathered row index is a slot / k < T), W E·N·K, off E + 1 offsets
-        // of a partition of 0..T·k, C and mid T·k·N, partial T·k·⌈N / 128⌉; 256 threads and
-        // GEMM_SMEM bytes of shared memory as the kernel lays them out (48 KiB, no opt-in).
-        unsafe { b.launch(cfg(grid, GEMM_THREADS, GEMM_SMEM)) }.w()?;
+        // of a partition of 0..T·k, C and mid T·k·N, partial T·k·⌈N / g.bn⌉; the kernel set's
+        // threads and shared memory as its kernels lay them out (allowed by `GemmSet::func`).
+        unsafe { b.launch(cfg(grid, g.threads, g.smem)) }.w()?;
         Ok(wrap(c, &dev, (r, n)))
     }
 
@@ -173,7 +172,8 @@ impl InplaceOp1 for WeightGrad<'_> {
         let bv = view::<bf16>(&bs, self.b, DType::BF16, &[b_rows, n], (OP, "weight gradient's right rows"))?;
         let ov = view::<u32>(&os, &rt.offsets, DType::U32, &[e + 1], (OP, "offsets"))?;
         let rv = view::<u32>(&rs, &rt.row_slot, DType::U32, &[r], (OP, "row slots"))?;
-        let f = func(&dev, "mt_moe_gemm_wgrad")?;
+        let g = rt.gemm;
+        let f = g.func(&dev, "wgrad")?;
         let st = dev.cuda_stream();
         let mut b = st.launch_builder(&f);
         b.arg(&av).arg(&bv);
@@ -183,12 +183,13 @@ impl InplaceOp1 for WeightGrad<'_> {
             b.arg(&null).arg(&one);
         }
         b.arg(&ov).arg(&mi).arg(&ni).arg(&mut gs);
-        let grid = ((m.div_ceil(TILE) * n.div_ceil(TILE)) as u32, e as u32, 1);
+        let grid = ((m.div_ceil(g.bm) * n.div_ceil(g.bn)) as u32, e as u32, 1);
         // SAFETY: signature (bf16* A, bf16* B, int* b_idx or null, int b_div, int* off, int M, N,
         // float* G); A holds R·M, B b_rows·N (checked; a gathered index is a slot / k < T), off a
         // partition of 0..R (the routing's), G E·M·N (checked contiguous from its offset), each
-        // element written by one CTA only; 256 threads, GEMM_SMEM bytes of shared memory.
-        unsafe { b.launch(cfg(grid, GEMM_THREADS, GEMM_SMEM)) }.w()?;
+        // element written by one CTA only; the kernel set's threads and shared memory (allowed by
+        // `GemmSet::func`).
+        unsafe { b.launch(cfg(grid, g.threads, g.smem)) }.w()?;
         Ok(())
     }
 }

@@ -8,26 +8,20 @@
 //! mt-layers' MoE device path chains them (decision 0049); `moe_tests.rs` checks them on a GPU
 //! against an f64 evaluation, and `scripts/moe_bench.py` launches the same kernels with the same
 //! geometry from PyTorch. Here: the routing, its grouping and the shared launch helpers;
-//! `gemm.rs`: the grouped GEMMs; `rows.rs`: gather, combine, SwiGLU, the router's backward.
+//! `gemm.rs`: the grouped GEMMs; `kernels.rs`: their two kernel sets (mma.sync, and wgmma on
+//! Hopper) and launch geometries; `rows.rs`: gather, combine, SwiGLU, the router's backward.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use half::bf16;
 
-use super::flash_launch::{view, wrap};
+use super::flash_launch::{allow_smem, view, wrap};
 use super::msg;
 use super::sources::MOE;
 
 /// Slots per sort chunk (`MT_MOE_CHUNK`).
 const CHUNK: usize = 1024;
-/// Rows and columns of a GEMM tile (`MT_MOE_BM`, `MT_MOE_BN`).
-const TILE: usize = 128;
-/// Threads of a GEMM CTA (`MT_MOE_THREADS`).
-const GEMM_THREADS: u32 = 256;
-/// Dynamic shared memory of a GEMM CTA: 3 stages of two 128 x 32 bf16 tiles (48 KiB, the
-/// default limit).
-const GEMM_SMEM: u32 = 3 * 2 * 128 * 32 * 2;
 /// The largest top-k (`MT_MOE_MAX_K`) and expert count (a 32-bit mask of 32 experts per lane)
 /// the kernels take.
 const MAX_K: usize = 32;
@@ -82,6 +76,8 @@ fn int(v: usize, what: &str) -> candle_core::Result<i32> {
 /// one, so the offsets always cover every row once: what lets the GEMMs below promise to write
 /// every output row.
 pub struct MoeRouting {
+    /// The grouped GEMM kernels its products run.
+    gemm: GemmSet,
     tokens: usize,
     experts: usize,
     k: usize,
@@ -105,7 +101,12 @@ pub enum ExpertMatrix {
 }
 
 mod gemm;
+mod kernels;
 mod rows;
+#[cfg(test)]
+pub(super) use kernels::wgmma_cubin;
+use kernels::GemmSet;
+pub use kernels::MoeGemm;
 pub use rows::{moe_swiglu, moe_swiglu_backward};
 
 impl MoeRouting {
@@ -202,6 +203,7 @@ impl MoeRouting {
             unsafe { a.launch(grid_stride(r)) }.w()?;
         }
         Ok(MoeRouting {
+            gemm: GemmSet::pick(MoeGemm::Auto, &dev)?,
             tokens: t,
             experts: e,
             k,
@@ -214,6 +216,13 @@ impl MoeRouting {
             perm: wrap(perm, &dev, r),
             row_slot: wrap(row_slot, &dev, r),
         })
+    }
+
+    /// The same routing with its grouped GEMMs on the kernels `choice` names (the GPU's default,
+    /// [`MoeGemm::Auto`], after [`MoeRouting::route`]); an error where they cannot run on this GPU.
+    pub fn with_gemm(mut self, choice: MoeGemm) -> candle_core::Result<Self> {
+        self.gemm = GemmSet::pick(choice, &cuda_dev(&self.offsets)?)?;
+        Ok(self)
     }
 
     /// Router probabilities `[T, E]` f32.
