@@ -33,7 +33,7 @@ pub mod profile;
 mod rope;
 mod weights;
 
-pub use attention::{check_device, check_gpu};
+pub use attention::{check_device, check_gpu, flash_kernel_for};
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
 pub use moe::{RouterGrad, RouterStats};
 

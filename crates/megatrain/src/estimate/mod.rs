@@ -23,7 +23,7 @@
 //! flash runs within 10%.
 
 use anyhow::Result;
-use mt_core::ModelLayout;
+use mt_core::{ModelConfig, ModelLayout};
 use mt_sched::plan::Plan;
 use serde_json::{json, Value};
 
@@ -100,15 +100,16 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
     args.device == DeviceKind::Cuda && args.precision == Precision::Bf16 && args.compute_capability >= 8.0
 }
 
-/// The kernels the estimate's device runs for a head dim of `head_dim`: the fused ones, and
-/// flash attention on the Hopper kernels at compute capability 9.0 (as
-/// `mt_layers::hopper_attention` decides on a real device).
-fn device_kernels(args: &EstimateArgs, head_dim: usize) -> DeviceKernels {
+/// The kernels the estimate's device runs for `cfg`: the fused ones, and flash attention on the
+/// Hopper kernels at compute capability 9.0 for head dims 64 and 128 unless the portable ones
+/// are asked for or the model needs them (as `mt_layers::hopper_attention` decides on a real
+/// device, with the trainer's `mt_layers::flash_kernel_for`).
+fn device_kernels(args: &EstimateArgs, cfg: &ModelConfig) -> DeviceKernels {
     let fused = fused_kernels(args);
     let hopper_attention = fused
         && args.compute_capability == 9.0
-        && matches!(head_dim, 64 | 128)
-        && args.attention.kernel() != mt_train::FlashKernel::Portable;
+        && matches!(cfg.head_dim, 64 | 128)
+        && mt_layers::flash_kernel_for(cfg, args.attention.kernel()) != mt_train::FlashKernel::Portable;
     DeviceKernels { fused, hopper_attention }
 }
 
@@ -157,7 +158,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     // As `mt_layers::fused_kernels` decides on a real device: bf16 on compute capability 8.0+.
     // With --gpus N the plan is each GPU's, for its share of the batch (`plan_for`).
-    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg.head_dim))?;
+    let p = plan_for(&config, cfg, gpu, host_avail, device_kernels(args, cfg))?;
     let n_gpus = args.gpus as f64;
     // Each GPU has its own staging and landing rings; the store is one.
     let extra_rings = (args.gpus as u64 - 1) * p.host.pinned;
@@ -302,7 +303,11 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         nccl_bytes_per_gpu: nccl_bytes as u64,
         tokens_per_step: args.batch_size * args.seq_len,
         refused: match args.device {
-            DeviceKind::Cuda => mt_layers::check_gpu(cfg).err().map(|e| e.to_string()),
+            DeviceKind::Cuda => {
+                mt_layers::check_gpu(cfg, config.precision.dtype(), config.attention, config.flash_kernel)
+                    .err()
+                    .map(|e| e.to_string())
+            }
             DeviceKind::Cpu => None,
         },
     })
