@@ -92,7 +92,7 @@ class Ours:
         f(
             ((t + 127) // 128, nh, b),
             (self.THREADS,),
-            (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(o), self.ptr(lse), lo,
+            (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(o), self.ptr(lse), lo, numpy.uint64(0), numpy.int32(0),
              numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale * math.log2(math.e))),
             shared_mem=sm,
         )
@@ -120,14 +120,15 @@ class Ours:
         self.fn(f"mt_flash_bwd_dkdv_hd{hd}", sm["dkdv"])(
             ((t + 63) // 64, nkv, b), (self.THREADS,),
             (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(do), self.ptr(lse), self.ptr(d), self.ptr(dk),
-             self.ptr(dv), lo, hi, numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale),
-             numpy.float32(sl2)),
+             self.ptr(dv), lo, hi, numpy.int32(0), numpy.int32(t), numpy.int32(nh), numpy.int32(nkv),
+             numpy.float32(scale), numpy.float32(sl2)),
             shared_mem=sm["dkdv"],
         )
         self.fn(f"mt_flash_bwd_dq_hd{hd}", sm["dq"])(
             ((t + 63) // 64, nh, b), (self.THREADS,),
             (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(do), self.ptr(lse), self.ptr(d), self.ptr(dq), lo,
-             numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale), numpy.float32(sl2)),
+             numpy.int32(0), numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale),
+             numpy.float32(sl2)),
             shared_mem=sm["dq"],
         )
         return dq, dk, dv

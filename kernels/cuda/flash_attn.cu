@@ -1,5 +1,6 @@
 // Flash attention for bf16 training: causal, grouped-query (any heads / KV heads ratio), packed
-// documents, head dims 16..128 (multiples of 16), f32 accumulation, O(s) memory, deterministic.
+// documents, head dims 16..128 (multiples of 16), f32 accumulation, O(s) memory, deterministic;
+// optionally GPT-OSS's sliding window and per-head sink logits.
 // Compiled at run time with NVRTC after common.cuh (crates/layers/src/cuda_kernels/flash.rs);
 // written from the FlashAttention-2 paper's algorithm (Dao 2023), not from its code.
 //
@@ -8,11 +9,21 @@
 //   LSE (natural log of each row's softmax denominator, scale applied), D: [B, NH, T] f32;
 //   seg_lo / seg_hi (optional, null = one document per row): [B, T] int, the first and one past
 //   the last position of the token's document. Query i sees key j iff seg_lo[i] <= j <= i.
+//   window (0 = none): query i sees only keys j > i - window (its last `window`, itself included).
+//   sinks (optional, null = none): [NH] f32, one logit per query head (natural log, unscaled):
+//   one more term e^{sink} in each of the head's softmax denominators, with no value vector.
+//
+// The window bounds every walk: the forward's and dQ's key loops start at the first key tile a
+// row of theirs sees, the dK/dV query loop ends at the last query tile that sees a key of its
+// tile, so a window w costs O(t w), not O(t^2). A row's lowest visible key, max(seg_lo[i],
+// i - window + 1), goes through the one per-element test documents use.
 //
 // Forward (mt_flash_fwd_hdN): per CTA 128 query rows of one head; K/V tiles of 64 keys stream
 //   through shared memory (cp.async, double-buffered); S = Q K^T on the tensor cores (mma.sync
 //   m16n8k16, f32 accumulators), online softmax in f32 in the log2 domain, P rounded to bf16
-//   (what multiplies V), O rescaled as the row maximum grows. Writes O and LSE.
+//   (what multiplies V), O rescaled as the row maximum grows. Writes O and LSE. A sink joins a
+//   row once, after its last tile, as one more column of the online softmax (max, sum and O
+//   rescaled to it), so O and LSE include it.
 // Backward, no atomics (every output element is written by one CTA in a fixed order, so two runs
 // give the same bits):
 //   mt_flash_bwd_dot:     D[i] = sum_d dO[i, d] O[i, d] (f32).
@@ -23,6 +34,9 @@
 //                         S, P, dP = dO V^T, dS, dQ += dS K.
 //   The split costs two more matrix products than a dQ accumulated with atomics (7 instead of 5)
 //   and buys a deterministic backward with no f32 dQ buffer.
+//   Sinks need nothing new in these (LSE includes the sink; it has no value, so its dP is 0 and
+//   D is still the row sum of dP P over all columns). mt_flash_sink_grad: dsink[h] =
+//   -sum over the rows of head h of exp(sink[h] - LSE) D, one CTA per head, in a fixed order.
 // Every offset into a tensor is 64-bit (32 heads x 128 dims x 512k tokens is 2^31 elements).
 
 #define MT_FA_THREADS 128
@@ -174,8 +188,9 @@ __device__ __forceinline__ void store_rows(unsigned short* out, long long ld, in
 template <int HD>
 __device__ __forceinline__ void flash_fwd(const unsigned short* __restrict__ Q, const unsigned short* __restrict__ K,
                                           const unsigned short* __restrict__ V, unsigned short* __restrict__ O,
-                                          float* __restrict__ LSE, const int* __restrict__ seg_lo, int T, int NH,
-                                          int NKV, float scale_log2) {
+                                          float* __restrict__ LSE, const int* __restrict__ seg_lo,
+                                          const float* __restrict__ sinks, int window, int T, int NH, int NKV,
+                                          float scale_log2) {
     constexpr int BR = 128, BC = 64, WR = 32;  // rows per CTA, keys per tile, rows per warp
     constexpr int TQ = BR * HD * 2, TK = BC * HD * 2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
@@ -192,8 +207,10 @@ __device__ __forceinline__ void flash_fwd(const unsigned short* __restrict__ Q, 
     const unsigned sK0 = sQ + TQ, sV0 = sK0 + 2 * TK;
 
     const int q_last = min(q0 + BR, T) - 1;
-    const int kv_lo = seg ? seg[q0] : 0;
-    const int seg_max = seg ? seg[q_last] : 0;
+    // The lowest key any row of the CTA sees, and the highest of the rows' lowest keys (below it
+    // a tile needs the per-element test).
+    const int kv_lo = max(seg ? seg[q0] : 0, window > 0 ? q0 - window + 1 : 0);
+    const int lo_max = max(seg ? seg[q_last] : 0, window > 0 ? q_last - window + 1 : 0);
     const int jt_lo = kv_lo / BC;
     int jt = q_last / BC;
 
@@ -202,16 +219,16 @@ __device__ __forceinline__ void flash_fwd(const unsigned short* __restrict__ Q, 
     load_tile<BC, HD>(sV0, Vb + (long long)jt * BC * ldk, ldk, T - jt * BC);
     cp_async_commit();
 
-    // This thread's rows: q0 + warp * 32 + mt * 16 + g + 8 hh.
-    int row[2][2], rseg[2][2];
+    // This thread's rows: q0 + warp * 32 + mt * 16 + g + 8 hh; rseg: each one's lowest key.
+    const int row0 = q0 + warp * WR + g;  // + mt * 16 + 8 hh
+    int rseg[2][2];
     float m_i[2][2], l_i[2][2];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = q0 + warp * WR + mt * 16 + g + 8 * hh;
-            row[mt][hh] = r;
-            rseg[mt][hh] = seg ? seg[min(r, T - 1)] : 0;
+            rseg[mt][hh] = max(seg ? seg[min(r, T - 1)] : 0, window > 0 ? r - window + 1 : 0);
             m_i[mt][hh] = MT_NEG_INF;
             l_i[mt][hh] = 0.0f;
         }
@@ -234,7 +251,7 @@ __device__ __forceinline__ void flash_fwd(const unsigned short* __restrict__ Q, 
         cp_async_commit();
         const unsigned sK = sK0 + buf * TK, sV = sV0 + buf * TK;
         const int j0 = jt * BC;
-        const bool masked = j0 + BC - 1 > q0 + warp * WR || j0 < seg_max;
+        const bool masked = j0 + BC - 1 > q0 + warp * WR || j0 < lo_max;
 
         float s[2][BC / 8][4];
 #pragma unroll
@@ -248,7 +265,7 @@ __device__ __forceinline__ void flash_fwd(const unsigned short* __restrict__ Q, 
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const int r = row[mt][hh], lo = rseg[mt][hh];
+                const int r = row0 + mt * 16 + 8 * hh, lo = rseg[mt][hh];
                 float mx = MT_NEG_INF;
 #pragma unroll
                 for (int nt = 0; nt < BC / 8; ++nt)
@@ -288,6 +305,28 @@ __device__ __forceinline__ void flash_fwd(const unsigned short* __restrict__ Q, 
     cp_async_wait_all();
 
     unsigned short* Ob = O + ((long long)b * T + q0) * ldq + (long long)h * HD;
+    if (sinks) {
+        // The sink joins each row once, as one more column of the online softmax: the max
+        // becomes max(m, sink), the sum and O are rescaled to it, and the sum gains
+        // e^{sink - max} (in the quad's first thread: the quad's partial sums are added below).
+        const float sink2 = sinks[h] * MT_LOG2E;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float m_f = fmaxf(m_i[mt][hh], sink2);
+                const float m_use = m_f == MT_NEG_INF ? 0.0f : m_f;
+                const float alpha = fast_exp2(m_i[mt][hh] - m_use);
+                l_i[mt][hh] = l_i[mt][hh] * alpha + (tig == 0 ? fast_exp2(sink2 - m_use) : 0.0f);
+                m_i[mt][hh] = m_f;
+#pragma unroll
+                for (int nt = 0; nt < HD / 8; ++nt) {
+                    acc[mt][nt][2 * hh] *= alpha;
+                    acc[mt][nt][2 * hh + 1] *= alpha;
+                }
+            }
+    }
+
     float* L = LSE + ((long long)b * NH + h) * T;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -296,7 +335,7 @@ __device__ __forceinline__ void flash_fwd(const unsigned short* __restrict__ Q, 
         for (int hh = 0; hh < 2; ++hh) {
             const float l = quad_sum(l_i[mt][hh]);
             inv[hh] = 1.0f / l;
-            const int r = row[mt][hh];
+            const int r = row0 + mt * 16 + 8 * hh;
             if (tig == 0 && r < T) {
                 const float m = m_i[mt][hh] == MT_NEG_INF ? 0.0f : m_i[mt][hh];
                 L[r] = (m + log2f(l)) * MT_LN2;
@@ -325,6 +364,31 @@ extern "C" __global__ void mt_flash_bwd_dot(const unsigned short* __restrict__ d
     }
 }
 
+// Backward of the sinks: dsink[h] = -sum over (b, t) of exp(sink[h] - LSE[b, h, t]) D[b, h, t]
+// (the sink's probability in the row times the row's D). One CTA of MT_FA_THREADS per head h,
+// 16 bytes of shared memory: thread i adds rows i, i + MT_FA_THREADS, ... of each sequence in
+// turn, then the warps' sums meet in a fixed order, so two runs give the same bits.
+extern "C" __global__ void __launch_bounds__(MT_FA_THREADS)
+    mt_flash_sink_grad(const float* __restrict__ LSE, const float* __restrict__ D, const float* __restrict__ sinks,
+                       float* __restrict__ dsink, int B, int T, int NH) {
+    const int h = blockIdx.x;
+    const float s = sinks[h];
+    float acc = 0.0f;
+    for (int b = 0; b < B; ++b) {
+        const long long base = ((long long)b * NH + h) * T;
+        for (int t = threadIdx.x; t < T; t += MT_FA_THREADS) acc += expf(s - LSE[base + t]) * D[base + t];
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    float* warp_sums = (float*)MT_FA_SMEM;
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int w = 0; w < MT_FA_THREADS / 32; ++w) sum += warp_sums[w];
+        dsink[h] = -sum;
+    }
+}
+
 // Loads `n` f32 of `src` into shared `dst` (zero past `valid`).
 __device__ __forceinline__ void load_row_f32(unsigned dst, const float* src, int n, int valid) {
     for (int i = threadIdx.x; i < n; i += MT_FA_THREADS) {
@@ -340,8 +404,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const unsigned short* __restrict_
                                                const unsigned short* __restrict__ dO, const float* __restrict__ LSE,
                                                const float* __restrict__ D, unsigned short* __restrict__ dK,
                                                unsigned short* __restrict__ dV, const int* __restrict__ seg_lo,
-                                               const int* __restrict__ seg_hi, int T, int NH, int NKV, float scale,
-                                               float scale_log2) {
+                                               const int* __restrict__ seg_hi, int window, int T, int NH, int NKV,
+                                               float scale, float scale_log2) {
     constexpr int BC = 64, BQ = 64;
     constexpr int TT = 64 * HD * 2;  // bytes of one 64-row tile
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
@@ -361,7 +425,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const unsigned short* __restrict_
     load_tile<BC, HD>(sV, V + kv_off, ldk, T - j0);
 
     const int k_last = min(j0 + BC, T) - 1;
-    const int q_end = shi ? shi[k_last] : T;  // queries [j0, q_end) see some key of the tile
+    // Queries [j0, q_end) see some key of the tile: none past its last key's document or window.
+    const int q_end = min(shi ? shi[k_last] : T, window > 0 && window < T ? k_last + window : T);
     const int it_lo = j0 / BQ, n_it = (q_end + BQ - 1) / BQ - it_lo, n_iter = G * n_it;
 
     // The first (head, query tile) pair.
@@ -395,7 +460,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const unsigned short* __restrict_
         const float* dd = sDf + buf * BQ;
         const int i0 = (it_lo + n % n_it) * BQ;
         const int q_hi_tile = min(i0 + BQ, T) - 1;
-        const bool masked = i0 < j0 + BC - 1 || i0 + BQ > T || (slo && slo[q_hi_tile] > j0);
+        const bool masked = i0 < j0 + BC - 1 || i0 + BQ > T || (slo && slo[q_hi_tile] > j0) ||
+                            (window > 0 && q_hi_tile - j0 >= window);
 
         // S^T = K Q^T: 16 keys x 64 queries; P^T = exp2(S^T scale_log2 - LSE log2e).
         float s[1][BQ / 8][4], dp[1][BQ / 8][4];
@@ -412,7 +478,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const unsigned short* __restrict_
                 float p = fast_exp2(s[0][nt][e] * scale_log2 - lse[ci] * MT_LOG2E);
                 if (masked) {
                     const int i = i0 + ci, j = key0 + 8 * (e >> 1);
-                    if (i < j || i >= T || (slo && slo[min(i, T - 1)] > j)) p = 0.0f;
+                    if (i < j || i >= T || (slo && slo[min(i, T - 1)] > j) || (window > 0 && i - j >= window))
+                        p = 0.0f;
                 }
                 s[0][nt][e] = p;
             }
@@ -442,8 +509,8 @@ template <int HD>
 __device__ __forceinline__ void flash_bwd_dq(const unsigned short* __restrict__ Q, const unsigned short* __restrict__ K,
                                              const unsigned short* __restrict__ V, const unsigned short* __restrict__ dO,
                                              const float* __restrict__ LSE, const float* __restrict__ D,
-                                             unsigned short* __restrict__ dQ, const int* __restrict__ seg_lo, int T,
-                                             int NH, int NKV, float scale, float scale_log2) {
+                                             unsigned short* __restrict__ dQ, const int* __restrict__ seg_lo,
+                                             int window, int T, int NH, int NKV, float scale, float scale_log2) {
     constexpr int BR = 64, BC = 64;
     constexpr int TT = 64 * HD * 2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
@@ -461,8 +528,9 @@ __device__ __forceinline__ void flash_bwd_dq(const unsigned short* __restrict__ 
     load_tile<BR, HD>(sdO, dO + qo, ldq, T - q0);
 
     const int q_last = min(q0 + BR, T) - 1;
-    const int kv_lo = seg ? seg[q0] : 0;
-    const int seg_max = seg ? seg[q_last] : 0;
+    // As the forward's: the CTA's lowest key, and the highest of its rows' lowest keys.
+    const int kv_lo = max(seg ? seg[q0] : 0, window > 0 ? q0 - window + 1 : 0);
+    const int lo_max = max(seg ? seg[q_last] : 0, window > 0 ? q_last - window + 1 : 0);
     const int jt_lo = kv_lo / BC;
     int jt = q_last / BC;
     load_tile<BC, HD>(sK0, Kb + (long long)jt * BC * ldk, ldk, T - jt * BC);
@@ -478,7 +546,7 @@ __device__ __forceinline__ void flash_bwd_dq(const unsigned short* __restrict__ 
         const int r = q0 + warp * 16 + g + 8 * hh;
         row[hh] = r;
         const bool ok = r < T;
-        rseg[hh] = seg ? seg[min(r, T - 1)] : 0;
+        rseg[hh] = max(seg ? seg[min(r, T - 1)] : 0, window > 0 ? r - window + 1 : 0);  // its lowest key
         // A row past T gets P = 0 (exp2(x - inf)).
         lse2[hh] = ok ? L[r] * MT_LOG2E : MT_POS_INF;
         dd[hh] = ok ? Dr[r] : 0.0f;
@@ -500,7 +568,7 @@ __device__ __forceinline__ void flash_bwd_dq(const unsigned short* __restrict__ 
         cp_async_commit();
         const unsigned sK = sK0 + buf * TT, sV = sV0 + buf * TT;
         const int j0 = jt * BC;
-        const bool masked = j0 + BC - 1 > q0 + warp * 16 || j0 < seg_max;
+        const bool masked = j0 + BC - 1 > q0 + warp * 16 || j0 < lo_max;
 
         float s[1][BC / 8][4], dp[1][BC / 8][4];
 #pragma unroll
@@ -536,20 +604,20 @@ __device__ __forceinline__ void flash_bwd_dq(const unsigned short* __restrict__ 
 #define MT_FA_KERNELS(HD)                                                                                         \
     extern "C" __global__ void __launch_bounds__(MT_FA_THREADS) mt_flash_fwd_hd##HD(                              \
         const unsigned short* Q, const unsigned short* K, const unsigned short* V, unsigned short* O, float* LSE, \
-        const int* seg_lo, int T, int NH, int NKV, float scale_log2) {                                            \
-        flash_fwd<HD>(Q, K, V, O, LSE, seg_lo, T, NH, NKV, scale_log2);                                           \
+        const int* seg_lo, const float* sinks, int window, int T, int NH, int NKV, float scale_log2) {            \
+        flash_fwd<HD>(Q, K, V, O, LSE, seg_lo, sinks, window, T, NH, NKV, scale_log2);                            \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MT_FA_THREADS) mt_flash_bwd_dkdv_hd##HD(                         \
         const unsigned short* Q, const unsigned short* K, const unsigned short* V, const unsigned short* dO,       \
         const float* LSE, const float* D, unsigned short* dK, unsigned short* dV, const int* seg_lo,              \
-        const int* seg_hi, int T, int NH, int NKV, float scale, float scale_log2) {                               \
-        flash_bwd_dkdv<HD>(Q, K, V, dO, LSE, D, dK, dV, seg_lo, seg_hi, T, NH, NKV, scale, scale_log2);           \
+        const int* seg_hi, int window, int T, int NH, int NKV, float scale, float scale_log2) {                   \
+        flash_bwd_dkdv<HD>(Q, K, V, dO, LSE, D, dK, dV, seg_lo, seg_hi, window, T, NH, NKV, scale, scale_log2);   \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(MT_FA_THREADS) mt_flash_bwd_dq_hd##HD(                           \
         const unsigned short* Q, const unsigned short* K, const unsigned short* V, const unsigned short* dO,       \
-        const float* LSE, const float* D, unsigned short* dQ, const int* seg_lo, int T, int NH, int NKV,          \
-        float scale, float scale_log2) {                                                                          \
-        flash_bwd_dq<HD>(Q, K, V, dO, LSE, D, dQ, seg_lo, T, NH, NKV, scale, scale_log2);                         \
+        const float* LSE, const float* D, unsigned short* dQ, const int* seg_lo, int window, int T, int NH,       \
+        int NKV, float scale, float scale_log2) {                                                                 \
+        flash_bwd_dq<HD>(Q, K, V, dO, LSE, D, dQ, seg_lo, window, T, NH, NKV, scale, scale_log2);                 \
     }
 
 MT_FA_KERNELS(16)

@@ -10,6 +10,7 @@
 #define MT_EMU 1
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -189,12 +190,17 @@ inline void ldsm_x4_t(unsigned* r, unsigned addr) { ldsm_common(r, addr, true); 
 inline float bf_lo(unsigned x) { return __uint_as_float((x & 0xffffu) << 16); }
 inline float bf_hi(unsigned x) { return __uint_as_float(x & 0xffff0000u); }
 
+// Warp-wide mma instructions issued since the last reset: a check counts the work a launch does
+// (which tiles a kernel walks), not only what it computes.
+inline std::atomic<long long> emu_mma_count{0};
+
 // mma.m16n8k16 (bf16 in, f32 accumulate). Lane l (g = l/4, t = l%4): a0 = A[g][2t..], a1 =
 // A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t..][g], b1 = B[2t+8..][g];
 // c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = C[g+8][2t], C[g+8][2t+1].
 inline void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     auto& s = emu_block->u[warp_id()];
     const unsigned l = lane_id();
+    if (l == 0) emu_mma_count.fetch_add(1, std::memory_order_relaxed);
     for (int i = 0; i < 4; ++i) s[32 + 4 * l + i] = a[i];
     s[32 * 5 + l] = b0;  // 32*5 .. 32*6
     s[l] = b1;

@@ -26,9 +26,9 @@ pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use ops::{
     accumulate_matmul_t, add, add_row, applies, applies_on, causal_softmax, ce_grad, ce_loss, col_sums_add,
-    decode_base, flash_backward, flash_forward, gemm_applies, hopper_applies, moe_swiglu,
-    moe_swiglu_backward, rms_norm, rms_norm_backward, rope, rows_add, softmax_backward, swap12, swiglu,
-    swiglu_backward, ExpertMatrix, MoeGemm, MoeRouting,
+    decode_base, flash_backward, flash_backward_with, flash_forward, flash_forward_with, gemm_applies,
+    hopper_applies, moe_swiglu, moe_swiglu_backward, rms_norm, rms_norm_backward, rope, rows_add,
+    softmax_backward, swap12, swiglu, swiglu_backward, ExpertMatrix, FlashExtras, MoeGemm, MoeRouting,
 };
 
 /// Which flash attention kernels run (`megatrain train --attention`): the Hopper kernels wherever

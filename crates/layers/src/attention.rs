@@ -3,10 +3,12 @@
 //! memory, for head dims 16, 32, 64, 128). Packed documents (`Docs`) mask keys outside a
 //! query's document on both paths.
 //!
-//! GPT-OSS's additions ([`Extras`]), on the materialised path only: a sliding window of keys
-//! (`q - window < k <= q`) and a learned sink logit per query head, one more term `e^{s_h}` in
-//! each row's softmax denominator with no value vector (so a row's probabilities sum to less
-//! than one). The flash and fused-softmax CUDA kernels have neither.
+//! GPT-OSS's additions ([`Extras`]): a sliding window of keys (`q - window < k <= q`) and a
+//! learned sink logit per query head, one more term `e^{s_h}` in each row's softmax denominator
+//! with no value vector (so a row's probabilities sum to less than one). The materialised candle
+//! path and the portable flash kernels have both; the fused-softmax and the Hopper flash kernels
+//! neither, so on a GPU such a model runs flash attention on the portable kernels
+//! ([`flash_kernel_for`]) and nothing else ([`check_gpu`]).
 //!
 //! Layout trick for GQA: query head `i` uses key/value head `i / g` (`g = nh / nkv`), so the
 //! `nh` query heads are viewed as `[nkv, g]` and the `g` heads of a group are stacked along the
@@ -16,6 +18,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use mt_core::ModelConfig;
+use mt_kernels::FlashKernel;
 
 use crate::ops::{matmul, matmul_wide, stat_dtype, swap12, wide_dtype};
 use crate::positions::Docs;
@@ -47,33 +50,72 @@ pub(crate) struct Extras<'a> {
 }
 
 impl Extras<'_> {
+    /// Neither a window nor sinks: what the fused-softmax kernels take.
+    #[cfg(feature = "cuda")]
     fn none(&self) -> bool {
         self.window.is_none() && self.sinks.is_none()
     }
 }
 
-/// Refuses to run `cfg`'s layers on `device` when its attention needs what only the CPU path
-/// has ([`check_gpu`]).
-pub fn check_device(cfg: &ModelConfig, device: &Device) -> Result<()> {
+/// Whether `cfg`'s attention has what only some paths run: GPT-OSS's sink logits or sliding
+/// windows.
+fn has_extras(cfg: &ModelConfig) -> bool {
+    cfg.attention_sinks || cfg.layer_windows.is_some()
+}
+
+/// The flash kernels `cfg`'s layers run when `kernel` is asked: the portable ones for `Auto`
+/// where the model has sinks or windows (the Hopper kernels have neither yet), else `kernel`.
+/// The trainer passes this on to the planner (no Hopper dQ buffer to count) and the engine.
+pub fn flash_kernel_for(cfg: &ModelConfig, kernel: FlashKernel) -> FlashKernel {
+    match kernel {
+        FlashKernel::Auto if has_extras(cfg) => FlashKernel::Portable,
+        k => k,
+    }
+}
+
+/// Refuses to run `cfg`'s layers on `device` with activations of `dtype` where its attention
+/// needs what the path that would run lacks ([`check_gpu`], with whether flash attention runs
+/// there: `flash` asked and [`crate::flash_attention`] applies).
+pub fn check_device(
+    cfg: &ModelConfig,
+    device: &Device,
+    dtype: DType,
+    flash: bool,
+    kernel: FlashKernel,
+) -> Result<()> {
     if device.is_cpu() {
         return Ok(());
     }
-    Ok(check_gpu(cfg)?)
+    let runs = flash && crate::flash_attention(device, dtype, cfg.head_dim);
+    Ok(check_gpu(cfg, dtype, Some(runs), kernel)?)
 }
 
-/// Refuses to run `cfg`'s layers on a GPU when its attention needs what only the CPU path has:
-/// GPT-OSS's sink logits and sliding-window layers are in neither the flash nor the
-/// fused-softmax CUDA kernels, and the materialised fallback would hold `t x t` scores that the
-/// planner does not count.
-pub fn check_gpu(cfg: &ModelConfig) -> mt_core::Result<()> {
-    if !cfg.attention_sinks && cfg.layer_windows.is_none() {
+/// Refuses to run `cfg`'s layers on a GPU with activations of `dtype`, flash attention
+/// (`Some(true)`), the materialised scores (`Some(false)`) or the planner's choice (`None`), on
+/// the flash kernels `kernel`, where its attention needs what that path lacks: GPT-OSS's sink
+/// logits and sliding windows run on a GPU only in the portable flash kernels (the Hopper and
+/// fused-softmax kernels have neither, and the candle fallback's `t x t` probabilities are not
+/// what the planner counts for a bf16 GPU run). One sentence naming the option to change.
+pub fn check_gpu(
+    cfg: &ModelConfig,
+    dtype: DType,
+    attention: Option<bool>,
+    kernel: FlashKernel,
+) -> mt_core::Result<()> {
+    if !has_extras(cfg) {
         return Ok(());
     }
-    Err(mt_core::Error::Unsupported(
-        "gpt_oss on a GPU: its attention sinks and sliding-window layers are not in the CUDA attention kernels \
-         yet; train it on the CPU backend (--device cpu)"
-            .into(),
-    ))
+    let why = if matches!(kernel, FlashKernel::Hopper | FlashKernel::HopperUnordered) {
+        "the Hopper attention kernels have no attention sinks or sliding windows yet; use --attention flash \
+         (which runs the portable kernels for it) or --attention portable"
+    } else if attention == Some(false) || dtype != DType::BF16 || !crate::flash_head_dim(cfg.head_dim) {
+        "its attention sinks and sliding windows run on a GPU in the flash attention kernels only, which take \
+         bf16 weights on a GPU of compute capability 8.0 or later; use --precision bf16 with --attention flash, \
+         or the CPU backend (--device cpu)"
+    } else {
+        return Ok(());
+    };
+    Err(mt_core::Error::Unsupported(format!("gpt_oss on a GPU: {why}")))
 }
 
 /// What the backward needs from the forward.
@@ -94,10 +136,20 @@ pub(crate) enum AttnCache {
         sink_p: Option<Tensor>,
     },
     /// Flash attention: the inputs as they came (`q: [b, t, nh, hd]`, `k, v: [b, t, nkv, hd]`),
-    /// the output `o: [b, t, nh, hd]` and each row's log-sum-exp (f32 `[b, nh, t]`); the
-    /// backward recomputes the probabilities tile by tile.
+    /// the output `o: [b, t, nh, hd]` and each row's log-sum-exp (f32 `[b, nh, t]`, the sinks
+    /// included); the backward recomputes the probabilities tile by tile. GPT-OSS's window and
+    /// its sinks as the kernels take them (f32 `[nh]`).
     #[cfg(feature = "cuda")]
-    Flash { q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, kernel: mt_kernels::FlashKernel },
+    Flash {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        o: Tensor,
+        lse: Tensor,
+        kernel: FlashKernel,
+        window: Option<usize>,
+        sinks: Option<Tensor>,
+    },
 }
 
 impl AttnCache {
@@ -115,7 +167,9 @@ impl AttnCache {
                 t(q) + t(k) + t(v) + p + sink_p.as_ref().map_or(0, t)
             }
             #[cfg(feature = "cuda")]
-            AttnCache::Flash { q, k, v, lse, .. } => t(q) + t(k) + t(v) + t(lse),
+            AttnCache::Flash { q, k, v, lse, sinks, .. } => {
+                t(q) + t(k) + t(v) + t(lse) + sinks.as_ref().map_or(0, t)
+            }
         }
     }
 }
@@ -184,18 +238,19 @@ pub(crate) fn forward(
     v: &Tensor,
     d: Dims,
     docs: Option<&Docs>,
-    flash: Option<mt_kernels::FlashKernel>,
+    flash: Option<FlashKernel>,
     extras: Extras<'_>,
 ) -> Result<(Tensor, AttnCache)> {
     let Dims { b, t, nh, nkv, hd } = d;
-    // Windows and sinks: the materialised candle path only.
-    let flash = flash.filter(|_| extras.none());
     #[cfg(feature = "cuda")]
     if let Some(kernel) = flash.filter(|_| crate::flash_attention(q.device(), q.dtype(), hd)) {
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-        let (o, lse) = mt_kernels::flash_forward(&q, &k, &v, docs.map(Docs::bounds), kernel)?;
+        // The kernels take the sinks as f32 (the logits are bf16 in the slot: exact in f32).
+        let sinks = extras.sinks.map(|s| s.to_dtype(DType::F32)?.contiguous()).transpose()?;
+        let fx = mt_kernels::FlashExtras { window: extras.window, sinks: sinks.as_ref() };
+        let (o, lse) = mt_kernels::flash_forward_with(&q, &k, &v, docs.map(Docs::bounds), fx, kernel)?;
         let out = o.reshape((b, t, nh * hd))?;
-        return Ok((out, AttnCache::Flash { q, k, v, o, lse, kernel }));
+        return Ok((out, AttnCache::Flash { q, k, v, o, lse, kernel, window: extras.window, sinks }));
     }
     let _ = flash;
     let dtype = q.dtype();
@@ -260,11 +315,12 @@ pub(crate) fn backward(d_o: &Tensor, cache: &AttnCache, d: Dims, docs: Option<&D
     let (q, k, v, p, sink_p) = match cache {
         AttnCache::Dense { q, k, v, p, sink_p } => (q, k, v, p, sink_p),
         #[cfg(feature = "cuda")]
-        AttnCache::Flash { q, k, v, o, lse, kernel } => {
+        AttnCache::Flash { q, k, v, o, lse, kernel, window, sinks } => {
             let d_o = d_o.reshape((b, t, nh, hd))?.contiguous()?;
-            let (dq, dk, dv) =
-                mt_kernels::flash_backward(q, k, v, o, lse, &d_o, docs.map(Docs::bounds), *kernel)?;
-            return Ok((dq, dk, dv, None));
+            let fx = mt_kernels::FlashExtras { window: *window, sinks: sinks.as_ref() };
+            let bounds = docs.map(Docs::bounds);
+            let grads = mt_kernels::flash_backward_with(q, k, v, o, lse, &d_o, bounds, fx, *kernel)?;
+            return Ok(grads);
         }
     };
     let _ = docs;

@@ -58,19 +58,29 @@ fn an_imported_released_layout_trains() {
     assert!(losses[7] < 0.8 * losses[0], "the loss falls on a repeated batch: {losses:?}");
 }
 
-/// `--device cuda` refuses GPT-OSS by name before anything is allocated: its sinks and windows
-/// are not in the CUDA attention kernels.
+/// `--device cuda` refuses GPT-OSS by name, before anything is allocated, where its attention
+/// would not run on the portable flash kernels (the only GPU kernels with its sinks and sliding
+/// windows): the Hopper kernels asked for, the materialised scores, fp32 weights.
 #[test]
-fn the_gpu_is_refused_for_gpt_oss_with_a_sentence() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
-        .args(["train", "--device", "cuda", "--steps", "1", "--model"])
-        .arg(fixture().join("model"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("--device cuda") && err.contains("gpt_oss on a GPU") && err.contains("--device cpu"),
-        "{err}"
-    );
+fn the_gpu_refuses_gpt_oss_where_its_attention_cannot_run_with_a_sentence() {
+    for (flags, words) in [
+        (["--attention", "hopper"], "Hopper attention kernels have no attention sinks"),
+        (["--attention", "hopper-unordered"], "Hopper attention kernels have no attention sinks"),
+        (["--attention", "materialized"], "in the flash attention kernels only"),
+        (["--precision", "fp32"], "in the flash attention kernels only"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_megatrain"))
+            .args(["train", "--device", "cuda", "--steps", "1"])
+            .args(flags)
+            .arg("--model")
+            .arg(fixture().join("model"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(
+            err.contains("--device cuda") && err.contains("gpt_oss on a GPU") && err.contains(words),
+            "{flags:?}: {err}"
+        );
+    }
 }

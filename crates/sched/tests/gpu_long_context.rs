@@ -1,8 +1,9 @@
 //! Flash attention, packed documents and MLP tiles through the CUDA engine (compiled only with
 //! the `cuda` feature, run on the GPU machine): the flash path trains as the CPU engine and as the
 //! materialised GPU path within the bf16 bounds of `tests/gpu.rs`, a packed batch as its samples
-//! one per sequence, and a 4096-token sequence as the CPU engine. Every figure is printed
-//! (SUMMARY lines) before the bounds are asserted.
+//! one per sequence, and a 4096-token sequence as the CPU engine; GPT-OSS (sinks, sliding
+//! windows) on the portable flash kernels as the CPU engine. Every figure is printed (SUMMARY
+//! lines) before the bounds are asserted.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -173,4 +174,68 @@ fn cuda_flash_long_sequence_trains_as_the_cpu_engine() {
         w.name
     );
     assert!(r.is_ok() && l <= 1e-3, "{r}");
+}
+
+/// Checks a GPU run (losses, first step's gradients) against a CPU one: every gradient (the
+/// sinks' among them) within [`BF16_GRAD`] per tensor, every step's loss within 1e-3; what
+/// failed, if anything.
+fn gpt_oss_against(
+    what: &str,
+    (gpu_l, gpu_g): &(Vec<f64>, BTreeMap<String, Tensor>),
+    (cpu_l, cpu_g): &(Vec<f64>, BTreeMap<String, Tensor>),
+) -> Option<String> {
+    let r = compare_maps(gpu_g, cpu_g, Tolerance { rel: BF16_GRAD });
+    let (w, l) = (r.worst().unwrap(), worst_loss(gpu_l, cpu_l));
+    let sinks: Vec<String> = r
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with("self_attn.sinks"))
+        .map(|t| format!("{} {:.2e}", t.name, t.rel_err()))
+        .collect();
+    eprintln!(
+        "SUMMARY gpt_oss {what}: losses {l:.2e}, worst grad {:.2e} ({}); sinks [{}]",
+        w.rel_err(),
+        w.name,
+        sinks.join(", ")
+    );
+    (!r.is_ok() || l > 1e-3).then(|| format!("{what}\n{r}"))
+}
+
+/// The golden GPT-OSS (a 4-token window on layer 0, sinks, YaRN, top-4, biases, binding clamps)
+/// in bf16 on the GPU, flash attention on the portable kernels (`Auto` picks them: the Hopper
+/// ones have no sinks or windows), its experts through the engine's MoE path, trains as the f32
+/// CPU engine and as the bf16 CPU engine (the materialised path): every gradient within the
+/// dense models' bf16 bound, every loss within 1e-3, over three steps.
+#[test]
+fn cuda_gpt_oss_trains_as_the_cpu_engine() {
+    let g = golden::load("gpt_oss").unwrap();
+    let batch = golden_batch(&g);
+    let cpu_f32 = run(&g.cfg, &g.params, &batch, cpu(), EngineOptions { n_chunks: 2, ..golden_opts() });
+    let cpu_bf16_opts = EngineOptions { weight_dtype: DType::BF16, n_chunks: 2, ..golden_opts() };
+    let cpu_bf16 = run(&g.cfg, &g.params, &batch, cpu(), cpu_bf16_opts);
+    let gpu = run(&g.cfg, &g.params, &batch, cuda(), bf16(true, 0));
+    let failures: Vec<String> = [
+        gpt_oss_against("bf16 GPU vs f32 CPU", &gpu, &cpu_f32),
+        gpt_oss_against("bf16 GPU vs bf16 CPU", &gpu, &cpu_bf16),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// 1 x 1024 tokens of the golden GPT-OSS shape with random weights: the 4-token window skips
+/// whole key tiles on its layer, the other layer sees the whole causal context; the GPU (bf16,
+/// flash) trains as the f32 CPU engine within the same bounds.
+#[test]
+fn cuda_gpt_oss_long_sequence_trains_as_the_cpu_engine() {
+    let cfg = golden::load("gpt_oss").unwrap().cfg;
+    let params = random_params(&cfg, 13);
+    let (input_ids, targets) = random_batch(&cfg, 1, 1024, 4, 0.1);
+    let batch = Batch { batch: 1, seq: 1024, input_ids, targets, positions: None };
+    let cpu_f32 = run(&cfg, &params, &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
+    let gpu = run(&cfg, &params, &batch, cuda(), EngineOptions { n_chunks: 1, ..bf16(true, 0) });
+    if let Some(f) = gpt_oss_against("1 x 1024 bf16 GPU vs f32 CPU", &gpu, &cpu_f32) {
+        panic!("{f}");
+    }
 }

@@ -1,24 +1,28 @@
 //! Flash attention: the forward (output and each row's log-sum-exp) and the deterministic
 //! backward for bf16 `[b, t, heads, hd]` tensors, causal, grouped-query, with optional
-//! packed-document bounds, by one of two sets of kernels ([`FlashKernel`]):
+//! packed-document bounds and, on the portable kernels, GPT-OSS's sliding window and sink logits
+//! ([`FlashExtras`]; `Auto` picks the portable kernels for them), by one of two sets of kernels
+//! ([`FlashKernel`]):
 //! - the Hopper kernels (`flash_hopper.rs`: wgmma, TMA, warp specialisation; compute capability
 //!   9.0, head dims 64 and 128), the choice wherever they run;
 //! - the portable kernels here (`kernels/cuda/flash_attn.cu`: mma.sync, compute capability 8.0
 //!   and later, head dims 16 to 128): `D = rowsum(dO ⊙ O)`, then dK/dV per key tile and dQ per
-//!   query tile, no atomics. Launch geometry and shared memory as the kernels' header comment
-//!   states.
+//!   query tile, no atomics, and with sinks their gradient (one CTA per head, a fixed order).
+//!   Launch geometry and shared memory as the kernels' header comment states.
 //!
 //! The operand checks, output buffers and launch set-up both sets share are in
 //! `flash_launch.rs`. `scripts/attention_bench.py` launches both the same way.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, LaunchArgs, PushKernelArg,
+};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Tensor};
 
 use super::flash_hopper;
 use super::flash_launch::{
     allow_smem, backward_outputs, backward_tensors, cuda_dev, dims, forward_outputs, forward_tensors,
-    launch_config, row_dot, Operands, Scalars, Views,
+    launch_config, row_dot, wrap, FlashExtras, Operands, Scalars, Views,
 };
 use super::msg;
 use super::sources::FLASH;
@@ -62,20 +66,25 @@ fn push_backward_inputs<'b>(
     Ok(())
 }
 
-/// Pushes the arguments the dK/dV and the dQ kernels end with: `int T, NH, NKV, float scale,
-/// scale_log2`.
-fn push_backward_scalars<'b>(a: &mut LaunchArgs<'b>, s: &'b Scalars) {
+/// Pushes the arguments the dK/dV and the dQ kernels end with: `int window, T, NH, NKV, float
+/// scale, scale_log2`.
+fn push_backward_scalars<'b>(a: &mut LaunchArgs<'b>, x: &'b Views<'_>, s: &'b Scalars) {
+    a.arg(&x.window);
     s.push_sizes(a, false);
     a.arg(&s.scale);
     a.arg(&s.scale_log2);
 }
 
 /// Whether `kernel` means the Hopper kernels for `q`'s device and head dim `hd`; an error where
-/// they were asked for and cannot run.
-fn hopper(dev: &CudaDevice, hd: usize, kernel: FlashKernel) -> candle_core::Result<bool> {
+/// they were asked for and cannot run. `extras`: the call has a window or sinks, which the Hopper
+/// kernels do not take (`Auto` then means the portable ones).
+fn hopper(dev: &CudaDevice, hd: usize, kernel: FlashKernel, extras: bool) -> candle_core::Result<bool> {
     match kernel {
         FlashKernel::Portable => Ok(false),
-        FlashKernel::Auto => Ok(flash_hopper::hopper_applies(dev, hd)),
+        FlashKernel::Auto => Ok(!extras && flash_hopper::hopper_applies(dev, hd)),
+        FlashKernel::Hopper | FlashKernel::HopperUnordered if extras => Err(msg(
+            "the Hopper attention kernels have no sliding window or attention sinks yet (GPT-OSS); use --attention flash or portable",
+        )),
         FlashKernel::Hopper | FlashKernel::HopperUnordered if flash_hopper::hopper_applies(dev, hd) => Ok(true),
         FlashKernel::Hopper | FlashKernel::HopperUnordered => Err(msg(format!(
             "the Hopper attention kernels run on a GPU of compute capability 9.0 (H100, H200) with head dim 64 or 128 (this model's is {hd}) and MEGATRAIN_NVRTC_CC unset or 90; use --attention flash or portable"
@@ -92,10 +101,23 @@ pub fn flash_forward(
     docs: Option<(&Tensor, &Tensor)>,
     kernel: FlashKernel,
 ) -> candle_core::Result<(Tensor, Tensor)> {
+    flash_forward_with(q, k, v, docs, FlashExtras::default(), kernel)
+}
+
+/// [`flash_forward`] with a sliding window and sink logits (`extras`): `o` and `lse` include
+/// the sinks (each row's denominator has its head's `e^{s_h}`).
+pub fn flash_forward_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: Option<(&Tensor, &Tensor)>,
+    extras: FlashExtras<'_>,
+    kernel: FlashKernel,
+) -> candle_core::Result<(Tensor, Tensor)> {
     let shape @ (b, t, nh, _, hd) = dims(q, k)?;
     let dev = cuda_dev(q)?;
-    let operands = Operands::forward(q, k, v, docs, shape);
-    if hopper(&dev, hd, kernel)? {
+    let operands = Operands::forward(q, k, v, docs, extras, shape)?;
+    if hopper(&dev, hd, kernel, operands.has_extras())? {
         return flash_hopper::forward(&dev, &operands);
     }
     let st = dev.cuda_stream();
@@ -112,13 +134,16 @@ pub fn flash_forward(
     a.arg(&o);
     a.arg(&lse);
     x.push_starts(&mut a);
+    x.push_sinks(&mut a);
+    a.arg(&x.window);
     s.push_sizes(&mut a, false);
     a.arg(&s.scale_log2);
     let cfg = launch_config((t.div_ceil(128) as u32, nh as u32, b as u32), THREADS, sm);
-    // SAFETY: signature (bf16* Q, K, V, O, float* LSE, int* seg_lo or null, int T, NH, NKV,
-    // float); Q/O hold b·t·nh·hd, K/V b·t·nkv·hd, LSE b·nh·t, seg_lo b·t elements (checked
-    // by `views`), every index the kernel forms is below those (64-bit offsets); `sm` bytes of
-    // shared memory as the kernel lays it out, allowed above.
+    // SAFETY: signature (bf16* Q, K, V, O, float* LSE, int* seg_lo or null, float* sinks or
+    // null, int window, T, NH, NKV, float); Q/O hold b·t·nh·hd, K/V b·t·nkv·hd, LSE b·nh·t,
+    // seg_lo b·t, sinks nh elements (checked by `views`), every index the kernel forms is below
+    // those (64-bit offsets); `sm` bytes of shared memory as the kernel lays it out, allowed
+    // above.
     unsafe { a.launch(cfg) }.w()?;
     Ok(forward_tensors(&dev, shape, (o, lse)))
 }
@@ -136,12 +161,32 @@ pub fn flash_backward(
     docs: Option<(&Tensor, &Tensor)>,
     kernel: FlashKernel,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let (dq, dk, dv, _) = flash_backward_with(q, k, v, o, lse, d_o, docs, FlashExtras::default(), kernel)?;
+    Ok((dq, dk, dv))
+}
+
+/// [`flash_backward`] of a [`flash_forward_with`] (the same `extras`): also, with sinks, their
+/// gradient `dL/ds_h = -Σ_rows e^{s_h - LSE} rowsum(dO ⊙ O)`, f32 `[nh]` summed over the batch
+/// in a fixed order (bitwise repeatable).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    docs: Option<(&Tensor, &Tensor)>,
+    extras: FlashExtras<'_>,
+    kernel: FlashKernel,
+) -> candle_core::Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
     let shape @ (b, t, nh, nkv, hd) = dims(q, k)?;
     let dev = cuda_dev(q)?;
-    let operands = Operands::backward(q, k, v, o, lse, d_o, docs, shape);
-    if hopper(&dev, hd, kernel)? {
+    let operands = Operands::backward(q, k, v, o, lse, d_o, docs, extras, shape)?;
+    if hopper(&dev, hd, kernel, operands.has_extras())? {
         let ordered = kernel != FlashKernel::HopperUnordered;
-        return flash_hopper::backward(&dev, &operands, ordered);
+        let (dq, dk, dv) = flash_hopper::backward(&dev, &operands, ordered)?;
+        return Ok((dq, dk, dv, None));
     }
     let st = dev.cuda_stream();
     let x = operands.views()?;
@@ -158,11 +203,12 @@ pub fn flash_backward(
     a.arg(&dk);
     a.arg(&dv);
     x.push_bounds(&mut a)?;
-    push_backward_scalars(&mut a, &s);
+    push_backward_scalars(&mut a, &x, &s);
     let cfg = launch_config((tiles, nkv as u32, b as u32), THREADS, sm);
     // SAFETY: signature (bf16* Q, K, V, dO, float* LSE, D, bf16* dK, dV, int* seg_lo, seg_hi
-    // (both or neither null), int T, NH, NKV, float scale, scale_log2); sizes as checked by
-    // `views` (dK/dV b·t·nkv·hd, LSE and D b·nh·t); `sm` bytes of shared memory, allowed above.
+    // (both or neither null), int window, T, NH, NKV, float scale, scale_log2); sizes as checked
+    // by `views` (dK/dV b·t·nkv·hd, LSE and D b·nh·t); `sm` bytes of shared memory, allowed
+    // above.
     unsafe { a.launch(cfg) }.w()?;
 
     let sm = smem("dq", hd);
@@ -171,10 +217,47 @@ pub fn flash_backward(
     push_backward_inputs(&mut a, &x, &d)?;
     a.arg(&dq);
     x.push_starts(&mut a);
-    push_backward_scalars(&mut a, &s);
+    push_backward_scalars(&mut a, &x, &s);
     let cfg = launch_config((tiles, nh as u32, b as u32), THREADS, sm);
-    // SAFETY: signature (bf16* Q, K, V, dO, float* LSE, D, bf16* dQ, int* seg_lo or null, int T,
-    // NH, NKV, float scale, scale_log2); dQ holds b·t·nh·hd; `sm` bytes, allowed above.
+    // SAFETY: signature (bf16* Q, K, V, dO, float* LSE, D, bf16* dQ, int* seg_lo or null, int
+    // window, T, NH, NKV, float scale, scale_log2); dQ holds b·t·nh·hd; `sm` bytes, allowed above.
     unsafe { a.launch(cfg) }.w()?;
-    Ok(backward_tensors(&dev, shape, [dq, dk, dv]))
+    let dsinks = match &x.sinks {
+        Some(sinks) => Some(sink_grad(&dev, &x, sinks, &d, &s)?),
+        None => None,
+    };
+    let (dq, dk, dv) = backward_tensors(&dev, shape, [dq, dk, dv]);
+    Ok((dq, dk, dv, dsinks))
+}
+
+/// The sinks' gradient, f32 `[nh]`: `mt_flash_sink_grad` over the forward's LSE and the
+/// backward's `d` (`D = rowsum(dO ⊙ O)`), one CTA per head.
+fn sink_grad(
+    dev: &CudaDevice,
+    x: &Views<'_>,
+    sinks: &CudaView<'_, f32>,
+    d: &CudaSlice<f32>,
+    s: &Scalars,
+) -> candle_core::Result<Tensor> {
+    let (_, lse, _) = x.grad()?;
+    let nh = s.nh as usize;
+    // SAFETY: one value per head, every one written by the kernel below (one CTA per head).
+    let dsinks = unsafe { dev.alloc::<f32>(nh)? };
+    let f = portable(dev, "mt_flash_sink_grad", 0)?;
+    let st = dev.cuda_stream();
+    let mut a = st.launch_builder(&f);
+    a.arg(lse);
+    a.arg(d);
+    a.arg(sinks);
+    a.arg(&dsinks);
+    a.arg(&s.b);
+    a.arg(&s.t);
+    a.arg(&s.nh);
+    // 16 bytes of shared memory: the four warps' sums.
+    let cfg = launch_config((nh as u32, 1, 1), THREADS, 16);
+    // SAFETY: signature (float* LSE, D, sinks, dsink, int B, T, NH); LSE and D hold b·nh·t
+    // (checked by `views`; `d` is `row_dot`'s), sinks and dsink nh; MT_FA_THREADS threads and
+    // the 16 bytes of shared memory the kernel uses.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(wrap(dsinks, dev, nh))
 }

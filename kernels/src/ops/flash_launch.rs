@@ -2,7 +2,8 @@
 //! `flash_hopper.rs`) share around their launches: the shape check, the operands read-locked and
 //! viewed with their dtype and shape checked, the document bounds or null pointers, the output
 //! buffers, the launch configuration, and the backward's first kernel (`D = rowsum(dO ⊙ O)`,
-//! which the Hopper module compiles from the portable file too).
+//! which the Hopper module compiles from the portable file too). GPT-OSS's sliding window and
+//! sink logits ([`FlashExtras`]) are checked and pushed here; only the portable kernels take them.
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -15,6 +16,26 @@ use half::bf16;
 
 use super::msg;
 use crate::flash_head_dim;
+
+/// GPT-OSS's additions to a flash attention call (none by default): a sliding window and a sink
+/// logit per query head. The portable kernels take both; the Hopper ones neither yet.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FlashExtras<'a> {
+    /// The keys a query sees, itself included: key `j` is visible to query `i` iff
+    /// `i - window < j <= i` (and, with documents, in its document). `None`: every earlier key.
+    pub window: Option<usize>,
+    /// One logit per query head, f32 `[nh]` on the device (natural log, not scaled by
+    /// `hd^-1/2`): one more term `e^{s_h}` in each of head `h`'s softmax denominators, with no
+    /// value vector. The forward's LSE includes it; the backward returns its gradient.
+    pub sinks: Option<&'a Tensor>,
+}
+
+impl FlashExtras<'_> {
+    /// Whether the call has neither a window nor sinks.
+    pub fn is_none(&self) -> bool {
+        self.window.is_none() && self.sinks.is_none()
+    }
+}
 
 /// `(b, t, nh, nkv, hd)`: sequences, tokens, query heads, KV heads, head dim.
 pub(super) type Dims = (usize, usize, usize, usize, usize);
@@ -127,8 +148,9 @@ impl<'t> Held<'t> {
     }
 }
 
-/// The operands of a forward and of a backward: q, k, v and the document bounds (`[b, t]` u32,
-/// each token's document's first and one-past-last index) of both; o, lse and d_o of a backward.
+/// The operands of a forward and of a backward: q, k, v, the document bounds (`[b, t]` u32,
+/// each token's document's first and one-past-last index), the window and the sinks of both;
+/// o, lse and d_o of a backward.
 pub(super) struct Operands<'t> {
     dims: Dims,
     q: Held<'t>,
@@ -136,6 +158,9 @@ pub(super) struct Operands<'t> {
     v: Held<'t>,
     starts: Option<Held<'t>>,
     ends: Option<Held<'t>>,
+    /// The kernels' `int window`: 0 for none, else the window clamped to `t` (the same mask).
+    window: i32,
+    sinks: Option<Held<'t>>,
     grad: Option<[Held<'t>; 3]>,
 }
 
@@ -146,20 +171,35 @@ pub(super) struct Views<'a> {
     pub(super) v: CudaView<'a, bf16>,
     starts: Option<CudaView<'a, u32>>,
     ends: Option<CudaView<'a, u32>>,
+    /// The kernels' `int window` (0: none).
+    pub(super) window: i32,
+    pub(super) sinks: Option<CudaView<'a, f32>>,
     grad: Option<(CudaView<'a, bf16>, CudaView<'a, f32>, CudaView<'a, bf16>)>,
 }
 
 impl<'t> Operands<'t> {
-    /// A forward's operands.
+    /// A forward's operands; an error for a window of no keys.
     pub(super) fn forward(
         q: &'t Tensor,
         k: &'t Tensor,
         v: &'t Tensor,
         docs: Option<(&'t Tensor, &'t Tensor)>,
+        extras: FlashExtras<'t>,
         dims: Dims,
-    ) -> Self {
+    ) -> candle_core::Result<Self> {
+        let window = match extras.window {
+            None => 0,
+            Some(0) => {
+                return Err(msg(
+                    "flash attention: a sliding window must hold at least one key (the query's own)",
+                ))
+            }
+            // `dims` checked t < i32::MAX; a window past the sequence masks nothing more.
+            Some(w) => w.min(dims.1) as i32,
+        };
         let (q, k, v, starts) = (Held::new(q), Held::new(k), Held::new(v), docs.map(|(lo, _)| Held::new(lo)));
-        Operands { dims, q, k, v, starts, ends: None, grad: None }
+        let sinks = extras.sinks.map(Held::new);
+        Ok(Operands { dims, q, k, v, starts, ends: None, window, sinks, grad: None })
     }
 
     /// A backward's operands: the forward's, its output `o` and `lse`, and `d_o = dL/do`.
@@ -172,11 +212,17 @@ impl<'t> Operands<'t> {
         lse: &'t Tensor,
         d_o: &'t Tensor,
         docs: Option<(&'t Tensor, &'t Tensor)>,
+        extras: FlashExtras<'t>,
         dims: Dims,
-    ) -> Self {
-        let fwd = Self::forward(q, k, v, docs, dims);
+    ) -> candle_core::Result<Self> {
+        let fwd = Self::forward(q, k, v, docs, extras, dims)?;
         let grad = Some([Held::new(o), Held::new(lse), Held::new(d_o)]);
-        Operands { ends: docs.map(|(_, hi)| Held::new(hi)), grad, ..fwd }
+        Ok(Operands { ends: docs.map(|(_, hi)| Held::new(hi)), grad, ..fwd })
+    }
+
+    /// Whether the call has a window or sinks (which only the portable kernels take).
+    pub(super) fn has_extras(&self) -> bool {
+        self.window != 0 || self.sinks.is_some()
     }
 
     /// The call's shape.
@@ -186,7 +232,7 @@ impl<'t> Operands<'t> {
 
     /// Every operand viewed, each checked to be a contiguous CUDA tensor of its dtype and shape:
     /// q, o, d_o `[b, t, nh, hd]` bf16, k, v `[b, t, nkv, hd]` bf16, lse `[b, nh, t]` f32, the
-    /// document bounds `[b, t]` u32 (a forward reads only the starts).
+    /// document bounds `[b, t]` u32 (a forward reads only the starts), the sinks `[nh]` f32.
     pub(super) fn views(&self) -> candle_core::Result<Views<'_>> {
         let (b, t, nh, nkv, hd) = self.dims;
         let (bf, q_dims, kv_dims) = (DType::BF16, [b, t, nh, hd], [b, t, nkv, hd]);
@@ -204,7 +250,8 @@ impl<'t> Operands<'t> {
         let starts =
             self.starts.as_ref().map(|h| h.view(DType::U32, &[b, t], "document starts")).transpose()?;
         let ends = self.ends.as_ref().map(|h| h.view(DType::U32, &[b, t], "document ends")).transpose()?;
-        Ok(Views { q, k, v, starts, ends, grad })
+        let sinks = self.sinks.as_ref().map(|h| h.view(DType::F32, &[nh], "sinks")).transpose()?;
+        Ok(Views { q, k, v, starts, ends, window: self.window, sinks, grad })
     }
 }
 
@@ -220,6 +267,14 @@ impl<'a> Views<'a> {
     pub(super) fn push_starts<'b>(&'b self, a: &mut LaunchArgs<'b>) {
         match &self.starts {
             Some(lo) => a.arg(lo),
+            None => a.arg(&NULL),
+        };
+    }
+
+    /// Pushes the sinks, or a null pointer for none.
+    pub(super) fn push_sinks<'b>(&'b self, a: &mut LaunchArgs<'b>) {
+        match &self.sinks {
+            Some(s) => a.arg(s),
             None => a.arg(&NULL),
         };
     }

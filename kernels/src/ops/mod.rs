@@ -7,7 +7,8 @@
 //! - [`softmax_backward`]: `c · P ⊙ (dP − rowsum(dP ⊙ P))` in one pass, P recomputed in f32 from
 //!   the scores and the row statistics (bf16 out);
 //! - [`flash_forward`] / [`flash_backward`]: flash attention (`flash.rs`; the Hopper kernels in
-//!   `flash_hopper.rs`);
+//!   `flash_hopper.rs`); [`flash_forward_with`] / [`flash_backward_with`] with GPT-OSS's sliding
+//!   window and sink logits ([`FlashExtras`], the portable kernels);
 //! - [`accumulate_matmul_t`]: a weight gradient added into the f32 gradient buffer by one cuBLAS
 //!   GEMM (`gemm.rs`);
 //! - [`rows_add`]: the embedding backward's deterministic row scatter-add (`embed.rs`);
@@ -165,8 +166,9 @@ pub use softmax::{causal_softmax, softmax_backward};
 mod flash;
 mod flash_hopper;
 mod flash_launch;
-pub use flash::{flash_backward, flash_forward};
+pub use flash::{flash_backward, flash_backward_with, flash_forward, flash_forward_with};
 pub use flash_hopper::hopper_applies;
+pub use flash_launch::FlashExtras;
 mod swiglu;
 pub use swiglu::{swiglu, swiglu_backward};
 mod rope;

@@ -342,3 +342,54 @@ fn the_moe_kernels_are_priced_where_they_run() {
     assert!(!run(&["--precision", "bf16", "--compute-capability", "7.5"]).moe_kernels);
     assert!(!run(&["--precision", "fp32"]).moe_kernels);
 }
+
+/// GPT-OSS-20B's shape (the released `config.json`'s attention: 64 query over 8 KV heads of 64,
+/// a 128-token window on even layers, sinks) on an H200: `--attention auto` plans flash
+/// attention on the portable kernels (the Hopper ones have no sinks or windows yet, so no Hopper
+/// dQ buffer is planned and train would not refuse it); `--attention hopper`, the materialised
+/// scores and fp32 are what train refuses, in its words.
+#[test]
+fn gpt_oss_plans_the_portable_flash_kernels_and_names_what_train_refuses() {
+    let layer_types: Vec<&str> =
+        (0..24).map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
+    let config = serde_json::json!({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": true,
+        "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880, "layer_types": layer_types,
+        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false},
+        "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": false,
+        "vocab_size": 201088
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let path = path.to_str().unwrap();
+    let estimate = |precision: &str, attention: &str| {
+        let mut argv =
+            vec!["megatrain", "estimate", "--config", path, "--device", "cuda", "--gpu-mem", "139.8"];
+        argv.extend([
+            "--host-mem",
+            "500",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "2048",
+            "--precision",
+            precision,
+        ]);
+        argv.extend(["--attention", attention]);
+        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
+        super::estimate(&args).unwrap()
+    };
+    let auto = estimate("bf16", "auto");
+    assert!(auto.plan.flash_attention && !auto.plan.hopper_attention, "{}", auto.plan);
+    assert_eq!(auto.refused, None);
+    let refusal = |precision, attention| estimate(precision, attention).refused.unwrap_or_default();
+    let (hopper, flash_only) =
+        ("Hopper attention kernels have no attention sinks", "in the flash attention kernels only");
+    assert!(refusal("bf16", "hopper").contains(hopper));
+    assert!(refusal("bf16", "materialized").contains(flash_only));
+    assert!(refusal("fp32", "auto").contains(flash_only));
+}
