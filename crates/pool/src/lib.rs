@@ -319,9 +319,13 @@ impl DevicePool {
         self.act_grads[chunk].take()
     }
 
-    /// Zeroes a gradient buffer in place (views of it stay valid).
+    /// Zeroes a gradient buffer in place (views of it stay valid). An empty buffer (a LoRA run's
+    /// outer gradient: its embedding and head are frozen) is left alone: candle's CUDA fill
+    /// launches one block per 1024 elements, and a launch of no blocks is an invalid argument.
     pub fn zero(buf: &Tensor) -> Result<()> {
-        buf.zero_set()?;
+        if buf.elem_count() > 0 {
+            buf.zero_set()?;
+        }
         Ok(())
     }
 

@@ -180,3 +180,27 @@ pub fn assert_skewed_experts(cfg: &ModelConfig, grads: &BTreeMap<String, Tensor>
         }
     }
 }
+
+/// `params` rounded to bf16 and held as f32: a perturbation of the weights of the size bf16
+/// rounding makes.
+pub fn rounded_to_bf16(params: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+    let round = |t: &Tensor| t.to_dtype(candle_core::DType::BF16).unwrap().to_dtype(t.dtype()).unwrap();
+    params.iter().map(|(n, t)| (n.clone(), round(t))).collect()
+}
+
+/// The gradient bound of a bf16 GPU run of a mixture of experts: the dense models' `dense`, or
+/// twice the worst per-tensor change that rounding the weights alone to bf16 makes to an f32
+/// engine's gradients (`exact`: at the weights, `rounded`: at [`rounded_to_bf16`] of them),
+/// whichever is larger. A router's top-k flips where two logits are closer than rounding, and a
+/// flipped token moves its experts' gradients (and, through the backward, every layer's below)
+/// by its share; a bf16 GPU run rounds its activations too, so it meets such flips wherever a
+/// rounding-sized change of the weights does. A well-separated router keeps the dense bound.
+pub fn routing_bound(
+    exact: &BTreeMap<String, Tensor>,
+    rounded: &BTreeMap<String, Tensor>,
+    dense: f64,
+) -> f64 {
+    let r = mt_testkit::tol::compare_maps(rounded, exact, mt_testkit::Tolerance { rel: f64::INFINITY });
+    let worst = r.worst().map_or(0.0, |t| t.rel_err());
+    (2.0 * worst).max(dense)
+}
