@@ -69,8 +69,8 @@ BWD_FLOPS = "2 x forward (dX and dW of both projections)"
 # The GEMM variants a sweep measures: name -> defines (kernels/cuda/moe.cu's and moe_hopper.cu's
 # switches).
 VARIANTS = {
-    # Today's kernel: 128 x 128 x 32, 3 stages, 8 warps of 64 x 32, 2 CTAs an SM, 48 KiB.
-    "base": {},
+    # The first kernel: 128 x 128 x 32, 3 stages, 8 warps of 64 x 32, 2 CTAs an SM, 48 KiB.
+    "base": {"MT_MOE_HOIST": 0, "MT_MOE_GROUP": 0},
     # The mma.sync ladder, each step on top of the one before.
     # The CTA's setup once: its expert found by a warp's scan, its gathered A rows' sources read
     # once (not an index load and a division per row per k step), a multiplier for the weight
