@@ -36,15 +36,19 @@ impl<B: Backend> Engine<B> {
             // A LoRA run's frozen base first (the values its encoding holds, rounded to the slot's
             // dtype as its upload's are), then its adapters (the slot's layout).
             let mut at = 0;
-            if let Some(b) = &self.opts.frozen_base {
+            if let Some(b) = self.opts.frozen_base.as_ref().filter(|b| b.encoding(u).elems() > 0) {
                 let enc = b.encoding(u);
                 let mut w = vec![0f32; enc.elems()];
                 decode_unit(enc, &b.unit(u), Decoded::F32(&mut w));
                 dst.slice_set(&Tensor::from_vec(w, enc.elems(), &device)?.to_dtype(dst.dtype())?, 0, 0)?;
                 at = enc.elems();
             }
-            let t = Tensor::from_slice(r.master(), r.master().len(), &device)?;
-            dst.slice_set(&t.to_dtype(dst.dtype())?, 0, at)?;
+            // A LoRA run's outer unit has nothing that trains: no empty tensor is cast (candle's
+            // CUDA cast of no elements is a launch of no blocks, an invalid argument).
+            if !r.master().is_empty() {
+                let t = Tensor::from_slice(r.master(), r.master().len(), &device)?;
+                dst.slice_set(&t.to_dtype(dst.dtype())?, 0, at)?;
+            }
             Ok(())
         };
         // A resident unit's slot holds its current weights already.

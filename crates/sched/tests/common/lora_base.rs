@@ -49,6 +49,7 @@ pub fn an_encoded_base_trains_as_its_dequantised_weights<B: Backend>(
     for weight_dtype in [DType::F32, DType::BF16] {
         for dtype in [BaseDtype::Int8, BaseDtype::Nf4] {
             let what = format!("{dtype} base, {weight_dtype:?} slots");
+            eprintln!("lora base: {what}");
             let cfg = held_as(g, dtype);
             let (base, store) = stores_on(&cfg, weight, g);
             // The same weights as the encoding holds them, in an fp32 base.
