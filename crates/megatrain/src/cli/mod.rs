@@ -127,6 +127,12 @@ pub struct EstimateArgs {
     /// H100; the portable kernels' 175,116 to 257,196 on an H200].
     #[arg(long, value_name = "FWD,BWD", value_parser = tflops_pair)]
     pub attention_tflops: Option<(f64, f64)>,
+    /// TFLOP/s of a mixture of experts' expert FLOPs (forward, backward and recompute of the
+    /// active experts' projections, the routing, grouping and combining around them) [default on
+    /// cuda: 220 on the device MoE kernels, 19 on the portable path: the OLMoE-1B-7B shape's H200
+    /// runs at 4 and 16 x 2048 (docs/decisions/0049); on the CPU: `--tflops`].
+    #[arg(long, value_parser = positive_f64)]
+    pub moe_tflops: Option<f64>,
     /// PCIe bandwidth per direction in GB/s with both directions busy (H200 machine: 50.9).
     #[arg(long, default_value_t = 50.0, value_parser = positive_f64)]
     pub pcie_gbs: f64,

@@ -42,6 +42,17 @@ pub const DEFAULT_GPU_GIB: f64 = 139.8;
 /// `--tflops` on a GPU when not given: the H200 runs' compute rate (the option's help says which).
 pub const DEFAULT_GPU_TFLOPS: f64 = 600.0;
 
+/// `--moe-tflops` on a GPU when not given, on the device MoE kernels; this and
+/// [`PORTABLE_MOE_TFLOPS`] are the rates that fit the OLMoE-1B-7B shape's H200 runs at 4 and 16 x 2048 with everything else
+/// priced as it is (`results/2026-11-28-olmoe-engine-h200/`, decision 0049).
+pub const DEFAULT_MOE_TFLOPS: f64 = 220.0;
+/// `--moe-tflops` on a GPU when not given, on the portable path (host routing, per-expert GEMMs).
+pub const PORTABLE_MOE_TFLOPS: f64 = 19.0;
+
+/// The GPU memory bandwidth the device AdamW pass sustains, GB/s: an H200's (4.8 TB/s by its
+/// datasheet) at the 85% a streaming kernel reaches.
+pub const GPU_MEMORY_GBS: f64 = 4080.0;
+
 /// `--host-gbs` on a GPU machine when not given: the H200 machine's (the option's help says which).
 pub const DEFAULT_HOST_GBS: f64 = 140.0;
 
@@ -80,6 +91,9 @@ pub struct Estimate {
     pub step_s: f64,
     /// Whether the step was priced (on the CPU only with `--tflops` and `--host-gbs` given).
     pub timed: bool,
+    /// The rate a mixture of experts' expert FLOPs were priced at (`--moe-tflops` or its
+    /// default for the path that runs them).
+    pub moe_tflops: f64,
     /// The device it is for (the words the plan is printed with).
     pub device: mt_train::DeviceKind,
     /// GPUs of the data-parallel run (1: one engine); the plan is each GPU's.
@@ -186,6 +200,13 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     };
     let recomputed = layout.n_layers - p.placement.kept_layers;
     let recompute = 2.0 * (recomputed * (active_layer - down)) as f64 * tokens;
+    // Of these, a mixture of experts' expert projections (each token's k experts: gate, up and
+    // down), priced at their own rate: forward, backward and the recompute's gate and up.
+    let expert =
+        cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok * cfg.hidden_size * m.moe_intermediate_size);
+    let moe_fwd = 2.0 * (3 * expert * layout.n_layers) as f64 * tokens;
+    let moe_frozen = if cfg.lora.is_some() { moe_fwd } else { 0.0 };
+    let moe_flops = 3.0 * moe_fwd - moe_frozen + 2.0 * (2 * expert * recomputed) as f64 * tokens;
     // The forward's GEMMs, 2·N·T, and the backward's, twice that, less a frozen weight's
     // gradient (a LoRA run's base: 2 FLOPs an active parameter a token), which is never formed.
     let frozen = if cfg.lora.is_some() { (active - trainable.n_params()) as f64 } else { 0.0 };
@@ -197,12 +218,18 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         if args.gpus > 1 { 2.0 * (n_gpus - 1.0) / n_gpus * 4.0 * layout.n_params() as f64 } else { 0.0 };
     let timed = rates(args);
     let (tflops, host_gbs) = timed.unwrap_or((f64::NAN, f64::NAN));
-    let compute_s = (gemm + recompute) / (tflops * 1e12)
+    let moe_tflops = args.moe_tflops.unwrap_or(match args.device {
+        DeviceKind::Cuda if p.moe_kernels => DEFAULT_MOE_TFLOPS,
+        DeviceKind::Cuda => PORTABLE_MOE_TFLOPS,
+        DeviceKind::Cpu => tflops,
+    });
+    let compute_s = (gemm + recompute - moe_flops) / (tflops * 1e12)
+        + moe_flops / (moe_tflops * 1e12)
         + attn.forward
         + attn.backward
         + nccl_bytes / (args.nccl_gbs * 1e9);
     // The forward is its GEMMs and attention's forward; the backward the rest.
-    let fwd_s = fwd_gemm / (tflops * 1e12) + attn.forward;
+    let fwd_s = (fwd_gemm - moe_fwd) / (tflops * 1e12) + moe_fwd / (moe_tflops * 1e12) + attn.forward;
     let bwd_s = compute_s - fwd_s;
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer works on the streamed units only: resident ones are updated on the GPU.
@@ -221,6 +248,19 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let states = mt_core::StateDtype::from(args.optim_states);
     let b = HostTraffic::of(mode, grad, args.precision.bytes(), states.nominal_state_bytes() as f64);
     let secs = |bytes: f64| bytes / (host_gbs * 1e9);
+    // Resident units and GPU-updated layers are updated on the GPU, on the compute stream: the
+    // AdamW pass reads the master, the moments and the f32 gradient and writes the master, the
+    // moments and the weights, bound by the GPU's memory bandwidth.
+    let device_updated = (p.placement.resident_layers + p.placement.gpu_updated_layers)
+        * trainable.layer.n_params()
+        + if p.placement.resident_outer { trainable.outer.n_params() } else { 0 };
+    let device_update_s = match args.device {
+        DeviceKind::Cuda => {
+            device_updated as f64 * (2.0 * b.state + 4.0 + args.precision.bytes()) / (GPU_MEMORY_GBS * 1e9)
+        }
+        DeviceKind::Cpu => 0.0,
+    };
+    let compute_s = compute_s + device_update_s;
     // GPU-updated layers' updates run on the GPU from their streamed state, but the DMA of that
     // state (master, m, v and the stored gradient up, master, m and v down: 26 B/param in bf16
     // with fp32 moments; `s` B/param of master and moments each way) goes through the same host
@@ -286,7 +326,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
                 + state_up / (state_gbs * 1e9);
             let pcie_fwd_s = fwd_h2d_s.max(fwd_d2h / (args.pcie_gbs * 1e9));
             let pcie_bwd_s = bwd_h2d.max(p.pcie_d2h_per_step as f64 - fwd_d2h) / (args.pcie_gbs * 1e9);
-            fwd_s.max(host_update_s).max(pcie_fwd_s) + bwd_s.max(host_backward_s).max(pcie_bwd_s)
+            fwd_s.max(host_update_s).max(pcie_fwd_s)
+                + bwd_s.max(host_backward_s).max(pcie_bwd_s)
+                + device_update_s
         }
         // Lean: every host pass may overlap any compute.
         mt_sched::OptimMode::Lean => compute_s.max(host_s).max(pcie_s),
@@ -302,6 +344,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         host_update_s,
         step_s,
         timed: timed.is_some(),
+        moe_tflops,
         device: device.kind(),
         gpus: args.gpus,
         nccl_bytes_per_gpu: nccl_bytes as u64,
@@ -408,6 +451,7 @@ impl Estimate {
             "gpus": self.gpus, "nccl_bytes_per_gpu_per_step": self.nccl_bytes_per_gpu,
             "refused_by_train": self.refused,
             "assumed": {"tflops": tflops, "attention_tflops": args.attention_tflops.map(|r| [r.0, r.1]),
+                "moe_tflops": (p.moe_kernels || self.moe_tflops.is_finite()).then_some(self.moe_tflops),
                         "pcie_gbs": args.pcie_gbs, "host_gbs": host_gbs,
                         "compute_capability": args.compute_capability, "fused_kernels": fused_kernels(args)},
         })
