@@ -27,8 +27,12 @@ EXIT_OOM = 3
 # ----------------------------------------------------------------------------- arguments
 
 
-def parse_args(description: str, argv=None) -> argparse.Namespace:
+def parse_args(description: str, argv=None, extra=()) -> argparse.Namespace:
+    """The baselines' shared command line, plus a script's own `extra` options (pairs of a flag
+    and `add_argument`'s keyword arguments)."""
     p = argparse.ArgumentParser(description=description)
+    for flag, kwargs in extra:
+        p.add_argument(flag, **kwargs)
     p.add_argument("--config", required=True, help="HF config.json of the model (random init)")
     p.add_argument("--batch-size", type=int, required=True, help="sequences per optimizer step (B)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (S)")

@@ -140,3 +140,30 @@ class Writer(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PeftBaseline(unittest.TestCase):
+    """The peft baseline's command line and its adapters' targets, without torch or peft."""
+
+    def test_targets_follow_megatrains_defaults(self):
+        import peft_lora
+
+        dense = common.read_config(LLAMA_3_6B)
+        self.assertEqual(
+            peft_lora.lora_targets(dense, None),
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
+        olmoe = common.read_config(os.path.join(ROOT, "bench-harness", "configs", "olmoe-1b-7b.json"))
+        self.assertEqual(peft_lora.lora_targets(olmoe, None), ["q_proj", "k_proj", "v_proj", "o_proj"])
+        self.assertEqual(peft_lora.lora_targets(dense, "q_proj, v_proj"), ["q_proj", "v_proj"])
+
+    def test_extra_options_parse_beside_the_shared_ones(self):
+        argv = ["--config", LLAMA_3_6B, "--batch-size", "4", "--seq-len", "16", "--steps", "2"]
+        argv += ["--metrics", "m.jsonl", "--lora-rank", "8"]
+        a = common.parse_args("t", argv, [("--lora-rank", dict(type=int, default=16))])
+        self.assertEqual((a.lora_rank, a.batch_size, a.grad_accum), (8, 4, 1))
+        import contextlib
+        import io
+
+        with self.assertRaises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            common.parse_args("t", argv)
