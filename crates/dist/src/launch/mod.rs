@@ -257,19 +257,12 @@ impl fmt::Display for Launch {
 }
 
 fn torchrun_launch(vars: &Vars) -> Result<Launch, LaunchError> {
-    for var in TORCHRUN {
-        if !vars.contains_key(var) {
-            return Err(missing(vars, var, &TORCHRUN, "torchrun"));
-        }
-    }
-    let rank = number(vars, "RANK")?;
-    let world_size = positive(vars, "WORLD_SIZE")?;
-    let local_rank = number(vars, "LOCAL_RANK")?;
+    let (rank, world_size, local_rank) =
+        place(vars, ["RANK", "WORLD_SIZE", "LOCAL_RANK"], &TORCHRUN, "torchrun")?;
     let local_world_size = match vars.get("LOCAL_WORLD_SIZE") {
         Some(_) => Some(positive(vars, "LOCAL_WORLD_SIZE")?),
         None => None,
     };
-    below("RANK", rank, "WORLD_SIZE", world_size)?;
     if let Some(n) = local_world_size {
         below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", n)?;
         if n > world_size {
@@ -281,7 +274,6 @@ fn torchrun_launch(vars: &Vars) -> Result<Launch, LaunchError> {
             });
         }
     }
-    not_above_rank("LOCAL_RANK", local_rank, "RANK", rank)?;
     let master = Master {
         host: host(vars, "MASTER_ADDR")?,
         port: port(vars, "MASTER_PORT")?,
@@ -299,16 +291,7 @@ fn torchrun_launch(vars: &Vars) -> Result<Launch, LaunchError> {
 }
 
 fn slurm_launch(vars: &Vars) -> Result<Launch, LaunchError> {
-    for var in SLURM {
-        if !vars.contains_key(var) {
-            return Err(missing(vars, var, &SLURM, "srun"));
-        }
-    }
-    let rank = number(vars, "SLURM_PROCID")?;
-    let world_size = positive(vars, "SLURM_NTASKS")?;
-    let local_rank = number(vars, "SLURM_LOCALID")?;
-    below("SLURM_PROCID", rank, "SLURM_NTASKS", world_size)?;
-    not_above_rank("SLURM_LOCALID", local_rank, "SLURM_PROCID", rank)?;
+    let (rank, world_size, local_rank) = place(vars, SLURM, &SLURM, "srun")?;
     let (host, host_from) = if vars.contains_key("MASTER_ADDR") {
         (host(vars, "MASTER_ADDR")?, "MASTER_ADDR")
     } else {
@@ -344,6 +327,26 @@ fn slurm_launch(vars: &Vars) -> Result<Launch, LaunchError> {
     })
 }
 
+/// Rank, world size and local rank from the variables `names` gives them as, after checking
+/// that every one of `all` (the launcher's) is set; the rank below the world size, the local rank
+/// not above the rank.
+fn place(
+    vars: &Vars,
+    names: [&'static str; 3],
+    all: &[&'static str],
+    launcher: &'static str,
+) -> Result<(usize, usize, usize), LaunchError> {
+    if let Some(var) = all.iter().find(|v| !vars.contains_key(**v)) {
+        return Err(missing(vars, var, all, launcher));
+    }
+    let [rank_var, world_var, local_var] = names;
+    let (rank, world_size, local_rank) =
+        (number(vars, rank_var)?, positive(vars, world_var)?, number(vars, local_var)?);
+    below(rank_var, rank, world_var, world_size)?;
+    not_above_rank(local_var, local_rank, rank_var, rank)?;
+    Ok((rank, world_size, local_rank))
+}
+
 /// The launcher's variables that are set, with their values: `RANK=1 and WORLD_SIZE=4 are set`.
 fn set_list(vars: &Vars, all: &[&str]) -> String {
     let set: Vec<String> = all.iter().filter_map(|v| vars.get(*v).map(|x| format!("{v}={x}"))).collect();
@@ -354,7 +357,7 @@ fn set_list(vars: &Vars, all: &[&str]) -> String {
     }
 }
 
-fn missing(vars: &Vars, var: &'static str, all: &[&str], launcher: &'static str) -> LaunchError {
+fn missing(vars: &Vars, var: &'static str, all: &[&'static str], launcher: &'static str) -> LaunchError {
     LaunchError::Missing { var, set: set_list(vars, all), launcher, all: all.join(", ") }
 }
 

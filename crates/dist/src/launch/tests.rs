@@ -128,29 +128,23 @@ fn ipv6_master_is_bracketed() {
     assert_eq!(m.addr(), "[fe80::1]:7");
 }
 
+/// `base` with each change made: a value set, or the variable removed (`None`).
+fn changed(base: &[(&str, &str)], changes: &[(&str, Option<&str>)]) -> Vars {
+    let mut v = vars(base);
+    for (k, val) in changes {
+        match val {
+            Some(x) => v.insert(k.to_string(), x.to_string()),
+            None => v.remove(*k),
+        };
+    }
+    v
+}
+
 /// Each broken environment, with the sentence it must give.
 #[test]
 fn every_inconsistency_is_a_sentence_naming_the_variable() {
-    let torchrun_with = |changes: &[(&str, Option<&str>)]| {
-        let mut v = vars(&TORCHRUN_RANK1);
-        for (k, val) in changes {
-            match val {
-                Some(x) => v.insert(k.to_string(), x.to_string()),
-                None => v.remove(*k),
-            };
-        }
-        v
-    };
-    let slurm_with = |changes: &[(&str, Option<&str>)]| {
-        let mut v = vars(&SLURM_RANK5);
-        for (k, val) in changes {
-            match val {
-                Some(x) => v.insert(k.to_string(), x.to_string()),
-                None => v.remove(*k),
-            };
-        }
-        v
-    };
+    let torchrun_with = |changes: &[(&str, Option<&str>)]| changed(&TORCHRUN_RANK1, changes);
+    let slurm_with = |changes: &[(&str, Option<&str>)]| changed(&SLURM_RANK5, changes);
     let cases: Vec<(Vars, &str)> = vec![
         (
             torchrun_with(&[("LOCAL_RANK", None)]),

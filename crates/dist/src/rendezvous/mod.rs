@@ -14,7 +14,7 @@ use crate::wire::{read_msg, write_msg, Hello, Msg, ReadError, VERSION};
 use crate::DistError;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// How long a rank waits for the others by default: long enough for a cluster's ranks to start
 /// one after another (a container pulled, a library loaded), short enough that a rank that never

@@ -8,15 +8,25 @@ use std::time::Duration;
 
 use super::*;
 
-fn spec(rank: usize, world_size: usize) -> JobSpec {
+/// Rank `rank`'s spec in a job of `world_size` (fingerprint `job`, host `host{rank}`), for the
+/// crate's tests against hand-made peers.
+pub(crate) fn spec_with(rank: usize, world_size: usize, watch: WatchOptions) -> JobSpec {
     JobSpec {
         rank,
         world_size,
         fingerprint: "job".into(),
         host: format!("host{rank}"),
         timeout: Duration::from_secs(10),
-        watch: WatchOptions { interval: Duration::from_millis(50), timeout: Duration::from_secs(10) },
+        watch,
     }
+}
+
+fn spec(rank: usize, world_size: usize) -> JobSpec {
+    spec_with(
+        rank,
+        world_size,
+        WatchOptions { interval: Duration::from_millis(50), timeout: Duration::from_secs(10) },
+    )
 }
 
 #[test]

@@ -7,24 +7,14 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::rendezvous::{join, serve, JobSpec};
+use crate::rendezvous::tests::spec_with as spec;
+use crate::rendezvous::{join, serve};
 use crate::wire::Hello;
 
 const SHORT: WatchOptions =
     WatchOptions { interval: Duration::from_millis(50), timeout: Duration::from_millis(400) };
 const LONG: WatchOptions =
     WatchOptions { interval: Duration::from_millis(50), timeout: Duration::from_secs(20) };
-
-fn spec(rank: usize, world_size: usize, watch: WatchOptions) -> JobSpec {
-    JobSpec {
-        rank,
-        world_size,
-        fingerprint: "job".into(),
-        host: format!("host{rank}"),
-        timeout: Duration::from_secs(10),
-        watch,
-    }
-}
 
 /// Joins `addr` as `rank` by hand and returns the connection, which then says nothing.
 fn silent_rank(addr: &str, rank: u32, world_size: u32) -> TcpStream {
