@@ -1,7 +1,7 @@
 //! The `megatrain` command line, a thin layer over [`mt_train`]: option parsing ([`cli`]), the
 //! observer that shows a run and writes its metrics and trace ([`report`], [`metrics`],
-//! [`trace`]), `train` ([`train()`]), `estimate` ([`estimate`]), `init` and `verify`
-//! ([`verify`]). `src/main.rs` only
+//! [`trace`]), `train` ([`train()`]), `estimate` ([`estimate`]), `init`, `verify`
+//! ([`verify`]) and `launch-info` (the launcher's environment, [`mt_dist::Launch`]). `src/main.rs` only
 //! parses, sets up logging and calls [`run`].
 //!
 //! Architecture Invariant: this is the only crate that prints to the terminal, and the only one
@@ -45,6 +45,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Verify(args) => verify::run(&args)?,
+        Command::LaunchInfo => {
+            let launch = mt_dist::Launch::from_env()?;
+            println!("{launch}\nthis host: {}", mt_dist::host_name());
+        }
     }
     Ok(())
 }

@@ -120,3 +120,48 @@ fn estimate_on_the_cpu_prices_the_step_only_from_measured_rates() {
     let line = stdout(&o).lines().find(|l| l.starts_with("step time:")).unwrap_or_default().to_owned();
     assert!(line.contains(" ms (compute") && line.contains("model TFLOP/s"), "{line}");
 }
+
+/// Runs `megatrain launch-info` with none of the launchers' variables but `vars`.
+fn launch_info(vars: &[(&str, &str)]) -> std::process::Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+    c.arg("launch-info");
+    for v in mt_dist::launch::VARIABLES {
+        c.env_remove(v);
+    }
+    c.envs(vars.iter().copied()).output().unwrap()
+}
+
+#[test]
+fn launch_info_prints_the_launchers_place_or_names_the_variable_at_fault() {
+    let o = launch_info(&[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with("one process alone (no torchrun or Slurm variables)\nthis host: "),
+        "{}",
+        stdout(&o)
+    );
+    let slurm = [
+        ("SLURM_PROCID", "3"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_STEP_NODELIST", "gpu[07-08]"),
+    ];
+    let o = launch_info(&slurm);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with(
+            "Slurm: rank 3 of 4, local rank 1; rank 0 at gpu07:29500 (host from SLURM_STEP_NODELIST, port from the default)\n"
+        ),
+        "{}",
+        stdout(&o)
+    );
+    let o = launch_info(&[
+        ("RANK", "4"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "n0"),
+        ("MASTER_PORT", "1"),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(stderr(&o).trim_end(), "error: RANK=4 is not below WORLD_SIZE=4");
+}

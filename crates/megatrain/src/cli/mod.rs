@@ -44,6 +44,9 @@ pub enum Command {
     Init(InitArgs),
     /// Check every checkpoint in a directory against the hashes its manifest records.
     Verify(crate::verify::VerifyArgs),
+    /// Print this process's place in a job of several processes, as torchrun's or Slurm's
+    /// variables give it (rank, world size, rank 0's address); starts nothing.
+    LaunchInfo,
 }
 
 /// Options of `megatrain estimate`.
@@ -179,7 +182,7 @@ impl Cli {
         match &self.command {
             Command::Train(a) => a.check_lora(),
             Command::Estimate(a) => a.lora.refuse_without_adapters(None, &[]),
-            Command::Init(_) | Command::Verify(_) => Ok(()),
+            Command::Init(_) | Command::Verify(_) | Command::LaunchInfo => Ok(()),
         }
     }
 }
