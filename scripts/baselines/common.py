@@ -294,6 +294,27 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def autocast_step(model, optimizer, device, grad_accum: int):
+    """One optimizer step of a model resident on `device` over its micro-batches: each forward
+    under bf16 autocast, its loss / `grad_accum` back-propagated, then the optimizer's step; the
+    mean loss back (the resident baselines' step; DeepSpeed's engine steps itself)."""
+    import torch
+
+    def step(micro):
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for ids in micro:
+            ids = ids.to(device, non_blocking=True)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            (loss / grad_accum).backward()
+            total += loss.detach().float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return (total / grad_accum).item()
+
+    return step
+
+
 def versions() -> dict:
     import torch
     import transformers

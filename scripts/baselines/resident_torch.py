@@ -72,20 +72,7 @@ def train(args, writer) -> None:
         )
     )
 
-    k = args.grad_accum
-
-    def train_step(micro):
-        total = torch.zeros((), device=device, dtype=torch.float32)
-        for ids in micro:
-            ids = ids.to(device, non_blocking=True)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            (loss / k).backward()
-            total += loss.detach().float()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return (total / k).item()
-
+    train_step = common.autocast_step(model, optimizer, device, args.grad_accum)
     common.train_loop(args, writer, dims["vocab_size"], flops, train_step)
 
 
