@@ -284,3 +284,33 @@ fn losses_on_each_base_dtype_stay_within_bounds_of_the_bf16_base() {
         assert!(worst <= bound && worst > 0.0, "{dtype}: {l:?} vs {bf16:?}");
     }
 }
+
+/// A model given by `--config` alone trains its adapters on a base initialised from the seed (a
+/// run for measuring speed and memory, which says so), and that base is the one `megatrain init`
+/// writes from the same config and seed: a LoRA run on each, bf16 base, has bitwise equal losses.
+#[test]
+fn lora_on_a_config_trains_on_the_base_init_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = model_fixture().join("config.json");
+    let init = dir.path().join("init");
+    let o = megatrain(&["init", "--config", s(&config), "--out", s(&init), "--seed", "7"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let data = dir.path().join("d.jsonl");
+    write_data(&data);
+    let run = |source: &str, path: &std::path::Path, name: &str| {
+        let metrics = dir.path().join(format!("{name}.jsonl"));
+        let mut a = vec!["train", source, s(path), "--data", s(&data), "--steps", "3", "--seed", "7"];
+        a.extend(ADAPTERS);
+        a.extend(["--base-dtype", "bf16", "--batch-size", "2", "--seq-len", "16", "--metrics", s(&metrics)]);
+        let o = megatrain(&a);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        (stdout(&o), losses(&metrics))
+    };
+    let (said, from_config) = run("--config", &config, "config");
+    assert!(said.contains("LoRA base: initialised from the seed"), "{said}");
+    let (said, from_dir) = run("--model", &init, "dir");
+    assert!(!said.contains("LoRA base: initialised"), "{said}");
+    assert_eq!(from_config.len(), 3);
+    assert!(from_config.iter().all(|l| l.is_finite()), "{from_config:?}");
+    assert_eq!(from_config, from_dir, "the --config base differs from init's");
+}

@@ -7,7 +7,7 @@
 //! model initialises in seconds, not minutes); block 0's generator is the tensor's own seed.
 
 use mt_core::Result;
-use mt_store::HostStore;
+use mt_store::{HostStore, ParamSink};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -40,9 +40,10 @@ pub fn init_kind(hf_name: &str, shape: &[usize]) -> InitKind {
     }
 }
 
-/// Writes the initial value of every parameter into `store` (zeroing the AdamW moments).
+/// Writes the initial value of every parameter into `store` (the host store, zeroing its AdamW
+/// moments, or a LoRA run's frozen base).
 /// Returns the number of tensors written.
-pub fn init_store(store: &HostStore, seed: u64) -> Result<usize> {
+pub fn init_store(store: &impl ParamSink, seed: u64) -> Result<usize> {
     let params = store.layout().all_params();
     for (name, _, spec) in &params {
         let n = spec.numel();

@@ -50,11 +50,6 @@ pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<Lor
         )));
     }
     l.check(&model.cfg).map_err(|e| Error::Options(e.to_string()))?;
-    if model.hf.is_none() {
-        return Err(Error::Options(
-            "LoRA adapts a pretrained model: give --model a Hugging Face model directory".into(),
-        ));
-    }
     if c.gpus > 1 {
         return Err(Error::Options("LoRA runs on one device for now: use --gpus 1".into()));
     }
@@ -66,14 +61,23 @@ pub(crate) fn base_config(cfg: &ModelConfig) -> ModelConfig {
     ModelConfig { lora: None, ..cfg.clone() }
 }
 
-/// The frozen base weights, imported from the model directory and held in the encoding the
-/// run's LoRA config says (`--base-dtype`).
-pub(crate) fn load_base(model: &ModelSource) -> Result<Arc<FrozenBase>> {
-    let hf = model.hf.as_ref().ok_or_else(|| Error::Options("LoRA needs a model directory".into()))?;
+/// The frozen base weights, held in the encoding the run's LoRA config says (`--base-dtype`):
+/// imported from `--model`'s directory, or, for a model given by `--config` alone, initialised
+/// from `seed` as a full run's weights are ([`crate::init::init_store`]). The second is a base
+/// for measuring speed and memory (a 70B's adapters need no 140 GB of weights on disk); it has
+/// nothing to teach, which the run's start line says.
+pub(crate) fn load_base(model: &ModelSource, seed: u64) -> Result<Arc<FrozenBase>> {
     let dtype = model.cfg.lora.as_ref().map_or(mt_core::BaseDtype::F32, |l| l.base);
     let base = FrozenBase::zeroed(&ModelLayout::new(&base_config(&model.cfg)), dtype);
-    mt_hf::import_weights_into(hf, &base)
-        .context_with(|| format!("importing the base weights of {}", model.name))?;
+    match &model.hf {
+        Some(hf) => {
+            mt_hf::import_weights_into(hf, &base)
+                .context_with(|| format!("importing the base weights of {}", model.name))?;
+        }
+        None => {
+            crate::init::init_store(&base, seed).context_with(|| "initialising the random base".into())?;
+        }
+    }
     Ok(Arc::new(base))
 }
 

@@ -138,6 +138,9 @@ pub struct RunStart<'a> {
     pub frozen_base_bytes: usize,
     /// How a LoRA run holds its frozen base (`--base-dtype`; `None` without LoRA).
     pub frozen_base_dtype: Option<mt_core::BaseDtype>,
+    /// A LoRA run's base was initialised from the seed (a model given by `--config`), not
+    /// imported: a run for measuring, with nothing to learn from the base.
+    pub random_base: bool,
     /// Model FLOPs per step.
     pub flops_per_step: f64,
 }
@@ -308,6 +311,13 @@ impl fmt::Display for Event<'_> {
                 Ok(())
             }
             Event::Started(s) => {
+                if s.random_base {
+                    writeln!(
+                        f,
+                        "LoRA base: initialised from the seed, as --config's full runs are (a run for measuring \
+                         speed and memory; give --model DIR to fine-tune a pretrained model)"
+                    )?;
+                }
                 write!(f, "data: {}", s.data)?;
                 if let Some(note) = &s.resume_note {
                     write!(f, "\n{note}")?;

@@ -106,7 +106,7 @@ impl<O: Observer> Trainer<O> {
         let layout = ModelLayout::trainable(&model.cfg);
         let defining = defining_options(&config, &model)?;
         let base = match &model.cfg.lora {
-            Some(_) => Some(crate::lora::load_base(&model)?),
+            Some(_) => Some(crate::lora::load_base(&model, config.seed)?),
             None => None,
         };
         let mut opts = engine_options(&config, &model, &plan);
@@ -163,6 +163,7 @@ impl<O: Observer> Trainer<O> {
             store_path: store.path(),
             frozen_base_bytes: base.as_ref().map_or(0, |b| b.bytes()),
             frozen_base_dtype: base.as_ref().map(|b| b.dtype()),
+            random_base: base.is_some() && model.hf.is_none(),
             flops_per_step: global_flops(&plan, &config),
         };
         notify(&mut observer, &Event::Started(&start))?;
