@@ -115,9 +115,6 @@ fn lora_from_refuses_other_options_and_merge_exports_a_model() {
         merged.display()
     );
     assert!(stdout(&o).contains(&said), "{}", stdout(&o));
-    let o = megatrain(&["train", "--lora-rank", "4", "--steps", "1"]);
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("pretrained model"), "{}", stderr(&o));
     let o = megatrain(&["train", "--model", m, "--data", d, "--lora-rank", "4", "--lora-dropout", "0.1"]);
     assert!(stderr(&o).contains("not implemented yet"), "{}", stderr(&o));
 }
@@ -151,14 +148,17 @@ fn estimate_counts_what_a_lora_run_allocates() {
             dir.path().join(format!("{dtype}-{precision}")),
             dir.path().join(format!("{dtype}-{precision}.jsonl")),
         );
-        let mut a = args(s(&model), s(&data), s(&out), "1");
+        let mut a = args(s(&model), s(&data), s(&out), "2");
         a.extend(["--metrics", s(&metrics), "--base-dtype", dtype, "--precision", precision]);
         let o = megatrain(&a);
         assert!(o.status.success(), "{dtype}: {}", stderr(&o));
         let text = std::fs::read_to_string(&metrics).unwrap();
         let records: Vec<serde_json::Value> =
             text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        let (run, step) = (&records[0], records.iter().find(|r| r["type"] == "step").unwrap());
+        // The estimate prices a step after the first (the held layers' and the outer unit's base
+        // stay in their slots from the first step on); the first uploads every base.
+        let steps: Vec<_> = records.iter().filter(|r| r["type"] == "step").collect();
+        let (run, first, step) = (&records[0], steps[0], steps[1]);
         assert_eq!((&run["type"], &run["base_dtype"]), (&"run".into(), &dtype.into()));
         let lora = estimate(&[&ADAPTERS[..], &["--base-dtype", dtype, "--precision", precision]].concat());
         let what = format!("{dtype} base, {precision}: {lora}");
@@ -173,9 +173,9 @@ fn estimate_counts_what_a_lora_run_allocates() {
             lora["pcie_d2h_bytes_per_step"].as_u64().unwrap() * 10
                 < full["pcie_d2h_bytes_per_step"].as_u64().unwrap()
         );
-        bytes.push((run["frozen_base_bytes"].as_u64().unwrap(), step["h2d_bytes"].as_u64().unwrap()));
+        bytes.push((run["frozen_base_bytes"].as_u64().unwrap(), first["h2d_bytes"].as_u64().unwrap()));
     }
-    eprintln!("SUMMARY tiny Llama LoRA (frozen base bytes, H2D bytes a step): fp32 in fp32 and bf16, bf16, int8, nf4 in bf16: {bytes:?}");
+    eprintln!("SUMMARY tiny Llama LoRA (frozen base bytes, H2D bytes of the first step): fp32 in fp32 and bf16, bf16, int8, nf4 in bf16: {bytes:?}");
     let base = bytes[0].0;
     assert!((4 * n..4 * n + 4 * n / 20).contains(&base), "fp32 base {base} B for {n} parameters");
     // bf16 slots: an fp32 or a bf16 base goes up as bf16 weights, int8 and NF4 layers encoded.

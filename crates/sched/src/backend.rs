@@ -28,6 +28,19 @@ pub struct EncodedBase {
     pub scratch: Tensor,
 }
 
+/// What the first elements of an upload's slot receive.
+#[derive(Debug, Clone)]
+pub enum UploadHead {
+    /// The staging buffer's same elements: the whole buffer is copied (a plain upload).
+    Staged,
+    /// A frozen base in its encoding, dequantised on the device ([`EncodedBase`]).
+    Encoded(EncodedBase),
+    /// Nothing: the slot's first `n` elements hold a LoRA run's frozen base already (uploaded by
+    /// an earlier step into a slot no other unit uses; it never changes), and only the elements
+    /// after them (the adapters) are copied from the same elements of the staging buffer.
+    Kept(usize),
+}
+
 /// A CPU-side job for the host stream.
 pub type HostJob = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
 
@@ -52,14 +65,15 @@ pub trait Backend {
     /// The compute device (where slots, gradient buffers and checkpoints live).
     fn device(&self) -> &Device;
 
-    /// H2D stream: copy a staging buffer into a device slot after `waits`; with `base`, its head
-    /// is an encoded frozen base, dequantised into the slot on the same stream ([`EncodedBase`]).
+    /// H2D stream: copy a staging buffer into a device slot after `waits`; `head` says what the
+    /// slot's first elements receive (the staged ones, an encoded frozen base dequantised on the
+    /// same stream, or nothing: [`UploadHead`]).
     fn upload(
         &self,
         waits: &[Self::Event],
         src: Arc<Mutex<TransferBuf>>,
         dst: Tensor,
-        base: Option<EncodedBase>,
+        head: UploadHead,
         name: String,
     ) -> Self::Event;
 

@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Tensor};
 use mt_core::Unit;
 use mt_store::{decode_unit, Decoded, GradRef, HostStore, TransferBuf};
 
-use crate::backend::{Backend, EncodedBase, HostJob, Span};
+use crate::backend::{Backend, EncodedBase, HostJob, Span, UploadHead};
 use crate::program::Stream;
 use crate::worker::Workers;
 pub use crate::worker::{CpuEvent, CpuOptions};
@@ -89,18 +89,28 @@ impl Backend for CpuBackend {
         waits: &[CpuEvent],
         src: Arc<Mutex<TransferBuf>>,
         dst: Tensor,
-        base: Option<EncodedBase>,
+        head: UploadHead,
         name: String,
     ) -> CpuEvent {
         let device = self.device.clone();
         let clock = Arc::clone(&self.workers.clock);
         let job: HostJob = Box::new(move || {
             let staging = src.lock().unwrap_or_else(|p| p.into_inner());
-            // An encoded base's elements come from its dequantisation; the rest as staged.
-            let (at, mut bytes) = match &base {
-                Some(b) => (b.encoding.elems(), upload_encoded_base(&staging, b, &dst, &device)?),
-                None => (0, 0),
+            // An encoded base's elements come from its dequantisation, a kept one's stay as they
+            // are; the rest as staged.
+            let (at, mut bytes) = match &head {
+                UploadHead::Staged => (0, 0),
+                UploadHead::Encoded(b) => {
+                    (b.encoding.elems(), upload_encoded_base(&staging, b, &dst, &device)?)
+                }
+                UploadHead::Kept(n) => (*n, 0),
             };
+            if at > staging.len() {
+                return Err(Error::Stream {
+                    stream: "h2d",
+                    msg: format!("an upload from element {at} of a {}-element staging buffer", staging.len()),
+                });
+            }
             let t = match &*staging {
                 TransferBuf::F32(v) => Tensor::from_slice(&v[at..], v.len() - at, &device)?,
                 TransferBuf::Bf16(v) => Tensor::from_slice(&v[at..], v.len() - at, &device)?,

@@ -21,7 +21,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use mt_core::Unit;
 use mt_store::{HostStore, TransferBuf};
 
-use crate::backend::{Backend, DevicePeak, EncodedBase, HostJob, Span};
+use crate::backend::{Backend, DevicePeak, HostJob, Span, UploadHead};
 use crate::cuda_ffi;
 use crate::program::Stream;
 use crate::worker::{CpuEvent, CpuOptions, Workers};
@@ -206,15 +206,16 @@ impl Backend for CudaBackend {
         waits: &[CudaOpEvent],
         src: Arc<Mutex<TransferBuf>>,
         dst: Tensor,
-        base: Option<EncodedBase>,
+        head: UploadHead,
         name: String,
     ) -> CudaOpEvent {
         self.issue_copy(Stream::H2D, waits, name, move |stream| {
             let staging = src.lock().unwrap_or_else(|p| p.into_inner());
-            match &base {
-                None => cuda_ffi::enqueue_upload(&staging, &dst, stream),
+            match &head {
+                UploadHead::Staged => cuda_ffi::enqueue_upload(&staging, &dst, 0, stream),
+                UploadHead::Kept(n) => cuda_ffi::enqueue_upload(&staging, &dst, *n, stream),
                 // The dequantisation runs on this stream too, so the upload's event covers it.
-                Some(b) => cuda_ffi::enqueue_encoded_upload(&staging, &dst, b, stream),
+                UploadHead::Encoded(b) => cuda_ffi::enqueue_encoded_upload(&staging, &dst, b, stream),
             }
         })
     }

@@ -269,24 +269,35 @@ fn device_ptr(t: &Tensor, stream: &CudaStream) -> Result<(sys::CUdeviceptr, usiz
     Ok((ptr, t.elem_count() * t.dtype().size_in_bytes()))
 }
 
-/// Enqueues the upload of a page-locked staging buffer into a whole device slot on `stream`;
-/// returns the bytes copied. Sound under the module invariant.
-pub(crate) fn enqueue_upload(staging: &TransferBuf, dst: &Tensor, stream: &CudaStream) -> Result<u64> {
+/// Enqueues the upload of a page-locked staging buffer into a device slot of the same size on
+/// `stream`, from element `from` on (0: the whole slot; more: the slot's first `from` elements
+/// are kept as they are); returns the bytes copied. Sound under the module invariant.
+pub(crate) fn enqueue_upload(
+    staging: &TransferBuf,
+    dst: &Tensor,
+    from: usize,
+    stream: &CudaStream,
+) -> Result<u64> {
     let bytes = staging.as_bytes();
     let (dptr, dbytes) = device_ptr(dst, stream)?;
-    if dst.dtype().size_in_bytes() != staging.dtype().size() || dbytes != bytes.len() {
+    let at = from * staging.dtype().size();
+    if dst.dtype().size_in_bytes() != staging.dtype().size() || dbytes != bytes.len() || at > bytes.len() {
         return Err(Error::Cuda(format!(
-            "upload of {} staged bytes ({:?}) into a {dbytes}-byte {:?} slot",
+            "upload of {} staged bytes ({:?}) from element {from} into a {dbytes}-byte {:?} slot",
             bytes.len(),
             staging.dtype(),
             dst.dtype()
         )));
     }
-    // SAFETY: dptr is the start of dst's whole allocation of dbytes == bytes.len() bytes, kept
-    // alive by `dst` (a pool buffer); the staging buffer stays untouched until the copy completes
-    // and outlives it (module invariant).
-    unsafe { htod_async(dptr, bytes, stream)? };
-    Ok(bytes.len() as u64)
+    if at == bytes.len() {
+        // Nothing after the kept elements (a LoRA run's outer unit, which has no adapters).
+        return Ok(0);
+    }
+    // SAFETY: dptr + at is inside dst's allocation of dbytes == bytes.len() >= at bytes, whose
+    // last bytes.len() - at bytes this fills, kept alive by `dst` (a pool buffer); the staging
+    // buffer stays untouched until the copy completes and outlives it (module invariant).
+    unsafe { htod_async(dptr + at as u64, &bytes[at..], stream)? };
+    Ok((bytes.len() - at) as u64)
 }
 
 /// Enqueues the upload of a staging buffer whose head is a unit's encoded frozen base (`base`):

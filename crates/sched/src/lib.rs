@@ -26,7 +26,7 @@ pub mod simulate;
 pub mod stats;
 mod worker;
 
-pub use backend::{Backend, DevicePeak, EncodedBase};
+pub use backend::{Backend, DevicePeak, EncodedBase, UploadHead};
 pub use batch::{Batch, IGNORE_INDEX};
 pub use cpu::{CpuBackend, CpuOptions};
 #[cfg(feature = "cuda")]

@@ -239,10 +239,14 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     let streamed_layers = layout.n_layers - p.placement.resident_layers;
     let layer_params = (streamed_layers * trainable.layer.n_params()) as f64;
     let outer_params = if p.placement.resident_outer { 0.0 } else { trainable.outer.n_params() as f64 };
+    // Held layers and the outer unit keep their base in their own slots after the first step
+    // (the plan's `pcie_h2d_per_step`): only the other streamed layers stage theirs.
     let base_layer_stage = p.base.layer_stage as f64;
-    let base_outer_stage = if p.placement.resident_outer { 0.0 } else { p.base.outer_stage as f64 };
+    let base_staging_layers =
+        (layout.n_layers - p.placement.resident_layers - p.placement.held_layers) as f64;
     // Bytes uploaded with a decoder layer: its base as staged, and what trains in the weight dtype.
-    let layer_up = p.base.layer_up as f64 + trainable.layer.len as f64 * args.precision.bytes();
+    let adapters_up = trainable.layer.len as f64 * args.precision.bytes();
+    let layer_up = p.base.layer_up as f64 + adapters_up;
     let mode = args.optim_mode.into();
     let grad = crate::cli::default_grad_dtype(args.grad_dtype, args.precision).into();
     let states = mt_core::StateDtype::from(args.optim_states);
@@ -281,7 +285,7 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         mt_sched::OptimMode::Exact => (n_gpus - 1.0) * (4.0 + args.precision.bytes()),
         mt_sched::OptimMode::Lean => 0.0,
     };
-    let base_staged = streamed_layers as f64 * base_layer_stage + base_outer_stage;
+    let base_staged = base_staging_layers * base_layer_stage;
     let host_update_s = secs(
         (layer_params - gpu_params + outer_params) * (b.update + n_gpus * b.fwd_cast + other_casts)
             + base_staged * n_gpus
@@ -300,7 +304,10 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
     // The first streamed layer's upload and update are not hidden behind anything.
     let fill = if streamed_layers > 0 {
         let t = trainable.layer.n_params() as f64;
-        layer_up / (args.pcie_gbs * 1e9) + secs(t * (b.update + b.fwd_cast) + base_layer_stage)
+        // The first streamed layer stages and uploads its base unless every streamed layer is held.
+        let (up, stage) =
+            if base_staging_layers > 0.0 { (layer_up, base_layer_stage) } else { (adapters_up, 0.0) };
+        up / (args.pcie_gbs * 1e9) + secs(t * (b.update + b.fwd_cast) + stage)
     } else {
         0.0
     };

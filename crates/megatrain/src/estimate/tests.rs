@@ -280,10 +280,10 @@ fn a_lora_run_is_priced_by_its_adapters_and_its_frozen_base() {
         let encoded = matrix_bytes < 2.0;
         let layer_up = if encoded { mats * matrix_bytes + norms * 2.0 } else { (mats + norms) * 2.0 };
         let layer_stage = mats * matrix_bytes + norms * other_bytes + layer_up;
-        let outer_stage = outer * (other_bytes + 2.0);
         // The update (28 B: bf16 gradient, master, m, v, the bf16 copy) over the adapters, the
-        // forward's staging of the base.
-        let update = (a * 28.0 + 28.0 * layer_stage + outer_stage) / 140e9;
+        // forward's staging of the layers' base (the outer unit's stays in its slot after the
+        // first step).
+        let update = (a * 28.0 + 28.0 * layer_stage) / 140e9;
         assert!((lora.host_update_s - update).abs() < 1e-9, "{dtype}: {} vs {update}", lora.host_update_s);
         // The backward re-stages each layer (the adapters cast, 6 B) and lands the adapters'
         // bf16 gradients (4 B).
@@ -291,8 +291,9 @@ fn a_lora_run_is_priced_by_its_adapters_and_its_frozen_base() {
         let b = lora.host_s - update;
         assert!((b - backward).abs() < 1e-6, "{dtype}: {b} vs {backward}");
         assert!(lora.host_s < 0.3 * full.host_s, "{dtype}: {} vs {}", lora.host_s, full.host_s);
-        // Each layer up twice, the outer unit once, in bf16 but for an encoded layer's base.
-        let up = 2.0 * 28.0 * (layer_up + a / 28.0 * 2.0) + outer * 2.0;
+        // Each layer up twice, in bf16 but for an encoded layer's base; the outer unit's base
+        // is in its slot from the first step on.
+        let up = 2.0 * 28.0 * (layer_up + a / 28.0 * 2.0);
         assert_eq!(p.pcie_h2d_per_step as f64, up, "{dtype}: the uploads");
         h2d.push(p.pcie_h2d_per_step);
         // No weight gradient of the base: 2·N·T fewer GEMM FLOPs, 6 for each adapter's parameter.

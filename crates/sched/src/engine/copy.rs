@@ -7,7 +7,7 @@ use std::sync::Arc;
 use mt_core::Unit;
 
 use super::Engine;
-use crate::backend::{Backend, EncodedBase};
+use crate::backend::{Backend, EncodedBase, UploadHead};
 use crate::program::{Op, Slot};
 use crate::{Error, Result};
 
@@ -26,15 +26,25 @@ impl<B: Backend> Engine<B> {
                         return Err(Error::Schedule(format!("upload into resident layer {l}'s slot")))
                     }
                 };
-                // A decoder layer of an int8 or NF4 base goes up encoded (its staging says so too:
+                // A slot that holds its frozen base already takes the adapters alone; a decoder
+                // layer of an int8 or NF4 base goes up encoded (its staging says so too:
                 // `host::stage_base`).
-                let base = match (unit, &self.encoded_base, &self.pool.base_scratch) {
-                    (Unit::Layer(_), Some(encoding), Some(scratch)) => {
-                        Some(EncodedBase { encoding: Arc::clone(encoding), scratch: scratch.clone() })
+                let head = match (self.base_kept(unit), unit, &self.encoded_base, &self.pool.base_scratch) {
+                    (Some(_), _, _, _) if !matches!(slot, Slot::Held(_) | Slot::Outer) => {
+                        return Err(Error::Schedule(format!(
+                            "{op:?}: {unit:?}'s base is kept in its own slot, not {slot:?}"
+                        )))
                     }
-                    _ => None,
+                    (Some(n), ..) => UploadHead::Kept(n),
+                    (None, Unit::Layer(_), Some(encoding), Some(scratch)) => {
+                        UploadHead::Encoded(EncodedBase {
+                            encoding: Arc::clone(encoding),
+                            scratch: scratch.clone(),
+                        })
+                    }
+                    _ => UploadHead::Staged,
                 };
-                self.backend.upload(waits, self.staging_of(staging)?, dst, base, name)
+                self.backend.upload(waits, self.staging_of(staging)?, dst, head, name)
             }
             Op::UploadState { unit, buf } => {
                 let (state, grad) = (self.state_slot(buf)?, self.state_grad_slot(buf)?);

@@ -92,6 +92,18 @@ pub(super) fn stage_base(base: Option<&FrozenBase>, unit: Unit, s: &mut Transfer
 }
 
 impl<B: Backend> Engine<B> {
+    /// The frozen base elements at the head of `unit`'s slot that its stage and upload leave as
+    /// they are: a LoRA run's held layer's or streamed outer unit's (slots no other unit uses)
+    /// once a step has put the base there (`base_ready`); `None` otherwise.
+    pub(super) fn base_kept(&self, unit: Unit) -> Option<usize> {
+        let base = self.opts.frozen_base.as_ref().filter(|_| self.base_ready)?;
+        let own_slot = match unit {
+            Unit::Outer => !self.opts.placement.resident_outer,
+            Unit::Layer(l) => l >= self.layout.n_layers - self.pool.held.len(),
+        };
+        own_slot.then(|| base.encoding(unit).elems())
+    }
+
     /// The staging buffer an upload reads; a ring index the engine lacks is a scheduling error.
     pub(super) fn staging_of(&self, b: HostBuf) -> Result<Arc<Mutex<TransferBuf>>> {
         Ok(match b {
@@ -126,10 +138,15 @@ impl<B: Backend> Engine<B> {
             Op::Stage { unit, staging, update } => {
                 let (store, st) = (Arc::clone(&self.store), self.staging_of(staging)?);
                 let base = self.opts.frozen_base.clone();
+                let kept = self.base_kept(unit);
                 let job: HostJob = Box::new(move || {
                     let mut r = store.record(unit);
                     let mut s = st.lock().unwrap_or_else(|p| p.into_inner());
-                    let at = stage_base(base.as_deref(), unit, &mut s)?;
+                    let at = match kept {
+                        // Its slot holds the base already: the adapters alone go up.
+                        Some(n) => n,
+                        None => stage_base(base.as_deref(), unit, &mut s)?,
+                    };
                     let up = upload_view(&mut s, at..at + r.master().len());
                     if update {
                         update_unit(unit, &mut r, &hyper, &args, up)

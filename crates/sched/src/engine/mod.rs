@@ -122,6 +122,11 @@ pub struct Engine<B: Backend> {
     /// with their records unchanged since ([`ProgramSpec::early_ready`]): set only after a step
     /// that issued them succeeded, cleared by anything that may change a record.
     early_ready: bool,
+    /// A LoRA run's frozen base is in the slots no other unit uses (the held layers' and the
+    /// outer unit's), uploaded by a step that succeeded: it never changes, so from then on those
+    /// units stage and upload their adapters alone ([`Engine::base_kept`]). A failed step leaves
+    /// it as it was: its uploads wrote the adapters' elements at most.
+    base_ready: bool,
     /// Faults injected into the next step, and those of the step running ([`Fault`]).
     faults: Vec<Fault>,
     step_faults: Vec<Fault>,
@@ -268,6 +273,7 @@ impl<B: Backend> Engine<B> {
             applied: vec![0; layout_units],
             dirty: false,
             early_ready: false,
+            base_ready: false,
             faults: Vec::new(),
             step_faults: Vec::new(),
             dp: None,
@@ -444,6 +450,7 @@ impl<B: Backend> Engine<B> {
         // Every stream is drained: the early uploads this step issued are in their slots (of no
         // use after a skipped step, which leaves no update pending for them).
         self.early_ready = program.spec.placement.early_state_uploads > 0 && skipped.is_none();
+        self.base_ready = self.opts.frozen_base.is_some();
         let spans = self.backend.spans();
         let (h2d_bytes, d2h_bytes) = self.backend.transferred();
         Ok(StepReport {

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use mt_store::TransferBuf;
 
 use super::{upload_dtype, Engine};
-use crate::backend::Backend;
+use crate::backend::{Backend, UploadHead};
 use crate::batch::Chunk;
 use crate::program::{BackwardInput, RELOAD_SLOTS};
 use crate::{Error, Result};
@@ -83,7 +83,7 @@ impl<B: Backend> Engine<B> {
                 &w,
                 Arc::clone(src),
                 dst.clone(),
-                None,
+                UploadHead::Staged,
                 format!("{name} chunk {c}"),
             ));
         }

@@ -236,7 +236,8 @@ pub struct Plan {
     /// base part of each as [`BaseBytes`] says: an int8 or NF4 layer's encoded); each GPU-updated
     /// layer's forward upload (`layer.len × e`) is replaced by its state (`(s + g) ×
     /// layer.len`), an early-upload one's by `s × layer.len` (its gradient is copied on the
-    /// device).
+    /// device). A step after the first: a LoRA run's held layers and streamed outer unit upload
+    /// their adapters alone, their base staying in their own slots from the first step on.
     pub pcie_h2d_per_step: u64,
     /// Bytes downloaded per step: `(streamed layers × layer.len + outer.len) × 4`, likewise
     /// (layer gradients in bf16 where they land so), plus `s × layer.len` per GPU-updated layer.

@@ -208,8 +208,11 @@ pub(super) fn plan_placed(input: &PlanInput, resident_outer: bool) -> Result<Pla
         mlp_rows: chunks.mlp_rows,
         gpu,
         host,
-        pcie_h2d_per_step: outer_up
+        // A LoRA run's held layers and outer unit keep their base in their slots after the
+        // first step (`engine::Engine::base_kept`): the adapters alone go up.
+        pcie_h2d_per_step: outer_up - if resident_outer { 0 } else { c.base.outer_up }
             + (2 * streamed_layers - held_layers as u64 - gu) * layer_up
+            - held_layers as u64 * c.base.layer_up
             + gu * (sl + g * ll)
             - early_state_uploads as u64 * g * ll,
         pcie_d2h_per_step: streamed_layers * tl * le + tol_moved * 4 + gu * sl,

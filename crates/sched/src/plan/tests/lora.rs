@@ -66,16 +66,25 @@ fn a_lora_plan_counts_what_a_lora_run_allocates_on(dtype: BaseDtype) {
             assert_eq!(b.grads as u64, p.gpu.grads, "{what}: gradient buffers");
             assert_eq!(b.weight_ring as u64, p.gpu.weight_ring, "{what}: weight ring");
             assert_eq!(b.outer as u64, p.gpu.outer, "{what}: outer slot");
-            let up = 2 * slot.outer.len + 2 * slot.n_layers * layer_up;
+            // The outer unit's base stays in its slot after the first step: its adapters (none)
+            // go up.
+            let up = 2 * trainable.outer.len + 2 * slot.n_layers * layer_up;
             assert_eq!(p.pcie_h2d_per_step, up as u64, "{what}: the uploads");
+            // Held layers go up once a step, and from the second step on without their base.
+            let held = plan(&PlanInput { placement: Placement { held_layers: Some(1), ..i.placement }, ..i })
+                .unwrap();
+            assert_eq!(held.placement.held_layers, 1, "{what}");
+            let up = up - layer_up - (layer_up - 2 * trainable.layer.len);
+            assert_eq!(held.pcie_h2d_per_step, up as u64, "{what}: the uploads with a held layer");
         }
     }
 }
 
 /// Against a full fine-tune of the same 3.6B: the host holds the base once in fp32 and the
 /// adapters' training state (4 + 8 + 4 B/param of f32 master, moments, gradient), not 16 B of
-/// every parameter; the downloads are the adapters' gradients; the uploads are unchanged but
-/// for the adapters riding in each slot.
+/// every parameter; the downloads are the adapters' gradients; the uploads are the layers'
+/// with the adapters riding in each slot, the outer unit's base not among them (it stays in its
+/// slot from the first step on).
 #[test]
 fn a_lora_plan_prices_the_adapters_not_the_full_model() {
     let full_cfg = llama3_3b();
@@ -106,7 +115,8 @@ fn a_lora_plan_prices_the_adapters_not_the_full_model() {
     assert_eq!(lora.pcie_d2h_per_step, streamed * ModelLayout::trainable(&cfg).layer.len as u64 * 4);
     assert!(full.pcie_d2h_per_step > 100 * lora.pcie_d2h_per_step);
     let slot = ModelLayout::new(&cfg);
-    assert_eq!(lora.pcie_h2d_per_step, (slot.outer.len as u64 + 2 * streamed * slot.layer.len as u64) * 2);
+    let outer_adapters = ModelLayout::trainable(&cfg).outer.len as u64;
+    assert_eq!(lora.pcie_h2d_per_step, (outer_adapters + 2 * streamed * slot.layer.len as u64) * 2);
     assert_eq!(lora.gpu.grads, 2 * ModelLayout::trainable(&cfg).layer.len as u64 * 4);
     assert!(full.gpu.grads > 100 * lora.gpu.grads);
 }
@@ -171,11 +181,7 @@ fn a_lora_plan_prices_the_base_by_its_encoding() {
         assert_eq!(p.host.frozen_base, host, "{dtype}: the base in host memory");
         let trainable = ModelLayout::trainable(&cfg);
         let layer_up = layer_base_up + 2 * trainable.layer.len as u64;
-        assert_eq!(
-            p.pcie_h2d_per_step,
-            2 * ModelLayout::new(&cfg).outer.len as u64 + 2 * 28 * layer_up,
-            "{dtype}"
-        );
+        assert_eq!(p.pcie_h2d_per_step, 2 * trainable.outer.len as u64 + 2 * 28 * layer_up, "{dtype}");
         let scratch = if layer_base_up < 2 * layout.layer.len as u64 { layer_base_up } else { 0 };
         let slots = 2 * 2 * ModelLayout::new(&cfg).layer.len as u64;
         assert_eq!(p.gpu.weight_ring, slots + scratch, "{dtype}: the ring and the scratch buffer");
