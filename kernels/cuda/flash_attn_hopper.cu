@@ -75,7 +75,10 @@ __device__ __forceinline__ void zero(float* r) {
     for (int i = 0; i < N; ++i) r[i] = 0.0f;
 }
 
+// The dynamic shared memory of every kernel here (the CPU emulator, kernels/emu, brings its own).
+#ifndef MT_EMU
 extern __shared__ __align__(1024) unsigned char mt_hfa_smem[];
+#endif
 
 // The dynamic shared memory's first 1024-byte boundary (the launcher asks for 1 KiB more; the
 // kernels have no static shared memory, which would be padded to the array's alignment).
@@ -621,7 +624,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 for (int i = 0; i < 2; ++i) {
                     const int row = 64 * w + 16 * wq + g + 8 * i, piece = 2 * kk + half;
                     const unsigned addr = ds + row * 128 + ((piece ^ (row & 7)) << 4) + tq * 4;
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[4 * kk + 2 * half + i]) : "memory");
+                    st_shared_u32(addr, da[4 * kk + 2 * half + i]);
                 }
         fence_async_shared();
         named_sync(1, 256);  // both consumers' halves of dS^T are written
