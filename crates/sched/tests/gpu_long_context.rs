@@ -2,7 +2,7 @@
 //! the `cuda` feature, run on the GPU machine): the flash path trains as the CPU engine and as the
 //! materialised GPU path within the bf16 bounds of `tests/gpu.rs`, a packed batch as its samples
 //! one per sequence, and a 4096-token sequence as the CPU engine; GPT-OSS (sinks, sliding
-//! windows) on the portable flash kernels as the CPU engine. Every figure is printed (SUMMARY
+//! windows) on the flash kernels as the CPU engine. Every figure is printed (SUMMARY
 //! lines) before the bounds are asserted.
 #![cfg(feature = "cuda")]
 
@@ -203,8 +203,8 @@ fn gpt_oss_against(
 }
 
 /// The golden GPT-OSS (a 4-token window on layer 0, sinks, YaRN, top-4, biases, binding clamps)
-/// in bf16 on the GPU, flash attention on the portable kernels (`Auto` picks them: the Hopper
-/// ones have no sinks or windows), its experts through the engine's MoE path, trains as the f32
+/// in bf16 on the GPU, flash attention on the portable kernels (`Auto` picks them: its head dim,
+/// 16, is not one the Hopper ones take), its experts through the engine's MoE path, trains as the f32
 /// CPU engine and as the bf16 CPU engine (the materialised path): every gradient within the
 /// bf16 bound of a routed model (`common::routing_bound`: the dense models' 3e-2, or twice what
 /// rounding the weights alone to bf16 moves the f32 CPU engine's gradients, GPT-OSS's top-4 and
