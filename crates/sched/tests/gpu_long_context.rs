@@ -254,3 +254,26 @@ fn cuda_gpt_oss_long_sequence_trains_as_the_cpu_engine() {
         panic!("{f}");
     }
 }
+
+/// The same 1 x 1024 tokens with the golden GPT-OSS's head dim raised to 64 (4 query over 2 KV
+/// heads, its 4-token window on layer 0, sinks), so that flash attention runs on the Hopper
+/// kernels (asked for by name: a GPU that cannot run them fails here with a sentence): their
+/// `_ext` forward and backward and the sinks' gradient train as the f32 CPU engine within the
+/// routed models' bound.
+#[test]
+fn cuda_gpt_oss_on_the_hopper_kernels_trains_as_the_cpu_engine() {
+    let mut cfg = golden::load("gpt_oss").unwrap().cfg;
+    cfg.head_dim = 64;
+    let params = random_params(&cfg, 17);
+    let (input_ids, targets) = random_batch(&cfg, 1, 1024, 4, 0.1);
+    let batch = Batch { batch: 1, seq: 1024, input_ids, targets, positions: None };
+    let cpu_f32 = run(&cfg, &params, &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
+    let rounded =
+        run(&cfg, &rounded_to_bf16(&params), &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
+    let bound = routing_bound(&cpu_f32.1, &rounded.1, BF16_GRAD);
+    let hopper = EngineOptions { n_chunks: 1, flash_kernel: mt_layers::FlashKernel::Hopper, ..bf16(true, 0) };
+    let gpu = run(&cfg, &params, &batch, cuda(), hopper);
+    if let Some(f) = gpt_oss_against("1 x 1024 d 64 bf16 GPU (Hopper kernels) vs f32 CPU", &gpu, &cpu_f32, bound) {
+        panic!("{f}");
+    }
+}
