@@ -158,9 +158,10 @@ inline float emu_mnmajor(const EmuDesc& d, int k, int n) {
 // 64 rows) or MN-major (TA 1); B K-major (TB 0: its rows are the N columns) or MN-major (TB 1).
 // Thread t of the warpgroup (warp w = t / 32, lane l) holds rows 16 w + l / 4 + 8 i, columns
 // 8 j + 2 (l mod 4) + e at d[4 j + 2 i + e].
-template <int N, int TA, int TB>
-inline void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int accumulate) {
-    const EmuDesc a = emu_desc(da), b = emu_desc(db);
+// This thread's accumulators of D[64 x N] (+)= A B, element (row, k) of A and (k, col) of B
+// from `a` and `b`; counts the instruction once per warpgroup.
+template <int N, class FA, class FB>
+inline void emu_wgmma(float* d, int accumulate, const FA& a, const FB& b) {
     const int t = (int)(threadIdx.x & 127u), w = t / 32, l = t % 32;
     if (t == 0) emu_wgmma_count.fetch_add(1, std::memory_order_relaxed);
     for (int j = 0; j < N / 8; ++j)
@@ -168,11 +169,16 @@ inline void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int
             for (int e = 0; e < 2; ++e) {
                 const int row = 16 * w + l / 4 + 8 * i, col = 8 * j + 2 * (l % 4) + e;
                 double s = accumulate ? d[4 * j + 2 * i + e] : 0.0;
-                for (int k = 0; k < 16; ++k)
-                    s += (double)(TA ? emu_mnmajor(a, k, row) : emu_kmajor(a, row, k)) *
-                         (double)(TB ? emu_mnmajor(b, k, col) : emu_kmajor(b, col, k));
+                for (int k = 0; k < 16; ++k) s += (double)a(row, k) * (double)b(k, col);
                 d[4 * j + 2 * i + e] = (float)s;
             }
+}
+template <int N, int TA, int TB>
+inline void wgmma_ss(float* d, unsigned long long da, unsigned long long db, int accumulate) {
+    const EmuDesc a = emu_desc(da), b = emu_desc(db);
+    emu_wgmma<N>(
+        d, accumulate, [&](int row, int k) { return TA ? emu_mnmajor(a, k, row) : emu_kmajor(a, row, k); },
+        [&](int k, int col) { return TB ? emu_mnmajor(b, k, col) : emu_kmajor(b, col, k); });
 }
 
 // D[64 x N] (+)= A[64 x 16] B[16 x N], A from registers (thread t's a[4]: bf16 pairs in the
@@ -183,7 +189,6 @@ template <int N, int TB>
 inline void wgmma_rs(float* d, const unsigned* a, unsigned long long db, int accumulate) {
     const EmuDesc b = emu_desc(db);
     const int t = (int)(threadIdx.x & 127u), w = t / 32, l = t % 32, wg0 = (int)(threadIdx.x / 128u) * 4;
-    if (t == 0) emu_wgmma_count.fetch_add(1, std::memory_order_relaxed);
     for (int k = 0; k < 4; ++k) emu_block->u[wg0 + w][4 * l + k] = a[k];
     wg_sync();
     float A[64][16];
@@ -197,13 +202,7 @@ inline void wgmma_rs(float* d, const unsigned* a, unsigned long long db, int acc
                     A[row][col + 1] = bf_hi(x);
                 }
     wg_sync();
-    for (int j = 0; j < N / 8; ++j)
-        for (int i = 0; i < 2; ++i)
-            for (int e = 0; e < 2; ++e) {
-                const int row = 16 * w + l / 4 + 8 * i, col = 8 * j + 2 * (l % 4) + e;
-                double s = accumulate ? d[4 * j + 2 * i + e] : 0.0;
-                for (int k = 0; k < 16; ++k)
-                    s += (double)A[row][k] * (double)(TB ? emu_mnmajor(b, k, col) : emu_kmajor(b, col, k));
-                d[4 * j + 2 * i + e] = (float)s;
-            }
+    emu_wgmma<N>(
+        d, accumulate, [&](int row, int k) { return A[row][k]; },
+        [&](int k, int col) { return TB ? emu_mnmajor(b, k, col) : emu_kmajor(b, col, k); });
 }

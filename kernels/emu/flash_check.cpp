@@ -188,6 +188,28 @@ static long long wgmmas(const std::function<void()>& f) {
     return emu_wgmma_count.load();
 }
 
+// The sinks' gradient from the forward's LSE and D: flash_attn.cu's kernel, which both kernel
+// sets launch.
+static void sink_grad(const Case& c, const std::vector<float>& lse, const std::vector<float>& D,
+                      const std::vector<float>& sinks, std::vector<float>& dsink) {
+    emu_launch({(unsigned)c.NH, 1, 1}, 128, 16, [&] {
+        mt_flash_sink_grad(lse.data(), D.data(), sinks.data(), dsink.data(), c.B, c.T, c.NH);
+    });
+}
+
+// What `run` (a kernel set's launches, with its usual arguments) counts for a 64-token sequence
+// of one head of ones: one tile of each kernel's walk.
+template <int HD, class Run>
+static Walk one_tile(const Run& run) {
+    const Case c{1, 64, 1, 1, HD, false};
+    const size_t n = (size_t)64 * HD;
+    std::vector<u16> x(n, 0x3f80), o(n), dq(n), dk(n), dv(n);  // ones
+    std::vector<float> lse(64), dsink;
+    const Docs none;
+    const std::vector<float> no_sinks;
+    return run(c, x, x, x, x, none, no_sinks, o, lse, dq, dk, dv, dsink);
+}
+
 template <int HD>
 struct Kernels {
     // One launch of each kernel: forward (O, LSE), D, dK/dV, dQ, and with sinks their gradient;
@@ -224,23 +246,13 @@ struct Kernels {
                                  c.window, T, NH, NKV, scale, sl2);
             });
         });
-        if (c.sinks)
-            emu_launch({(unsigned)NH, 1, 1}, 128, 16, [&] {
-                mt_flash_sink_grad(lse.data(), D.data(), sinks.data(), dsink.data(), B, T, NH);
-            });
+        if (c.sinks) sink_grad(c, lse, D, sinks, dsink);
         return w;
     }
 
-    // Each tiled kernel's mma instructions for one (CTA, tile) step: a 64-token sequence of one
-    // head walks one tile in each.
+    // Each tiled kernel's mma instructions for one (CTA, tile) step.
     static Walk per_tile() {
-        static const Walk once = [] {
-            const Case c{1, 64, 1, 1, HD, false};
-            const size_t n = (size_t)64 * HD;
-            std::vector<u16> x(n, 0x3f80), o(n), dq(n), dk(n), dv(n);  // ones
-            std::vector<float> lse(64), dsink;
-            return run(c, x, x, x, x, Docs{}, {}, o, lse, dq, dk, dv, dsink);
-        }();
+        static const Walk once = one_tile<HD>([](auto&&... a) { return run(a...); });
         return once;
     }
 };
@@ -301,22 +313,13 @@ struct HopperKernels {
         const long long groups = rows * HD / 8;
         emu_launch({(unsigned)((groups + 255) / 256), 1, 1}, 256, 0,
                    [&] { hfa_dq_convert<HD>(acc.data(), dq.data(), T, NH, scale, groups); });
-        if (c.sinks)
-            emu_launch({(unsigned)NH, 1, 1}, 128, 16, [&] {
-                mt_flash_sink_grad(lse.data(), D.data(), sinks.data(), dsink.data(), B, T, NH);
-            });
+        if (c.sinks) sink_grad(c, lse, D, sinks, dsink);
         return w;
     }
 
-    // Each kernel's warpgroup products for one (CTA, tile) step: a 64-token sequence of one head.
+    // Each kernel's warpgroup products for one (CTA, tile) step.
     static Walk per_tile() {
-        static const Walk once = [] {
-            const Case c{1, 64, 1, 1, HD, false};
-            const size_t n = (size_t)64 * HD;
-            std::vector<u16> x(n, 0x3f80), o(n), dq(n), dk(n), dv(n);  // ones
-            std::vector<float> lse(64), dsink;
-            return run(c, x, x, x, x, Docs{}, {}, o, lse, dq, dk, dv, dsink, true);
-        }();
+        static const Walk once = one_tile<HD>([](auto&&... a) { return run(a..., true); });
         return once;
     }
 };
