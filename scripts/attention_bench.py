@@ -13,13 +13,20 @@ backward with its dQ adds in arrival order (not bitwise repeatable).
           max relative error, and a second backward compared bit for bit (determinism).
   bench:  forward and backward time of ours and of each SDPA backend torch has here (flash,
           cuDNN, efficient), causal, bf16, at each sequence length and head layout; TFLOP/s with
-          the causal FLOPs: forward 2*B*NH*S^2*HD, backward 2.5x that.
+          the causal FLOPs: forward 2*B*NH*S^2*HD, backward 2.5x that. With --window W and/or
+          --sinks (GPT-OSS's sliding window and per-head sink logits; ours only, SDPA has
+          neither: the SDPA backends are timed without them, for scale), the FLOPs count the
+          visible (query, key) pairs: forward 4*B*NH*HD*pairs, pairs = sum_i min(i + 1, W).
 
 Writes one JSON document (schema below) to --out and prints a table. Needs torch and cupy.
 
   python3 scripts/attention_bench.py --out results.json [--seqs 16384,65536,131072]
       [--heads 28:4,32:8] [--d64-heads 32:8] [--check-seqs 4096,32768] [--reps 5]
-      [--ours hopper,portable] [--sdpa flash,cudnn]
+      [--ours hopper,portable] [--sdpa flash,cudnn] [--window 128] [--sinks]
+
+  GPT-OSS's attention (64/8 heads of 64, window 128, sinks) on ours, with and without extras:
+  python3 scripts/attention_bench.py --out w.json --heads '' --d64-heads 64:8 --check-seqs '' \
+      --seqs 4096,16384,65536 --window 128 --sinks --sdpa ''
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_VERSION = 1
-FWD_FLOPS = "2*B*NH*S^2*HD (causal)"
+FWD_FLOPS = "2*B*NH*S^2*HD (causal); with a window W: 4*B*NH*HD*sum_i min(i + 1, W)"
 BWD_FLOPS = "2.5 x forward"
 
 
@@ -77,7 +84,7 @@ class Ours:
 
         return numpy.uint64(t.data_ptr())
 
-    def forward(self, q, k, v, seg_lo=None):
+    def forward(self, q, k, v, seg_lo=None, window=0, sinks=None):
         import numpy
         import torch
 
@@ -92,13 +99,14 @@ class Ours:
         f(
             ((t + 127) // 128, nh, b),
             (self.THREADS,),
-            (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(o), self.ptr(lse), lo, numpy.uint64(0), numpy.int32(0),
-             numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale * math.log2(math.e))),
+            (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(o), self.ptr(lse), lo,
+             self.ptr(sinks) if sinks is not None else numpy.uint64(0), numpy.int32(min(window, t)), numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale * math.log2(math.e))),
             shared_mem=sm,
         )
         return o, lse
 
-    def backward(self, q, k, v, o, lse, do, seg_lo=None, seg_hi=None):
+    def backward(self, q, k, v, o, lse, do, seg_lo=None, seg_hi=None, window=0, sinks=None):
+        """(dq, dk, dv), and with `sinks` also their gradient (f32 [nh]) as a fourth."""
         import numpy
         import torch
 
@@ -120,18 +128,27 @@ class Ours:
         self.fn(f"mt_flash_bwd_dkdv_hd{hd}", sm["dkdv"])(
             ((t + 63) // 64, nkv, b), (self.THREADS,),
             (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(do), self.ptr(lse), self.ptr(d), self.ptr(dk),
-             self.ptr(dv), lo, hi, numpy.int32(0), numpy.int32(t), numpy.int32(nh), numpy.int32(nkv),
+             self.ptr(dv), lo, hi, numpy.int32(min(window, t)), numpy.int32(t), numpy.int32(nh), numpy.int32(nkv),
              numpy.float32(scale), numpy.float32(sl2)),
             shared_mem=sm["dkdv"],
         )
         self.fn(f"mt_flash_bwd_dq_hd{hd}", sm["dq"])(
             ((t + 63) // 64, nh, b), (self.THREADS,),
             (self.ptr(q), self.ptr(k), self.ptr(v), self.ptr(do), self.ptr(lse), self.ptr(d), self.ptr(dq), lo,
-             numpy.int32(0), numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale),
+             numpy.int32(min(window, t)), numpy.int32(t), numpy.int32(nh), numpy.int32(nkv), numpy.float32(scale),
              numpy.float32(sl2)),
             shared_mem=sm["dq"],
         )
-        return dq, dk, dv
+        if sinks is None:
+            return dq, dk, dv
+        dsinks = torch.empty(nh, dtype=torch.float32, device=q.device)
+        self.fn("mt_flash_sink_grad", 16)(
+            (nh,), (self.THREADS,),
+            (self.ptr(lse), self.ptr(d), self.ptr(sinks), self.ptr(dsinks), numpy.int32(b), numpy.int32(t),
+             numpy.int32(nh)),
+            shared_mem=16,
+        )
+        return dq, dk, dv, dsinks
 
 
 def reference(q, k, v, do, docs=None):
@@ -230,7 +247,14 @@ def time_ms(fn, reps):
     return times[len(times) // 2]
 
 
-def bench(impls, s, nh, nkv, hd, reps, sdpa=("flash", "cudnn")):
+def visible_pairs(s, window=0):
+    """Causal (query, key) pairs of one sequence of s tokens, with a sliding window if W > 0."""
+    if window <= 0 or window >= s:
+        return s * (s + 1) / 2
+    return window * (window + 1) / 2 + (s - window) * window
+
+
+def bench(impls, s, nh, nkv, hd, reps, sdpa=("flash", "cudnn"), window=0, sinks=False):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -241,15 +265,18 @@ def bench(impls, s, nh, nkv, hd, reps, sdpa=("flash", "cudnn")):
     k = torch.randn(1, s, nkv, hd, device=dev, dtype=torch.bfloat16)
     v = torch.randn(1, s, nkv, hd, device=dev, dtype=torch.bfloat16)
     do = torch.randn(1, s, nh, hd, device=dev, dtype=torch.bfloat16)
+    extras = {"window": window, "sinks": torch.randn(nh, device=dev, dtype=torch.float32) if sinks else None}
     fwd_flops = 2.0 * nh * s * s * hd
-    out = {"seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "systems": {}}
+    ours_flops = 4.0 * nh * hd * visible_pairs(s, window) if window else fwd_flops
+    out = {"seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "window": window or None,
+           "sinks": sinks, "systems": {}}
 
     for name, (ours, kw) in impls.items():
         try:
-            o, lse = ours.forward(q, k, v)
-            t_f = time_ms(lambda: ours.forward(q, k, v), reps)
-            t_b = time_ms(lambda: ours.backward(q, k, v, o, lse, do, **kw), reps)
-            out["systems"][name] = entry(t_f, t_b, fwd_flops, "ok")
+            o, lse = ours.forward(q, k, v, **extras)
+            t_f = time_ms(lambda: ours.forward(q, k, v, **extras), reps)
+            t_b = time_ms(lambda: ours.backward(q, k, v, o, lse, do, **kw, **extras), reps)
+            out["systems"][name] = entry(t_f, t_b, ours_flops, "ok")
             del o, lse
         except Exception as e:
             out["systems"][name] = {"status": "failed", "reason": str(e).splitlines()[0][:300]}
@@ -321,6 +348,10 @@ def main():
     p.add_argument("--check-seqs", default="4096,32768")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--window", type=int, default=0, help="GPT-OSS's sliding window for ours in the bench (0: none)")
+    p.add_argument("--sinks", action="store_true", help="GPT-OSS's per-head sink logits for ours in the bench")
+    p.add_argument("--also-plain", action="store_true",
+                   help="with --window/--sinks, also time ours without them at the same shapes")
     a = p.parse_args()
 
     import torch
@@ -387,15 +418,21 @@ def main():
             layouts = [(nh, nkv, 128) for nh, nkv in heads] + [(nh, nkv, 64) for nh, nkv in heads64]
             for nh, nkv, hd in layouts:
                 reps = a.reps if s <= 16384 else max(2, a.reps // 2)
-                r = bench(impls, s, nh, nkv, hd, reps, sdpa=[x for x in a.sdpa.split(",") if x])
-                doc["bench"].append(r)
-                line = f"bench s={s} {nh}/{nkv} d{hd}:"
-                for name, e in r["systems"].items():
-                    if e["status"] == "ok":
-                        line += f" {name} {e['fwd_tflops']:.0f}/{e['bwd_tflops']:.0f}/{e['fwd_bwd_tflops']:.0f}"
-                    else:
-                        line += f" {name} failed"
-                print(line, flush=True)
+                extras = [(a.window, a.sinks)]
+                if (a.window or a.sinks) and a.also_plain:
+                    extras.append((0, False))
+                for window, sinks in extras:
+                    sdpa = [x for x in a.sdpa.split(",") if x] if (window, sinks) == extras[-1] else []
+                    r = bench(impls, s, nh, nkv, hd, reps, sdpa=sdpa, window=window, sinks=sinks)
+                    doc["bench"].append(r)
+                    line = f"bench s={s} {nh}/{nkv} d{hd} window {window} sinks {int(sinks)}:"
+                    for name, e in r["systems"].items():
+                        if e["status"] == "ok":
+                            line += (f" {name} {e['fwd_ms']:.2f}+{e['bwd_ms']:.2f} ms "
+                                     f"{e['fwd_tflops']:.0f}/{e['bwd_tflops']:.0f}/{e['fwd_bwd_tflops']:.0f}")
+                        else:
+                            line += f" {name} failed"
+                    print(line, flush=True)
                 Path(a.out).write_text(json.dumps(doc, indent=1))
                 torch.cuda.empty_cache()
     Path(a.out).write_text(json.dumps(doc, indent=1))

@@ -217,7 +217,8 @@ class Hopper:
 
         return torch.cuda.current_stream().cuda_stream
 
-    def forward(self, q, k, v, seg_lo=None):
+    def forward(self, q, k, v, seg_lo=None, window=0, sinks=None):
+        """`window` (0: none) and `sinks` (f32 [nh] or None): GPT-OSS's, through the `_ext` kernel."""
         import torch
 
         b, t, nh, hd = q.shape
@@ -227,15 +228,20 @@ class Hopper:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         tiles = (t + BM - 1) // BM * nh * b
         sm = smem_fwd(hd, self.fwd_stages)
-        f = self.fn(f"mt_hfa_fwd_hd{hd}", sm)
+        ext = window > 0 or sinks is not None
+        f = self.fn(f"mt_hfa_fwd{'_ext' if ext else ''}_hd{hd}", sm)
+        extras = [ctypes.c_void_p(sinks.data_ptr() if sinks is not None else 0),
+                  ctypes.c_int(min(window, t))] if ext else []
         args = [self.map_of(q, BM), self.map_of(k, BN), self.map_of(v, BN), ctypes.c_void_p(o.data_ptr()),
                 ctypes.c_void_p(lse.data_ptr()), ctypes.c_void_p(seg_lo.data_ptr() if seg_lo is not None else 0),
-                ctypes.c_int(t), ctypes.c_int(b), ctypes.c_int(nh), ctypes.c_int(nkv),
+                *extras, ctypes.c_int(t), ctypes.c_int(b), ctypes.c_int(nh), ctypes.c_int(nkv),
                 ctypes.c_float(1.0 / math.sqrt(hd) * math.log2(math.e)), ctypes.c_void_p(counter.data_ptr())]
         self.drv.launch(f, (tiles, 1, 1), (THREADS, 1, 1), sm, self.stream(), args)
         return o, lse
 
-    def backward(self, q, k, v, o, lse, do, seg_lo=None, seg_hi=None, deterministic=True, dot_fn=None):
+    def backward(self, q, k, v, o, lse, do, seg_lo=None, seg_hi=None, deterministic=True, dot_fn=None, window=0,
+                 sinks=None):
+        """(dq, dk, dv), and with `sinks` also their gradient (f32 [nh]) as a fourth."""
         import torch
 
         b, t, nh, hd = q.shape
@@ -252,13 +258,14 @@ class Hopper:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         blocks = (t + BN - 1) // BN * nkv * b
         sm = smem_bwd(hd)
-        f = self.fn(f"mt_hfa_bwd_hd{hd}", sm)
+        ext = window > 0 or sinks is not None
+        f = self.fn(f"mt_hfa_bwd{'_ext' if ext else ''}_hd{hd}", sm)
         args = [self.map_of(q, BQ), self.map_of(k, BN), self.map_of(v, BN), self.map_of(do, BQ),
                 ctypes.c_void_p(lse.data_ptr()), ctypes.c_void_p(d.data_ptr()), ctypes.c_void_p(dq_acc.data_ptr()),
                 ctypes.c_void_p(sync.data_ptr()), ctypes.c_void_p(dk.data_ptr()), ctypes.c_void_p(dv.data_ptr()),
                 ctypes.c_void_p(seg_lo.data_ptr() if seg_lo is not None else 0),
                 ctypes.c_void_p(seg_hi.data_ptr() if seg_hi is not None else 0),
-                ctypes.c_int(t), ctypes.c_int(b), ctypes.c_int(nh), ctypes.c_int(nkv), ctypes.c_float(scale),
+                *([ctypes.c_int(min(window, t))] if ext else []), ctypes.c_int(t), ctypes.c_int(b), ctypes.c_int(nh), ctypes.c_int(nkv), ctypes.c_float(scale),
                 ctypes.c_float(scale * math.log2(math.e)), ctypes.c_int(1 if deterministic else 0)]
         self.drv.launch(f, (blocks, 1, 1), (THREADS, 1, 1), sm, self.stream(), args)
         groups = b * t * nh * hd // 8
@@ -266,7 +273,14 @@ class Hopper:
                         self.stream(), [ctypes.c_void_p(dq_acc.data_ptr()), ctypes.c_void_p(dq.data_ptr()),
                                         ctypes.c_int(t), ctypes.c_int(nh), ctypes.c_float(scale),
                                         ctypes.c_int64(groups)])
-        return dq, dk, dv
+        if sinks is None:
+            return dq, dk, dv
+        dsinks = torch.empty(nh, dtype=torch.float32, device=q.device)
+        self.drv.launch(self.fn("mt_flash_sink_grad"), (nh, 1, 1), (128, 1, 1), 16, self.stream(),
+                        [ctypes.c_void_p(lse.data_ptr()), ctypes.c_void_p(d.data_ptr()),
+                         ctypes.c_void_p(sinks.data_ptr()), ctypes.c_void_p(dsinks.data_ptr()), ctypes.c_int(b),
+                         ctypes.c_int(t), ctypes.c_int(nh)])
+        return dq, dk, dv, dsinks
 
 
 def main():

@@ -40,10 +40,13 @@
 //   it), longest work first (the last query tiles forward; the first key blocks backward), so a
 //   CTA only ever waits for CTAs that started before it: the ordered dQ adds cannot deadlock.
 //
-// Hooks for later (GPT-OSS): a per-head sink logit joins the forward's running max and sum once
-// per row before the epilogue and adds exp(sink - LSE) to nothing else (its own gradient is
-// -sum_rows P_sink D); a sliding window w bounds the key walk at q - w + 1 (the loop's low tile)
-// and masks the one or two tiles it cuts, as documents do today.
+// GPT-OSS (the `_ext` kernels, the plain ones' code with two more arguments): a per-head sink
+//   logit joins the forward's running max and sum once per row after the last tile (so O and LSE
+//   include it; the backward's P needs nothing new, and the sinks' gradient, -sum_rows P_sink D,
+//   is flash_attn.cu's mt_flash_sink_grad); a sliding window w raises each row's lowest key to
+//   i - w + 1: it bounds the forward's lowest tile, the backward's last query tile and the dQ
+//   turn's first key block, and the tiles it cuts take the per-element test documents use. The
+//   plain kernels are the template's EXT = false instance: the same machine code as before.
 
 #define MT_HFA_THREADS 384
 #define MT_HFA_BM 128  // forward: query rows per CTA
@@ -72,11 +75,21 @@ __device__ __forceinline__ void zero(float* r) {
     for (int i = 0; i < N; ++i) r[i] = 0.0f;
 }
 
+// The dynamic shared memory of every kernel here (the CPU emulator, kernels/emu, brings its own).
+#ifndef MT_EMU
 extern __shared__ __align__(1024) unsigned char mt_hfa_smem[];
+#endif
 
 // The dynamic shared memory's first 1024-byte boundary (the launcher asks for 1 KiB more; the
 // kernels have no static shared memory, which would be padded to the array's alignment).
 __device__ __forceinline__ unsigned hfa_smem_base() { return (smem_addr(mt_hfa_smem) + 1023u) & ~1023u; }
+
+// The lowest key query `i` sees: `doc_lo` (its document's first position, 0 without documents),
+// raised with a sliding window (EXT and window > 0) to i - window + 1. Without EXT, `doc_lo`.
+template <bool EXT>
+__device__ __forceinline__ int hfa_lowest_key(int doc_lo, int i, int window) {
+    return EXT && window > 0 ? max(doc_lo, i - window + 1) : doc_lo;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Forward.
@@ -97,11 +110,13 @@ struct HfaFwd {
     static_assert(SMEM <= 232448, "a CTA has at most 227 KiB of shared memory");
 };
 
-template <int HD>
+// EXT: the GPT-OSS variant, with `sinks` ([NH] f32 logits or null) and `window` (0: none); without
+// it both are constants (null, 0) and the code is the plain kernel's.
+template <int HD, bool EXT>
 __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk, const MtTmaMap* tmv,
                                         unsigned short* __restrict__ O, float* __restrict__ LSE,
-                                        const int* __restrict__ seg_lo, int T, int B, int NH, int NKV,
-                                        float scale_log2, int* counter) {
+                                        const int* __restrict__ seg_lo, const float* __restrict__ sinks, int window,
+                                        int T, int B, int NH, int NKV, float scale_log2, int* counter) {
     using L = HfaFwd<HD>;
     constexpr int BM = L::BM, BN = L::BN, S = L::STAGES, NCH = L::NCH;
     const unsigned base = hfa_smem_base();
@@ -134,7 +149,11 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     const int kvh = h / (NH / NKV), q0 = qt * BM;
     const int* seg = seg_lo ? seg_lo + (long long)b * T : nullptr;
     const int q_last = min(q0 + BM, T) - 1;
-    const int jt_hi = q_last / BN, jt_lo = seg ? seg[q0] / BN : 0;
+    // The lowest tile: that of the lowest key any row of the CTA sees (its first row's: the
+    // document's start or, with a window, the window's edge if higher). Tiles below it are not
+    // walked: O(t w) with a window.
+    const int jt_hi = q_last / BN;
+    const int jt_lo = EXT ? hfa_lowest_key<EXT>(seg ? seg[q0] : 0, q0, window) / BN : (seg ? seg[q0] / BN : 0);
     const int ntiles = jt_hi - jt_lo + 1;
     const int wg = tid >> 7;
 
@@ -175,9 +194,11 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         r[i] = row0 + 16 * wq + g + 8 * i;
-        rseg[i] = seg ? seg[min(r[i], T - 1)] : 0;
+        rseg[i] = hfa_lowest_key<EXT>(seg ? seg[min(r[i], T - 1)] : 0, r[i], window);  // its lowest key
     }
-    const int seg_max = seg ? seg[min(row0 + 63, T - 1)] : 0;
+    // The highest of the warpgroup's rows' lowest keys: a tile starting below it needs the mask.
+    const int r_last = min(row0 + 63, T - 1);
+    const int seg_max = hfa_lowest_key<EXT>(seg ? seg[r_last] : 0, r_last, window);
     float m[2] = {MT_NEG_INF, MT_NEG_INF}, l[2] = {0.0f, 0.0f};
     float o[HD / 2], s[BN / 2];
     unsigned p[BN / 4];
@@ -314,7 +335,27 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     wg_wait<0>();
     fence_regs<HD / 2>(o);
 
-    // Epilogue: O = acc / l as bf16, LSE = ln(sum) of the scaled scores.
+    if (EXT && sinks) {
+        // The sink joins each row once, as one more column of the online softmax: the max becomes
+        // max(m, sink), the sum and O are rescaled to it, and the sum gains e^{sink - max} (in
+        // the quad's first thread: the epilogue adds the quad's partial sums).
+        const float sink2 = sinks[h] * MT_LOG2E;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float m_f = fmaxf(m[i], sink2);
+            const float m_use = m_f == MT_NEG_INF ? 0.0f : m_f;
+            const float a = fast_exp2(m[i] - m_use);
+            l[i] = l[i] * a + (tq == 0 ? fast_exp2(sink2 - m_use) : 0.0f);
+            m[i] = m_f;
+#pragma unroll
+            for (int jb = 0; jb < HD / 8; ++jb) {
+                o[4 * jb + 2 * i] *= a;
+                o[4 * jb + 2 * i + 1] *= a;
+            }
+        }
+    }
+
+    // Epilogue: O = acc / l as bf16, LSE = ln(sum) of the scaled scores (and the sink).
     float* Lrow = LSE + ((long long)b * NH + h) * T;
     const long long ldo = (long long)NH * HD;
 #pragma unroll
@@ -364,13 +405,16 @@ struct HfaBwd {
     static constexpr int DQR = HD / 4, DQG = HD / 16;
 };
 
-template <int HD>
+// EXT: with a sliding `window` (0: none; sinks need nothing here: LSE includes them); without it
+// the window is the constant 0 and the code is the plain kernel's.
+template <int HD, bool EXT>
 __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk, const MtTmaMap* tmv,
                                         const MtTmaMap* tmdo, const float* __restrict__ LSE,
                                         const float* __restrict__ D, float* __restrict__ dq_acc, int* sync,
                                         unsigned short* __restrict__ dK, unsigned short* __restrict__ dV,
-                                        const int* __restrict__ seg_lo, const int* __restrict__ seg_hi, int T,
-                                        int B, int NH, int NKV, float scale, float scale_log2, int deterministic) {
+                                        const int* __restrict__ seg_lo, const int* __restrict__ seg_hi, int window,
+                                        int T, int B, int NH, int NKV, float scale, float scale_log2,
+                                        int deterministic) {
     using L = HfaBwd<HD>;
     constexpr int BN = L::BN, BQ = L::BQ, NCH = L::NCH;
     const unsigned base = hfa_smem_base();
@@ -401,7 +445,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     const int* slo = seg_lo ? seg_lo + (long long)b * T : nullptr;
     const int* shi = seg_hi ? seg_hi + (long long)b * T : nullptr;
     const int k_last = min(j0 + BN, T) - 1;
-    const int q_end = shi ? shi[k_last] : T;  // queries [j0, q_end) see some key of the block
+    // Queries [j0, q_end) see some key of the block: none past its last key's document or window.
+    const int doc_end = shi ? shi[k_last] : T;
+    const int q_end = EXT && window > 0 && window < T ? min(doc_end, k_last + window) : doc_end;
     const int it_lo = j0 / BQ, it_hi = (q_end - 1) / BQ, n_it = it_hi - it_lo + 1, n_items = G * n_it;
     const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
 
@@ -449,7 +495,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 const long long tile = ((long long)b * NH + h) * nqt + it;
                 int* sem = sync + 1 + tile;
                 if (deterministic) {
-                    const int first = slo ? slo[it * BQ] / BN : 0;  // the lowest key block this tile sees
+                    // The lowest key block this tile sees (that of its first query's lowest key).
+                    const int first = EXT ? hfa_lowest_key<EXT>(slo ? slo[it * BQ] : 0, it * BQ, window) / BN
+                                          : (slo ? slo[it * BQ] / BN : 0);
                     while (ld_acquire(sem) != jb - first) {
                     }
                     fence_async_global();
@@ -520,7 +568,8 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         // This thread's queries: i0 + 8 jq + 2 tq + e; their LSE (log2 domain) and D.
         const float2* lse2 = (const float2*)(ldsm + (2 * s) * BQ) + tq;
         const float2* dd = (const float2*)(ldsm + (2 * s + 1) * BQ) + tq;
-        const bool masked = i0 < key0 + 63 || i0 + BQ > T || (slo && slo[min(i0 + BQ - 1, T - 1)] > key0);
+        const bool masked = i0 < key0 + 63 || i0 + BQ > T || (slo && slo[min(i0 + BQ - 1, T - 1)] > key0) ||
+                            (EXT && window > 0 && min(i0 + BQ - 1, T - 1) - key0 >= window);
         wg_wait<0>();
         fence_regs<BQ / 2>(st);
         fence_regs<BQ / 2>(dp);
@@ -538,7 +587,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                         float pv = fast_exp2(fmaf(st[x], scale_log2, -(e ? l2.y : l2.x)));
                         if (masked_items) {
                             const int q = i0 + 8 * jq + 2 * tq + e;
-                            if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i])) pv = 0.0f;
+                            if (q < kr[i] || q >= T || (slo && slo[min(q, T - 1)] > kr[i]) ||
+                                (EXT && window > 0 && q - kr[i] >= window))
+                                pv = 0.0f;
                         }
                         st[x] = pv;
                         dp[x] = pv * (dp[x] - (e ? d2.y : d2.x));
@@ -573,7 +624,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 for (int i = 0; i < 2; ++i) {
                     const int row = 64 * w + 16 * wq + g + 8 * i, piece = 2 * kk + half;
                     const unsigned addr = ds + row * 128 + ((piece ^ (row & 7)) << 4) + tq * 4;
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(da[4 * kk + 2 * half + i]) : "memory");
+                    st_shared_u32(addr, da[4 * kk + 2 * half + i]);
                 }
         fence_async_shared();
         named_sync(1, 256);  // both consumers' halves of dS^T are written
@@ -651,20 +702,36 @@ __device__ __forceinline__ void hfa_dq_convert(const float* __restrict__ acc, un
     *(uint4*)(dQ + row * HD + c0) = make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// The plain kernels (causal, documents) and, `_ext`, GPT-OSS's: the forward with sinks and a
+// window, the backward with a window (the sinks' gradient is flash_attn.cu's mt_flash_sink_grad).
 #define MT_HFA_KERNELS(HD)                                                                                         \
     extern "C" __global__ void __launch_bounds__(MT_HFA_THREADS, 1) mt_hfa_fwd_hd##HD(                             \
         const __grid_constant__ MtTmaMap tq, const __grid_constant__ MtTmaMap tk,                                   \
         const __grid_constant__ MtTmaMap tv, unsigned short* O, float* LSE, const int* seg_lo, int T, int B, int NH, \
         int NKV, float scale_log2, int* counter) {                                                                 \
-        hfa_fwd<HD>(&tq, &tk, &tv, O, LSE, seg_lo, T, B, NH, NKV, scale_log2, counter);                            \
+        hfa_fwd<HD, false>(&tq, &tk, &tv, O, LSE, seg_lo, nullptr, 0, T, B, NH, NKV, scale_log2, counter);         \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(MT_HFA_THREADS, 1) mt_hfa_fwd_ext_hd##HD(                         \
+        const __grid_constant__ MtTmaMap tq, const __grid_constant__ MtTmaMap tk,                                   \
+        const __grid_constant__ MtTmaMap tv, unsigned short* O, float* LSE, const int* seg_lo, const float* sinks,   \
+        int window, int T, int B, int NH, int NKV, float scale_log2, int* counter) {                               \
+        hfa_fwd<HD, true>(&tq, &tk, &tv, O, LSE, seg_lo, sinks, window, T, B, NH, NKV, scale_log2, counter);       \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(MT_HFA_THREADS, 1) mt_hfa_bwd_hd##HD(                             \
         const __grid_constant__ MtTmaMap tq, const __grid_constant__ MtTmaMap tk,                                   \
         const __grid_constant__ MtTmaMap tv, const __grid_constant__ MtTmaMap tdo, const float* LSE, const float* D, \
         float* dq_acc, int* sync, unsigned short* dK, unsigned short* dV, const int* seg_lo, const int* seg_hi,      \
         int T, int B, int NH, int NKV, float scale, float scale_log2, int deterministic) {                          \
-        hfa_bwd<HD>(&tq, &tk, &tv, &tdo, LSE, D, dq_acc, sync, dK, dV, seg_lo, seg_hi, T, B, NH, NKV, scale,        \
-                    scale_log2, deterministic);                                                                     \
+        hfa_bwd<HD, false>(&tq, &tk, &tv, &tdo, LSE, D, dq_acc, sync, dK, dV, seg_lo, seg_hi, 0, T, B, NH, NKV,     \
+                           scale, scale_log2, deterministic);                                                      \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(MT_HFA_THREADS, 1) mt_hfa_bwd_ext_hd##HD(                         \
+        const __grid_constant__ MtTmaMap tq, const __grid_constant__ MtTmaMap tk,                                   \
+        const __grid_constant__ MtTmaMap tv, const __grid_constant__ MtTmaMap tdo, const float* LSE, const float* D, \
+        float* dq_acc, int* sync, unsigned short* dK, unsigned short* dV, const int* seg_lo, const int* seg_hi,      \
+        int window, int T, int B, int NH, int NKV, float scale, float scale_log2, int deterministic) {              \
+        hfa_bwd<HD, true>(&tq, &tk, &tv, &tdo, LSE, D, dq_acc, sync, dK, dV, seg_lo, seg_hi, window, T, B, NH, NKV, \
+                          scale, scale_log2, deterministic);                                                       \
     }                                                                                                              \
     extern "C" __global__ void mt_hfa_dq_convert_hd##HD(const float* acc, unsigned short* dQ, int T, int NH,       \
                                                         float scale, long long groups) {                           \

@@ -94,6 +94,10 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// A 4-byte store to shared memory at a 32-bit shared-window address.
+__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 // The value, opaque to the compiler: what is computed from it is recomputed where it is used
 // instead of being kept in a register across a loop.
 __device__ __forceinline__ unsigned launder(unsigned x) {

@@ -37,6 +37,8 @@ struct EmuBlock {
     std::vector<std::barrier<>*> warp_bar;
     // Warpgroups' (128 threads) barriers, for the warpgroup-wide instructions of emu_hopper.h.
     std::vector<std::barrier<>*> wg_bar;
+    // Warpgroups 1 and 2 together (256 threads), for emu_hopper.h's named barriers.
+    std::barrier<> pair_bar{256};
     // Per-warp scratch for warp-wide instructions.
     std::vector<std::array<float, 32>> f;
     std::vector<std::array<unsigned, 32 * 6>> u;

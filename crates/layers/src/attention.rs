@@ -6,9 +6,8 @@
 //! GPT-OSS's additions ([`Extras`]): a sliding window of keys (`q - window < k <= q`) and a
 //! learned sink logit per query head, one more term `e^{s_h}` in each row's softmax denominator
 //! with no value vector (so a row's probabilities sum to less than one). The materialised candle
-//! path and the portable flash kernels have both; the fused-softmax and the Hopper flash kernels
-//! neither, so on a GPU such a model runs flash attention on the portable kernels
-//! ([`flash_kernel_for`]) and nothing else ([`check_gpu`]).
+//! path and both sets of flash kernels (portable and Hopper) have both; the fused-softmax kernels
+//! neither, so on a GPU such a model runs flash attention and nothing else ([`check_gpu`]).
 //!
 //! Layout trick for GQA: query head `i` uses key/value head `i / g` (`g = nh / nkv`), so the
 //! `nh` query heads are viewed as `[nkv, g]` and the `g` heads of a group are stacked along the
@@ -63,52 +62,28 @@ fn has_extras(cfg: &ModelConfig) -> bool {
     cfg.attention_sinks || cfg.layer_windows.is_some()
 }
 
-/// The flash kernels `cfg`'s layers run when `kernel` is asked: the portable ones for `Auto`
-/// where the model has sinks or windows (the Hopper kernels have neither yet), else `kernel`.
-/// The trainer passes this on to the planner (no Hopper dQ buffer to count) and the engine.
-pub fn flash_kernel_for(cfg: &ModelConfig, kernel: FlashKernel) -> FlashKernel {
-    match kernel {
-        FlashKernel::Auto if has_extras(cfg) => FlashKernel::Portable,
-        k => k,
-    }
-}
-
 /// Refuses to run `cfg`'s layers on `device` with activations of `dtype` where its attention
 /// needs what the path that would run lacks ([`check_gpu`], with whether flash attention runs
 /// there: `flash` asked and [`crate::flash_attention`] applies).
-pub fn check_device(
-    cfg: &ModelConfig,
-    device: &Device,
-    dtype: DType,
-    flash: bool,
-    kernel: FlashKernel,
-) -> Result<()> {
+pub fn check_device(cfg: &ModelConfig, device: &Device, dtype: DType, flash: bool) -> Result<()> {
     if device.is_cpu() {
         return Ok(());
     }
     let runs = flash && crate::flash_attention(device, dtype, cfg.head_dim);
-    Ok(check_gpu(cfg, dtype, Some(runs), kernel)?)
+    Ok(check_gpu(cfg, dtype, Some(runs))?)
 }
 
 /// Refuses to run `cfg`'s layers on a GPU with activations of `dtype`, flash attention
-/// (`Some(true)`), the materialised scores (`Some(false)`) or the planner's choice (`None`), on
-/// the flash kernels `kernel`, where its attention needs what that path lacks: GPT-OSS's sink
-/// logits and sliding windows run on a GPU only in the portable flash kernels (the Hopper and
+/// (`Some(true)`), the materialised scores (`Some(false)`) or the planner's choice (`None`),
+/// where its attention needs what that path lacks: GPT-OSS's sink
+/// logits and sliding windows run on a GPU only in the flash kernels, portable or Hopper (the
 /// fused-softmax kernels have neither, and the candle fallback's `t x t` probabilities are not
 /// what the planner counts for a bf16 GPU run). One sentence naming the option to change.
-pub fn check_gpu(
-    cfg: &ModelConfig,
-    dtype: DType,
-    attention: Option<bool>,
-    kernel: FlashKernel,
-) -> mt_core::Result<()> {
+pub fn check_gpu(cfg: &ModelConfig, dtype: DType, attention: Option<bool>) -> mt_core::Result<()> {
     if !has_extras(cfg) {
         return Ok(());
     }
-    let why = if matches!(kernel, FlashKernel::Hopper | FlashKernel::HopperUnordered) {
-        "the Hopper attention kernels have no attention sinks or sliding windows yet; use --attention flash \
-         (which runs the portable kernels for it) or --attention portable"
-    } else if attention == Some(false) || dtype != DType::BF16 || !crate::flash_head_dim(cfg.head_dim) {
+    let why = if attention == Some(false) || dtype != DType::BF16 || !crate::flash_head_dim(cfg.head_dim) {
         "its attention sinks and sliding windows run on a GPU in the flash attention kernels only, which take \
          bf16 weights on a GPU of compute capability 8.0 or later; use --precision bf16 with --attention flash, \
          or the CPU backend (--device cpu)"

@@ -32,7 +32,7 @@ pub mod profile;
 mod rope;
 mod weights;
 
-pub use attention::{check_device, check_gpu, flash_kernel_for};
+pub use attention::{check_device, check_gpu};
 pub use decoder::{flash_attention, DecoderLayer, LayerOptions, LayerState};
 pub use moe::{
     moe_device_workspace_bytes, moe_kernels_apply, moe_kernels_fit, MoeKernels, RouterGrad, RouterStats,

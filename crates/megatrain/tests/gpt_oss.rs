@@ -59,13 +59,11 @@ fn an_imported_released_layout_trains() {
 }
 
 /// `--device cuda` refuses GPT-OSS by name, before anything is allocated, where its attention
-/// would not run on the portable flash kernels (the only GPU kernels with its sinks and sliding
-/// windows): the Hopper kernels asked for, the materialised scores, fp32 weights.
+/// would not run on the flash kernels (portable or Hopper: the only GPU kernels with its sinks
+/// and sliding windows): the materialised scores, fp32 weights.
 #[test]
 fn the_gpu_refuses_gpt_oss_where_its_attention_cannot_run_with_a_sentence() {
     for (flags, words) in [
-        (["--attention", "hopper"], "Hopper attention kernels have no attention sinks"),
-        (["--attention", "hopper-unordered"], "Hopper attention kernels have no attention sinks"),
         (["--attention", "materialized"], "in the flash attention kernels only"),
         (["--precision", "fp32"], "in the flash attention kernels only"),
     ] {

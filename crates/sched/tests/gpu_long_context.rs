@@ -2,7 +2,7 @@
 //! the `cuda` feature, run on the GPU machine): the flash path trains as the CPU engine and as the
 //! materialised GPU path within the bf16 bounds of `tests/gpu.rs`, a packed batch as its samples
 //! one per sequence, and a 4096-token sequence as the CPU engine; GPT-OSS (sinks, sliding
-//! windows) on the portable flash kernels as the CPU engine. Every figure is printed (SUMMARY
+//! windows) on the flash kernels as the CPU engine. Every figure is printed (SUMMARY
 //! lines) before the bounds are asserted.
 #![cfg(feature = "cuda")]
 
@@ -203,8 +203,8 @@ fn gpt_oss_against(
 }
 
 /// The golden GPT-OSS (a 4-token window on layer 0, sinks, YaRN, top-4, biases, binding clamps)
-/// in bf16 on the GPU, flash attention on the portable kernels (`Auto` picks them: the Hopper
-/// ones have no sinks or windows), its experts through the engine's MoE path, trains as the f32
+/// in bf16 on the GPU, flash attention on the portable kernels (`Auto` picks them: its head dim,
+/// 16, is not one the Hopper ones take), its experts through the engine's MoE path, trains as the f32
 /// CPU engine and as the bf16 CPU engine (the materialised path): every gradient within the
 /// bf16 bound of a routed model (`common::routing_bound`: the dense models' 3e-2, or twice what
 /// rounding the weights alone to bf16 moves the f32 CPU engine's gradients, GPT-OSS's top-4 and
@@ -236,21 +236,45 @@ fn cuda_gpt_oss_trains_as_the_cpu_engine() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// 1 x 1024 tokens of `cfg` with random weights (`seed`) on the GPU with `gpu` (bf16, flash)
+/// against the f32 CPU engine within the routed models' bound; the failure's figures if any.
+fn gpt_oss_long_sequence(what: &str, cfg: &ModelConfig, seed: u64, gpu: EngineOptions) -> Option<String> {
+    let params = random_params(cfg, seed);
+    let (input_ids, targets) = random_batch(cfg, 1, 1024, 4, 0.1);
+    let batch = Batch { batch: 1, seq: 1024, input_ids, targets, positions: None };
+    let cpu_f32 = run(cfg, &params, &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
+    let rounded =
+        run(cfg, &rounded_to_bf16(&params), &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
+    let bound = routing_bound(&cpu_f32.1, &rounded.1, BF16_GRAD);
+    let gpu = run(cfg, &params, &batch, cuda(), gpu);
+    gpt_oss_against(what, &gpu, &cpu_f32, bound)
+}
+
 /// 1 x 1024 tokens of the golden GPT-OSS shape with random weights: the 4-token window skips
 /// whole key tiles on its layer, the other layer sees the whole causal context; the GPU (bf16,
 /// flash) trains as the f32 CPU engine within the same kind of bound.
 #[test]
 fn cuda_gpt_oss_long_sequence_trains_as_the_cpu_engine() {
     let cfg = golden::load("gpt_oss").unwrap().cfg;
-    let params = random_params(&cfg, 13);
-    let (input_ids, targets) = random_batch(&cfg, 1, 1024, 4, 0.1);
-    let batch = Batch { batch: 1, seq: 1024, input_ids, targets, positions: None };
-    let cpu_f32 = run(&cfg, &params, &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
-    let rounded =
-        run(&cfg, &rounded_to_bf16(&params), &batch, cpu(), EngineOptions { n_chunks: 1, ..golden_opts() });
-    let bound = routing_bound(&cpu_f32.1, &rounded.1, BF16_GRAD);
-    let gpu = run(&cfg, &params, &batch, cuda(), EngineOptions { n_chunks: 1, ..bf16(true, 0) });
-    if let Some(f) = gpt_oss_against("1 x 1024 bf16 GPU vs f32 CPU", &gpu, &cpu_f32, bound) {
+    let gpu = EngineOptions { n_chunks: 1, ..bf16(true, 0) };
+    if let Some(f) = gpt_oss_long_sequence("1 x 1024 bf16 GPU vs f32 CPU", &cfg, 13, gpu) {
+        panic!("{f}");
+    }
+}
+
+/// The same 1 x 1024 tokens with the golden GPT-OSS's head dim raised to 64 (4 query over 2 KV
+/// heads, its 4-token window on layer 0, sinks), so that flash attention runs on the Hopper
+/// kernels (asked for by name: a GPU that cannot run them fails here with a sentence): their
+/// `_ext` forward and backward and the sinks' gradient train as the f32 CPU engine within the
+/// routed models' bound.
+#[test]
+fn cuda_gpt_oss_on_the_hopper_kernels_trains_as_the_cpu_engine() {
+    let mut cfg = golden::load("gpt_oss").unwrap().cfg;
+    cfg.head_dim = 64;
+    let gpu = EngineOptions { n_chunks: 1, flash_kernel: mt_layers::FlashKernel::Hopper, ..bf16(true, 0) };
+    if let Some(f) =
+        gpt_oss_long_sequence("1 x 1024 d 64 bf16 GPU (Hopper kernels) vs f32 CPU", &cfg, 17, gpu)
+    {
         panic!("{f}");
     }
 }

@@ -71,7 +71,7 @@ pub(crate) fn check_fresh_start(args: &TrainConfig) -> Result<()> {
 pub(crate) fn check_sizes(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
     cfg.check_train_seq_len(args.seq_len).context_with(|| "--seq-len".into())?;
     if args.device == crate::Device::Cuda {
-        mt_layers::check_gpu(cfg, args.precision.dtype(), args.attention, args.flash_kernel)
+        mt_layers::check_gpu(cfg, args.precision.dtype(), args.attention)
             .context_with(|| "--device cuda".into())?;
     }
     if let Some(c) = args.chunks.filter(|&c| c > args.batch_size) {

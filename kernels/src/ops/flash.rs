@@ -1,8 +1,7 @@
 //! Flash attention: the forward (output and each row's log-sum-exp) and the deterministic
 //! backward for bf16 `[b, t, heads, hd]` tensors, causal, grouped-query, with optional
-//! packed-document bounds and, on the portable kernels, GPT-OSS's sliding window and sink logits
-//! ([`FlashExtras`]; `Auto` picks the portable kernels for them), by one of two sets of kernels
-//! ([`FlashKernel`]):
+//! packed-document bounds and GPT-OSS's sliding window and sink logits ([`FlashExtras`]), by
+//! one of two sets of kernels ([`FlashKernel`]):
 //! - the Hopper kernels (`flash_hopper.rs`: wgmma, TMA, warp specialisation; compute capability
 //!   9.0, head dims 64 and 128), the choice wherever they run;
 //! - the portable kernels here (`kernels/cuda/flash_attn.cu`: mma.sync, compute capability 8.0
@@ -13,16 +12,14 @@
 //! The operand checks, output buffers and launch set-up both sets share are in
 //! `flash_launch.rs`. `scripts/attention_bench.py` launches both the same way.
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, LaunchArgs, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Tensor};
 
 use super::flash_hopper;
 use super::flash_launch::{
     allow_smem, backward_outputs, backward_tensors, cuda_dev, dims, forward_outputs, forward_tensors,
-    launch_config, row_dot, wrap, FlashExtras, Operands, Scalars, Views,
+    launch_config, row_dot, sink_grad, FlashExtras, Operands, Scalars, Views,
 };
 use super::msg;
 use super::sources::FLASH;
@@ -76,15 +73,11 @@ fn push_backward_scalars<'b>(a: &mut LaunchArgs<'b>, x: &'b Views<'_>, s: &'b Sc
 }
 
 /// Whether `kernel` means the Hopper kernels for `q`'s device and head dim `hd`; an error where
-/// they were asked for and cannot run. `extras`: the call has a window or sinks, which the Hopper
-/// kernels do not take (`Auto` then means the portable ones).
-fn hopper(dev: &CudaDevice, hd: usize, kernel: FlashKernel, extras: bool) -> candle_core::Result<bool> {
+/// they were asked for and cannot run.
+fn hopper(dev: &CudaDevice, hd: usize, kernel: FlashKernel) -> candle_core::Result<bool> {
     match kernel {
         FlashKernel::Portable => Ok(false),
-        FlashKernel::Auto => Ok(!extras && flash_hopper::hopper_applies(dev, hd)),
-        FlashKernel::Hopper | FlashKernel::HopperUnordered if extras => Err(msg(
-            "the Hopper attention kernels have no sliding window or attention sinks yet (GPT-OSS); use --attention flash or portable",
-        )),
+        FlashKernel::Auto => Ok(flash_hopper::hopper_applies(dev, hd)),
         FlashKernel::Hopper | FlashKernel::HopperUnordered if flash_hopper::hopper_applies(dev, hd) => Ok(true),
         FlashKernel::Hopper | FlashKernel::HopperUnordered => Err(msg(format!(
             "the Hopper attention kernels run on a GPU of compute capability 9.0 (H100, H200) with head dim 64 or 128 (this model's is {hd}) and MEGATRAIN_NVRTC_CC unset or 90; use --attention flash or portable"
@@ -117,7 +110,7 @@ pub fn flash_forward_with(
     let shape @ (b, t, nh, _, hd) = dims(q, k)?;
     let dev = cuda_dev(q)?;
     let operands = Operands::forward(q, k, v, docs, extras, shape)?;
-    if hopper(&dev, hd, kernel, operands.has_extras())? {
+    if hopper(&dev, hd, kernel)? {
         return flash_hopper::forward(&dev, &operands);
     }
     let st = dev.cuda_stream();
@@ -183,10 +176,9 @@ pub fn flash_backward_with(
     let shape @ (b, t, nh, nkv, hd) = dims(q, k)?;
     let dev = cuda_dev(q)?;
     let operands = Operands::backward(q, k, v, o, lse, d_o, docs, extras, shape)?;
-    if hopper(&dev, hd, kernel, operands.has_extras())? {
+    if hopper(&dev, hd, kernel)? {
         let ordered = kernel != FlashKernel::HopperUnordered;
-        let (dq, dk, dv) = flash_hopper::backward(&dev, &operands, ordered)?;
-        return Ok((dq, dk, dv, None));
+        return flash_hopper::backward(&dev, &operands, ordered);
     }
     let st = dev.cuda_stream();
     let x = operands.views()?;
@@ -223,41 +215,9 @@ pub fn flash_backward_with(
     // window, T, NH, NKV, float scale, scale_log2); dQ holds b·t·nh·hd; `sm` bytes, allowed above.
     unsafe { a.launch(cfg) }.w()?;
     let dsinks = match &x.sinks {
-        Some(sinks) => Some(sink_grad(&dev, &x, sinks, &d, &s)?),
+        Some(sinks) => Some(sink_grad(&dev, &portable(&dev, "mt_flash_sink_grad", 0)?, &x, sinks, &d, &s)?),
         None => None,
     };
     let (dq, dk, dv) = backward_tensors(&dev, shape, [dq, dk, dv]);
     Ok((dq, dk, dv, dsinks))
-}
-
-/// The sinks' gradient, f32 `[nh]`: `mt_flash_sink_grad` over the forward's LSE and the
-/// backward's `d` (`D = rowsum(dO ⊙ O)`), one CTA per head.
-fn sink_grad(
-    dev: &CudaDevice,
-    x: &Views<'_>,
-    sinks: &CudaView<'_, f32>,
-    d: &CudaSlice<f32>,
-    s: &Scalars,
-) -> candle_core::Result<Tensor> {
-    let (_, lse, _) = x.grad()?;
-    let nh = s.nh as usize;
-    // SAFETY: one value per head, every one written by the kernel below (one CTA per head).
-    let dsinks = unsafe { dev.alloc::<f32>(nh)? };
-    let f = portable(dev, "mt_flash_sink_grad", 0)?;
-    let st = dev.cuda_stream();
-    let mut a = st.launch_builder(&f);
-    a.arg(lse);
-    a.arg(d);
-    a.arg(sinks);
-    a.arg(&dsinks);
-    a.arg(&s.b);
-    a.arg(&s.t);
-    a.arg(&s.nh);
-    // 16 bytes of shared memory: the four warps' sums.
-    let cfg = launch_config((nh as u32, 1, 1), THREADS, 16);
-    // SAFETY: signature (float* LSE, D, sinks, dsink, int B, T, NH); LSE and D hold b·nh·t
-    // (checked by `views`; `d` is `row_dot`'s), sinks and dsink nh; MT_FA_THREADS threads and
-    // the 16 bytes of shared memory the kernel uses.
-    unsafe { a.launch(cfg) }.w()?;
-    Ok(wrap(dsinks, dev, nh))
 }

@@ -8,8 +8,10 @@
 //! the copy engine as 4-d tensor maps (`cuTensorMapEncodeTiled`), passed by value. The backward
 //! adds each query tile's dQ into an fp32 buffer `[b, heads, ⌈t / 64⌉, 64 × hd]` (what the planner
 //! counts as the attention backward's extra workspace: [`crate::hopper_dq_buffer_bytes`]) in key-block order, so
-//! two runs give the same bits. `scripts/hopper_attention.py` launches the same kernels the same
-//! way for the kernel benchmark.
+//! two runs give the same bits. A call with GPT-OSS's window or sinks runs the `_ext` kernels
+//! (the same code with those two arguments; the plain ones are compiled without them), and the
+//! sinks' gradient by the portable file's kernel, which this CUBIN holds too.
+//! `scripts/hopper_attention.py` launches the same kernels the same way for the kernel benchmark.
 
 use candle_core::cuda_backend::cudarc::driver::sys::{
     self, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
@@ -21,7 +23,7 @@ use candle_core::{CudaDevice, Tensor};
 
 use super::flash_launch::{
     allow_smem, backward_outputs, backward_tensors, forward_outputs, forward_tensors, launch_config, row_dot,
-    Operands, Scalars,
+    sink_grad, Operands, Scalars,
 };
 use super::msg;
 use super::nvrtc::{sm90a_runs, Cubin};
@@ -159,7 +161,8 @@ pub(super) fn forward(dev: &CudaDevice, operands: &Operands<'_>) -> candle_core:
         tensor_map(vp, b, t, nkv, hd, BN)?,
     );
     let sm = smem_fwd(hd);
-    let f = kernel(dev, &format!("mt_hfa_fwd_hd{hd}"), sm)?;
+    let ext = operands.has_extras();
+    let f = kernel(dev, &format!("mt_hfa_fwd{}_hd{hd}", if ext { "_ext" } else { "" }), sm)?;
     let s = Scalars::new(shape);
     let mut a = st.launch_builder(&f);
     a.arg(&tq);
@@ -168,28 +171,33 @@ pub(super) fn forward(dev: &CudaDevice, operands: &Operands<'_>) -> candle_core:
     a.arg(&o);
     a.arg(&lse);
     x.push_starts(&mut a);
+    if ext {
+        x.push_sinks(&mut a);
+        a.arg(&x.window);
+    }
     s.push_sizes(&mut a, true);
     a.arg(&s.scale_log2);
     a.arg(&counter);
     let tiles = t.div_ceil(BM) * nh * b;
     let cfg = launch_config((tiles as u32, 1, 1), THREADS, sm);
-    // SAFETY: signature (MtTmaMap Q, K, V by value, bf16* O, float* LSE, int* seg_lo or null, int
-    // T, B, NH, NKV, float scale_log2, int* counter); the maps describe q, k, v as checked by
-    // `views` (the views stay borrowed, their guards alive, until after the launch); O holds
-    // b·t·nh·hd, LSE b·nh·t, seg_lo b·t; one CTA per 128-row tile of each head, each taking a
-    // distinct tile from the zeroed counter; `sm` bytes of shared memory, allowed above.
+    // SAFETY: signature (MtTmaMap Q, K, V by value, bf16* O, float* LSE, int* seg_lo or null,
+    // with `_ext` float* sinks or null and int window, then int T, B, NH, NKV, float scale_log2,
+    // int* counter); the maps describe q, k, v as checked by `views` (the views stay borrowed,
+    // their guards alive, until after the launch); O holds b·t·nh·hd, LSE b·nh·t, seg_lo b·t,
+    // sinks nh; one CTA per 128-row tile of each head, each taking a distinct tile from the
+    // zeroed counter; `sm` bytes of shared memory, allowed above.
     unsafe { a.launch(cfg) }.w()?;
     Ok(forward_tensors(dev, shape, (o, lse)))
 }
 
-/// Backward (`flash.rs`'s contract): `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16. With
-/// `ordered` each dQ tile takes its key blocks' partials in block order (bitwise repeatable);
-/// without, in the order they arrive.
+/// Backward (`flash.rs`'s contract): `(dq [b, t, nh, hd], dk, dv [b, t, nkv, hd])`, bf16, and
+/// with sinks their gradient (f32 `[nh]`, a fixed order). With `ordered` each dQ tile takes its
+/// key blocks' partials in block order (bitwise repeatable); without, in the order they arrive.
 pub(super) fn backward(
     dev: &CudaDevice,
     operands: &Operands<'_>,
     ordered: bool,
-) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+) -> candle_core::Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
     let shape @ (b, t, nh, nkv, hd) = operands.dims();
     let st = dev.cuda_stream();
     let x = operands.views()?;
@@ -217,7 +225,8 @@ pub(super) fn backward(
     let s = Scalars::new(shape);
     let deterministic = i32::from(ordered);
     let sm = smem_bwd(hd);
-    let f = kernel(dev, &format!("mt_hfa_bwd_hd{hd}"), sm)?;
+    let ext = operands.has_extras();
+    let f = kernel(dev, &format!("mt_hfa_bwd{}_hd{hd}", if ext { "_ext" } else { "" }), sm)?;
     let mut a = st.launch_builder(&f);
     for m in &maps {
         a.arg(m);
@@ -229,6 +238,9 @@ pub(super) fn backward(
     a.arg(&dk);
     a.arg(&dv);
     x.push_bounds(&mut a)?;
+    if ext {
+        a.arg(&x.window);
+    }
     s.push_sizes(&mut a, true);
     a.arg(&s.scale);
     a.arg(&s.scale_log2);
@@ -236,8 +248,8 @@ pub(super) fn backward(
     let blocks = t.div_ceil(BN) * nkv * b;
     let cfg = launch_config((blocks as u32, 1, 1), THREADS, sm);
     // SAFETY: signature (MtTmaMap Q, K, V, dO by value, float* LSE, D, dQ buffer, int* sync, bf16*
-    // dK, dV, int* seg_lo, seg_hi (both or neither null), int T, B, NH, NKV, float scale,
-    // scale_log2, int deterministic); the maps describe q, k, v, dO as checked by `views` (their
+    // dK, dV, int* seg_lo, seg_hi (both or neither null), with `_ext` int window, then int T, B,
+    // NH, NKV, float scale, scale_log2, int deterministic); the maps describe q, k, v, dO as checked by `views` (their
     // guards alive until after the launch); LSE and D hold b·nh·t, the dQ buffer
     // b·nh·⌈t/64⌉·64·hd zeroed, sync 1 + b·nh·⌈t/64⌉ zeroed (the block counter, then each tile's
     // turn), dK/dV b·t·nkv·hd; one CTA per 128-key block of each KV head, each taking a distinct
@@ -259,5 +271,10 @@ pub(super) fn backward(
     // SAFETY: signature (float* buffer, bf16* dQ, int T, NH, float scale, long long groups); one
     // thread per 8 elements of dQ (b·t·nh·hd of them), reading the buffer filled above.
     unsafe { a.launch(cfg) }.w()?;
-    Ok(backward_tensors(dev, shape, [dq, dk, dv]))
+    let dsinks = match &x.sinks {
+        Some(sinks) => Some(sink_grad(dev, &function(dev, "mt_flash_sink_grad")?, &x, sinks, &d, &s)?),
+        None => None,
+    };
+    let (dq, dk, dv) = backward_tensors(dev, shape, [dq, dk, dv]);
+    Ok((dq, dk, dv, dsinks))
 }

@@ -3,7 +3,7 @@
 //! viewed with their dtype and shape checked, the document bounds or null pointers, the output
 //! buffers, the launch configuration, and the backward's first kernel (`D = rowsum(dO ⊙ O)`,
 //! which the Hopper module compiles from the portable file too). GPT-OSS's sliding window and
-//! sink logits ([`FlashExtras`]) are checked and pushed here; only the portable kernels take them.
+//! sink logits ([`FlashExtras`]) are checked and pushed here, and their gradient launched.
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -220,7 +220,7 @@ impl<'t> Operands<'t> {
         Ok(Operands { ends: docs.map(|(_, hi)| Held::new(hi)), grad, ..fwd })
     }
 
-    /// Whether the call has a window or sinks (which only the portable kernels take).
+    /// Whether the call has a window or sinks (the Hopper set's `_ext` kernels take them).
     pub(super) fn has_extras(&self) -> bool {
         self.window != 0 || self.sinks.is_some()
     }
@@ -398,4 +398,37 @@ pub(super) fn row_dot(
     // row of hd elements, `rows` of them in dO and O (checked by `views`), D holds `rows`.
     unsafe { a.launch(cfg) }.w()?;
     Ok(d)
+}
+
+/// The sinks' gradient, f32 `[nh]`: `mt_flash_sink_grad` (`f`, from either set's module: both
+/// hold it) over the forward's LSE and the backward's `d` (`D = rowsum(dO ⊙ O)`), one CTA per
+/// head of `MT_FA_THREADS`.
+pub(super) fn sink_grad(
+    dev: &CudaDevice,
+    f: &CudaFunction,
+    x: &Views<'_>,
+    sinks: &CudaView<'_, f32>,
+    d: &CudaSlice<f32>,
+    s: &Scalars,
+) -> candle_core::Result<Tensor> {
+    let (_, lse, _) = x.grad()?;
+    let nh = s.nh as usize;
+    // SAFETY: one value per head, every one written by the kernel below (one CTA per head).
+    let dsinks = unsafe { dev.alloc::<f32>(nh)? };
+    let st = dev.cuda_stream();
+    let mut a = st.launch_builder(f);
+    a.arg(lse);
+    a.arg(d);
+    a.arg(sinks);
+    a.arg(&dsinks);
+    a.arg(&s.b);
+    a.arg(&s.t);
+    a.arg(&s.nh);
+    // 16 bytes of shared memory: the four warps' sums.
+    let cfg = launch_config((nh as u32, 1, 1), 128, 16);
+    // SAFETY: signature (float* LSE, D, sinks, dsink, int B, T, NH); LSE and D hold b·nh·t
+    // (checked by `views`; `d` is `row_dot`'s), sinks and dsink nh; MT_FA_THREADS threads and
+    // the 16 bytes of shared memory the kernel uses.
+    unsafe { a.launch(cfg) }.w()?;
+    Ok(wrap(dsinks, dev, nh))
 }

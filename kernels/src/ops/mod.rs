@@ -8,7 +8,7 @@
 //!   the scores and the row statistics (bf16 out);
 //! - [`flash_forward`] / [`flash_backward`]: flash attention (`flash.rs`; the Hopper kernels in
 //!   `flash_hopper.rs`); [`flash_forward_with`] / [`flash_backward_with`] with GPT-OSS's sliding
-//!   window and sink logits ([`FlashExtras`], the portable kernels);
+//!   window and sink logits ([`FlashExtras`], both kernel sets);
 //! - [`accumulate_matmul_t`]: a weight gradient added into the f32 gradient buffer by one cuBLAS
 //!   GEMM (`gemm.rs`);
 //! - [`rows_add`]: the embedding backward's deterministic row scatter-add (`embed.rs`);

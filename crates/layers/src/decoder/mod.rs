@@ -404,7 +404,7 @@ impl DecoderLayer {
                     .into(),
             ));
         }
-        attention::check_device(&self.cfg, x.device(), x.dtype(), self.opts.flash, self.opts.flash_kernel)?;
+        attention::check_device(&self.cfg, x.device(), x.dtype(), self.opts.flash)?;
         Ok((b, t))
     }
 

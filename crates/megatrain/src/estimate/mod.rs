@@ -116,15 +116,15 @@ fn fused_kernels(args: &EstimateArgs) -> bool {
 
 /// The kernels the estimate's device runs for `cfg`: the fused ones, flash attention on the
 /// Hopper kernels at compute capability 9.0 for head dims 64 and 128 unless the portable ones
-/// are asked for or the model needs them (as `mt_layers::hopper_attention` decides on a real
-/// device, with the trainer's `mt_layers::flash_kernel_for`), and a mixture of experts on the
+/// are asked for (as `mt_layers::hopper_attention` decides on a real device; GPT-OSS's sinks and
+/// windows run on both sets), and a mixture of experts on the
 /// device MoE kernels (as `mt_layers::moe_kernels_apply` decides).
 fn device_kernels(args: &EstimateArgs, cfg: &ModelConfig) -> DeviceKernels {
     let fused = fused_kernels(args);
     let hopper_attention = fused
         && args.compute_capability == 9.0
         && matches!(cfg.head_dim, 64 | 128)
-        && mt_layers::flash_kernel_for(cfg, args.attention.kernel()) != mt_train::FlashKernel::Portable;
+        && args.attention.kernel() != mt_train::FlashKernel::Portable;
     let moe = fused
         && mt_layers::MoeKernels::from(args.moe_kernels) == mt_layers::MoeKernels::Device
         && mt_layers::moe_kernels_fit(cfg);
@@ -357,11 +357,9 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         nccl_bytes_per_gpu: nccl_bytes as u64,
         tokens_per_step: args.batch_size * args.seq_len,
         refused: match args.device {
-            DeviceKind::Cuda => {
-                mt_layers::check_gpu(cfg, config.precision.dtype(), config.attention, config.flash_kernel)
-                    .err()
-                    .map(|e| e.to_string())
-            }
+            DeviceKind::Cuda => mt_layers::check_gpu(cfg, config.precision.dtype(), config.attention)
+                .err()
+                .map(|e| e.to_string()),
             DeviceKind::Cpu => None,
         },
     })

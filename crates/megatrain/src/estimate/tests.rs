@@ -345,12 +345,12 @@ fn the_moe_kernels_are_priced_where_they_run() {
 }
 
 /// GPT-OSS-20B's shape (the released `config.json`'s attention: 64 query over 8 KV heads of 64,
-/// a 128-token window on even layers, sinks) on an H200: `--attention auto` plans flash
-/// attention on the portable kernels (the Hopper ones have no sinks or windows yet, so no Hopper
-/// dQ buffer is planned and train would not refuse it); `--attention hopper`, the materialised
-/// scores and fp32 are what train refuses, in its words.
+/// a 128-token window on even layers, sinks) on an H200: `--attention auto` and `hopper` plan
+/// flash attention on the Hopper kernels (which take its sinks and windows; their dQ buffer is
+/// planned), `portable` on the portable ones, none refused; the materialised scores and fp32 are
+/// what train refuses, in its words.
 #[test]
-fn gpt_oss_plans_the_portable_flash_kernels_and_names_what_train_refuses() {
+fn gpt_oss_plans_the_hopper_flash_kernels_and_names_what_train_refuses() {
     let layer_types: Vec<&str> =
         (0..24).map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
     let config = serde_json::json!({
@@ -384,13 +384,16 @@ fn gpt_oss_plans_the_portable_flash_kernels_and_names_what_train_refuses() {
         let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
         super::estimate(&args).unwrap()
     };
-    let auto = estimate("bf16", "auto");
-    assert!(auto.plan.flash_attention && !auto.plan.hopper_attention, "{}", auto.plan);
-    assert_eq!(auto.refused, None);
+    for attention in ["auto", "hopper"] {
+        let e = estimate("bf16", attention);
+        assert!(e.plan.flash_attention && e.plan.hopper_attention, "{attention}: {}", e.plan);
+        assert_eq!(e.refused, None, "{attention}");
+    }
+    let portable = estimate("bf16", "portable");
+    assert!(portable.plan.flash_attention && !portable.plan.hopper_attention, "{}", portable.plan);
+    assert_eq!(portable.refused, None);
     let refusal = |precision, attention| estimate(precision, attention).refused.unwrap_or_default();
-    let (hopper, flash_only) =
-        ("Hopper attention kernels have no attention sinks", "in the flash attention kernels only");
-    assert!(refusal("bf16", "hopper").contains(hopper));
+    let flash_only = "in the flash attention kernels only";
     assert!(refusal("bf16", "materialized").contains(flash_only));
     assert!(refusal("fp32", "auto").contains(flash_only));
 }

@@ -170,13 +170,7 @@ impl<B: Backend> Engine<B> {
         if store.layout() != &layout {
             return Err(Error::Options("the host store was built for a different model layout".into()));
         }
-        mt_layers::check_device(
-            cfg,
-            backend.device(),
-            opts.weight_dtype,
-            opts.flash_attention,
-            opts.flash_kernel,
-        )?;
+        mt_layers::check_device(cfg, backend.device(), opts.weight_dtype, opts.flash_attention)?;
         opts.check(&layout, store.grad_dtype())?;
         opts.check_lora(cfg, &layout, &slot_layout)?;
         if backend.pins_host_buffers() && opts.placement.gpu_updated_layers > 0 && store.is_file_backed() {

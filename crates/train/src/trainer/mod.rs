@@ -395,13 +395,7 @@ fn plan_run<O: Observer>(
         &model.cfg,
         device,
         host,
-        // GPT-OSS under `Auto` runs the portable kernels (no Hopper dQ buffer to plan).
-        backend.kernels(
-            &model.cfg,
-            c.precision.dtype(),
-            mt_layers::flash_kernel_for(&model.cfg, c.flash_kernel),
-            c.moe_kernels,
-        ),
+        backend.kernels(&model.cfg, c.precision.dtype(), c.flash_kernel, c.moe_kernels),
     )?;
     notify(observer, &Event::Planned { plan: &p, device: c.device.kind() })?;
     Ok(p)
@@ -427,7 +421,7 @@ fn engine_options(c: &TrainConfig, model: &ModelSource, plan: &Plan) -> EngineOp
         overlap_optimizer: c.overlap_optimizer,
         rows_per_block: c.rows_per_block,
         flash_attention: plan.flash_attention,
-        flash_kernel: mt_layers::flash_kernel_for(&model.cfg, c.flash_kernel),
+        flash_kernel: c.flash_kernel,
         mlp_rows: plan.mlp_rows,
         rope_angles: c.rope_angles,
         moe_kernels: c.moe_kernels,
