@@ -47,13 +47,19 @@ pub struct DataParallel {
     pub rank: usize,
     /// Number of ranks.
     pub world: usize,
+    /// The rank that downloads and lands the summed gradients into this rank's host store and
+    /// updates it: the first of the ranks that share the store (`lead..=rank` do). 0 where one
+    /// process holds every rank over one store; with one process per host, each host's first
+    /// rank, so every host's store takes the same update from the same summed gradients.
+    pub lead: usize,
     /// How gradients are summed over the ranks.
     pub reduce: Box<dyn GradReduce>,
 }
 
 impl std::fmt::Debug for DataParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DataParallel").field("rank", &self.rank).field("world", &self.world).finish()
+        let mut d = f.debug_struct("DataParallel");
+        d.field("rank", &self.rank).field("world", &self.world).field("lead", &self.lead).finish()
     }
 }
 
@@ -133,10 +139,15 @@ const START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 type Job<B> = Box<dyn FnOnce(&mut Engine<B>) + Send>;
 
-/// One engine per rank, each on a thread of its own (where it is built, so a backend bound to its
-/// thread never moves), stepped together over one global batch.
+/// One engine per rank of this process, each on a thread of its own (where it is built, so a
+/// backend bound to its thread never moves), stepped together over one global batch: every rank
+/// of the job ([`Ranks::start`]), or this process's ranks `first..first + n` of `world`
+/// ([`Ranks::start_part`]: one process per host, each over its own store).
 pub struct Ranks<B: Backend> {
     cfg: ModelConfig,
+    /// This process's first rank, and the ranks of the whole job.
+    first: usize,
+    world: usize,
     senders: Vec<mpsc::Sender<Job<B>>>,
     threads: Vec<JoinHandle<()>>,
     /// A step failed: other ranks may be blocked in a collective, so they are not joined.
@@ -150,18 +161,37 @@ impl<B: Backend> std::fmt::Debug for Ranks<B> {
 }
 
 impl<B: Backend + 'static> Ranks<B> {
-    /// Starts `world` rank threads; rank `r`'s engine is `make(r)`, which must give it its
-    /// [`DataParallel`] place. Returns the first rank's error if any engine fails to start
-    /// (without waiting for ranks that may be blocked joining a collective group).
+    /// Starts `world` rank threads, every rank of the job in this process; rank `r`'s engine
+    /// (on GPU `r`) is `make(r)`, which must give it its [`DataParallel`] place. Returns the
+    /// first rank's error if any engine fails to start (without waiting for ranks that may be
+    /// blocked joining a collective group).
     pub fn start<F>(cfg: &ModelConfig, world: usize, make: F) -> Result<Self>
     where
         F: Fn(usize) -> Result<Engine<B>> + Send + Sync + 'static,
     {
+        Self::start_part(cfg, 0, world, world, make)
+    }
+
+    /// Starts this process's `n` rank threads, ranks `first..first + n` of a job of `world`
+    /// (other processes start the rest): rank `first + i`'s engine (on this host's GPU `i`) is
+    /// `make(first + i)`, with its [`DataParallel`] place (lead `first` where the process's ranks
+    /// share one store). Every process then steps the same global batches ([`Ranks::step`]).
+    pub fn start_part<F>(cfg: &ModelConfig, first: usize, n: usize, world: usize, make: F) -> Result<Self>
+    where
+        F: Fn(usize) -> Result<Engine<B>> + Send + Sync + 'static,
+    {
+        if n == 0 || first + n > world {
+            return Err(Error::Options(format!(
+                "ranks {first}..{} of a job of {world}: a process runs at least one of the job's ranks",
+                first + n
+            )));
+        }
         let make = Arc::new(make);
         let (ready_tx, ready_rx) = mpsc::channel::<(usize, Result<()>)>();
-        let mut senders = Vec::with_capacity(world);
-        let mut threads = Vec::with_capacity(world);
-        for rank in 0..world {
+        let mut senders = Vec::with_capacity(n);
+        let mut threads = Vec::with_capacity(n);
+        for gpu in 0..n {
+            let rank = first + gpu;
             let (tx, rx) = mpsc::channel::<Job<B>>();
             let (make, ready) = (Arc::clone(&make), ready_tx.clone());
             let t = std::thread::Builder::new()
@@ -170,11 +200,11 @@ impl<B: Backend + 'static> Ranks<B> {
                     let mut engine = match make(rank) {
                         Ok(e) => e,
                         Err(e) => {
-                            let _ = ready.send((rank, Err(e)));
+                            let _ = ready.send((gpu, Err(e)));
                             return;
                         }
                     };
-                    let _ = ready.send((rank, Ok(())));
+                    let _ = ready.send((gpu, Ok(())));
                     while let Ok(job) = rx.recv() {
                         job(&mut engine);
                     }
@@ -183,15 +213,15 @@ impl<B: Backend + 'static> Ranks<B> {
             senders.push(tx);
             threads.push(t);
         }
-        for _ in 0..world {
+        for _ in 0..n {
             match ready_rx.recv_timeout(START_TIMEOUT) {
                 Ok((_, Ok(()))) => {}
-                Ok((rank, Err(e))) => {
-                    return Err(Error::Options(format!("rank {rank} (GPU {rank}) could not start: {e}")))
+                Ok((gpu, Err(e))) => {
+                    return Err(Error::Options(format!("rank {} (GPU {gpu}) could not start: {e}", first + gpu)))
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     return Err(Error::Options(format!(
-                        "the {world} ranks did not all start within {} s (a GPU busy, or NCCL unable to connect them: NCCL_DEBUG=INFO says why)",
+                        "the {n} ranks did not all start within {} s (a GPU busy, or NCCL unable to connect them: NCCL_DEBUG=INFO says why)",
                         START_TIMEOUT.as_secs()
                     )))
                 }
@@ -200,15 +230,16 @@ impl<B: Backend + 'static> Ranks<B> {
                 }
             }
         }
-        Ok(Ranks { cfg: cfg.clone(), senders, threads, failed: AtomicBool::new(false) })
+        Ok(Ranks { cfg: cfg.clone(), first, world, senders, threads, failed: AtomicBool::new(false) })
     }
 
-    /// Number of ranks.
+    /// Number of ranks in the whole job.
     pub fn world(&self) -> usize {
-        self.senders.len()
+        self.world
     }
 
-    /// Runs `f` on rank 0's engine (evaluation, flushing the pending update, reading options).
+    /// Runs `f` on this process's first rank's engine (evaluation, flushing the pending update,
+    /// reading options): rank 0's where one process holds every rank.
     pub fn with_rank0<R: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Engine<B>) -> R + Send + 'static,
@@ -218,43 +249,45 @@ impl<B: Backend + 'static> Ranks<B> {
             .send(Box::new(move |e| {
                 let _ = tx.send(f(e));
             }))
-            .map_err(|_| gone(0))?;
-        rx.recv().map_err(|_| gone(0))
+            .map_err(|_| gone(self.first))?;
+        rx.recv().map_err(|_| gone(self.first))
     }
 
-    /// One optimizer step of every rank on its share of `batch` (validated whole: the global
-    /// target count normalises every rank's loss). The report is rank 0's, with the loss summed
-    /// over the ranks (in rank order), the tokens and targets of the whole batch, the bytes every
-    /// rank copied and the slowest rank's time.
+    /// One optimizer step of this process's ranks on their shares of `batch` (validated whole:
+    /// the global target count normalises every rank's loss; the batch is split over the whole
+    /// job's ranks, [`split_batch`]). The report is this process's first rank's, with the loss
+    /// summed over this process's ranks (in rank order: the whole batch's loss where one process
+    /// holds every rank), the tokens and targets of the whole batch, the bytes its ranks copied
+    /// and the slowest one's time.
     pub fn step(&self, batch: &Batch, lr: f64) -> Result<StepReport> {
         batch.validate(&self.cfg)?;
-        let world = self.world();
-        let parts = split_batch(batch, world)?;
+        let n = self.senders.len();
+        let parts = split_batch(batch, self.world)?;
         let global = batch.n_targets();
         let (tx, rx) = mpsc::channel();
-        for (rank, part) in parts.into_iter().enumerate() {
+        for (gpu, part) in parts.into_iter().skip(self.first).take(n).enumerate() {
             let tx = tx.clone();
-            self.senders[rank]
+            self.senders[gpu]
                 .send(Box::new(move |e| {
-                    let _ = tx.send((rank, e.step_rank(&part, global, lr)));
+                    let _ = tx.send((gpu, e.step_rank(&part, global, lr)));
                 }))
-                .map_err(|_| gone(rank))?;
+                .map_err(|_| gone(self.first + gpu))?;
         }
         drop(tx);
-        let mut reports: Vec<Option<StepReport>> = (0..world).map(|_| None).collect();
-        for _ in 0..world {
-            let (rank, r) = rx.recv().map_err(|_| gone(0))?;
+        let mut reports: Vec<Option<StepReport>> = (0..n).map(|_| None).collect();
+        for _ in 0..n {
+            let (gpu, r) = rx.recv().map_err(|_| gone(self.first))?;
             match r {
-                Ok(rep) => reports[rank] = Some(rep),
-                Err(e) if world > 1 => {
+                Ok(rep) => reports[gpu] = Some(rep),
+                Err(e) if self.world > 1 => {
                     self.failed.store(true, Ordering::Relaxed);
-                    return Err(Error::Op { op: format!("rank {rank}"), source: Box::new(e) });
+                    return Err(Error::Op { op: format!("rank {}", self.first + gpu), source: Box::new(e) });
                 }
                 Err(e) => return Err(e),
             }
         }
         let reports: Vec<StepReport> =
-            reports.into_iter().map(|r| r.ok_or_else(|| gone(0))).collect::<Result<_>>()?;
+            reports.into_iter().map(|r| r.ok_or_else(|| gone(self.first))).collect::<Result<_>>()?;
         let mut out = reports[0].clone();
         out.loss = reports.iter().fold(0.0, |acc, r| acc + r.loss);
         out.n_tokens = batch.batch * batch.seq;

@@ -49,7 +49,7 @@ fn ranks(cfg: &ModelConfig, store: &Arc<HostStore>, opts: EngineOptions, world: 
         let reduce = reducers.lock().unwrap()[rank].take().expect("each rank starts once");
         let backend = CpuBackend::new(CpuOptions::uniform(200, 3 + rank as u64));
         let mut e = Engine::new(&c, Arc::clone(&s), backend, EngineOptions { n_chunks: 1, ..opts.clone() })?;
-        e.set_data_parallel(DataParallel { rank, world, reduce: Box::new(reduce) })?;
+        e.set_data_parallel(DataParallel { rank, world, lead: 0, reduce: Box::new(reduce) })?;
         Ok(e)
     })
     .unwrap()
@@ -118,6 +118,63 @@ fn n_ranks_train_as_one_engine_with_the_whole_batch() {
             eprintln!("SUMMARY dp cpu {mode:?} {world} ranks: losses {ln:?} vs {l1:?}; weights worst rel {worst:.2e}");
             r.assert_ok(&format!("{mode:?}, {world} ranks vs one engine"));
             assert_eq!(many.state().step, one.state().step);
+        }
+    }
+}
+
+/// Two processes of two ranks each, every process over a store of its own (one process per host:
+/// issue 37's hybrid), stepped on the same global batches, train as one process of the four
+/// ranks over one store: the four ranks' gradients go through the same reduction, and each
+/// store's lead (ranks 0 and 2) lands the same sum and applies the same update. Both stores end
+/// bitwise equal to the one store, and the two processes' losses add up to its loss.
+#[test]
+fn processes_with_a_store_each_train_as_one_process_of_every_rank() {
+    let cfg = config();
+    let params = random_params(&cfg, 5);
+    let bs = batches(&cfg, 4, 3);
+    for mode in [OptimMode::Exact, OptimMode::Lean] {
+        let opts = EngineOptions { mode, n_chunks: 1, ..golden_opts() };
+        let one = store_with(&cfg, &params, GradDtype::F32);
+        let l1 = train_ranks(&cfg, &one, &opts, 4, &bs);
+        let stores = [store_with(&cfg, &params, GradDtype::F32), store_with(&cfg, &params, GradDtype::F32)];
+        let reducers = Arc::new(Mutex::new(LocalReduce::group(4).into_iter().map(Some).collect::<Vec<_>>()));
+        let parts: Vec<Ranks<CpuBackend>> = stores
+            .iter()
+            .enumerate()
+            .map(|(p, store)| {
+                let (c, s, o, r) = (cfg.clone(), Arc::clone(store), opts.clone(), Arc::clone(&reducers));
+                let first = 2 * p;
+                Ranks::start_part(&cfg, first, 2, 4, move |rank| {
+                    let reduce = r.lock().unwrap()[rank].take().expect("each rank starts once");
+                    let backend = CpuBackend::new(CpuOptions::uniform(200, 3 + rank as u64));
+                    let mut e = Engine::new(&c, Arc::clone(&s), backend, o.clone())?;
+                    e.set_data_parallel(DataParallel {
+                        rank,
+                        world: 4,
+                        lead: first,
+                        reduce: Box::new(reduce),
+                    })?;
+                    Ok(e)
+                })
+                .unwrap()
+            })
+            .collect();
+        for (k, b) in bs.iter().enumerate() {
+            let losses: Vec<f64> = std::thread::scope(|sc| {
+                let runs: Vec<_> = parts.iter().map(|r| sc.spawn(|| r.step(b, 1e-3).unwrap().loss)).collect();
+                runs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let sum = losses[0] + losses[1];
+            // The one process adds its four ranks' shares in rank order; here two pairs are added.
+            assert!((sum - l1[k]).abs() <= 1e-12 * l1[k].abs(), "{mode:?} step {k}: {losses:?} vs {}", l1[k]);
+        }
+        for r in &parts {
+            r.with_rank0(|e| e.flush_pending()).unwrap().unwrap();
+        }
+        for (p, store) in stores.iter().enumerate() {
+            let what = format!("{mode:?}: process {p}'s store vs the one store");
+            mt_testkit::tol::assert_bitwise_eq(&params_of(store), &params_of(&one), &what);
+            assert_eq!(store.state().step, one.state().step, "{what}");
         }
     }
 }
@@ -220,8 +277,9 @@ fn device_owned_optimizer_state_is_refused_with_several_ranks() {
     ] {
         let mut e = engine(&cfg, Arc::clone(&store), opts, 0);
         let reduce = LocalReduce::group(2).remove(0);
-        let err =
-            e.set_data_parallel(DataParallel { rank: 0, world: 2, reduce: Box::new(reduce) }).unwrap_err();
+        let err = e
+            .set_data_parallel(DataParallel { rank: 0, world: 2, lead: 0, reduce: Box::new(reduce) })
+            .unwrap_err();
         assert!(err.to_string().contains("--resident-layers 0"), "{err}");
     }
     // A plain engine refuses step_rank, a rank refuses step.
@@ -229,7 +287,7 @@ fn device_owned_optimizer_state_is_refused_with_several_ranks() {
     let b = batches(&cfg, 2, 1).remove(0);
     assert!(e.step_rank(&b, b.n_targets(), 1e-3).unwrap_err().to_string().contains("set_data_parallel"));
     let reduce = LocalReduce::group(1).remove(0);
-    e.set_data_parallel(DataParallel { rank: 0, world: 1, reduce: Box::new(reduce) }).unwrap();
+    e.set_data_parallel(DataParallel { rank: 0, world: 1, lead: 0, reduce: Box::new(reduce) }).unwrap();
     assert!(e.step(&b, 1e-3).unwrap_err().to_string().contains("step_rank"));
 }
 
@@ -256,7 +314,8 @@ fn rank_reports(
                     let backend = CpuBackend::new(CpuOptions::uniform(200, 3 + rank as u64));
                     let o = EngineOptions { n_chunks: 1, ..opts.clone() };
                     let mut e = Engine::new(cfg, Arc::clone(store), backend, o).unwrap();
-                    e.set_data_parallel(DataParallel { rank, world, reduce: Box::new(reduce) }).unwrap();
+                    e.set_data_parallel(DataParallel { rank, world, lead: 0, reduce: Box::new(reduce) })
+                        .unwrap();
                     let reports = bs
                         .iter()
                         .enumerate()

@@ -77,7 +77,7 @@ fn ranks(
         let b = CudaBackend::new(rank, CpuOptions::uniform(200, 2 + rank as u64))?;
         let reduce = NcclReduce::new(&b, rank, world, id)?;
         let mut e = Engine::new(&c, Arc::clone(&s), b, o.clone())?;
-        e.set_data_parallel(DataParallel { rank, world, reduce: Box::new(reduce) })?;
+        e.set_data_parallel(DataParallel { rank, world, lead: 0, reduce: Box::new(reduce) })?;
         Ok(e)
     })
     .unwrap();

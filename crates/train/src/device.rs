@@ -171,7 +171,7 @@ impl OpenedDevice {
             let b = CudaBackend::new(rank, cpu)?;
             let reduce = NcclReduce::new(&b, rank, gpus, id)?;
             let mut e = Engine::new(&c, Arc::clone(&store), b, opts.clone())?;
-            e.set_data_parallel(DataParallel { rank, world: gpus, reduce: Box::new(reduce) })?;
+            e.set_data_parallel(DataParallel { rank, world: gpus, lead: 0, reduce: Box::new(reduce) })?;
             Ok(e)
         })
         .context_with(|| format!("starting {gpus} data-parallel engines"))?;

@@ -298,7 +298,7 @@ impl<B: Backend> Engine<B> {
     fn program_spec(&self, pending: bool, early_ready: bool) -> ProgramSpec {
         let spec =
             self.opts.program_spec(self.layout.n_layers, self.store.grad_dtype(), pending, early_ready);
-        ProgramSpec { rank: self.dp.as_ref().map(|d| d.rank), ..spec }
+        ProgramSpec { rank: self.dp.as_ref().map(|d| d.rank - d.lead), ..spec }
     }
 
     /// The decoder layers whose exact-mode update runs on the device from their streamed state

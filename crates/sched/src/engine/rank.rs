@@ -25,14 +25,18 @@ impl<B: Backend> Engine<B> {
         self.step_inner(part, global_targets, lr, |_| {})
     }
 
-    /// Makes this engine rank `dp.rank` of `dp.world` data-parallel ranks over its store. Refuses
+    /// Makes this engine rank `dp.rank` of `dp.world` data-parallel ranks over its store (landed
+    /// by rank `dp.lead`). Refuses
     /// placements whose optimizer state lives on the device (resident units, GPU-updated layers:
     /// every rank would own a copy and write it back) and the MoE load-balancing loss (a function
     /// of the whole batch's router statistics, which no rank has).
     pub fn set_data_parallel(&mut self, dp: DataParallel) -> Result<()> {
         let o = &self.opts;
-        if dp.world == 0 || dp.rank >= dp.world {
-            return Err(Error::Options(format!("rank {} of {} ranks", dp.rank, dp.world)));
+        if dp.world == 0 || dp.rank >= dp.world || dp.lead > dp.rank {
+            return Err(Error::Options(format!(
+                "rank {} of {} ranks, its store's lead rank {}: the lead is one of the ranks before it or itself",
+                dp.rank, dp.world, dp.lead
+            )));
         }
         let p = &o.placement;
         let device_state = p.resident_outer || p.resident_layers > 0 || p.gpu_updated_layers > 0;
@@ -56,8 +60,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Whether this engine writes gradients into the store and sets its step state (it trains
-    /// alone, or it is rank 0).
+    /// alone, or it is its store's lead rank).
     pub(super) fn lands(&self) -> bool {
-        self.dp.as_ref().is_none_or(|d| d.rank == 0)
+        self.dp.as_ref().is_none_or(|d| d.rank == d.lead)
     }
 }

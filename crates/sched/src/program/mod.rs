@@ -306,9 +306,10 @@ pub struct ProgramSpec {
     /// the global norm is taken ([`Op::SumSquares`]), and land in bf16 (exact mode with bf16
     /// store gradients, `plan::lands_bf16`).
     pub narrow_grads: bool,
-    /// This engine is data-parallel rank `r` (`Some(r)`): every gradient is summed over the
-    /// ranks on the device ([`Op::AllReduce`]) before it is narrowed or downloaded, and only rank
-    /// 0 downloads and lands it.
+    /// This engine is data-parallel rank `r` among the ranks that share its host store
+    /// (`Some(r)`; `DataParallel::rank - DataParallel::lead`): every gradient is summed over all
+    /// ranks on the device ([`Op::AllReduce`]) before it is narrowed or downloaded, and only the
+    /// store's rank 0 (its lead) downloads and lands it.
     pub rank: Option<usize>,
     /// The host stream overlaps compute. `false` is the ablation: every host instruction waits
     /// for the compute before it and the next compute waits for it, so the optimizer's time adds

@@ -1,8 +1,8 @@
 //! Data-parallel ranks (`ProgramSpec::rank`): every gradient is summed over the ranks on the
 //! device ([`Op::AllReduce`]) right after its backward, before it is narrowed or downloaded, and
-//! only rank 0 downloads and lands it (so only it writes gradients into the one shared store and
-//! takes the exact global norm, of the summed gradient). Every rank stages and uploads every
-//! streamed layer from the store.
+//! only its store's rank 0 downloads and lands it (so only it writes gradients into the store its
+//! ranks share and takes the exact global norm, of the summed gradient). Every rank stages and
+//! uploads every streamed layer from its store.
 
 use mt_core::Unit;
 
@@ -17,7 +17,8 @@ impl Builder {
         Some(self.push(Stream::Compute, Op::AllReduce { unit, grad_buf }, vec![]))
     }
 
-    /// Whether this engine downloads and lands gradients: it trains alone, or it is rank 0.
+    /// Whether this engine downloads and lands gradients: it trains alone, or it is its store's
+    /// rank 0.
     pub(super) fn lands(&self) -> bool {
         self.spec.rank.is_none_or(|r| r == 0)
     }
