@@ -1,4 +1,6 @@
-//! Data parallelism over several engines ("ranks") that share one host store in one process:
+//! Data parallelism over several engines ("ranks"): in one process over one host store, or (one
+//! process per host) this process's ranks over its own store, the job's other ranks in other
+//! processes ([`Ranks::start_part`]; each store has its lead rank, [`DataParallel::lead`]). Here:
 //! the global batch split over the ranks, the gradient sum between ranks ([`GradReduce`]: NCCL on
 //! GPUs, [`LocalReduce`] as the in-memory stand-in the CPU tests use), and [`Ranks`], which runs
 //! one engine per rank on a thread of its own and steps them together.
@@ -6,16 +8,16 @@
 //! What a rank does differently: its chunks' loss weights are `1 / (targets of the GLOBAL
 //! batch)`; its step program (`ProgramSpec::rank`) sums each gradient buffer over the ranks on the
 //! device right after the layer's or the embedding's backward (`Op::AllReduce`, run by
-//! [`GradReduce::sum`]) before it is narrowed or downloaded, and only rank 0's downloads and lands
-//! gradients (so only rank 0 writes gradients into the store, takes Σg² — of the summed gradient,
-//! hence the exact global norm — and sets the store's step state). Every rank stages and uploads
-//! every streamed layer from the shared store; a pending exact-mode update is applied by whichever
+//! [`GradReduce::sum`]) before it is narrowed or downloaded, and only its store's lead (rank 0 in
+//! one process) downloads and lands gradients (so only the lead writes gradients into its store,
+//! takes Σg² — of the summed gradient, hence the exact global norm — and sets the store's step
+//! state). Every rank stages and uploads every streamed layer from its store; a pending exact-mode update is applied by whichever
 //! rank stages the unit first (the record lock and its applied-step mark make the others only cast).
 //! A step whose loss or norm is not finite is skipped by every rank alike (`engine/commit.rs`): the
-//! ranks sum a non-finite flag each after their step, and only rank 0 writes the store's state.
+//! ranks sum a non-finite flag each after their step, and only the lead writes its store's state.
 //!
 //! Architecture Invariant: a rank reads no record another rank writes before that write is
-//! complete. Rank 0's Land of a unit waits for its own Stage of the unit (which applied or found
+//! complete. The lead's Land of a unit waits for its own Stage of the unit (which applied or found
 //! applied the pending update, so no rank applies it from the new gradient), and its Download waits
 //! for the reduction, which completes only after every rank's backward of the unit, which read
 //! that rank's upload of it. Steps are barriers: [`Ranks::step`] returns only after every rank's.
@@ -197,7 +199,13 @@ impl<B: Backend + 'static> Ranks<B> {
             let t = std::thread::Builder::new()
                 .name(format!("rank-{rank}"))
                 .spawn(move || {
-                    let mut engine = match make(rank) {
+                    let mut engine = match make(rank).and_then(|e| match e.lead() {
+                        // This process's ranks share one store, landed by its first rank.
+                        Some(lead) if lead == first => Ok(e),
+                        lead => Err(Error::Options(format!(
+                            "rank {rank}'s store lead is {lead:?}, not this process's first rank {first}: every rank of a process shares its store, which its first rank lands"
+                        ))),
+                    }) {
                         Ok(e) => e,
                         Err(e) => {
                             let _ = ready.send((gpu, Err(e)));
@@ -296,8 +304,12 @@ impl<B: Backend + 'static> Ranks<B> {
         out.d2h_bytes = reports.iter().map(|r| r.d2h_bytes).sum();
         out.step_s = reports.iter().map(|r| r.step_s).fold(0.0, f64::max);
         if let Some(Skipped { cause: cause @ SkipCause::Loss(_), .. }) = &mut out.skipped {
-            // Rank 0 decided from every rank's flag; the cause is the whole batch's loss.
-            *cause = SkipCause::Loss(out.loss);
+            // The lead decided from every rank's flag; where this process holds every rank the
+            // cause is the whole batch's loss. Otherwise this process's share may be finite while
+            // another's is not: the cause stays the lead's (NaN where its own share was finite).
+            if self.first == 0 && n == self.world {
+                *cause = SkipCause::Loss(out.loss);
+            }
         }
         Ok(out)
     }

@@ -168,6 +168,25 @@ fn processes_with_a_store_each_train_as_one_process_of_every_rank() {
             // The one process adds its four ranks' shares in rank order; here two pairs are added.
             assert!((sum - l1[k]).abs() <= 1e-12 * l1[k].abs(), "{mode:?} step {k}: {losses:?} vs {}", l1[k]);
         }
+        // Exact mode: a loss that is not finite in the second process's share only makes both
+        // processes skip the step (nothing applied: the bitwise comparison below still holds),
+        // and the first, whose own share was finite, names no finite loss as the cause. (Lean
+        // mode applies finite gradients as they land: the single-store tests cover it.)
+        if mode == OptimMode::Exact {
+            parts[1].with_rank0(|e| e.inject(Fault::Loss(f64::NAN))).unwrap();
+            let reports: Vec<StepReport> = std::thread::scope(|sc| {
+                let runs: Vec<_> = parts.iter().map(|r| sc.spawn(|| r.step(&bs[0], 1e-3).unwrap())).collect();
+                runs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (p, r) in reports.iter().enumerate() {
+                let skipped = r.skipped.as_ref().unwrap_or_else(|| panic!("process {p} did not skip"));
+                assert!(
+                    matches!(skipped.cause, SkipCause::Loss(l) if l.is_nan()),
+                    "process {p}: {skipped:?}"
+                );
+            }
+            assert_eq!((stores[0].skipped_steps(), stores[1].skipped_steps()), (1, 1));
+        }
         for r in &parts {
             r.with_rank0(|e| e.flush_pending()).unwrap().unwrap();
         }

@@ -62,7 +62,8 @@ pub(crate) fn base_config(cfg: &ModelConfig) -> ModelConfig {
 }
 
 /// The frozen base weights, held in the encoding the run's LoRA config says (`--base-dtype`):
-/// imported from `--model`'s directory, or, for a model given by `--config` alone, initialised
+/// imported from `--model`'s directory, or, for a model given by `--config` (or the built-in
+/// one), initialised
 /// from `seed` as a full run's weights are ([`crate::init::init_store`]). The second is a base
 /// for measuring speed and memory (a 70B's adapters need no 140 GB of weights on disk); it has
 /// nothing to teach, which the run's start line says.

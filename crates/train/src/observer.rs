@@ -314,8 +314,8 @@ impl fmt::Display for Event<'_> {
                 if s.random_base {
                     writeln!(
                         f,
-                        "LoRA base: initialised from the seed, as --config's full runs are (a run for measuring \
-                         speed and memory; give --model DIR to fine-tune a pretrained model)"
+                        "LoRA base: initialised from the seed, as a full run's weights are without --model (a run \
+                         for measuring speed and memory; give --model DIR to fine-tune a pretrained model)"
                     )?;
                 }
                 write!(f, "data: {}", s.data)?;

@@ -101,7 +101,7 @@ impl<B: Backend> Engine<B> {
 
     /// The loss and gradient norm a step's skip decision ([`Engine::commit`]) is taken
     /// from: the same decision on every rank. Alone, they are the step's own. A rank's loss is its
-    /// share of the batch's, and only the landing rank has the norm (of the summed gradient; the
+    /// share of the batch's, and only the landing ranks (each store's lead) have the norm (of the summed gradient; the
     /// others land nothing), so the ranks sum, through the same reduction as the gradients, one
     /// flag each for "my share of the loss is not finite" and "the norm is not finite" (only the
     /// landing rank's counts). Flags sum exactly, so every rank reads the same two counts and

@@ -36,7 +36,11 @@ impl<B: Backend> Engine<B> {
             // A LoRA run's frozen base first (the values its encoding holds, rounded to the slot's
             // dtype as its upload's are), then its adapters (the slot's layout).
             let mut at = 0;
-            if let Some(b) = self.opts.frozen_base.as_ref().filter(|b| b.encoding(u).elems() > 0) {
+            // The outer unit's own slot holds its base already (`Engine::base_kept`): the
+            // adapters alone. (Decoder layers are evaluated in ring slot 0, never their own.)
+            if let Some(n) = self.base_kept(u).filter(|_| u == Unit::Outer) {
+                at = n;
+            } else if let Some(b) = self.opts.frozen_base.as_ref().filter(|b| b.encoding(u).elems() > 0) {
                 let enc = b.encoding(u);
                 let mut w = vec![0f32; enc.elems()];
                 decode_unit(enc, &b.unit(u), Decoded::F32(&mut w));

@@ -59,6 +59,11 @@ impl<B: Backend> Engine<B> {
         self.dp.as_ref().map(|d| (d.rank, d.world))
     }
 
+    /// The rank that lands this data-parallel engine's store ([`DataParallel::lead`]).
+    pub fn lead(&self) -> Option<usize> {
+        self.dp.as_ref().map(|d| d.lead)
+    }
+
     /// Whether this engine writes gradients into the store and sets its step state (it trains
     /// alone, or it is its store's lead rank).
     pub(super) fn lands(&self) -> bool {

@@ -86,6 +86,9 @@ pub fn an_encoded_base_trains_as_its_dequantised_weights<B: Backend>(
                     rf.h2d_bytes
                 );
             }
+            // Evaluation after the steps reads the kept outer slot (not rewritten) and the ring.
+            let (le, lf) = (e.logits(&batch).unwrap(), f.logits(&batch).unwrap());
+            assert_eq!(diff(&le, &lf).unwrap().max_abs_diff, 0.0, "{what}: logits after three steps");
             e.flush_pending().unwrap();
             f.flush_pending().unwrap();
             let (pe, pf) = (params_of(&store), params_of(&f32_store));
