@@ -165,3 +165,45 @@ fn launch_info_prints_the_launchers_place_or_names_the_variable_at_fault() {
     assert_eq!(o.status.code(), Some(1));
     assert_eq!(stderr(&o).trim_end(), "error: RANK=4 is not below WORLD_SIZE=4");
 }
+
+/// `megatrain train` started by a launcher as one process of several refuses what such a job
+/// cannot run before it waits for the others at the rendezvous (rank 1 here: its rank 0 never
+/// comes): the CPU device, and in a build without NCCL any device.
+#[test]
+fn a_job_of_several_processes_refuses_what_it_cannot_run_before_the_rendezvous() {
+    let run = |device: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_megatrain"));
+        c.args(["train", "--steps", "1", "--device", device]);
+        for v in mt_dist::launch::VARIABLES {
+            c.env_remove(v);
+        }
+        let vars = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "9"),
+        ];
+        c.envs(vars).output().unwrap()
+    };
+    let place = "torchrun: rank 1 of 2, local rank 1; rank 0 at 127.0.0.1:9 (host from MASTER_ADDR, port from MASTER_PORT)";
+    let o = run("cpu");
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        stderr(&o).trim_end(),
+        format!(
+            "error: {place}: a job of several processes trains on GPUs, in one NCCL group: add --device cuda"
+        )
+    );
+    if !cfg!(feature = "nccl") {
+        let o = run("cuda");
+        assert_eq!(o.status.code(), Some(1));
+        assert!(
+            stderr(&o).starts_with(&format!(
+                "error: {place}: a job of several processes needs a megatrain built with the nccl feature"
+            )),
+            "{}",
+            stderr(&o)
+        );
+    }
+}

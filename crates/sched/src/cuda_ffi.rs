@@ -404,15 +404,18 @@ impl NcclComm {
         Ok(NcclComm { comm, stream })
     }
 
-    /// Enqueues the in-place sum of a whole f32 device buffer over every rank on the stream.
-    pub(crate) fn all_reduce_sum_f32(&self, t: &Tensor) -> Result<()> {
+    /// Enqueues the in-place sum of a whole f32 (gradients) or f64 (a step's loss and flags)
+    /// device buffer over every rank on the stream.
+    pub(crate) fn all_reduce_sum(&self, t: &Tensor) -> Result<()> {
         use cudarc::nccl::{result as nccl, sys as ncs};
-        if t.dtype() != DType::F32 {
-            return Err(Error::Cuda(format!("gradient sums are f32, not {:?}", t.dtype())));
-        }
+        let (kind, size) = match t.dtype() {
+            DType::F32 => (ncs::ncclDataType_t::ncclFloat32, 4),
+            DType::F64 => (ncs::ncclDataType_t::ncclFloat64, 8),
+            other => return Err(Error::Cuda(format!("sums over the ranks are f32 or f64, not {other:?}"))),
+        };
         let (ptr, bytes) = device_ptr(t, &self.stream)?;
         let ptr = ptr as *mut std::ffi::c_void;
-        // SAFETY: ptr addresses the whole live f32 buffer of bytes / 4 elements, kept alive by the
+        // SAFETY: ptr addresses the whole live buffer of bytes / size elements of `kind`, kept alive by the
         // pool until every stream is drained; sum in place (send == receive is allowed); the
         // communicator is live and owned by this engine; the stream is this rank's compute stream,
         // so the sum runs after the backward that wrote the buffer and before anything reads it.
@@ -420,8 +423,8 @@ impl NcclComm {
             nccl::all_reduce(
                 ptr,
                 ptr,
-                bytes / 4,
-                ncs::ncclDataType_t::ncclFloat32,
+                bytes / size,
+                kind,
                 ncs::ncclRedOp_t::ncclSum,
                 self.comm,
                 self.stream.cu_stream() as ncs::cudaStream_t,

@@ -13,8 +13,10 @@
 //! takes Σg² — of the summed gradient, hence the exact global norm — and sets the store's step
 //! state). Every rank stages and uploads every streamed layer from its store; a pending exact-mode update is applied by whichever
 //! rank stages the unit first (the record lock and its applied-step mark make the others only cast).
-//! A step whose loss or norm is not finite is skipped by every rank alike (`engine/commit.rs`): the
-//! ranks sum a non-finite flag each after their step, and only the lead writes its store's state.
+//! After their step the ranks sum their loss shares (every rank, in every process, reports the
+//! whole batch's loss) and a flag for a norm that is not finite: a step whose loss or norm is not
+//! finite is skipped by every rank alike (`engine/commit.rs`), and only the lead writes its store's
+//! state.
 //!
 //! Architecture Invariant: a rank reads no record another rank writes before that write is
 //! complete. The lead's Land of a unit waits for its own Stage of the unit (which applied or found
@@ -32,14 +34,15 @@ use mt_core::{Error as CoreError, ModelConfig};
 
 use crate::backend::Backend;
 use crate::batch::{chunk_ranges, Batch};
-use crate::engine::{Engine, SkipCause, Skipped, StepReport};
+use crate::engine::{Engine, StepReport};
 use crate::{Error, Result};
 
 /// The sum of a gradient buffer over all ranks, in place.
 pub trait GradReduce {
-    /// Replaces `buf` (a whole, contiguous f32 gradient buffer on this rank's device) by its sum
-    /// over all ranks, ordered after everything issued to the compute stream before it and before
-    /// everything issued after it. Every rank calls it for the same buffers in the same order.
+    /// Replaces `buf` (a whole, contiguous buffer on this rank's device: f32 for gradients, f64
+    /// for the step's loss and skip flag) by its sum over all ranks, ordered after everything
+    /// issued to the compute stream before it and before everything issued after it. Every rank
+    /// calls it for the same buffers in the same order.
     fn sum(&self, buf: &Tensor) -> Result<()>;
 }
 
@@ -261,12 +264,38 @@ impl<B: Backend + 'static> Ranks<B> {
         rx.recv().map_err(|_| gone(self.first))
     }
 
+    /// `values` summed over every rank of the job ([`Engine::sum_over_ranks`], which each of this
+    /// process's ranks runs; the other processes' ranks must call it too).
+    pub fn sum_over_ranks(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let n = self.senders.len();
+        let (tx, rx) = mpsc::channel();
+        for (gpu, sender) in self.senders.iter().enumerate() {
+            let (tx, values) = (tx.clone(), values.to_vec());
+            sender
+                .send(Box::new(move |e| {
+                    let _ = tx.send((gpu, e.sum_over_ranks(&values)));
+                }))
+                .map_err(|_| gone(self.first + gpu))?;
+        }
+        drop(tx);
+        let mut first = None;
+        for _ in 0..n {
+            let (gpu, r) = rx.recv().map_err(|_| gone(self.first))?;
+            let sums =
+                r.map_err(|e| Error::Op { op: format!("rank {}", self.first + gpu), source: Box::new(e) })?;
+            if gpu == 0 {
+                first = Some(sums);
+            }
+        }
+        first.ok_or_else(|| gone(self.first))
+    }
+
     /// One optimizer step of this process's ranks on their shares of `batch` (validated whole:
     /// the global target count normalises every rank's loss; the batch is split over the whole
-    /// job's ranks, [`split_batch`]). The report is this process's first rank's, with the loss
-    /// summed over this process's ranks (in rank order: the whole batch's loss where one process
-    /// holds every rank), the tokens and targets of the whole batch, the bytes its ranks copied
-    /// and the slowest one's time.
+    /// job's ranks, [`split_batch`]). The report is this process's first rank's (its loss the
+    /// whole batch's, summed over every rank of the job: `Engine::agree_on_finite`), with the
+    /// tokens and targets of the whole batch, the bytes this process's ranks copied and the
+    /// slowest one's time.
     pub fn step(&self, batch: &Batch, lr: f64) -> Result<StepReport> {
         batch.validate(&self.cfg)?;
         let n = self.senders.len();
@@ -297,20 +326,11 @@ impl<B: Backend + 'static> Ranks<B> {
         let reports: Vec<StepReport> =
             reports.into_iter().map(|r| r.ok_or_else(|| gone(self.first))).collect::<Result<_>>()?;
         let mut out = reports[0].clone();
-        out.loss = reports.iter().fold(0.0, |acc, r| acc + r.loss);
         out.n_tokens = batch.batch * batch.seq;
         out.n_targets = global;
         out.h2d_bytes = reports.iter().map(|r| r.h2d_bytes).sum();
         out.d2h_bytes = reports.iter().map(|r| r.d2h_bytes).sum();
         out.step_s = reports.iter().map(|r| r.step_s).fold(0.0, f64::max);
-        if let Some(Skipped { cause: cause @ SkipCause::Loss(_), .. }) = &mut out.skipped {
-            // The lead decided from every rank's flag; where this process holds every rank the
-            // cause is the whole batch's loss. Otherwise this process's share may be finite while
-            // another's is not: the cause stays the lead's (NaN where its own share was finite).
-            if self.first == 0 && n == self.world {
-                *cause = SkipCause::Loss(out.loss);
-            }
-        }
         Ok(out)
     }
 }

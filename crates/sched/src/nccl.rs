@@ -66,7 +66,7 @@ impl NcclReduce {
 
 impl GradReduce for NcclReduce {
     fn sum(&self, buf: &candle_core::Tensor) -> Result<()> {
-        self.comm.all_reduce_sum_f32(buf)
+        self.comm.all_reduce_sum(buf)
     }
 }
 

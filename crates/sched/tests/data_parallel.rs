@@ -164,13 +164,27 @@ fn processes_with_a_store_each_train_as_one_process_of_every_rank() {
                 let runs: Vec<_> = parts.iter().map(|r| sc.spawn(|| r.step(b, 1e-3).unwrap().loss)).collect();
                 runs.into_iter().map(|h| h.join().unwrap()).collect()
             });
-            let sum = losses[0] + losses[1];
-            // The one process adds its four ranks' shares in rank order; here two pairs are added.
-            assert!((sum - l1[k]).abs() <= 1e-12 * l1[k].abs(), "{mode:?} step {k}: {losses:?} vs {}", l1[k]);
+            // Every process reports the whole batch's loss: the four ranks' shares summed in
+            // rank order, as the one process sums them.
+            for (p, l) in losses.iter().enumerate() {
+                assert_eq!(l.to_bits(), l1[k].to_bits(), "{mode:?} step {k}, process {p}: {l} vs {}", l1[k]);
+            }
         }
+        // What the processes must agree on before they step is summed over every rank: here two
+        // ranks a process, each adding its process's number and 1.
+        let sums: Vec<Vec<f64>> = std::thread::scope(|sc| {
+            let runs: Vec<_> = parts
+                .iter()
+                .enumerate()
+                .map(|(p, r)| sc.spawn(move || r.sum_over_ranks(&[p as f64, 1.0]).unwrap()))
+                .collect();
+            runs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(sums, vec![vec![2.0, 4.0]; 2], "{mode:?}");
         // Exact mode: a loss that is not finite in the second process's share only makes both
         // processes skip the step (nothing applied: the bitwise comparison below still holds),
-        // and the first, whose own share was finite, names no finite loss as the cause. (Lean
+        // and both name the whole batch's loss, NaN, as the cause (the first's own share was
+        // finite). (Lean
         // mode applies finite gradients as they land: the single-store tests cover it.)
         if mode == OptimMode::Exact {
             parts[1].with_rank0(|e| e.inject(Fault::Loss(f64::NAN))).unwrap();
@@ -378,6 +392,8 @@ fn a_non_finite_step_on_any_rank_is_skipped_by_every_rank() {
             let reps = rank_reports(&cfg, &store, &opts, world, &bs, &[(1, 1, fault)]);
             for (rank, r) in reps.iter().enumerate() {
                 let what = format!("{mode:?}, {fault:?}, rank {rank}");
+                // Every rank reports the whole batch's loss.
+                assert_eq!(r[0].loss.to_bits(), reps[0][0].loss.to_bits(), "{what}");
                 assert!(r[0].skipped.is_none() && r[2].skipped.is_none(), "{what}: a clean step skipped");
                 let skipped = r[1].skipped.as_ref().unwrap_or_else(|| panic!("{what}: not skipped"));
                 match fault {

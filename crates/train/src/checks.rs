@@ -223,35 +223,41 @@ pub(crate) fn room_refusal(outs: &[&Output], free: u64) -> Option<String> {
     ))
 }
 
-/// Refuses `--gpus` where data parallel cannot run: 0 GPUs, the CPU backend, fewer sequences than
-/// GPUs, and the placements that keep optimizer state on a GPU (every GPU would own a copy).
+/// Refuses `--gpus` (and a job of several processes) where data parallel cannot run: 0 GPUs, the
+/// CPU backend, fewer sequences than ranks, and the placements that keep optimizer state on a GPU
+/// (every GPU would own a copy).
 fn check_gpus(args: &TrainConfig, cfg: &ModelConfig) -> Result<()> {
     let n = args.gpus;
     if n == 0 {
         refuse!("--gpus 0: train on at least one GPU");
     }
-    if n == 1 {
+    let ranks = args.ranks();
+    if ranks == 1 {
         return Ok(());
     }
+    let what = match &args.job {
+        None => format!("--gpus {n}"),
+        Some(j) => format!("--gpus {n} in each of {} processes ({ranks} GPUs)", j.processes),
+    };
     if args.device == crate::Device::Cpu {
         refuse!(
-            "--gpus {n} needs --device cuda: the CPU backend trains as one rank (its data-parallel path is tested with simulated ranks)"
+            "{what} needs --device cuda: the CPU backend trains as one rank (its data-parallel path is tested with simulated ranks)"
         );
     }
-    if args.batch_size < n {
+    if args.batch_size < ranks {
         refuse!(
-            "--batch-size {} is smaller than --gpus {n}: each GPU needs at least one sequence",
+            "--batch-size {} is smaller than {what}: each GPU needs at least one sequence",
             args.batch_size
         );
     }
     if let Some(flag) = args.placement.device_state_asked() {
         refuse!(
-            "{flag} keeps optimizer state on the GPU, which --gpus {n} does not support yet (every GPU would own a copy): leave it at auto or 0"
+            "{flag} keeps optimizer state on the GPU, which {what} does not support yet (every GPU would own a copy): leave it at auto or 0"
         );
     }
     if cfg.moe.as_ref().and_then(|m| m.aux_coef()).is_some() {
         refuse!(
-            "--gpus {n}: the mixture of experts' load-balancing loss needs the whole batch's router statistics, which data parallel does not gather yet; use --gpus 1"
+            "{what}: the mixture of experts' load-balancing loss needs the whole batch's router statistics, which data parallel does not gather yet; use --gpus 1"
         );
     }
     Ok(())

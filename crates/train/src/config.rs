@@ -159,6 +159,9 @@ pub struct TrainConfig {
     /// GPUs 0..N of this host, data parallel (one engine per GPU over the one host store; the
     /// batch split over them; gradients summed through NCCL). 1: the plain engine.
     pub gpus: usize,
+    /// This process's place in a job of several processes, one per host (`None`: the job is this
+    /// process).
+    pub job: Option<JobPlace>,
     /// Weight dtype on the device.
     pub precision: Precision,
     /// Gradient dtype of a new store; `None`: [`Precision::default_grad_dtype`].
@@ -232,6 +235,26 @@ pub struct TrainConfig {
     pub base_dtype: Option<mt_core::BaseDtype>,
 }
 
+/// A process's place in a job of several, one per host, each over its own host store (a hybrid
+/// of the in-process data parallel of `--gpus` and one NCCL group across hosts): started by
+/// torchrun or Slurm, `megatrain train` fills it in from the launcher's environment and the
+/// rendezvous (`mt_dist`). Process `p` runs ranks `p * gpus .. (p + 1) * gpus` of the job's
+/// `processes * gpus`, its first rank landing its store; every process steps the same global
+/// batches and reports the whole batch's loss. Only process 0 writes checkpoints and the export,
+/// so a resume needs its checkpoint directory where every process can read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobPlace {
+    /// This process, `0..processes`.
+    pub process: usize,
+    /// Processes in the job.
+    pub processes: usize,
+    /// This process's GPUs are `first_gpu .. first_gpu + gpus` of its host's (the launcher's
+    /// local rank times `gpus`: several processes on one host each take their own).
+    pub first_gpu: usize,
+    /// The job's NCCL unique id (its bytes, as process 0 made it: `nccl_unique_id`).
+    pub nccl_id: Vec<u8>,
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
@@ -261,6 +284,7 @@ impl Default for TrainConfig {
             optim_mode: OptimMode::Exact,
             device: Device::Cpu,
             gpus: 1,
+            job: None,
             precision: Precision::Fp32,
             grad_dtype: None,
             optim_states: StateDtype::F32,
@@ -321,6 +345,22 @@ impl TrainConfig {
     /// The peak learning rate for `cfg`: `lr`, else [`auto_lr`].
     pub fn lr_for(&self, cfg: &ModelConfig) -> f64 {
         self.lr.unwrap_or_else(|| auto_lr(cfg.hidden_size))
+    }
+
+    /// Data-parallel ranks of the whole job: this host's `gpus`, times the job's processes.
+    pub fn ranks(&self) -> usize {
+        self.gpus * self.job.as_ref().map_or(1, |j| j.processes)
+    }
+
+    /// This process's first GPU on its host ([`JobPlace::first_gpu`]; 0 alone).
+    pub fn first_gpu(&self) -> usize {
+        self.job.as_ref().map_or(0, |j| j.first_gpu)
+    }
+
+    /// Whether this process writes the run's outputs (checkpoints, the export) and locks them:
+    /// the job's only process, or process 0 of several (the others' stores are the same bits).
+    pub fn writes_outputs(&self) -> bool {
+        self.job.as_ref().is_none_or(|j| j.process == 0)
     }
 
     /// Where checkpoints go: `checkpoint_dir`, else `out/checkpoints`; `None` without either.

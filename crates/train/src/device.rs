@@ -1,5 +1,6 @@
 //! The device a run computes on, behind one type: the CPU backend or (with the `cuda` feature)
-//! GPU 0, and the engine over it, so the trainer needs no `cfg` and no backend type parameter.
+//! this process's first GPU, and the engine over it, so the trainer needs no `cfg` and no
+//! backend type parameter.
 
 use std::sync::Arc;
 
@@ -60,8 +61,9 @@ impl OpenedDevice {
             Device::Cpu => Ok(OpenedDevice::Cpu(CpuBackend::new(opts))),
             #[cfg(feature = "cuda")]
             Device::Cuda => {
-                let b = mt_sched::CudaBackend::new(0, opts)
-                    .context_with(|| "--device cuda: cannot open GPU 0".into())?;
+                let gpu = c.first_gpu();
+                let b = mt_sched::CudaBackend::new(gpu, opts)
+                    .context_with(|| format!("--device cuda: cannot open GPU {gpu}"))?;
                 Ok(OpenedDevice::Cuda(b))
             }
             #[cfg(not(feature = "cuda"))]
@@ -118,18 +120,19 @@ impl OpenedDevice {
         }
     }
 
-    /// Starts the engine: device pool, page-locked rings, resident units loaded from the store.
+    /// Starts the engine: device pool, page-locked rings, resident units loaded from the store;
+    /// data-parallel ranks with `--gpus` above 1 or in a job of several processes.
     pub(crate) fn start(
         self,
         cfg: &ModelConfig,
         store: Arc<HostStore>,
         opts: EngineOptions,
-        gpus: usize,
+        c: &TrainConfig,
         cpu: CpuOptions,
     ) -> Result<DeviceEngine> {
         let what = || "starting the engine".to_string();
-        if gpus > 1 {
-            return self.start_ranks(cfg, store, opts, gpus, cpu);
+        if c.ranks() > 1 {
+            return self.start_ranks(cfg, store, opts, c, cpu);
         }
         Ok(match self {
             OpenedDevice::Cpu(b) => DeviceEngine::Cpu(Engine::new(cfg, store, b, opts).context_with(what)?),
@@ -140,41 +143,68 @@ impl OpenedDevice {
 }
 
 impl OpenedDevice {
-    /// `--gpus N` (N > 1): one engine per GPU `0..N`, each on its own thread with its own CUDA
-    /// context and streams, over the one host store, its gradients summed through NCCL. GPU 0,
-    /// opened for planning, is given back first (rank 0 opens it again on its thread).
+    /// Data parallel: one engine per GPU `0..gpus` of this host, each on its own thread with its
+    /// own CUDA context and streams, over the one host store, its gradients summed through NCCL
+    /// with every rank of the job. Alone, this process is the job (ranks `0..gpus`, a new NCCL
+    /// id); in a job of several processes ([`crate::JobPlace`]) it runs ranks
+    /// `process * gpus ..` of `processes * gpus`, in the group of the id process 0 made, its
+    /// first rank landing its store, on its host's GPUs `first_gpu ..`. The first, opened for
+    /// planning, is given back first (this process's first rank opens it again on its thread).
     #[cfg(feature = "nccl")]
     fn start_ranks(
         self,
         cfg: &ModelConfig,
         store: Arc<HostStore>,
         opts: EngineOptions,
-        gpus: usize,
+        c: &TrainConfig,
         cpu: CpuOptions,
     ) -> Result<DeviceEngine> {
         use mt_sched::{CudaBackend, DataParallel, NcclId, NcclReduce};
-        let OpenedDevice::Cuda(first) = self else {
+        let gpus = c.gpus;
+        let OpenedDevice::Cuda(first_gpu) = self else {
             return Err(crate::Error::Options(format!("--gpus {gpus} needs --device cuda")));
         };
-        drop(first);
+        drop(first_gpu);
         let have = CudaBackend::device_count().context_with(|| "counting the GPUs".into())?;
-        if gpus > have {
+        let gpu0 = c.first_gpu();
+        if gpu0 + gpus > have {
+            let from = match gpu0 {
+                0 => String::new(),
+                g => format!(" from GPU {g} (the launcher's local rank times --gpus)"),
+            };
+            let fit = have.saturating_sub(gpu0);
             return Err(crate::Error::Options(format!(
-                "--gpus {gpus}: this machine has {have} GPU(s) visible (CUDA_VISIBLE_DEVICES?); use --gpus {have} or fewer"
+                "--gpus {gpus}{from}: this machine has {have} GPU(s) visible (CUDA_VISIBLE_DEVICES?); use --gpus {fit} or fewer"
             )));
         }
-        let id = NcclId::new().context_with(|| {
-            "--gpus: NCCL is not usable (is libnccl.so on LD_LIBRARY_PATH? README, \"Several GPUs\")".into()
-        })?;
-        let c = cfg.clone();
-        let ranks = mt_sched::Ranks::start(cfg, gpus, move |rank| {
-            let b = CudaBackend::new(rank, cpu)?;
-            let reduce = NcclReduce::new(&b, rank, gpus, id)?;
-            let mut e = Engine::new(&c, Arc::clone(&store), b, opts.clone())?;
-            e.set_data_parallel(DataParallel { rank, world: gpus, lead: 0, reduce: Box::new(reduce) })?;
+        let (first, world) = match &c.job {
+            Some(j) => (j.process * gpus, j.processes * gpus),
+            None => (0, gpus),
+        };
+        let id = match &c.job {
+            Some(j) => NcclId::from_bytes(&j.nccl_id).context_with(|| "the job's NCCL id".into())?,
+            None => NcclId::new().context_with(|| {
+                "--gpus: NCCL is not usable (is libnccl.so on LD_LIBRARY_PATH? README, \"Several GPUs\")"
+                    .into()
+            })?,
+        };
+        let c2 = cfg.clone();
+        let ranks = mt_sched::Ranks::start_part(cfg, first, gpus, world, move |rank| {
+            let b = CudaBackend::new(gpu0 + rank - first, cpu)?;
+            let reduce = NcclReduce::new(&b, rank, world, id)?;
+            let mut e = Engine::new(&c2, Arc::clone(&store), b, opts.clone())?;
+            e.set_data_parallel(DataParallel { rank, world, lead: first, reduce: Box::new(reduce) })?;
             Ok(e)
         })
-        .context_with(|| format!("starting {gpus} data-parallel engines"))?;
+        .context_with(|| match &c.job {
+            Some(j) => format!(
+                "starting ranks {first}..{} of the job's {world} (process {} of {})",
+                first + gpus,
+                j.process,
+                j.processes
+            ),
+            None => format!("starting {gpus} data-parallel engines"),
+        })?;
         Ok(DeviceEngine::Ranks(ranks))
     }
 
@@ -184,13 +214,32 @@ impl OpenedDevice {
         _cfg: &ModelConfig,
         _store: Arc<HostStore>,
         _opts: EngineOptions,
-        gpus: usize,
+        c: &TrainConfig,
         _cpu: CpuOptions,
     ) -> Result<DeviceEngine> {
-        Err(crate::Error::Options(format!(
-            "--gpus {gpus}: this megatrain was built without the nccl feature (cargo build --features megatrain/nccl); use --gpus 1"
-        )))
+        Err(nccl_missing(&format!("--gpus {} over {} GPUs in all", c.gpus, c.ranks())))
     }
+}
+
+/// A new NCCL unique id's bytes, for process 0 of a job of several to ship to the others through
+/// the rendezvous ([`crate::JobPlace::nccl_id`]).
+pub fn nccl_unique_id() -> Result<Vec<u8>> {
+    #[cfg(feature = "nccl")]
+    {
+        let id = mt_sched::NcclId::new().context_with(|| {
+            "NCCL is not usable (is libnccl.so on LD_LIBRARY_PATH? README, \"Several GPUs\")".into()
+        })?;
+        Ok(id.to_bytes().to_vec())
+    }
+    #[cfg(not(feature = "nccl"))]
+    Err(nccl_missing("a job of several processes"))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_missing(what: &str) -> crate::Error {
+    crate::Error::Options(format!(
+        "{what}: this megatrain was built without the nccl feature (cargo build --features megatrain/nccl); use --gpus 1 in one process"
+    ))
 }
 
 impl DeviceEngine {
@@ -221,6 +270,12 @@ impl DeviceEngine {
             let batch = batch.clone();
             r.with_rank0(move |e| e.loss_sum(&batch)).and_then(|x| x)
         })
+    }
+
+    /// `values` summed over every data-parallel rank of the job (each rank adds its own); alone,
+    /// `values`.
+    pub(crate) fn sum_over_ranks(&self, values: &[f64]) -> mt_sched::Result<Vec<f64>> {
+        on_engine!(self, e => e.sum_over_ranks(values), r => r.sum_over_ranks(values))
     }
 
     /// Bytes of the store page-locked in place for GPU-updated layers.

@@ -77,10 +77,10 @@ pub fn plan_for(
     if p.host.store_window.is_none() {
         return Ok(p);
     }
-    if c.gpus > 1 {
+    if c.ranks() > 1 {
         return Err(crate::Error::Options(format!(
-            "--gpus {} with a store paged from its file (larger than --host-mem): data parallel keeps the whole store in RAM; give it more --host-mem or train on one GPU",
-            c.gpus
+            "data parallel over {} GPUs with a store paged from its file (larger than --host-mem): data parallel keeps the whole store in RAM; give it more --host-mem or train on one GPU",
+            c.ranks()
         )));
     }
     if c.device == Device::Cpu {
@@ -122,7 +122,7 @@ fn plan_with(
 ) -> Result<Plan> {
     let (device_bytes, host_bytes, host_reserved) = bytes;
     let mut placement = c.placement.for_run(c.device.kind(), c.store.is_some());
-    if c.gpus > 1 {
+    if c.ranks() > 1 {
         // Data parallel keeps every optimizer state in the host store (checks.rs refused an
         // explicit request for these): the planner may not choose them.
         placement = placement.without_device_state();
@@ -130,7 +130,7 @@ fn plan_with(
     plan(&PlanInput {
         cfg: cfg.clone(),
         // Each GPU plans for its share of the batch (the largest, where it does not divide).
-        batch: c.batch_size.div_ceil(c.gpus.max(1)),
+        batch: c.batch_size.div_ceil(c.ranks().max(1)),
         seq: c.seq_len,
         weight_dtype: c.precision.dtype(),
         grad_dtype: c.grad_dtype(),

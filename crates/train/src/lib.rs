@@ -41,9 +41,10 @@ mod summary;
 mod trainer;
 
 pub use config::{
-    auto_lr, grad_dtype_name, optim_mode_name, DataKind, DataSource, Device, ModelChoice, PlacementChoice,
-    Precision, ScheduleKind, TrainConfig,
+    auto_lr, grad_dtype_name, optim_mode_name, DataKind, DataSource, Device, JobPlace, ModelChoice,
+    PlacementChoice, Precision, ScheduleKind, TrainConfig,
 };
+pub use device::nccl_unique_id;
 pub use error::{Error, Result};
 pub use host::{plan_for, DeviceKernels};
 pub use model::{ModelSource, BUILTIN_MODEL};

@@ -50,8 +50,8 @@ pub(crate) fn resolve(c: &TrainConfig, model: &ModelSource) -> Result<Option<Lor
         )));
     }
     l.check(&model.cfg).map_err(|e| Error::Options(e.to_string()))?;
-    if c.gpus > 1 {
-        return Err(Error::Options("LoRA runs on one device for now: use --gpus 1".into()));
+    if c.ranks() > 1 {
+        return Err(Error::Options("LoRA runs on one device for now: use --gpus 1 in one process".into()));
     }
     Ok(Some(LoraConfig { base: c.base_dtype(), ..l }))
 }

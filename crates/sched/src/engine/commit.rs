@@ -20,8 +20,8 @@
 //! exactly as in exact mode; otherwise the store's step advances, the units that sat it out are
 //! marked as having passed it, and the next step clips with the last finite norm.
 //!
-//! Data-parallel ranks (`crate::data_parallel`) take the same decision, from flags summed over the
-//! ranks (`Engine::agree_on_finite`); only the landing rank writes the store (its state, zeroed
+//! Data-parallel ranks (`crate::data_parallel`) take the same decision, from their loss shares and
+//! a flag summed over the ranks (`Engine::agree_on_finite`); only the landing rank writes the store (its state, zeroed
 //! gradients, skip count), after every rank's step has drained, so a skipped step leaves no
 //! update pending for any rank's next step to apply.
 
@@ -94,41 +94,32 @@ impl<B: Backend> Engine<B> {
         let loss = self.inject_loss(loss);
         self.step_faults.clear();
         // Every rank takes the same decision, from the whole batch's loss and the summed norm.
-        let (decision_loss, decision_norm) = self.agree_on_finite(loss, norm)?;
-        let skipped = self.conclude_step(state, lr, decision_loss, decision_norm, args)?;
+        let (loss, norm) = self.agree_on_finite(loss, norm)?;
+        let skipped = self.conclude_step(state, lr, loss, norm, args)?;
         Ok((loss, norm, skipped))
     }
 
-    /// The loss and gradient norm a step's skip decision ([`Engine::commit`]) is taken
-    /// from: the same decision on every rank. Alone, they are the step's own. A rank's loss is its
-    /// share of the batch's, and only the landing ranks (each store's lead) have the norm (of the summed gradient; the
-    /// others land nothing), so the ranks sum, through the same reduction as the gradients, one
-    /// flag each for "my share of the loss is not finite" and "the norm is not finite" (only the
-    /// landing rank's counts). Flags sum exactly, so every rank reads the same two counts and
-    /// decides from them alone: a value it does not have, or has finite while another rank's is
-    /// not, is NaN for the decision ([`crate::Ranks::step`] reports the whole batch's loss as the
-    /// cause). The landing rank's norm is its own, bitwise the one engine's.
+    /// The loss and gradient norm a step reports and decides its skip from: the same on every
+    /// rank. Alone, they are the step's own. A rank's loss is its share of the global batch's and
+    /// only the landing ranks (each store's lead) have the norm (of the summed gradient; the others
+    /// land nothing), so the ranks sum, through the same reduction as the gradients but in f64,
+    /// their loss shares (the whole batch's loss on every rank, in every process: a share that is
+    /// not finite makes it NaN or infinite) and a flag for "the norm is not finite" (only the
+    /// landing ranks' count; flags sum exactly). A rank that lands nothing reports a norm of 0,
+    /// or NaN where the flag says a landing rank's was not finite. The landing rank's norm is its
+    /// own, bitwise the one engine's.
     pub(super) fn agree_on_finite(&self, loss: f64, norm: f64) -> Result<(f64, f64)> {
         let Some(dp) = &self.dp else { return Ok((loss, norm)) };
-        let flag = |bad: bool| if bad { 1f32 } else { 0f32 };
-        let buf = Tensor::new(
-            &[flag(!loss.is_finite()), flag(self.lands() && !norm.is_finite())],
-            self.backend.device(),
-        )?;
+        let norm_bad = if self.lands() && !norm.is_finite() { 1f64 } else { 0f64 };
+        let buf = Tensor::new(&[loss, norm_bad], self.backend.device())?;
         dp.reduce.sum(&buf)?;
-        let all = buf.to_vec1::<f32>()?;
-        let (loss_bad, norm_bad) = (all[0] > 0.0, all[1] > 0.0);
-        let loss = match (loss_bad, loss.is_finite()) {
-            (true, true) => f64::NAN,
-            _ => loss,
-        };
-        let norm = match (norm_bad, self.lands()) {
-            (false, true) => norm,
+        let all = buf.to_vec1::<f64>()?;
+        let norm = match (all[1] > 0.0, self.lands()) {
+            (_, true) => norm,
             (false, false) => 0.0,
-            (true, true) => norm,
             (true, false) => f64::NAN,
         };
-        Ok((loss, norm))
+        Ok((all[0], norm))
     }
 
     /// Ends a step whose gradients have landed: decides whether it is skipped (module docs) and

@@ -54,6 +54,16 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// `values` summed over every rank of the group (through the gradients' reduction, in f64):
+    /// what the ranks must agree on before they step, such as the step each starts from. Every
+    /// rank must call it together; alone, `values` themselves.
+    pub fn sum_over_ranks(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let Some(dp) = &self.dp else { return Ok(values.to_vec()) };
+        let buf = candle_core::Tensor::new(values, self.backend.device())?;
+        dp.reduce.sum(&buf)?;
+        Ok(buf.to_vec1::<f64>()?)
+    }
+
     /// This engine's rank, if it is one of several data-parallel ones.
     pub fn rank(&self) -> Option<(usize, usize)> {
         self.dp.as_ref().map(|d| (d.rank, d.world))

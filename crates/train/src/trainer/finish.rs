@@ -40,7 +40,8 @@ impl<O: Observer> Trainer<O> {
 
     /// Ends the run: the device profile (`MT_PROFILE=1`), the last pending update applied and
     /// the store written back, a final evaluation, a checkpoint of the last step (with a
-    /// checkpoint directory: so a failed export loses no trained step), the export to `out`;
+    /// checkpoint directory: so a failed export loses no trained step), the export to `out`
+    /// (process 0's alone in a job of several);
     /// returns the summary. A resumed run that was already complete trains nothing, evaluates
     /// nothing and leaves an export of its last step alone (exporting it if `out` lacks it).
     pub fn finish(mut self) -> Result<TrainSummary> {
@@ -56,7 +57,7 @@ impl<O: Observer> Trainer<O> {
         }
         let checkpoint_failed = self.final_checkpoint()?;
         let mut export_kept = false;
-        let exported = match self.config.out.clone() {
+        let exported = match self.config.out.clone().filter(|_| self.config.writes_outputs()) {
             Some(out) => {
                 let dir = self.config.checkpoint_dir();
                 let hash = checkpoint::hash_json(&self.defining);
@@ -90,7 +91,9 @@ impl<O: Observer> Trainer<O> {
     /// A checkpoint of the last step, unless there is one already or no checkpoint directory.
     /// Its error is returned rather than raised: the export may still save the work.
     fn final_checkpoint(&mut self) -> Result<Option<Error>> {
-        if self.config.checkpoint_dir().is_none() || self.checkpointed == Some(self.global_step()) {
+        let none_due =
+            self.config.checkpoint_dir().is_none() || self.checkpointed == Some(self.global_step());
+        if none_due || !self.config.writes_outputs() {
             return Ok(None);
         }
         match self.save_checkpoint() {

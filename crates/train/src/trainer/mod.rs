@@ -88,16 +88,23 @@ impl<O: Observer> Trainer<O> {
         let mut model = ModelSource::load(&config.model)?;
         model.cfg.lora = crate::lora::resolve(&config, &model)?;
         checks::check_sizes(&config, &model.cfg)?;
-        checks::check_outputs(&config)?;
+        // The outputs are process 0's alone in a job of several (the others only read a
+        // checkpoint to resume from).
+        let writes = config.writes_outputs();
+        if writes {
+            checks::check_outputs(&config)?;
+        }
         // One run per output, from here to the end (`Drop`); refused at once if another holds one.
         let locks = RunLocks::take(
-            config.out.as_deref(),
-            config.checkpoint_dir().as_deref(),
+            config.out.as_deref().filter(|_| writes),
+            config.checkpoint_dir().as_deref().filter(|_| writes),
             config.store.as_deref(),
             &crate::lock::this_process(),
         )?;
-        checks::check_fresh_start(&config)?;
-        checks::check_room(&checks::outputs(&config, &model.cfg))?;
+        if writes {
+            checks::check_fresh_start(&config)?;
+            checks::check_room(&checks::outputs(&config, &model.cfg))?;
+        }
         let model_dir = model.hf.as_ref().map(|h| h.dir.as_path());
         let data = TrainData::new(&config, model.cfg.vocab_size, model_dir)?;
         let backend = OpenedDevice::open(&config)?;
@@ -251,7 +258,9 @@ impl<O: Observer> Trainer<O> {
         let eval_due = c.eval_every > 0 && done.is_multiple_of(c.eval_every as u64) && done < self.end_step;
         let eval = if !self.eval_batches.is_empty() && eval_due { Some(self.evaluate()?) } else { None };
         let checkpoint = match self.config.save_every {
-            k if k > 0 && done.is_multiple_of(k as u64) => Some(self.save_checkpoint()?),
+            k if k > 0 && done.is_multiple_of(k as u64) && self.config.writes_outputs() => {
+                Some(self.save_checkpoint()?)
+            }
             _ => None,
         };
         let event = self.step_event(done, lr, &r, eval, checkpoint);
@@ -448,7 +457,7 @@ fn start_engine<O: Observer>(
 ) -> Result<DeviceEngine> {
     let t = Instant::now();
     let cpu = mt_sched::CpuOptions::uniform(c.delay_us, c.seed);
-    let mut engine = backend.start(&model.cfg, Arc::clone(store), opts, c.gpus, cpu)?;
+    let mut engine = backend.start(&model.cfg, Arc::clone(store), opts, c, cpu)?;
     let event = Event::EngineReady {
         secs: t.elapsed().as_secs_f64(),
         device: c.device.kind(),
@@ -456,7 +465,27 @@ fn start_engine<O: Observer>(
     };
     notify(observer, &event)?;
     engine.flush_pending().context_with(|| "applying the update a previous run left pending".into())?;
+    if c.job.is_some() {
+        check_same_start(c, &engine, store)?;
+    }
     Ok(engine)
+}
+
+/// In a job of several processes, every process must start from the same step (a resume reads
+/// process 0's checkpoints): otherwise their stores differ and their steps would not pair up.
+fn check_same_start(c: &TrainConfig, engine: &DeviceEngine, store: &HostStore) -> Result<()> {
+    let step = store.state().step + store.skipped_steps();
+    let sum = engine
+        .sum_over_ranks(&[step as f64])
+        .context_with(|| "checking that every process of the job starts from the same step".into())?;
+    let ranks = c.ranks() as f64;
+    if sum[0] != step as f64 * ranks {
+        return Err(Error::Options(format!(
+            "this process starts from step {step}, but the job's {ranks} GPUs do not all start there (their steps average {:.1}): every process must resume from the same checkpoint, so put --out (or --checkpoint-dir) on a file system every host sees",
+            sum[0] / ranks
+        )));
+    }
+    Ok(())
 }
 
 /// The options a checkpoint is only valid for: a resume with any of them changed is refused.
