@@ -17,11 +17,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     let trace_step = check_trace(args)?;
     let mut config = args.to_config();
     let watchdog = join_job(&mut config)?;
-    let observer = if config.writes_outputs() {
-        CliObserver::new(args, trace_step)
-    } else {
-        CliObserver::new(&TrainArgs { metrics: None, trace: None, ..args.clone() }, trace_step)
-    };
+    let quiet = TrainArgs { metrics: None, trace: None, ..args.clone() };
+    let observer = CliObserver::new(if config.writes_outputs() { args } else { &quiet }, trace_step);
     let summary = Trainer::new(config, observer)?.run()?;
     if let Some(w) = watchdog {
         w.goodbye();

@@ -317,6 +317,7 @@ impl TrainArgs {
             optim_mode: self.optim_mode.into(),
             device: self.device.into(),
             gpus: self.gpus,
+            job: None,
             precision: self.precision.into(),
             grad_dtype: self.grad_dtype.map(Into::into),
             optim_states: self.optim_states.into(),
