@@ -15,7 +15,7 @@ for name in ["lora-4", "peft-4", "lora-16", "peft-16", "lora-4-streamed", "l70-i
             e[k] = st[-1][k]
     runs[name] = e
 ratios = {b: runs[f"lora-{b}"]["tokens_per_s"] / runs[f"peft-{b}"]["tokens_per_s"] for b in ["4", "16"]}
-doc = {"machine": "one H200 (nvidia-h200), 16 cores, 128 GiB", "commit": "3ebe7a6", "date": "2026-11-29",
+doc = {"machine": "one H200 (nvidia-h200), 16 cores, 128 GiB", "commit": "b678cc0", "date": "2026-11-29",
        "config": "bench-harness/configs/llama3-8b.json (70b for l70-*), LoRA r 16, bf16, synthetic, seq 2048",
        "runs": runs, "ours_over_peft": ratios}
 (here / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
