@@ -405,6 +405,23 @@ struct HfaBwd {
     static constexpr int DQR = HD / 4, DQG = HD / 16;
 };
 
+// Item n of a backward CTA's walk (G query heads x n_it query tiles, the last tile first) -> its
+// head within the group and its query tile. Every head's tile t comes before tile t - 1: the CTAs
+// of one KV head's key blocks then reach each dQ tile in step, so an ordered add waits only for
+// the block below it working on the same tile. Walking a whole head before the next
+// (MT_HFA_BWD_HEAD_OUTER, kept for measurement) makes block j wait at each head's first tile for
+// block j - 1, whose walk is two tiles longer: every block of a wave runs at the pace of the
+// lowest one, whatever its own walk's length.
+__device__ __forceinline__ void hfa_bwd_item(int n, int G, int n_it, int it_hi, int& hg, int& it) {
+#ifdef MT_HFA_BWD_HEAD_OUTER
+    hg = n / n_it;
+    it = it_hi - n % n_it;
+#else
+    hg = n % G;
+    it = it_hi - n / G;
+#endif
+}
+
 // EXT: with a sliding `window` (0: none; sinks need nothing here: LSE includes them); without it
 // the window is the constant 0 and the code is the plain kernel's.
 template <int HD, bool EXT>
@@ -464,7 +481,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             }
             float* ld = (float*)(mt_hfa_smem + (base + L::LD - smem_addr(mt_hfa_smem)));
             for (int n = 0; n < n_items; ++n) {
-                const int s = n & 1, h = kvh * G + n / n_it, i0 = (it_hi - n % n_it) * BQ;
+                int hg, it;
+                hfa_bwd_item(n, G, n_it, it_hi, hg, it);
+                const int s = n & 1, h = kvh * G + hg, i0 = it * BQ;
                 if (n >= 2) mbar_wait(barE + 8 * s, ((n >> 1) - 1) & 1);
                 if (lane == 0) {
                     mbar_expect_tx_only(barF + 8 * s, 2 * L::TQ);
@@ -490,7 +509,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             // only after the next item's add is issued.
             int* prev_sem = sync;
             for (int n = 0; n < n_items; ++n) {
-                const int s = n & 1, h = kvh * G + n / n_it, it = it_hi - n % n_it;
+                int hg, it;
+                hfa_bwd_item(n, G, n_it, it_hi, hg, it);
+                const int s = n & 1, h = kvh * G + hg;
                 mbar_wait(barQF + 8 * s, (n >> 1) & 1);
                 const long long tile = ((long long)b * NH + h) * nqt + it;
                 int* sem = sync + 1 + tile;
@@ -545,7 +566,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 
     mbar_wait(barKV, 0);
     for (int n = 0; n < n_items; ++n) {
-        const int s = n & 1, i0 = (it_hi - n % n_it) * BQ;
+        int hg, it;
+        hfa_bwd_item(n, G, n_it, it_hi, hg, it);
+        const int s = n & 1, i0 = it * BQ;
         const unsigned ds = sdS + s * L::DS;
         // Laundered so that the descriptors are rebuilt here rather than kept live across the loop.
         const unsigned kan = launder(ka), van = launder(va), q_s = launder(sQ + s * L::TQ), do_s = sdO + s * L::TQ;
