@@ -119,6 +119,65 @@ fn lora_from_refuses_other_options_and_merge_exports_a_model() {
     assert!(stderr(&o).contains("not implemented yet"), "{}", stderr(&o));
 }
 
+/// `--merge` puts the adapters into the base as `--model` gives it, not into the run's encoding
+/// of it: on an NF4 base every weight the adapters leave alone is exported bitwise as the model
+/// had it, and each adapted one is `W + (alpha / r) B A` with the adapters the same run exports
+/// without `--merge` (the merge peft does over the same base).
+#[test]
+fn merge_adds_the_adapters_to_the_weights_as_given() {
+    use candle_core::{DType, Device, Tensor};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data.jsonl");
+    write_data(&data);
+    let model = model_fixture();
+    let (m, d) = (s(&model), s(&data));
+    let (merged, adapter) = (dir.path().join("merged"), dir.path().join("adapter"));
+    for (out, merge) in [(&merged, true), (&adapter, false)] {
+        let mut a = args(m, d, s(out), "2");
+        a.extend(["--base-dtype", "nf4"]);
+        if merge {
+            a.push("--merge");
+        }
+        let o = megatrain(&a);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let load = |p: std::path::PathBuf| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
+    let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let (given, got) = (load(model.join("model.safetensors")), load(merged.join("model.safetensors")));
+    let ad = load(adapter.join("adapter_model.safetensors"));
+    let (mut kept, mut adapted) = (0, 0);
+    for (name, w) in &given {
+        let w = f64s(w);
+        let m = f64s(&got[name]);
+        let lora = |ab: &str| {
+            ad.get(&format!("base_model.model.{}", name.replace(".weight", &format!(".lora_{ab}.weight"))))
+        };
+        match (lora("A"), lora("B")) {
+            (Some(a), Some(b)) => {
+                // alpha 8 over rank 4 (ADAPTERS): W + 2 B A.
+                let delta =
+                    (b.to_dtype(DType::F64).unwrap().matmul(&a.to_dtype(DType::F64).unwrap()).unwrap() * 2.0)
+                        .unwrap();
+                let delta = f64s(&delta);
+                let scale = w.iter().fold(0f64, |s, x| s.max(x.abs()));
+                let worst = (0..w.len()).map(|i| (m[i] - (w[i] + delta[i])).abs()).fold(0f64, f64::max);
+                assert!(
+                    worst <= 1e-6 * scale,
+                    "{name}: merged differs from W + 2 B A by {worst:e} (|W| {scale})"
+                );
+                assert!(delta.iter().any(|x| *x != 0.0), "{name}: the adapter was not trained");
+                adapted += 1;
+            }
+            _ => {
+                assert!(w == m, "{name}: the merged export changed a weight no adapter touches");
+                kept += 1;
+            }
+        }
+    }
+    eprintln!("SUMMARY --merge on an NF4 base: {kept} weights exported as given, {adapted} as W + 2 B A");
+    assert!(kept > 0 && adapted > 0, "{kept} kept, {adapted} adapted");
+}
+
 /// `megatrain estimate --lora-rank` counts what a LoRA run of the same options allocates and
 /// moves (its `--metrics` run and step records), byte for byte, for every base dtype: the host
 /// store, the frozen base in its encoding and the bytes uploaded a step (an int8 or NF4 base's

@@ -104,12 +104,12 @@ pub(crate) fn init_adapters(c: &TrainConfig, store: &HostStore) -> Result<usize>
 }
 
 /// The export of a LoRA run: peft's adapter directory, or with `--merge` the base with every
-/// adapter merged in (`W + s · B A`), exported as a full model is.
+/// adapter merged in (`W + s · B A`, W as `--model` or the seed gives it), exported as a full
+/// model is.
 pub(crate) fn export(
     c: &TrainConfig,
     model: &ModelSource,
     store: &HostStore,
-    base: &FrozenBase,
     out: &Path,
     opts: &mt_hf::ExportOptions,
 ) -> Result<(usize, u64)> {
@@ -124,8 +124,16 @@ pub(crate) fn export(
     // Master weights only are written: the moments of an anonymous store stay unmapped zero pages.
     let ctx = || "merging the adapters into the base".to_owned();
     let merged = HostStore::anonymous(&layout, GradDtype::None).context_with(ctx)?;
-    for (name, _, _) in layout.all_params() {
-        merged.write_param(&name, &base.read_param(&name).context_with(ctx)?).context_with(ctx)?;
+    // The adapters go into the base as given (`--model`'s weights, or the seed's), not into the
+    // run's encoding of it (`--base-dtype`: bf16, int8 or NF4 would round every weight, adapted
+    // or not): the merged model is then what peft's merge over the same base gives.
+    match &model.hf {
+        Some(hf) => {
+            mt_hf::import_weights_into(hf, &merged).context_with(ctx)?;
+        }
+        None => {
+            crate::init::init_store(&merged, c.seed).context_with(ctx)?;
+        }
     }
     mt_hf::peft::merge_into(store, lora, &merged).context_with(ctx)?;
     let r = mt_hf::export(&merged, &model.config_json, out, opts)

@@ -26,7 +26,7 @@ impl<O: Observer> Trainer<O> {
             fail_after_bytes: self.config.inject_export_failure,
         };
         let (n_shards, bytes) = match &self.base {
-            Some(base) => crate::lora::export(&self.config, &self.model, &self.store, base, dir, &opts)?,
+            Some(_) => crate::lora::export(&self.config, &self.model, &self.store, dir, &opts)?,
             None => {
                 let r = mt_hf::export(&self.store, &self.model.config_json, dir, &opts)
                     .context_with(|| format!("exporting the model to --out {}", dir.display()))?;
