@@ -77,6 +77,7 @@ pub(crate) fn plan(cx: &mut Ctx<'_>) -> Result<()> {
         log: opts.out.join("logs").join("kernel_attention.log"),
         trace: None,
         document: true,
+        processes: 1,
     });
     Ok(())
 }

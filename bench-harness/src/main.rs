@@ -65,6 +65,10 @@ struct Cli {
     /// Scale: GPU counts to run at the same global batch.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     gpus_list: Vec<usize>,
+    /// Scale: also run each GPU count this divides as a job of this many processes (as torchrun
+    /// starts one on as many hosts), e.g. 2: 4 GPUs as two processes of two; 1: none.
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
     /// Layer counts of the depth-scaling part (paper; width of the first model); 0: none.
     #[arg(long, value_delimiter = ',', default_value = "7,14,28")]
     depths: Vec<usize>,
@@ -175,6 +179,7 @@ fn options(cli: &Cli, suite: Suite) -> Options {
         ours_streamed_host: cli.ours_streamed_host,
         ours_noclip: cli.ours_noclip,
         gpus: cli.gpus_list.iter().copied().filter(|&g| g > 0).collect(),
+        processes: cli.processes.max(1),
         device: cli
             .device
             .clone()

@@ -31,6 +31,11 @@ pub struct Job {
     /// The program writes one JSON document (`metrics`), not training metrics: it ran when it
     /// exits 0 having written it (the kernel benchmark).
     pub document: bool,
+    /// How many processes run it: 1, or a job of N processes with the same arguments, started
+    /// as torchrun starts one (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+    /// `MASTER_ADDR` 127.0.0.1, `MASTER_PORT`), each as if on a host of its own: process 0 writes
+    /// the metrics and `log`, process r its output to `log` with `.rank{r}` added.
+    pub processes: usize,
 }
 
 impl Job {
@@ -144,6 +149,29 @@ fn gpu_used_bytes() -> Option<u64> {
     Some(mib << 20)
 }
 
+/// Starts process `r` of `job` with its output to `out` / `err` (a job of several processes: with
+/// the launcher's variables; the port is this harness's own, so two suites on one machine do not
+/// meet).
+fn spawn(job: &Job, r: usize, out: File, err: File) -> std::io::Result<std::process::Child> {
+    let mut cmd = Command::new(&job.program);
+    cmd.args(&job.args).stdin(Stdio::null()).stdout(out).stderr(err);
+    if job.processes > 1 {
+        let n = job.processes.to_string();
+        cmd.env("RANK", r.to_string()).env("WORLD_SIZE", &n).env("LOCAL_RANK", r.to_string());
+        cmd.env("LOCAL_WORLD_SIZE", &n).env("MASTER_ADDR", "127.0.0.1");
+        cmd.env("MASTER_PORT", (29500 + std::process::id() % 2000).to_string());
+    }
+    cmd.spawn()
+}
+
+/// Kills and reaps every process of a job still running.
+fn stop(children: &mut [Option<std::process::Child>]) {
+    for child in children.iter_mut().flatten() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 fn rel(path: &Path, base: &Path) -> String {
     path.strip_prefix(base).unwrap_or(path).display().to_string()
 }
@@ -168,25 +196,54 @@ pub fn execute(job: &Job, out_dir: &Path, timeout: Duration, sample_gpu: bool) -
         return fail(run, format!("cannot create log {}", job.log.display()));
     };
     let start = Instant::now();
-    let child =
-        Command::new(&job.program).args(&job.args).stdin(Stdio::null()).stdout(out).stderr(err).spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) => return fail(run, format!("cannot start {}: {e}", job.program.display())),
-    };
+    let mut children = Vec::with_capacity(job.processes.max(1));
+    let mut first = Some((out, err));
+    for r in 0..job.processes.max(1) {
+        let child = match first.take() {
+            Some((out, err)) => spawn(job, r, out, err),
+            None => {
+                let log = PathBuf::from(format!("{}.rank{r}", job.log.display()));
+                match File::create(&log).and_then(|f| Ok((f.try_clone()?, f))) {
+                    Ok((o, e)) => spawn(job, r, o, e),
+                    Err(_) => return fail(run, format!("cannot create log {}", log.display())),
+                }
+            }
+        };
+        match child {
+            Ok(c) => children.push(Some(c)),
+            Err(e) => {
+                stop(&mut children);
+                return fail(run, format!("cannot start {} (process {r}): {e}", job.program.display()));
+            }
+        }
+    }
     let mut gpu_peak = None;
+    // Every process's exit status, process 0's first: the job succeeded when all did.
+    let mut statuses = vec![None; children.len()];
     let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) => {}
-            Err(e) => return fail(run, format!("waiting for the process failed: {e}")),
+        for (r, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    statuses[r] = Some(status);
+                    *slot = None;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    stop(&mut children);
+                    return fail(run, format!("waiting for process {r} failed: {e}"));
+                }
+            }
+        }
+        if statuses.iter().all(Option::is_some) {
+            let all: Vec<std::process::ExitStatus> = statuses.iter().flatten().copied().collect();
+            break all.iter().copied().find(|s| !s.success()).unwrap_or(all[0]);
         }
         if sample_gpu {
             gpu_peak = gpu_peak.max(gpu_used_bytes());
         }
         if start.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
+            stop(&mut children);
             return fail(run, format!("timed out after {} s (--run-timeout-s)", timeout.as_secs()));
         }
         std::thread::sleep(Duration::from_millis(if sample_gpu { 250 } else { 20 }));

@@ -38,6 +38,7 @@ fn options(suite: Suite, models: Option<&[&str]>, tokens: Option<&[(usize, usize
         ours_streamed_host: false,
         ours_noclip: false,
         gpus: vec![1, 2, 4],
+        processes: 2,
     }
 }
 

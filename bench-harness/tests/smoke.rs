@@ -40,6 +40,7 @@ fn smoke_options(out: &std::path::Path) -> Options {
         ours_streamed_host: false,
         ours_noclip: false,
         gpus: vec![1],
+        processes: 1,
     }
 }
 
@@ -223,5 +224,63 @@ fn scale_plan_runs_each_gpu_count_with_the_same_placement() {
         let args = job.args.join(" ");
         assert!(args.contains(&format!("--gpus {g}")), "{args}");
         assert!(args.contains("--resident-outer off --resident-layers 0 --gpu-updated-layers 0"), "{args}");
+        assert_eq!(job.processes, 1);
     }
+    // With --processes 2, each GPU count two divides also runs as a job of two processes with
+    // half its GPUs each (4 GPUs as two "hosts" of two).
+    let plan = bench_harness::suites::plan(&Options { processes: 2, ..opts }).expect("scale plan");
+    let jobs: Vec<_> =
+        plan.jobs.iter().map(|j| (j.run.key.as_str(), j.processes, j.args.join(" "))).collect();
+    assert_eq!(jobs.len(), 5, "{jobs:?}");
+    for (key, procs, gpus) in [("gpus2_procs2", 2, "--gpus 1"), ("gpus4_procs2", 2, "--gpus 2")] {
+        let key = format!("scale/ours/3.6b/b16x2048/{key}");
+        let job = jobs.iter().find(|j| j.0 == key).unwrap_or_else(|| panic!("{key}: {jobs:?}"));
+        assert!(job.1 == procs && job.2.contains(gpus), "{job:?}");
+    }
+}
+
+/// A job of two processes starts both with the launcher's variables (the same arguments, the
+/// same rendezvous address and port, their own ranks), keeps each one's output, reads process
+/// 0's metrics, and fails naming the status when one of them fails.
+#[test]
+fn a_job_of_two_processes_starts_both_as_a_launcher_does() {
+    let out = std::env::temp_dir().join(format!("bench-harness-procs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    for sub in ["logs", "metrics"] {
+        std::fs::create_dir_all(out.join(sub)).unwrap();
+    }
+    let opts = Options { processes: 2, ..smoke_options(&out) };
+    let mut p = plan(&opts).expect("smoke plan");
+    p.jobs.truncate(1);
+    p.fixed.clear();
+    let records = "{\"type\":\"run\",\"n_params\":1000,\"tokens_per_step\":256}\n\
+                   {\"type\":\"step\",\"step\":1,\"loss\":4.0,\"step_ms\":10.0,\"tokens_per_s\":25600.0}\n\
+                   {\"type\":\"step\",\"step\":2,\"loss\":3.5,\"step_ms\":10.0,\"tokens_per_s\":25600.0}\n";
+    let metrics = p.jobs[0].metrics.display().to_string();
+    let script = |fail_rank: &str| {
+        format!(
+            "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $*\"; \
+             if [ \"$RANK\" = 0 ]; then printf '{records}' > {metrics}; fi; [ \"$RANK\" != {fail_rank} ]"
+        )
+    };
+    let job = &mut p.jobs[0];
+    job.processes = 2;
+    job.program = "sh".into();
+    job.args = vec!["-c".into(), script("none"), "sh".into(), "--gpus".into(), "1".into()];
+    let log = job.log.clone();
+    let r = bench_harness::run::execute(job, &out, std::time::Duration::from_secs(60), false);
+    assert_eq!(r.status, Status::Ok, "{:?}", r.reason);
+    assert_eq!(r.measured.loss_last, Some(3.5));
+    let lines: Vec<String> = [log.clone(), std::path::PathBuf::from(format!("{}.rank1", log.display()))]
+        .iter()
+        .map(|l| std::fs::read_to_string(l).unwrap().trim().to_owned())
+        .collect();
+    let port = lines[0].split(' ').nth(5).unwrap().to_owned();
+    assert_eq!(lines[0], format!("0 2 0 2 127.0.0.1 {port} --gpus 1"));
+    assert_eq!(lines[1], format!("1 2 1 2 127.0.0.1 {port} --gpus 1"));
+    p.jobs[0].args[1] = script("1");
+    let r = bench_harness::run::execute(&p.jobs[0], &out, std::time::Duration::from_secs(60), false);
+    assert_eq!(r.status, Status::Failed);
+    assert!(r.reason.as_deref().unwrap_or("").contains("exit status: 1"), "{:?}", r.reason);
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -135,6 +135,10 @@ pub struct Options {
     pub ours_noclip: bool,
     /// Scale: the GPU counts (`--gpus N`), each a variant `gpusN`.
     pub gpus: Vec<usize>,
+    /// Scale: P > 1 also runs each GPU count G that P divides as a job of P processes of G / P
+    /// GPUs each (as torchrun starts one on P hosts; each process with its own host store),
+    /// variant `gpusG_procsP`.
+    pub processes: usize,
 }
 
 /// The repository root: from the build's manifest directory where it still exists, else `.`.
@@ -243,6 +247,8 @@ pub(crate) struct Spec {
     variant: String,
     pub(crate) extra: Vec<String>,
     trace: bool,
+    /// Processes of the job ([`Job::processes`]).
+    processes: usize,
 }
 
 impl Spec {
@@ -263,6 +269,7 @@ impl Spec {
             variant: variant.to_owned(),
             extra: vec![],
             trace: false,
+            processes: 1,
         }
     }
 }
@@ -346,7 +353,8 @@ impl Ctx<'_> {
         arg(&mut args, "--metrics", &metrics.display());
         args.extend(s.extra);
         let log = o.out.join("logs").join(format!("{stem}.log"));
-        self.plan.jobs.push(Job { run, program, args, metrics, log, trace, document: false });
+        let processes = s.processes;
+        self.plan.jobs.push(Job { run, program, args, metrics, log, trace, document: false, processes });
     }
 }
 
@@ -413,8 +421,13 @@ pub fn plan(opts: &Options) -> Result<Plan> {
             for m in &opts.models {
                 let config = model_config_path(m)?;
                 for &tokens in &opts.tokens {
-                    for &g in &opts.gpus {
-                        let variant = format!("gpus{g}");
+                    // Each GPU count in one process, then as a job of `processes` processes.
+                    let one = opts.gpus.iter().map(|&g| (g, 1));
+                    let p = opts.processes;
+                    let jobs = opts.gpus.iter().filter(|&&g| p > 1 && g % p == 0).map(|&g| (g, p));
+                    for (g, procs) in one.chain(jobs) {
+                        let variant =
+                            if procs == 1 { format!("gpus{g}") } else { format!("gpus{g}_procs{procs}") };
                         let s = spec(
                             "scale",
                             System::Ours,
@@ -430,8 +443,8 @@ pub fn plan(opts: &Options) -> Result<Plan> {
                             .chain(["--gpu-updated-layers", "0", "--gpus"])
                             .map(String::from)
                             .collect();
-                        extra.push(g.to_string());
-                        cx.add(Spec { extra, ..s });
+                        extra.push((g / procs).to_string());
+                        cx.add(Spec { extra, processes: procs, ..s });
                     }
                 }
             }
