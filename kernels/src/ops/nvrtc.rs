@@ -110,8 +110,36 @@ pub(crate) fn compile_cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>
     compile_cubin_logged(src, name, arch).0
 }
 
-/// [`compile_cubin`]'s result with NVRTC's whole log beside it (ptxas's report included).
+/// How many times [`compile_cubin_logged`] compiles a source whose CUBIN comes back with no
+/// report from ptxas at all. On the H200 machines (CUDA 13.0) a process's NVRTC sometimes returns
+/// an empty log for a compile that asked for ptxas's report (`-v`, which always prints at least
+/// the kernels' register counts): without the report a lost Hopper feature would pass unseen.
+const PTXAS_REPORT_TRIES: usize = 3;
+
+/// [`compile_cubin`]'s result with NVRTC's whole log beside it (ptxas's report included),
+/// compiled again (up to [`PTXAS_REPORT_TRIES`] times) while the CUBIN comes without ptxas's
+/// report; a CUBIN that never has one is refused.
 pub(crate) fn compile_cubin_logged(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, String>, String) {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let (result, log) = compile_cubin_once(src, name, arch);
+        if result.is_err() || log.contains("ptxas") {
+            return (result, log);
+        }
+        if tries == PTXAS_REPORT_TRIES {
+            let why = format!(
+                "NVRTC compiled {name} for {arch} {tries} times without ptxas's report, so whether \
+                 the kernels kept their {arch} features (setmaxnreg, asynchronous wgmma) cannot be \
+                 checked"
+            );
+            return (Err(why), log);
+        }
+    }
+}
+
+/// One NVRTC compile of [`compile_cubin_logged`].
+fn compile_cubin_once(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, String>, String) {
     use candle_core::cuda_backend::cudarc::nvrtc::{result, sys};
     use std::ffi::CString;
 
