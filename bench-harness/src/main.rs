@@ -65,8 +65,9 @@ struct Cli {
     /// Scale: GPU counts to run at the same global batch.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     gpus_list: Vec<usize>,
-    /// Scale: also run each GPU count this divides as a job of this many processes (as torchrun
-    /// starts one on as many hosts), e.g. 2: 4 GPUs as two processes of two; 1: none.
+    /// Scale: also run each GPU count this divides as a job of this many processes on this
+    /// machine, started as torchrun starts a job of as many hosts (each with its own store), e.g.
+    /// 2: 4 GPUs as two processes of two; 1: none.
     #[arg(long, default_value_t = 1)]
     processes: usize,
     /// Layer counts of the depth-scaling part (paper; width of the first model); 0: none.

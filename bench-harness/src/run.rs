@@ -32,9 +32,11 @@ pub struct Job {
     /// exits 0 having written it (the kernel benchmark).
     pub document: bool,
     /// How many processes run it: 1, or a job of N processes with the same arguments, started
-    /// as torchrun starts one (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-    /// `MASTER_ADDR` 127.0.0.1, `MASTER_PORT`), each as if on a host of its own: process 0 writes
-    /// the metrics and `log`, process r its output to `log` with `.rank{r}` added.
+    /// on this machine as torchrun starts one (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `LOCAL_WORLD_SIZE`, `MASTER_ADDR` 127.0.0.1, `MASTER_PORT`): each process has its own host
+    /// store and GPUs, as one host of a multi-host job would, but they share this machine's RAM
+    /// and cores. Process 0 writes the metrics and `log`, process r its output to `log` with
+    /// `.rank{r}` added.
     pub processes: usize,
 }
 
@@ -164,6 +166,29 @@ fn spawn(job: &Job, r: usize, out: File, err: File) -> std::io::Result<std::proc
     cmd.spawn()
 }
 
+/// A job's exit status as its failure reasons say it: "exit status: 1", or in a job of several
+/// processes "process 1 of 2: exit status: 1".
+struct Said {
+    rank: usize,
+    of: usize,
+    status: std::process::ExitStatus,
+}
+
+impl Said {
+    fn success(&self) -> bool {
+        self.status.success()
+    }
+}
+
+impl std::fmt::Display for Said {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.of {
+            1 => write!(f, "{}", self.status),
+            n => write!(f, "process {} of {n}: {}", self.rank, self.status),
+        }
+    }
+}
+
 /// Kills and reaps every process of a job still running.
 fn stop(children: &mut [Option<std::process::Child>]) {
     for child in children.iter_mut().flatten() {
@@ -205,7 +230,10 @@ pub fn execute(job: &Job, out_dir: &Path, timeout: Duration, sample_gpu: bool) -
                 let log = PathBuf::from(format!("{}.rank{r}", job.log.display()));
                 match File::create(&log).and_then(|f| Ok((f.try_clone()?, f))) {
                     Ok((o, e)) => spawn(job, r, o, e),
-                    Err(_) => return fail(run, format!("cannot create log {}", log.display())),
+                    Err(_) => {
+                        stop(&mut children);
+                        return fail(run, format!("cannot create log {}", log.display()));
+                    }
                 }
             }
         };
@@ -218,9 +246,11 @@ pub fn execute(job: &Job, out_dir: &Path, timeout: Duration, sample_gpu: bool) -
         }
     }
     let mut gpu_peak = None;
-    // Every process's exit status, process 0's first: the job succeeded when all did.
-    let mut statuses = vec![None; children.len()];
-    let status = loop {
+    // The job's status: process 0's when every process succeeded, else that of the first seen to
+    // fail, with its rank (the others are stopped then: the job is over).
+    let n = children.len();
+    let mut statuses: Vec<Option<std::process::ExitStatus>> = vec![None; n];
+    let (rank, status) = loop {
         for (r, slot) in children.iter_mut().enumerate() {
             let Some(child) = slot else { continue };
             match child.try_wait() {
@@ -235,9 +265,14 @@ pub fn execute(job: &Job, out_dir: &Path, timeout: Duration, sample_gpu: bool) -
                 }
             }
         }
-        if statuses.iter().all(Option::is_some) {
-            let all: Vec<std::process::ExitStatus> = statuses.iter().flatten().copied().collect();
-            break all.iter().copied().find(|s| !s.success()).unwrap_or(all[0]);
+        let failed =
+            statuses.iter().enumerate().find_map(|(r, s)| s.filter(|s| !s.success()).map(|s| (r, s)));
+        if let Some(f) = failed {
+            stop(&mut children);
+            break f;
+        }
+        if let Some(all) = statuses.iter().copied().collect::<Option<Vec<_>>>() {
+            break (0, all[0]);
         }
         if sample_gpu {
             gpu_peak = gpu_peak.max(gpu_used_bytes());
@@ -249,7 +284,11 @@ pub fn execute(job: &Job, out_dir: &Path, timeout: Duration, sample_gpu: bool) -
         std::thread::sleep(Duration::from_millis(if sample_gpu { 250 } else { 20 }));
     };
     run.wall_s = Some(start.elapsed().as_secs_f64());
-    let log_tail = tail(&std::fs::read_to_string(&job.log).unwrap_or_default());
+    // The log of the process the status is of; a job of several names it.
+    let rank_log =
+        if rank == 0 { job.log.clone() } else { PathBuf::from(format!("{}.rank{rank}", job.log.display())) };
+    let log_tail = tail(&std::fs::read_to_string(&rank_log).unwrap_or_default());
+    let status = Said { rank, of: n, status };
     if job.document {
         return match (status.success(), job.metrics.is_file()) {
             (true, true) => {

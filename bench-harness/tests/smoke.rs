@@ -241,7 +241,7 @@ fn scale_plan_runs_each_gpu_count_with_the_same_placement() {
 
 /// A job of two processes starts both with the launcher's variables (the same arguments, the
 /// same rendezvous address and port, their own ranks), keeps each one's output, reads process
-/// 0's metrics, and fails naming the status when one of them fails.
+/// 0's metrics, and fails naming the process and its status when one of them fails.
 #[test]
 fn a_job_of_two_processes_starts_both_as_a_launcher_does() {
     let out = std::env::temp_dir().join(format!("bench-harness-procs-{}", std::process::id()));
@@ -281,6 +281,10 @@ fn a_job_of_two_processes_starts_both_as_a_launcher_does() {
     p.jobs[0].args[1] = script("1");
     let r = bench_harness::run::execute(&p.jobs[0], &out, std::time::Duration::from_secs(60), false);
     assert_eq!(r.status, Status::Failed);
-    assert!(r.reason.as_deref().unwrap_or("").contains("exit status: 1"), "{:?}", r.reason);
+    assert!(
+        r.reason.as_deref().unwrap_or("").starts_with("process 1 of 2: exit status: 1"),
+        "{:?}",
+        r.reason
+    );
     let _ = std::fs::remove_dir_all(&out);
 }

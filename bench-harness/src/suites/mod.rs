@@ -136,8 +136,8 @@ pub struct Options {
     /// Scale: the GPU counts (`--gpus N`), each a variant `gpusN`.
     pub gpus: Vec<usize>,
     /// Scale: P > 1 also runs each GPU count G that P divides as a job of P processes of G / P
-    /// GPUs each (as torchrun starts one on P hosts; each process with its own host store),
-    /// variant `gpusG_procsP`.
+    /// GPUs each, variant `gpusG_procsP`: torchrun's launch of a P-host job, emulated on this
+    /// machine (each process with its own host store; they share its RAM and cores).
     pub processes: usize,
 }
 

@@ -121,8 +121,9 @@ fn lora_from_refuses_other_options_and_merge_exports_a_model() {
 
 /// `--merge` puts the adapters into the base as `--model` gives it, not into the run's encoding
 /// of it: on an NF4 base every weight the adapters leave alone is exported bitwise as the model
-/// had it, and each adapted one is `W + (alpha / r) B A` with the adapters the same run exports
-/// without `--merge` (the merge peft does over the same base).
+/// had it, and each adapted one is `W + (alpha / r) B A` with the adapters a second run of the
+/// same options exports without `--merge` (runs are deterministic; the merge peft does over the
+/// same base).
 #[test]
 fn merge_adds_the_adapters_to_the_weights_as_given() {
     use candle_core::{DType, Device, Tensor};

@@ -55,13 +55,14 @@ pub const GPU_MEMORY_GBS: f64 = 4080.0;
 
 /// Bytes a LoRA adapter moves through GPU memory per token and per element of its target's
 /// `in + out` (bf16 activations, 2 bytes an element), beside its GEMMs' FLOPs, which are tiny at
-/// the ranks people use: the forward reads x for `x A^T` and adds `(x A^T) B^T` into y (read x;
-/// write the product, read it and y, write y: 2 in + 6 out), the recompute does it again, and the
-/// backward reads dy for `dy B` and for B's gradient, writes `(dy B) A` and adds it into dx, and
-/// reads x for A's gradient (2 out + 2 out + 2 in + 6 in + 2 in): 14 in + 16 out, priced as 15
-/// (in + out). Against the Llama-3 8B and 70B shapes' r 16 runs on an H200 at 4 x 2048 (0.581
-/// and 6.14 s a step, `results/2026-11-29-lora-kept-base-h200/`) the estimate is then within
-/// 1.5% (it was 12% and 7% low without this term).
+/// the ranks people use. Counted pass by pass: the forward reads x for `x A^T`, writes
+/// `(x A^T) B^T`, then reads it and y and writes y (2 in + 8 out); the recompute again; the
+/// backward reads dy for `dy B` and for B's gradient, writes `(dy B) A`, reads it and dx and
+/// writes dx, and reads x for A's gradient (10 in + 4 out): 14 in + 20 out, 17 per element where
+/// in = out. The runs fit 15 (some passes hit L2): against the Llama-3 8B and 70B shapes' r 16
+/// runs on an H200 at 4 x 2048 (0.581 and 6.14 s a step, `results/2026-11-29-lora-kept-base-h200/`)
+/// the estimate is within 1.5% (it was 12% and 7% low without this term); a third of it is the
+/// forward's.
 pub const LORA_BYTES_PER_TARGET_ELEMENT: f64 = 15.0;
 
 /// `--host-gbs` on a GPU machine when not given: the H200 machine's (the option's help says which).
@@ -259,7 +260,8 @@ pub fn estimate(args: &EstimateArgs) -> Result<Estimate> {
         + attn.backward
         + nccl_bytes / (args.nccl_gbs * 1e9);
     // The forward is its GEMMs and attention's forward; the backward the rest.
-    let fwd_s = (fwd_gemm - moe_fwd) / (tflops * 1e12) + moe_fwd / (moe_tflops * 1e12) + attn.forward;
+    let fwd_s =
+        (fwd_gemm - moe_fwd) / (tflops * 1e12) + moe_fwd / (moe_tflops * 1e12) + attn.forward + lora_io / 3.0;
     let bwd_s = compute_s - fwd_s;
     let pcie_s = p.pcie_h2d_per_step.max(p.pcie_d2h_per_step) as f64 / (args.pcie_gbs * 1e9);
     // The host optimizer works on the streamed units only: resident ones are updated on the GPU.
