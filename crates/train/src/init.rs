@@ -66,19 +66,14 @@ pub fn init_store(store: &impl ParamSink, seed: u64) -> Result<usize> {
     Ok(params.len())
 }
 
-/// Fills `out` with draws from N(0, std²) by the Box–Muller transform (computed in f64, rounded
-/// to f32).
+/// Fills `out` with draws from N(0, std²): standard normals by the ziggurat method
+/// (`rand_distr`'s `StandardNormal`, in f64, scaled and rounded to f32): no logarithm or sine
+/// for most draws, so a random int8 base initialises in half the time it took by Box-Muller (a
+/// 4-layer Llama-3 8B shape on 2 cores: 63 -> 33 s; the 70B's took ~5 minutes on 16 cores).
 fn normal_samples(rng: &mut StdRng, out: &mut [f32], std: f64) {
-    for pair in out.chunks_mut(2) {
-        // 1 - u lies in (0, 1], so the logarithm is finite.
-        let u1: f64 = 1.0 - rng.random::<f64>();
-        let u2: f64 = rng.random::<f64>();
-        let r = (-2.0 * u1.ln()).sqrt() * std;
-        let theta = std::f64::consts::TAU * u2;
-        pair[0] = (r * theta.cos()) as f32;
-        if let Some(x) = pair.get_mut(1) {
-            *x = (r * theta.sin()) as f32;
-        }
+    for x in out.iter_mut() {
+        let z: f64 = rng.sample(rand_distr::StandardNormal);
+        *x = (z * std) as f32;
     }
 }
 
