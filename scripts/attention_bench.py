@@ -13,7 +13,9 @@ backward with its dQ adds in arrival order (not bitwise repeatable).
           max relative error, and a second backward compared bit for bit (determinism).
   bench:  forward and backward time of ours and of each SDPA backend torch has here (flash,
           cuDNN, efficient), causal, bf16, at each sequence length and head layout; TFLOP/s with
-          the causal FLOPs: forward 2*B*NH*S^2*HD, backward 2.5x that. With --window W and/or
+          the causal FLOPs: forward 2*B*NH*S^2*HD, backward 2.5x that. Medians of rounds that
+          run every system once in turn (interleaved, after a warm-up round), so all see the
+          same clocks and GPU state. With --window W and/or
           --sinks (GPT-OSS's sliding window and per-head sink logits; ours only, SDPA has
           neither: the SDPA backends are timed without them, for scale), the FLOPs count the
           visible (query, key) pairs: forward 4*B*NH*HD*pairs, pairs = sum_i min(i + 1, W).
@@ -32,6 +34,7 @@ Writes one JSON document (schema below) to --out and prints a table. Needs torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -46,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_VERSION = 1
 FWD_FLOPS = "2*B*NH*S^2*HD (causal); with a window W: 4*B*NH*HD*sum_i min(i + 1, W)"
 BWD_FLOPS = "2.5 x forward"
+TIMING = ("median of --reps rounds (at least 3 past 16k, --reps / 2 if more) after one warm-up round; "
+          "each round runs every system's forward and backward once, in turn (interleaved)")
 
 
 def kernels_source() -> str:
@@ -230,21 +235,44 @@ def check(ours, s, nh, nkv, hd, docs_n, seed, impl="portable"):
     return res
 
 
-def time_ms(fn, reps):
+def time_once(fn, ctx=contextlib.nullcontext):
+    """Milliseconds of one call of `fn` on the GPU (CUDA events around it, then a synchronise),
+    inside `ctx()` (entered before the first event: an SDPA backend's selection is not timed)."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with ctx():
         a.record()
         fn()
         b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
+def time_interleaved(fns, reps):
+    """Median milliseconds of each callable in `fns` (name -> callable, or (context factory,
+    callable) to run it inside a context, see `time_once`), or the exception that
+    stopped it. Each runs once as warm-up, then `reps` rounds run every one once, in turn, so all
+    see the same clocks and GPU state: timed one after another, the first system timed at a new
+    shape ran slow (the Hopper forward at 64k 32/8: 538 TFLOP/s first, 612-614 for the same code
+    timed after it, one H200). A callable that raises is dropped from later rounds."""
+    import torch
+
+    times, failed = {n: [] for n in fns}, {}
+    for r in range(reps + 1):
+        for n, fn in fns.items():
+            if n in failed:
+                continue
+            ctx, f = fn if isinstance(fn, tuple) else (contextlib.nullcontext, fn)
+            try:
+                t = time_once(f, ctx)
+            except Exception as e:  # out of memory, or a backend torch lacks here
+                failed[n] = e
+                torch.cuda.synchronize()
+                continue
+            if r > 0:
+                times[n].append(t)
+    return {n: failed.get(n) or sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
 def visible_pairs(s, window=0):
@@ -271,16 +299,18 @@ def bench(impls, s, nh, nkv, hd, reps, sdpa=("flash", "cudnn"), window=0, sinks=
     out = {"seq_len": s, "heads": nh, "kv_heads": nkv, "head_dim": hd, "window": window or None,
            "sinks": sinks, "systems": {}}
 
+    # Each system's forward and backward callables, then all timed in interleaved rounds.
+    fns, meta, keep = {}, {}, []
     for name, (ours, kw) in impls.items():
         try:
             o, lse = ours.forward(q, k, v, **extras)
-            t_f = time_ms(lambda: ours.forward(q, k, v, **extras), reps)
-            t_b = time_ms(lambda: ours.backward(q, k, v, o, lse, do, **kw, **extras), reps)
-            out["systems"][name] = entry(t_f, t_b, ours_flops, "ok")
-            del o, lse
         except Exception as e:
             out["systems"][name] = {"status": "failed", "reason": str(e).splitlines()[0][:300]}
-        torch.cuda.empty_cache()
+            continue
+        keep.append((o, lse))
+        fns[(name, "fwd")] = lambda ours=ours: ours.forward(q, k, v, **extras)
+        fns[(name, "bwd")] = lambda ours=ours, kw=kw, o=o, lse=lse: ours.backward(q, k, v, o, lse, do, **kw, **extras)
+        meta[name] = (ours_flops, None)
 
     qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, do))
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -298,14 +328,31 @@ def bench(impls, s, nh, nkv, hd, reps, sdpa=("flash", "cudnn"), window=0, sinks=
             kw = {"enable_gqa": True} if gqa == "enable_gqa" else {}
             qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kk, vv))
             with sdpa_kernel([be]):
-                t_f = time_ms(lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, **kw), reps)
                 ot = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, **kw)
-                t_b = time_ms(lambda: torch.autograd.grad(ot, (qg, kg, vg), dot, retain_graph=True), reps)
-            out["systems"][name] = entry(t_f, t_b, fwd_flops, "ok", gqa)
-            del ot, qg, kg, vg
         except Exception as e:  # a backend torch lacks here, or out of memory
             out["systems"][name] = {"status": "failed", "reason": str(e).splitlines()[0][:300]}
-        torch.cuda.empty_cache()
+            continue
+        keep.append(ot)
+
+        # The forward inside the backend's selection; the backward of the forward above runs
+        # the backend that forward chose.
+        fns[(name, "fwd")] = (lambda be=be: sdpa_kernel([be]),
+                              lambda qg=qg, kg=kg, vg=vg, kw=kw: F.scaled_dot_product_attention(
+                                  qg, kg, vg, is_causal=True, **kw))
+        fns[(name, "bwd")] = lambda ot=ot, qg=qg, kg=kg, vg=vg: torch.autograd.grad(
+            ot, (qg, kg, vg), dot, retain_graph=True)
+        meta[name] = (fwd_flops, gqa)
+
+    t = time_interleaved(fns, reps)
+    for name, (flops, gqa) in meta.items():
+        t_f, t_b = t[(name, "fwd")], t[(name, "bwd")]
+        bad = next((x for x in (t_f, t_b) if isinstance(x, Exception)), None)
+        if bad is not None:
+            out["systems"][name] = {"status": "failed", "reason": str(bad).splitlines()[0][:300]}
+        else:
+            out["systems"][name] = entry(t_f, t_b, flops, "ok", gqa)
+    del keep, fns
+    torch.cuda.empty_cache()
     return out
 
 
@@ -386,6 +433,7 @@ def main():
         "commit": os.environ.get("MT_COMMIT"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "flops": {"forward": FWD_FLOPS, "backward": BWD_FLOPS},
+        "timing": TIMING,
         "ptxas_warnings": hopper.problems if hopper else None,
         "ptxas_spills": hopper.spills if hopper else None,
         "checks": [],
@@ -417,7 +465,7 @@ def main():
         for s in [int(x) for x in a.seqs.split(",") if x]:
             layouts = [(nh, nkv, 128) for nh, nkv in heads] + [(nh, nkv, 64) for nh, nkv in heads64]
             for nh, nkv, hd in layouts:
-                reps = a.reps if s <= 16384 else max(2, a.reps // 2)
+                reps = a.reps if s <= 16384 else max(3, a.reps // 2)
                 extras = [(a.window, a.sinks)]
                 if (a.window or a.sinks) and a.also_plain:
                     extras.append((0, False))
