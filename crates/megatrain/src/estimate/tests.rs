@@ -20,6 +20,20 @@ fn args_of(extra: &[&str]) -> crate::cli::EstimateArgs {
     args
 }
 
+/// `megatrain estimate` of `config` (a file in bench-harness/configs/) at `batch x seq` in bf16
+/// on one CUDA GPU of `gpu_mem` GiB with 125 GiB of host memory, with `extra`: the command of a
+/// measured run on the GPU machines, whose step time a test compares with the estimate's.
+fn estimate_of(config: &str, batch: usize, seq: usize, gpu_mem: &str, extra: &[&str]) -> super::Estimate {
+    let config = format!("{}/../../bench-harness/configs/{config}", env!("CARGO_MANIFEST_DIR"));
+    let (b, s) = (batch.to_string(), seq.to_string());
+    let mut argv =
+        vec!["megatrain", "estimate", "--config", &config, "--device", "cuda", "--precision", "bf16"];
+    argv.extend(["--batch-size", &b, "--seq-len", &s, "--gpu-mem", gpu_mem, "--host-mem", "125"]);
+    argv.extend(extra);
+    let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
+    super::estimate(&args).unwrap()
+}
+
 /// With --gpus each GPU is planned for its share of the batch with no optimizer state on it,
 /// pays the ring all-reduce of every f32 gradient, and has rings of its own; the step's tokens
 /// and FLOPs are the whole batch's.
@@ -151,33 +165,14 @@ fn the_step_time_follows_the_measured_flash_runs() {
         ("llama3-3.6b.json", 1, 16384, "auto", "79.2", &[], 1.199),
         ("qwen2.5-7b.json", 1, 131072, "auto", "79.2", lean, 43.44),
         ("qwen2.5-7b.json", 1, 262144, "auto", "79.2", lean, 148.87),
+        // The Hopper kernels on an H200 (results/2026-11-28-long-context-h200,
+        // results/2026-11-28-512k-two-steps-h200): estimated 41.1, 140 and 511 s.
+        ("qwen2.5-7b.json", 1, 131072, "auto", "139.8", lean, 39.6),
+        ("qwen2.5-7b.json", 1, 262144, "auto", "139.8", lean, 136.5),
+        ("qwen2.5-7b.json", 1, 524288, "auto", "139.8", lean, 563.6),
     ];
     for (config, batch, seq, attention, gpu_mem, extra, measured) in runs {
-        let config = format!("{root}{config}");
-        let (b, s) = (batch.to_string(), seq.to_string());
-        let mut argv = vec![
-            "megatrain",
-            "estimate",
-            "--config",
-            &config,
-            "--device",
-            "cuda",
-            "--precision",
-            "bf16",
-            "--batch-size",
-            &b,
-            "--seq-len",
-            &s,
-            "--gpu-mem",
-            gpu_mem,
-            "--host-mem",
-            "125",
-            "--attention",
-            attention,
-        ];
-        argv.extend_from_slice(extra);
-        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
-        let e = super::estimate(&args).unwrap();
+        let e = estimate_of(config, batch, seq, gpu_mem, &[&["--attention", attention][..], extra].concat());
         assert_eq!(e.plan.flash_attention, attention != "materialized", "{config} {batch}x{seq}");
         assert_eq!(e.plan.hopper_attention, attention == "auto", "{config} {batch}x{seq}");
         let ratio = e.step_s / measured;
@@ -194,39 +189,18 @@ fn the_step_time_follows_the_measured_flash_runs() {
 /// command: within 5% each, where pricing the adapters by their FLOPs alone put them 7-12% low.
 #[test]
 fn the_step_time_follows_the_measured_lora_runs() {
-    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/");
     // (config, batch, base dtype, measured seconds a step)
     let runs = [
-        ("llama3-8b.json", "4", "bf16", 0.581),
-        ("llama3-8b.json", "16", "bf16", 2.565),
-        ("llama3-70b.json", "4", "int8", 6.14),
+        ("llama3-8b.json", 4, "bf16", 0.581),
+        ("llama3-8b.json", 16, "bf16", 2.565),
+        ("llama3-70b.json", 4, "int8", 6.14),
+        // Not among the runs the adapters' memory term was fitted to
+        // (results/2026-11-29-lora-70b-16x2048-h200): estimated 24.2 s each.
+        ("llama3-70b.json", 16, "int8", 24.83),
+        ("llama3-70b.json", 16, "nf4", 25.06),
     ];
     for (config, batch, base, measured) in runs {
-        let config = format!("{root}{config}");
-        let argv = [
-            "megatrain",
-            "estimate",
-            "--config",
-            &config,
-            "--device",
-            "cuda",
-            "--precision",
-            "bf16",
-            "--batch-size",
-            batch,
-            "--seq-len",
-            "2048",
-            "--lora-rank",
-            "16",
-            "--base-dtype",
-            base,
-            "--gpu-mem",
-            "139.8",
-            "--host-mem",
-            "125",
-        ];
-        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
-        let e = super::estimate(&args).unwrap();
+        let e = estimate_of(config, batch, 2048, "139.8", &["--lora-rank", "16", "--base-dtype", base]);
         let ratio = e.step_s / measured;
         eprintln!(
             "SUMMARY LoRA {config} {batch}x2048 on {base}: estimate {:.3} s, measured {measured} s",
@@ -458,18 +432,11 @@ fn gpt_oss_plans_the_hopper_flash_kernels_and_names_what_train_refuses() {
 /// device path's 16 x 2048 step at half its time.
 #[test]
 fn the_step_time_follows_the_measured_moe_runs() {
-    let config =
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/olmoe-1b-7b.json").to_string();
     // (batch, --moe-kernels, measured seconds a step)
     let runs =
         [(16, "device", 1.1706), (4, "device", 0.3274), (16, "portable", 10.5011), (4, "portable", 2.4476)];
     for (batch, kernels, measured) in runs {
-        let b = batch.to_string();
-        let mut argv = vec!["megatrain", "estimate", "--config", &config, "--device", "cuda"];
-        argv.extend(["--precision", "bf16", "--batch-size", &b, "--seq-len", "2048"]);
-        argv.extend(["--gpu-mem", "139.8", "--host-mem", "125", "--moe-kernels", kernels]);
-        let Command::Estimate(args) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
-        let e = super::estimate(&args).unwrap();
+        let e = estimate_of("olmoe-1b-7b.json", batch, 2048, "139.8", &["--moe-kernels", kernels]);
         assert_eq!(e.plan.moe_kernels, kernels == "device", "{batch} x 2048 {kernels}");
         let ratio = e.step_s / measured;
         assert!(
