@@ -91,8 +91,10 @@ def compile_cubin(src: str, name: str = "flash_attn_hopper.cu", arch: str = "sm_
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None)
     if rc != 0:
         raise RuntimeError(f"nvrtcCreateProgram failed ({rc})")
+    # --no-cache: NVRTC (12.9 on) serves a source it compiled before without ptxas's report,
+    # and the report is what says the kernels kept their Hopper features (and their spills).
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "--fmad=false", "--ptxas-options=-v",
-            "-lineinfo", *extra_opts]
+            "--no-cache", "-lineinfo", *extra_opts]
     copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = lib.nvrtcCompileProgram(prog, len(opts), copts)
     size = ctypes.c_size_t()

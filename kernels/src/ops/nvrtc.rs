@@ -110,33 +110,22 @@ pub(crate) fn compile_cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>
     compile_cubin_logged(src, name, arch).0
 }
 
-/// How many times [`compile_cubin_logged`] compiles a source whose CUBIN comes back with no
-/// report from ptxas at all. On the H200 machines (CUDA 13.0) a process's NVRTC sometimes returns
-/// an empty log for a compile that asked for ptxas's report (`-v`, which always prints at least
-/// the kernels' register counts): without the report a lost Hopper feature would pass unseen.
-const PTXAS_REPORT_TRIES: usize = 3;
-
-/// [`compile_cubin`]'s result with NVRTC's whole log beside it (ptxas's report included),
-/// compiled again (up to [`PTXAS_REPORT_TRIES`] times) while the CUBIN comes without ptxas's
-/// report. A CUBIN that never has one is used, as before this check existed, with a warning on
-/// standard error (refusing it would stop a run over a missing log, not a known loss).
+/// [`compile_cubin`]'s result with NVRTC's whole log beside it (ptxas's report included).
+/// NVRTC's compile cache is off (`--no-cache`): a compile served from it (NVRTC 12.9 on, the
+/// second process on a machine to compile a source) comes back with no word from ptxas, so on
+/// the H200 machines most processes' logs were empty and a lost Hopper feature would have passed
+/// unseen (the probe test failed 2 of 3 runs). A CUBIN that still comes without ptxas's report is
+/// used, as before this check existed, with a warning on standard error (refusing it would stop
+/// a run over a missing log, not a known loss).
 pub(crate) fn compile_cubin_logged(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, String>, String) {
-    let mut tries = 1;
-    loop {
-        let (result, log) = compile_cubin_once(src, name, arch);
-        if result.is_err() || log.contains("ptxas") {
-            return (result, log);
-        }
-        if tries == PTXAS_REPORT_TRIES {
-            eprintln!(
-                "warning: NVRTC compiled {name} for {arch} {tries} times without ptxas's report, so \
-                 whether its kernels kept their {arch} features (setmaxnreg, asynchronous wgmma) was \
-                 not checked"
-            );
-            return (result, log);
-        }
-        tries += 1;
+    let (result, log) = compile_cubin_once(src, name, arch);
+    if result.is_ok() && !log.contains("ptxas") {
+        eprintln!(
+            "warning: NVRTC compiled {name} for {arch} without ptxas's report, so whether its \
+             kernels kept their {arch} features (setmaxnreg, asynchronous wgmma) was not checked"
+        );
     }
+    (result, log)
 }
 
 /// One NVRTC compile of [`compile_cubin_logged`].
@@ -157,6 +146,8 @@ fn compile_cubin_once(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, Str
         "--std=c++17".into(),
         "--fmad=false".into(),
         "--ptxas-options=-v".into(),
+        // A cached compile says nothing from ptxas (see compile_cubin_logged).
+        "--no-cache".into(),
     ];
     // SAFETY: `prog` was just created and is destroyed once, below, after its last use; the
     // options are NUL-free strings (cudarc turns them into C strings).
