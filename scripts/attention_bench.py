@@ -254,7 +254,7 @@ def time_interleaved(fns, reps):
     callable) to run it inside a context, see `time_once`), or the exception that
     stopped it. Each runs once as warm-up, then `reps` rounds run every one once, in turn, so all
     see the same clocks and GPU state: timed one after another, the first system timed at a new
-    shape ran slow (the Hopper forward at 64k 32/8: 538 TFLOP/s first, 612-614 for the same code
+    shape ran slow (the Hopper forward at 64k 32/8: 538 TFLOP/s first, 594-614 for the same code
     timed after it, one H200). A callable that raises is dropped from later rounds."""
     import torch
 
