@@ -19,6 +19,9 @@
 #[allow(unsafe_code)]
 mod ops;
 
+// Used by the CUDA kernels' compiles; tested without CUDA too.
+#[cfg(any(feature = "cuda", test))]
+mod cubin_cache;
 pub mod device_optim;
 mod error;
 
