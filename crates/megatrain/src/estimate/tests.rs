@@ -150,7 +150,6 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
 /// GEMMs' rate put the 7B at 128k 2.2x too fast.
 #[test]
 fn the_step_time_follows_the_measured_flash_runs() {
-    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-harness/configs/");
     let lean: &[&str] = &["--optim-mode", "lean", "--grad-dtype", "none"];
     // (config, batch, seq, attention, GPU GiB, extra arguments, measured seconds a step)
     let runs = [
