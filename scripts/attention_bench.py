@@ -14,8 +14,8 @@ backward with its dQ adds in arrival order (not bitwise repeatable).
   bench:  forward and backward time of ours and of each SDPA backend torch has here (flash,
           cuDNN, efficient), causal, bf16, at each sequence length and head layout; TFLOP/s with
           the causal FLOPs: forward 2*B*NH*S^2*HD, backward 2.5x that. Medians of rounds that
-          run every system once in turn (interleaved, after a warm-up round), so all see the
-          same clocks and GPU state. With --window W and/or
+          run every system once in turn (interleaved, after a warm-up round, the order rotating),
+          so all see the same clocks and GPU state. With --window W and/or
           --sinks (GPT-OSS's sliding window and per-head sink logits; ours only, SDPA has
           neither: the SDPA backends are timed without them, for scale), the FLOPs count the
           visible (query, key) pairs: forward 4*B*NH*HD*pairs, pairs = sum_i min(i + 1, W).
@@ -50,7 +50,8 @@ SCHEMA_VERSION = 1
 FWD_FLOPS = "2*B*NH*S^2*HD (causal); with a window W: 4*B*NH*HD*sum_i min(i + 1, W)"
 BWD_FLOPS = "2.5 x forward"
 TIMING = ("median of --reps rounds (at least 3 past 16k, --reps / 2 if more) after one warm-up round; "
-          "each round runs every system's forward and backward once, in turn (interleaved)")
+          "each round runs every system's forward and backward once, in turn (interleaved), "
+          "starting one further along each round")
 
 
 def kernels_source() -> str:
@@ -249,25 +250,39 @@ def time_once(fn, ctx=contextlib.nullcontext):
     return a.elapsed_time(b)
 
 
-def time_interleaved(fns, reps):
-    """Median milliseconds of each callable in `fns` (name -> callable, or (context factory,
-    callable) to run it inside a context, see `time_once`), or the exception that
-    stopped it. Each runs once as warm-up, then `reps` rounds run every one once, in turn, so all
-    see the same clocks and GPU state: timed one after another, the first system timed at a new
-    shape ran slow (the Hopper forward at 64k 32/8: 538 TFLOP/s first, 594-614 for the same code
-    timed after it, one H200). A callable that raises is dropped from later rounds."""
+def time_ms(fn, reps):
+    """Median milliseconds of `reps` calls of `fn` after one warm-up call (one system alone; the
+    MoE bench's timing)."""
     import torch
 
-    times, failed = {n: [] for n in fns}, {}
+    fn()
+    torch.cuda.synchronize()
+    return sorted(time_once(fn) for _ in range(reps))[reps // 2]
+
+
+def time_interleaved(fns, reps):
+    """Median milliseconds of each callable in `fns` (name -> callable, or (context factory,
+    callable) to run it inside a context, see `time_once`), or the error that stopped it (a
+    RuntimeError holding its message, no traceback: nothing of the bench stays alive through
+    it). Each runs once as warm-up, then `reps` rounds run every one once, in turn, starting one
+    further along each round, so all see the same clocks and GPU state: timed one system after
+    another, the same forward code varied by up to 14% between systems (the Hopper forward at
+    64k 32/8 on an H200: 538 TFLOP/s in one build, 594-614 in three others). A callable that
+    raises is dropped from later rounds."""
+    import torch
+
+    names = list(fns)
+    times, failed = {n: [] for n in names}, {}
     for r in range(reps + 1):
-        for n, fn in fns.items():
+        k = r % len(names) if names else 0
+        for n in names[k:] + names[:k]:
             if n in failed:
                 continue
-            ctx, f = fn if isinstance(fn, tuple) else (contextlib.nullcontext, fn)
+            ctx, f = fns[n] if isinstance(fns[n], tuple) else (contextlib.nullcontext, fns[n])
             try:
                 t = time_once(f, ctx)
             except Exception as e:  # out of memory, or a backend torch lacks here
-                failed[n] = e
+                failed[n] = RuntimeError(str(e) or type(e).__name__)
                 torch.cuda.synchronize()
                 continue
             if r > 0:
@@ -351,7 +366,7 @@ def bench(impls, s, nh, nkv, hd, reps, sdpa=("flash", "cudnn"), window=0, sinks=
             out["systems"][name] = {"status": "failed", "reason": str(bad).splitlines()[0][:300]}
         else:
             out["systems"][name] = entry(t_f, t_b, flops, "ok", gqa)
-    del keep, fns
+    del keep, fns, t
     torch.cuda.empty_cache()
     return out
 

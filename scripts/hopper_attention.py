@@ -104,6 +104,11 @@ def compile_cubin(src: str, name: str = "flash_attn_hopper.cu", arch: str = "sm_
     log_s = log.value.decode(errors="replace")
     if rc != 0:
         raise RuntimeError(f"NVRTC failed ({rc}):\n{log_s}")
+    if "ptxas" not in log_s:
+        # As the engine does (kernels/src/ops/nvrtc.rs): without the report, no lost feature or
+        # spill could have been seen.
+        print(f"warning: NVRTC compiled {name} for {arch} without ptxas's report: its Hopper "
+              "features and spills were not checked", file=sys.stderr)
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
     cubin = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetCUBIN(prog, cubin)

@@ -6,7 +6,8 @@
 //! `flash_attn_hopper.cu` takes ~16 s on an H200 machine, at every process's first step. This
 //! cache takes that back: a CUBIN is written here only after a compile whose log carried ptxas's
 //! report and passed the check, under the SHA-256 of everything that made it (source, file name,
-//! architecture, options, NVRTC's version), so a later process loads exactly what was checked.
+//! architecture, options, NVRTC's version, the list of ptxas's words it was checked against), so
+//! a later process loads exactly what was checked.
 //!
 //! The directory is `MEGATRAIN_CUBIN_CACHE` if set (empty or `off`: no cache), else
 //! `$XDG_CACHE_HOME/megatrain/cubin` or `$HOME/.cache/megatrain/cubin`. The cache is best effort:
@@ -25,14 +26,20 @@ pub(crate) struct CubinCache {
 
 impl CubinCache {
     /// The cache the environment names (module docs).
+    #[cfg(feature = "cuda")]
     pub(crate) fn from_env() -> Self {
-        let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-        let dir = match std::env::var_os("MEGATRAIN_CUBIN_CACHE") {
+        Self::from_lookup(|k| std::env::var_os(k))
+    }
+
+    /// The cache the variables `var` gives name (module docs).
+    fn from_lookup(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Self {
+        let set = |k: &str| var(k).filter(|v| !v.is_empty());
+        let dir = match var("MEGATRAIN_CUBIN_CACHE") {
             Some(v) if v.is_empty() || v == "off" => None,
             Some(v) => Some(PathBuf::from(v)),
-            None => var("XDG_CACHE_HOME")
+            None => set("XDG_CACHE_HOME")
                 .map(PathBuf::from)
-                .or_else(|| var("HOME").map(|h| Path::new(&h).join(".cache")))
+                .or_else(|| set("HOME").map(|h| Path::new(&h).join(".cache")))
                 .map(|d| d.join("megatrain").join("cubin")),
         };
         CubinCache { dir }
@@ -149,25 +156,18 @@ mod tests {
     }
 
     /// `MEGATRAIN_CUBIN_CACHE` names the directory, `off` or empty turns the cache off, and
-    /// without it the user's cache directory is used.
+    /// without it the user's cache directory is used (`XDG_CACHE_HOME`, else `HOME/.cache`).
     #[test]
     fn the_environment_names_the_directory() {
-        // Read in this test only: no other test reads or sets the variable.
-        let saved = std::env::var_os("MEGATRAIN_CUBIN_CACHE");
-        std::env::set_var("MEGATRAIN_CUBIN_CACHE", "/some/dir");
-        assert_eq!(CubinCache::from_env(), CubinCache::at(Some("/some/dir".into())));
-        for off in ["off", ""] {
-            std::env::set_var("MEGATRAIN_CUBIN_CACHE", off);
-            assert_eq!(CubinCache::from_env(), CubinCache::at(None), "{off:?}");
-        }
-        std::env::remove_var("MEGATRAIN_CUBIN_CACHE");
-        let d = CubinCache::from_env().dir;
-        if std::env::var_os("XDG_CACHE_HOME").is_some() || std::env::var_os("HOME").is_some() {
-            assert!(d.as_ref().is_some_and(|d| d.ends_with("megatrain/cubin")), "{d:?}");
-        }
-        match saved {
-            Some(v) => std::env::set_var("MEGATRAIN_CUBIN_CACHE", v),
-            None => std::env::remove_var("MEGATRAIN_CUBIN_CACHE"),
-        }
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            CubinCache::from_lookup(move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.into())).dir
+        };
+        let some = |d: &str| Some(PathBuf::from(d));
+        assert_eq!(env(&[("MEGATRAIN_CUBIN_CACHE", "/some/dir"), ("HOME", "/h")]), some("/some/dir"));
+        assert_eq!(env(&[("MEGATRAIN_CUBIN_CACHE", "off"), ("HOME", "/h")]), None);
+        assert_eq!(env(&[("MEGATRAIN_CUBIN_CACHE", ""), ("HOME", "/h")]), None);
+        assert_eq!(env(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]), some("/x/megatrain/cubin"));
+        assert_eq!(env(&[("XDG_CACHE_HOME", ""), ("HOME", "/h")]), some("/h/.cache/megatrain/cubin"));
+        assert_eq!(env(&[]), None);
     }
 }

@@ -2,9 +2,10 @@
 //! outputs as the portable kernels of `flash.rs`, on wgmma, TMA and warp-specialised CTAs, for
 //! compute capability 9.0 and head dims 64 and 128. [`flash.rs`](super::flash) decides which runs.
 //!
-//! The source is compiled once per process by NVRTC for `sm_90a` into a CUBIN (`nvrtc.rs`'s
+//! The source is compiled by NVRTC for `sm_90a` into a CUBIN (`nvrtc.rs`'s
 //! [`compile_cubin`](super::nvrtc::compile_cubin), which refuses ptxas's warnings that the kernels
-//! lost their Hopper features) and loaded once per GPU. Each launch describes Q, K, V and dO to
+//! lost their Hopper features; a checked CUBIN is kept between processes by `cubin_cache.rs`), at
+//! most once per process, and loaded once per GPU. Each launch describes Q, K, V and dO to
 //! the copy engine as 4-d tensor maps (`cuTensorMapEncodeTiled`), passed by value. The backward
 //! adds each query tile's dQ into an fp32 buffer `[b, heads, ⌈t / 64⌉, 64 × hd]` (what the planner
 //! counts as the attention backward's extra workspace: [`crate::hopper_dq_buffer_bytes`]) in key-block order, so

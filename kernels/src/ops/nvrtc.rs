@@ -108,13 +108,22 @@ const FATAL_PTXAS: [&str; 7] =
 /// otherwise (C++17, no FMA contraction).
 ///
 /// A CUBIN whose compile carried ptxas's report and passed is kept between processes
-/// ([`crate::cubin_cache`], under the hash of the source, options and NVRTC's version): a fresh
+/// ([`crate::cubin_cache`], under the hash of the source, options, NVRTC's version and the list
+/// of ptxas's words it was checked against): a fresh
 /// compile of the Hopper attention kernels takes ~16 s.
 pub(crate) fn compile_cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>, String> {
     let version = nvrtc_version();
     let opts = cubin_options(arch).join(" ");
-    let parts: [&[u8]; 5] =
-        [src.as_bytes(), name.as_bytes(), arch.as_bytes(), opts.as_bytes(), version.as_bytes()];
+    // The check too: a CUBIN checked against another list of ptxas's words is not this one's.
+    let check = FATAL_PTXAS.join("\n");
+    let parts: [&[u8]; 6] = [
+        src.as_bytes(),
+        name.as_bytes(),
+        arch.as_bytes(),
+        opts.as_bytes(),
+        version.as_bytes(),
+        check.as_bytes(),
+    ];
     crate::cubin_cache::CubinCache::from_env().get_or_compile(&parts, || {
         let (result, log) = compile_cubin_logged(src, name, arch);
         result.map(|cubin| (cubin, log.contains("ptxas")))

@@ -145,7 +145,7 @@ fn the_host_optimizer_time_counts_streamed_units_by_their_bytes() {
 }
 
 /// The step times measured with the portable flash kernels on one H200 and with the Hopper
-/// kernels on one H100 (every layer resident or held, so compute-bound; where: docs/decisions/0041)
+/// kernels on one H100 and one H200 (compute-bound; where: docs/decisions/0041)
 /// against the estimate of the same command: within 10% each, where pricing attention at the
 /// GEMMs' rate put the 7B at 128k 2.2x too fast.
 #[test]
@@ -183,8 +183,9 @@ fn the_step_time_follows_the_measured_flash_runs() {
     }
 }
 
-/// LoRA r 16 step times measured on one H200 (the base kept on the GPU where it fits, compute
-/// 99-100% busy; `results/2026-11-29-lora-kept-base-h200/`) against the estimate of the same
+/// LoRA r 16 step times measured on one H200 (the 8B's base kept on the GPU, the 70B's partly
+/// streamed; compute 99-100% busy; `results/2026-11-29-lora-kept-base-h200/`,
+/// `results/2026-11-29-lora-70b-16x2048-h200/`) against the estimate of the same
 /// command: within 5% each, where pricing the adapters by their FLOPs alone put them 7-12% low.
 #[test]
 fn the_step_time_follows_the_measured_lora_runs() {
