@@ -516,16 +516,25 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 mbar_wait(barQF + 8 * s, (n >> 1) & 1);
                 const long long tile = ((long long)b * NH + h) * nqt + it;
                 int* sem = sync + 1 + tile;
+                bool first_adder = false;
                 if (deterministic) {
                     // The lowest key block this tile sees (that of its first query's lowest key).
                     const int first = EXT ? hfa_lowest_key<EXT>(slo ? slo[it * BQ] : 0, it * BQ, window) / BN
                                           : (slo ? slo[it * BQ] / BN : 0);
+                    first_adder = jb == first;
                     while (ld_acquire(sem) != jb - first) {
                     }
                     fence_async_global();
                 }
+                (void)first_adder;
 #ifndef MT_HFA_NO_DQ_ADD
-                bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
+#ifdef MT_HFA_DQ_FIRST_STORE
+                // The tile's first adder writes its whole partial (zeros where masked): the buffer
+                // needs no zeroing when ordered.
+                if (first_adder) bulk_store(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
+                else
+#endif
+                    bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
 #endif
                 bulk_commit();
                 bulk_wait_read();
@@ -583,6 +592,9 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
             wgmma_ss<BQ, 0, 0>(st, desc_sw128(kan + off, 16, 1024), desc_sw128(q_s + offq, 16, 1024), kk > 0);
         }
+#ifdef MT_HFA_BWD_P_EARLY
+        wg_commit();  // S^T alone: P is computed while dP^T runs
+#endif
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
@@ -594,15 +606,12 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         const float2* dd = (const float2*)(ldsm + (2 * s + 1) * BQ) + tq;
         const bool masked = i0 < key0 + 63 || i0 + BQ > T || (slo && slo[min(i0 + BQ - 1, T - 1)] > key0) ||
                             (EXT && window > 0 && min(i0 + BQ - 1, T - 1) - key0 >= window);
-        wg_wait<0>();
-        fence_regs<BQ / 2>(st);
-        fence_regs<BQ / 2>(dp);
-        // P^T and dS^T in place of S^T and dP^T; only items on the diagonal, past T or across a
-        // document's start need the mask (two bodies, as in the forward's softmax).
+        // P^T in place of S^T; only items on the diagonal, past T or across a document's start
+        // need the mask (two bodies, as in the forward's softmax).
         auto probs = [&](const bool masked_items) {
 #pragma unroll
             for (int jq = 0; jq < BQ / 8; ++jq) {
-                const float2 l2 = lse2[4 * jq], d2 = dd[4 * jq];
+                const float2 l2 = lse2[4 * jq];
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -616,26 +625,53 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                                 pv = 0.0f;
                         }
                         st[x] = pv;
-                        dp[x] = pv * (dp[x] - (e ? d2.y : d2.x));
                     }
             }
         };
+        // dS^T = P^T (dP^T - D) in place of dP^T.
+        auto grads = [&]() {
+#pragma unroll
+            for (int jq = 0; jq < BQ / 8; ++jq) {
+                const float2 d2 = dd[4 * jq];
+#pragma unroll
+                for (int x = 4 * jq; x < 4 * jq + 4; ++x) dp[x] = st[x] * (dp[x] - (x & 1 ? d2.y : d2.x));
+            }
+        };
+#ifdef MT_HFA_BWD_P_EARLY
+        wg_wait<1>();
+        fence_regs<BQ / 2>(st);
+#else
+        wg_wait<0>();
+        fence_regs<BQ / 2>(st);
+        fence_regs<BQ / 2>(dp);
+#endif
         if (masked) probs(true);
         else probs(false);
+#ifdef MT_HFA_BWD_P_EARLY
+        wg_wait<0>();
+        fence_regs<BQ / 2>(dp);
+#endif
+        grads();
         acc_to_frag<BQ>(pa, st);
         acc_to_frag<BQ>(da, dp);
-        // dV += P^T dO, dK += dS^T Q (64 keys x HD, contraction over the 64 queries): one group.
+        // dV += P^T dO, dK += dS^T Q (64 keys x HD, contraction over the 64 queries): one group,
+        // or (MT_HFA_BWD_DQ_MID) dV now and dK after dQ, so that dQ's partial is stored under dK.
         fence_regs<HD / 2>(dv);
         fence_regs<HD / 2>(dk);
         fence_regs<BQ / 4>(pa);
         fence_regs<BQ / 4>(da);
         wg_fence();
+        auto issue_dk = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk)
+                wgmma_rs<HD, 1>(dk, &da[4 * kk], desc_sw128(q_s + kk * 2048, BQ * 128, 1024), 1);
+        };
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk)
             wgmma_rs<HD, 1>(dv, &pa[4 * kk], desc_sw128(do_s + kk * 2048, BQ * 128, 1024), 1);
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk)
-            wgmma_rs<HD, 1>(dk, &da[4 * kk], desc_sw128(q_s + kk * 2048, BQ * 128, 1024), 1);
+#ifndef MT_HFA_BWD_DQ_MID
+        issue_dk();
+#endif
         wg_commit();
         // dS^T into this item's shared buffer (keys x queries, bf16, swizzled: row = key within the
         // block, 16-byte piece = query / 8). The buffer's last reader, item n - 2's dQ product in
@@ -660,6 +696,14 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             wgmma_ss<HD / 2, 1, 1>(dq, desc_sw128(ds + kk * 2048, BN * 128, 1024),
                                    desc_sw128(kb + kk * 2048, BN * 128, 1024), kk > 0);
         wg_commit();
+#ifdef MT_HFA_BWD_DQ_MID
+        issue_dk();
+        wg_commit();
+        wg_wait<1>();  // dV and dQ done; dK runs under the partial's store
+        fence_regs<HD / 2>(dv);
+        fence_regs<BQ / 4>(pa);
+        fence_regs<L::DQR>(dq);
+#else
         wg_wait<0>();
         fence_regs<HD / 2>(dv);
         fence_regs<HD / 2>(dk);
@@ -668,6 +712,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         fence_regs<L::DQR>(dq);
         __syncwarp();
         if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
+#endif
         // The partial into shared memory in the registers' own order (each warp writes 512
         // contiguous bytes: no bank conflicts), once the dQ warp has read the previous one; the
         // dQ buffer keeps that order, the convert kernel undoes it.
@@ -679,6 +724,13 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         fence_async_shared();
         __syncwarp();
         if (lane == 0) mbar_arrive(barQF + 8 * s);
+#ifdef MT_HFA_BWD_DQ_MID
+        wg_wait<0>();  // dK, the stage's last reader (of Q)
+        fence_regs<HD / 2>(dk);
+        fence_regs<BQ / 4>(da);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
+#endif
     }
 
     // dK (times the softmax scale) and dV as bf16.

@@ -64,6 +64,11 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, un
                  "r"(bytes)
                  : "memory");
 }
+// global[dst .. dst + bytes) = shared[src ..) (a plain bulk copy, the same groups as the reduce).
+__device__ __forceinline__ void bulk_store(void* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until every committed bulk operation of this thread has completed (writes performed);
 // all but the newest; until every one has finished reading its source.

@@ -86,6 +86,9 @@ inline void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
         std::atomic_ref<float>(dst[i]).fetch_add(v);
     }
 }
+inline void bulk_store(void* dst, unsigned src, unsigned bytes) {
+    std::memcpy(dst, emu_block->smem.data() + src, bytes);
+}
 inline void bulk_commit() {}
 inline void bulk_wait_all() {}
 inline void bulk_wait_all_but_one() {}
