@@ -197,7 +197,6 @@ class Hopper:
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # makes the primary context current on this thread
         self.drv = Driver()
-        self.defines = tuple(defines)
         prefix = "".join(f"#define {d.replace('=', ' ')}\n" for d in defines)
         self.fwd_stages = 3
         for d in defines:
@@ -261,8 +260,8 @@ class Hopper:
                         [ctypes.c_void_p(do.data_ptr()), ctypes.c_void_p(o.data_ptr()), ctypes.c_void_p(d.data_ptr()),
                          ctypes.c_int(t), ctypes.c_int(nh), ctypes.c_int(hd), ctypes.c_int64(rows)])
         nqt = (t + BQ - 1) // BQ
-        # Ordered, MT_HFA_DQ_FIRST_STORE's first adder of each tile stores: no zeroing needed.
-        alloc = torch.empty if deterministic and "MT_HFA_DQ_FIRST_STORE" in self.defines else torch.zeros
+        # Ordered, each tile's first adder stores its partial: no zeroing needed.
+        alloc = torch.empty if deterministic else torch.zeros
         dq_acc = alloc((b, nh, nqt, BQ * hd), dtype=torch.float32, device=q.device)
         sync = torch.zeros(1 + b * nh * nqt, dtype=torch.int32, device=q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -387,6 +387,17 @@ __device__ __forceinline__ void hfa_fwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 #endif
 static_assert(128 * MT_HFA_BWD_PRODUCER_REGS + 256 * MT_HFA_BWD_CONSUMER_REGS == 384 * 168, "register split");
 
+// Per head dim, measured on an H200 (decision 0055): at 128 the consumers issue dQ before dK and
+// store the dQ partial while dK runs (+3-5.5% backward; at 64 it was 2-17% slower, the Q/dO
+// stage then freed later than its loads need); at 64 they compute P while dP^T runs (+1%; neutral
+// to -1% at 128). Another value (0: none) compiles the other order, for measurement.
+#ifndef MT_HFA_BWD_DQ_MID_HD
+#define MT_HFA_BWD_DQ_MID_HD 128
+#endif
+#ifndef MT_HFA_BWD_P_EARLY_HD
+#define MT_HFA_BWD_P_EARLY_HD 64
+#endif
+
 template <int HD>
 struct HfaBwd {
     static constexpr int BN = MT_HFA_BN, BQ = MT_HFA_BQ, NCH = HD / 64;
@@ -516,7 +527,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 mbar_wait(barQF + 8 * s, (n >> 1) & 1);
                 const long long tile = ((long long)b * NH + h) * nqt + it;
                 int* sem = sync + 1 + tile;
-                bool first_adder = false;
+                bool first_adder = false;  // ordered, the tile's first: it stores, the rest add
                 if (deterministic) {
                     // The lowest key block this tile sees (that of its first query's lowest key).
                     const int first = EXT ? hfa_lowest_key<EXT>(slo ? slo[it * BQ] : 0, it * BQ, window) / BN
@@ -526,15 +537,11 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                     }
                     fence_async_global();
                 }
-                (void)first_adder;
 #ifndef MT_HFA_NO_DQ_ADD
-#ifdef MT_HFA_DQ_FIRST_STORE
-                // The tile's first adder writes its whole partial (zeros where masked): the buffer
-                // needs no zeroing when ordered.
+                // The first adder writes its whole partial (zeros where masked), so an ordered
+                // backward's buffer needs no zeroing.
                 if (first_adder) bulk_store(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
-                else
-#endif
-                    bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
+                else bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
 #endif
                 bulk_commit();
                 bulk_wait_read();
@@ -573,6 +580,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
     // chunk's row for HD 64).
     const unsigned kb = sK + (HD == 128 ? w * BN * 128 : w * 64);
     const float* ldsm = (const float*)(mt_hfa_smem + (base + L::LD - smem_addr(mt_hfa_smem)));
+    constexpr bool dq_mid = HD == MT_HFA_BWD_DQ_MID_HD, p_early = HD == MT_HFA_BWD_P_EARLY_HD;
 
     mbar_wait(barKV, 0);
     for (int n = 0; n < n_items; ++n) {
@@ -592,9 +600,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
             wgmma_ss<BQ, 0, 0>(st, desc_sw128(kan + off, 16, 1024), desc_sw128(q_s + offq, 16, 1024), kk > 0);
         }
-#ifdef MT_HFA_BWD_P_EARLY
-        wg_commit();  // S^T alone: P is computed while dP^T runs
-#endif
+        if constexpr (p_early) wg_commit();  // S^T alone: P is computed while dP^T runs
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const unsigned off = (kk >> 2) * BN * 128 + (kk & 3) * 32, offq = (kk >> 2) * BQ * 128 + (kk & 3) * 32;
@@ -637,25 +643,25 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
                 for (int x = 4 * jq; x < 4 * jq + 4; ++x) dp[x] = st[x] * (dp[x] - (x & 1 ? d2.y : d2.x));
             }
         };
-#ifdef MT_HFA_BWD_P_EARLY
-        wg_wait<1>();
-        fence_regs<BQ / 2>(st);
-#else
-        wg_wait<0>();
-        fence_regs<BQ / 2>(st);
-        fence_regs<BQ / 2>(dp);
-#endif
+        if constexpr (p_early) {
+            wg_wait<1>();
+            fence_regs<BQ / 2>(st);
+        } else {
+            wg_wait<0>();
+            fence_regs<BQ / 2>(st);
+            fence_regs<BQ / 2>(dp);
+        }
         if (masked) probs(true);
         else probs(false);
-#ifdef MT_HFA_BWD_P_EARLY
-        wg_wait<0>();
-        fence_regs<BQ / 2>(dp);
-#endif
+        if constexpr (p_early) {
+            wg_wait<0>();
+            fence_regs<BQ / 2>(dp);
+        }
         grads();
         acc_to_frag<BQ>(pa, st);
         acc_to_frag<BQ>(da, dp);
         // dV += P^T dO, dK += dS^T Q (64 keys x HD, contraction over the 64 queries): one group,
-        // or (MT_HFA_BWD_DQ_MID) dV now and dK after dQ, so that dQ's partial is stored under dK.
+        // or (dq_mid) dV now and dK after dQ, so that dQ's partial is stored while dK runs.
         fence_regs<HD / 2>(dv);
         fence_regs<HD / 2>(dk);
         fence_regs<BQ / 4>(pa);
@@ -669,9 +675,7 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk)
             wgmma_rs<HD, 1>(dv, &pa[4 * kk], desc_sw128(do_s + kk * 2048, BQ * 128, 1024), 1);
-#ifndef MT_HFA_BWD_DQ_MID
-        issue_dk();
-#endif
+        if constexpr (!dq_mid) issue_dk();
         wg_commit();
         // dS^T into this item's shared buffer (keys x queries, bf16, swizzled: row = key within the
         // block, 16-byte piece = query / 8). The buffer's last reader, item n - 2's dQ product in
@@ -696,23 +700,23 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             wgmma_ss<HD / 2, 1, 1>(dq, desc_sw128(ds + kk * 2048, BN * 128, 1024),
                                    desc_sw128(kb + kk * 2048, BN * 128, 1024), kk > 0);
         wg_commit();
-#ifdef MT_HFA_BWD_DQ_MID
-        issue_dk();
-        wg_commit();
-        wg_wait<1>();  // dV and dQ done; dK runs under the partial's store
-        fence_regs<HD / 2>(dv);
-        fence_regs<BQ / 4>(pa);
-        fence_regs<L::DQR>(dq);
-#else
-        wg_wait<0>();
-        fence_regs<HD / 2>(dv);
-        fence_regs<HD / 2>(dk);
-        fence_regs<BQ / 4>(pa);
-        fence_regs<BQ / 4>(da);
-        fence_regs<L::DQR>(dq);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
-#endif
+        if constexpr (dq_mid) {
+            issue_dk();
+            wg_commit();
+            wg_wait<1>();  // dV and dQ done; dK runs under the partial's store
+            fence_regs<HD / 2>(dv);
+            fence_regs<BQ / 4>(pa);
+            fence_regs<L::DQR>(dq);
+        } else {
+            wg_wait<0>();
+            fence_regs<HD / 2>(dv);
+            fence_regs<HD / 2>(dk);
+            fence_regs<BQ / 4>(pa);
+            fence_regs<BQ / 4>(da);
+            fence_regs<L::DQR>(dq);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
+        }
         // The partial into shared memory in the registers' own order (each warp writes 512
         // contiguous bytes: no bank conflicts), once the dQ warp has read the previous one; the
         // dQ buffer keeps that order, the convert kernel undoes it.
@@ -724,13 +728,13 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
         fence_async_shared();
         __syncwarp();
         if (lane == 0) mbar_arrive(barQF + 8 * s);
-#ifdef MT_HFA_BWD_DQ_MID
-        wg_wait<0>();  // dK, the stage's last reader (of Q)
-        fence_regs<HD / 2>(dk);
-        fence_regs<BQ / 4>(da);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
-#endif
+        if constexpr (dq_mid) {
+            wg_wait<0>();  // dK, the stage's last reader (of Q)
+            fence_regs<HD / 2>(dk);
+            fence_regs<BQ / 4>(da);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(barE + 8 * s);  // this stage's Q and dO are free
+        }
     }
 
     // dK (times the softmax scale) and dV as bf16.

@@ -293,13 +293,9 @@ struct HopperKernels {
         emu_launch({(unsigned)((rows + 3) / 4), 1, 1}, 128, 0,
                    [&] { mt_flash_bwd_dot(dout.data(), o.data(), D.data(), T, NH, HD, rows); });
         const int nqt = (T + BQ - 1) / BQ;
-        // Ordered with the first adder storing, the buffer starts as garbage (NaN), as the engine's.
-#ifdef MT_HFA_DQ_FIRST_STORE
-        const float acc0 = ordered ? std::nanf("") : 0.0f;
-#else
-        const float acc0 = 0.0f;
-#endif
-        std::vector<float> acc((size_t)B * NH * nqt * BQ * HD, acc0);
+        // Ordered, each tile's first adder stores: the buffer starts as garbage (NaN), as the
+        // engine leaves it uninitialised; unordered it must be zeros.
+        std::vector<float> acc((size_t)B * NH * nqt * BQ * HD, ordered ? std::nanf("") : 0.0f);
         std::vector<int> sync(1 + (size_t)B * NH * nqt, 0);
         const MtTmaMap bq = map(q, NH, BQ), bk = map(k, NKV, MT_HFA_BN), bv = map(v, NKV, MT_HFA_BN),
                        bdo = map(dout, NH, BQ);

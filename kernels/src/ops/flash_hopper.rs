@@ -208,7 +208,15 @@ pub(super) fn backward(
 
     // The fp32 dQ buffer and, before it, the block counter and one turn counter per dQ tile.
     let nqt = t.div_ceil(BQ);
-    let dq_acc = dev.alloc_zeros::<f32>(b * nh * nqt * BQ * hd)?;
+    let acc_len = b * nh * nqt * BQ * hd;
+    let dq_acc = if ordered {
+        // SAFETY: ordered, every tile's first adder (the lowest key block that sees it, which
+        // always walks it) stores its whole 64 x hd partial before any other adds (the turn
+        // counters order them), so no element is read before it is written.
+        unsafe { dev.alloc::<f32>(acc_len)? }
+    } else {
+        dev.alloc_zeros::<f32>(acc_len)?
+    };
     let sync = dev.alloc_zeros::<i32>(1 + b * nh * nqt)?;
     // SAFETY: every element of each is written by the kernels below (rows < t of every head): dk
     // and dv by the backward, dq by the convert kernel.
