@@ -433,138 +433,129 @@ __device__ __forceinline__ void hfa_bwd_item(int n, int G, int n_it, int it_hi, 
 #endif
 }
 
-// EXT: with a sliding `window` (0: none; sinks need nothing here: LSE includes them); without it
-// the window is the constant 0 and the code is the plain kernel's.
-template <int HD, bool EXT>
-__device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk, const MtTmaMap* tmv,
-                                        const MtTmaMap* tmdo, const float* __restrict__ LSE,
-                                        const float* __restrict__ D, float* __restrict__ dq_acc, int* sync,
-                                        unsigned short* __restrict__ dK, unsigned short* __restrict__ dV,
-                                        const int* __restrict__ seg_lo, const int* __restrict__ seg_hi, int window,
-                                        int T, int B, int NH, int NKV, float scale, float scale_log2,
-                                        int deterministic) {
+// What every role of a backward CTA knows: its shared memory and barriers, its key block, KV
+// head and batch, and its walk (`n_items` = G heads x `n_it` query tiles, `it_hi` the last).
+struct HfaBwdCta {
+    unsigned base, sK, sV, sQ, sdO, sdS, sdQ, barKV, barF, barE, barQF, barQE;
+    int jb, kvh, b, G, j0, nqt, it_hi, n_it, n_items;
+    const int* slo;  // the batch's document starts, or null
+};
+
+// The load warp: lane 0 the K/V block once, then each item's Q and dO tiles by TMA into a
+// 2-stage ring; every lane two queries' LSE (log2 domain) and D into the stage.
+template <int HD>
+__device__ __forceinline__ void hfa_bwd_loads(const HfaBwdCta& cta, const MtTmaMap* tmq, const MtTmaMap* tmk,
+                                              const MtTmaMap* tmv, const MtTmaMap* tmdo,
+                                              const float* __restrict__ LSE, const float* __restrict__ D, int T,
+                                              int NH, int lane) {
     using L = HfaBwd<HD>;
     constexpr int BN = L::BN, BQ = L::BQ, NCH = L::NCH;
-    const unsigned base = hfa_smem_base();
-    int* s_block = (int*)(mt_hfa_smem + (base + L::BLOCK - smem_addr(mt_hfa_smem)));
-    const unsigned sK = base + L::K, sV = base + L::V, sQ = base + L::Q, sdO = base + L::DO;
-    const unsigned sdS = base + L::DSO, sdQ = base + L::DQO;
-    const unsigned barKV = base + L::BAR, barF = barKV + 8, barE = barF + 16, barQF = barE + 16, barQE = barQF + 16;
-    const int tid = threadIdx.x;
-    if (tid == 0) {
-        mbar_init(barKV, 1);
+    const unsigned base = cta.base, sK = cta.sK, sV = cta.sV, sQ = cta.sQ, sdO = cta.sdO;
+    const unsigned barKV = cta.barKV, barF = cta.barF, barE = cta.barE;
+    const int kvh = cta.kvh, b = cta.b, G = cta.G, j0 = cta.j0, it_hi = cta.it_hi, n_it = cta.n_it, n_items = cta.n_items;
+    if (lane == 0) {
+        mbar_expect_tx(barKV, 2 * L::TK);
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            mbar_init(barF + 8 * s, 32);  // the load warp's lanes
-            mbar_init(barE + 8 * s, 8);   // lane 0 of each consumer warp
-            mbar_init(barQF + 8 * s, 8);  // lane 0 of each consumer warp
-            mbar_init(barQE + 8 * s, 1);  // the dQ warp
+        for (int c = 0; c < NCH; ++c) {
+            tma_load_4d(sK + c * BN * 128, tmk, c * 64, kvh, j0, b, barKV);
+            tma_load_4d(sV + c * BN * 128, tmv, c * 64, kvh, j0, b, barKV);
         }
-        fence_barrier_init();
-        *s_block = atomicAdd(sync, 1);
     }
-    __syncthreads();
-
-    // Block -> (key block, KV head, batch): the first key blocks (the most query tiles) first.
-    const int blk = *s_block, rest = blk % (NKV * B);
-    const int jb = blk / (NKV * B), kvh = rest % NKV, b = rest / NKV;
-    const int G = NH / NKV, j0 = jb * BN;
-    const int nqt = (T + BQ - 1) / BQ;
-    const int* slo = seg_lo ? seg_lo + (long long)b * T : nullptr;
-    const int* shi = seg_hi ? seg_hi + (long long)b * T : nullptr;
-    const int k_last = min(j0 + BN, T) - 1;
-    // Queries [j0, q_end) see some key of the block: none past its last key's document or window.
-    const int doc_end = shi ? shi[k_last] : T;
-    const int q_end = EXT && window > 0 && window < T ? min(doc_end, k_last + window) : doc_end;
-    const int it_lo = j0 / BQ, it_hi = (q_end - 1) / BQ, n_it = it_hi - it_lo + 1, n_items = G * n_it;
-    const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
-
-    if (wg == 0) {
-        setmaxnreg_dec<MT_HFA_BWD_PRODUCER_REGS>();
-        if (warp == 0) {  // loads: lane 0 the tiles, every lane two queries' LSE and D
-            if (lane == 0) {
-                mbar_expect_tx(barKV, 2 * L::TK);
+    float* ld = (float*)(mt_hfa_smem + (base + L::LD - smem_addr(mt_hfa_smem)));
+    for (int n = 0; n < n_items; ++n) {
+        int hg, it;
+        hfa_bwd_item(n, G, n_it, it_hi, hg, it);
+        const int s = n & 1, h = kvh * G + hg, i0 = it * BQ;
+        if (n >= 2) mbar_wait(barE + 8 * s, ((n >> 1) - 1) & 1);
+        if (lane == 0) {
+            mbar_expect_tx_only(barF + 8 * s, 2 * L::TQ);
 #pragma unroll
-                for (int c = 0; c < NCH; ++c) {
-                    tma_load_4d(sK + c * BN * 128, tmk, c * 64, kvh, j0, b, barKV);
-                    tma_load_4d(sV + c * BN * 128, tmv, c * 64, kvh, j0, b, barKV);
-                }
+            for (int c = 0; c < NCH; ++c) {
+                tma_load_4d(sQ + s * L::TQ + c * BQ * 128, tmq, c * 64, h, i0, b, barF + 8 * s);
+                tma_load_4d(sdO + s * L::TQ + c * BQ * 128, tmdo, c * 64, h, i0, b, barF + 8 * s);
             }
-            float* ld = (float*)(mt_hfa_smem + (base + L::LD - smem_addr(mt_hfa_smem)));
-            for (int n = 0; n < n_items; ++n) {
-                int hg, it;
-                hfa_bwd_item(n, G, n_it, it_hi, hg, it);
-                const int s = n & 1, h = kvh * G + hg, i0 = it * BQ;
-                if (n >= 2) mbar_wait(barE + 8 * s, ((n >> 1) - 1) & 1);
-                if (lane == 0) {
-                    mbar_expect_tx_only(barF + 8 * s, 2 * L::TQ);
+        }
+        // A query past T gets P = 0 (exp2(x - inf)) and D = 0.
+        const long long ro = ((long long)b * NH + h) * T;
 #pragma unroll
-                    for (int c = 0; c < NCH; ++c) {
-                        tma_load_4d(sQ + s * L::TQ + c * BQ * 128, tmq, c * 64, h, i0, b, barF + 8 * s);
-                        tma_load_4d(sdO + s * L::TQ + c * BQ * 128, tmdo, c * 64, h, i0, b, barF + 8 * s);
-                    }
-                }
-                // A query past T gets P = 0 (exp2(x - inf)) and D = 0.
-                const long long ro = ((long long)b * NH + h) * T;
-#pragma unroll
-                for (int e = 0; e < BQ / 32; ++e) {
-                    const int qi = lane + 32 * e, q = i0 + qi;
-                    ld[(2 * s) * BQ + qi] = q < T ? LSE[ro + q] * MT_LOG2E : MT_POS_INF;
-                    ld[(2 * s + 1) * BQ + qi] = q < T ? D[ro + q] : 0.0f;
-                }
-                mbar_arrive(barF + 8 * s);
+        for (int e = 0; e < BQ / 32; ++e) {
+            const int qi = lane + 32 * e, q = i0 + qi;
+            ld[(2 * s) * BQ + qi] = q < T ? LSE[ro + q] * MT_LOG2E : MT_POS_INF;
+            ld[(2 * s + 1) * BQ + qi] = q < T ? D[ro + q] : 0.0f;
+        }
+        mbar_arrive(barF + 8 * s);
+    }
+}
+
+// The dQ warp's lane 0: each item's partial into its tile of the fp32 buffer, after the blocks
+// below this one when deterministic. A tile's counter is released once the add is done, which
+// is waited for only after the next item's add is issued (releasing it at once made the backward
+// 2.5-6.5% slower at d128 on an H200: decision 0040).
+template <int HD, bool EXT>
+__device__ __forceinline__ void hfa_bwd_dq_adds(const HfaBwdCta& cta, float* __restrict__ dq_acc, int* sync,
+                                                int window, int NH, int deterministic) {
+    using L = HfaBwd<HD>;
+    constexpr int BN = L::BN, BQ = L::BQ;
+    const unsigned sdQ = cta.sdQ, barQF = cta.barQF, barQE = cta.barQE;
+    const int jb = cta.jb, kvh = cta.kvh, b = cta.b, G = cta.G, nqt = cta.nqt, it_hi = cta.it_hi, n_it = cta.n_it;
+    const int n_items = cta.n_items;
+    const int* slo = cta.slo;
+    int* prev_sem = sync;
+    for (int n = 0; n < n_items; ++n) {
+        int hg, it;
+        hfa_bwd_item(n, G, n_it, it_hi, hg, it);
+        const int s = n & 1, h = kvh * G + hg;
+        mbar_wait(barQF + 8 * s, (n >> 1) & 1);
+        const long long tile = ((long long)b * NH + h) * nqt + it;
+        int* sem = sync + 1 + tile;
+        bool first_adder = false;  // ordered, the tile's first: it stores, the rest add
+        if (deterministic) {
+            // The lowest key block this tile sees (that of its first query's lowest key).
+            const int first = EXT ? hfa_lowest_key<EXT>(slo ? slo[it * BQ] : 0, it * BQ, window) / BN
+                                  : (slo ? slo[it * BQ] / BN : 0);
+            first_adder = jb == first;
+            while (ld_acquire(sem) != jb - first) {
             }
-        } else if (warp == 1 && lane == 0) {
-            // dQ adds: each item's partial into its tile, after the blocks below this one when
-            // deterministic. A tile's counter is released once the add is done, which is waited for
-            // only after the next item's add is issued (releasing it at once made the backward
-            // 2.5-6.5% slower at d128 on an H200: decision 0040).
-            int* prev_sem = sync;
-            for (int n = 0; n < n_items; ++n) {
-                int hg, it;
-                hfa_bwd_item(n, G, n_it, it_hi, hg, it);
-                const int s = n & 1, h = kvh * G + hg;
-                mbar_wait(barQF + 8 * s, (n >> 1) & 1);
-                const long long tile = ((long long)b * NH + h) * nqt + it;
-                int* sem = sync + 1 + tile;
-                bool first_adder = false;  // ordered, the tile's first: it stores, the rest add
-                if (deterministic) {
-                    // The lowest key block this tile sees (that of its first query's lowest key).
-                    const int first = EXT ? hfa_lowest_key<EXT>(slo ? slo[it * BQ] : 0, it * BQ, window) / BN
-                                          : (slo ? slo[it * BQ] / BN : 0);
-                    first_adder = jb == first;
-                    while (ld_acquire(sem) != jb - first) {
-                    }
-                    fence_async_global();
-                }
+            fence_async_global();
+        }
 #ifndef MT_HFA_NO_DQ_ADD
-                // The first adder writes its whole partial (zeros where masked), so an ordered
-                // backward's buffer needs no zeroing.
-                if (first_adder) bulk_store(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
-                else bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
+        // The first adder writes its whole partial (zeros where masked), so an ordered
+        // backward's buffer needs no zeroing.
+        if (first_adder) bulk_store(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
+        else bulk_reduce_add_f32(dq_acc + tile * (BQ * HD), sdQ + s * L::DQ, L::DQ);
 #endif
-                bulk_commit();
-                bulk_wait_read();
-                mbar_arrive(barQE + 8 * s);
-                if (deterministic) {
-                    if (n > 0) {
-                        bulk_wait_all_but_one();
-                        fence_async_global();
-                        red_release_add(prev_sem, 1);
-                    }
-                    prev_sem = sem;
-                }
-            }
-            bulk_wait_all();
-            if (deterministic && n_items > 0) {
+        bulk_commit();
+        bulk_wait_read();
+        mbar_arrive(barQE + 8 * s);
+        if (deterministic) {
+            if (n > 0) {
+                bulk_wait_all_but_one();
                 fence_async_global();
                 red_release_add(prev_sem, 1);
             }
+            prev_sem = sem;
         }
-        return;
     }
-    setmaxnreg_inc<MT_HFA_BWD_CONSUMER_REGS>();
+    bulk_wait_all();
+    if (deterministic && n_items > 0) {
+        fence_async_global();
+        red_release_add(prev_sem, 1);
+    }
+}
 
+// A consumer warpgroup (1 or 2): per item S^T, dP^T, P and dS, dV and dK (kept in registers),
+// its half of the item's dQ partial into shared memory for the dQ warp; at the end dK and dV.
+template <int HD, bool EXT>
+__device__ __forceinline__ void hfa_bwd_consumer(const HfaBwdCta& cta, unsigned short* __restrict__ dK,
+                                                 unsigned short* __restrict__ dV, int window, int T, int NKV,
+                                                 float scale, float scale_log2, int tid) {
+    using L = HfaBwd<HD>;
+    constexpr int BN = L::BN, BQ = L::BQ;
+    const unsigned base = cta.base, sK = cta.sK, sV = cta.sV, sQ = cta.sQ, sdO = cta.sdO, sdS = cta.sdS, sdQ = cta.sdQ;
+    const unsigned barKV = cta.barKV, barF = cta.barF, barE = cta.barE, barQF = cta.barQF, barQE = cta.barQE;
+    const int kvh = cta.kvh, b = cta.b, G = cta.G, j0 = cta.j0, it_hi = cta.it_hi, n_it = cta.n_it, n_items = cta.n_items;
+    const int* slo = cta.slo;
+    const int wg = tid >> 7, lane = tid & 31;
     // Consumer warpgroup w: keys j0 + 64 w .. + 63; this thread's keys kr[i] (rows of S^T).
     const int w = wg - 1, lt = tid & 127, wq = lt >> 5, g = lane >> 2, tq = lane & 3;
     const int key0 = j0 + 64 * w;
@@ -584,8 +575,8 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
 
     mbar_wait(barKV, 0);
     for (int n = 0; n < n_items; ++n) {
-        int hg, it;
-        hfa_bwd_item(n, G, n_it, it_hi, hg, it);
+        int hg_unused, it;  // the head matters only to the loads and the dQ adds
+        hfa_bwd_item(n, G, n_it, it_hi, hg_unused, it);
         const int s = n & 1, i0 = it * BQ;
         const unsigned ds = sdS + s * L::DS;
         // Laundered so that the descriptors are rebuilt here rather than kept live across the loop.
@@ -751,6 +742,66 @@ __device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk
             v_out[jd * 4 + tq] = pack_bf16(dv[4 * jd + 2 * i], dv[4 * jd + 2 * i + 1]);
         }
     }
+}
+
+
+// EXT: with a sliding `window` (0: none; sinks need nothing here: LSE includes them); without it
+// the window is the constant 0 and the code is the plain kernel's.
+template <int HD, bool EXT>
+__device__ __forceinline__ void hfa_bwd(const MtTmaMap* tmq, const MtTmaMap* tmk, const MtTmaMap* tmv,
+                                        const MtTmaMap* tmdo, const float* __restrict__ LSE,
+                                        const float* __restrict__ D, float* __restrict__ dq_acc, int* sync,
+                                        unsigned short* __restrict__ dK, unsigned short* __restrict__ dV,
+                                        const int* __restrict__ seg_lo, const int* __restrict__ seg_hi, int window,
+                                        int T, int B, int NH, int NKV, float scale, float scale_log2,
+                                        int deterministic) {
+    using L = HfaBwd<HD>;
+    constexpr int BN = L::BN, BQ = L::BQ;
+    HfaBwdCta cta;
+    cta.base = hfa_smem_base();
+    int* s_block = (int*)(mt_hfa_smem + (cta.base + L::BLOCK - smem_addr(mt_hfa_smem)));
+    cta.sK = cta.base + L::K, cta.sV = cta.base + L::V, cta.sQ = cta.base + L::Q, cta.sdO = cta.base + L::DO;
+    cta.sdS = cta.base + L::DSO, cta.sdQ = cta.base + L::DQO;
+    cta.barKV = cta.base + L::BAR, cta.barF = cta.barKV + 8, cta.barE = cta.barF + 16, cta.barQF = cta.barE + 16;
+    cta.barQE = cta.barQF + 16;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbar_init(cta.barKV, 1);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(cta.barF + 8 * s, 32);  // the load warp's lanes
+            mbar_init(cta.barE + 8 * s, 8);   // lane 0 of each consumer warp
+            mbar_init(cta.barQF + 8 * s, 8);  // lane 0 of each consumer warp
+            mbar_init(cta.barQE + 8 * s, 1);  // the dQ warp
+        }
+        fence_barrier_init();
+        *s_block = atomicAdd(sync, 1);
+    }
+    __syncthreads();
+
+    // Block -> (key block, KV head, batch): the first key blocks (the most query tiles) first.
+    const int blk = *s_block, rest = blk % (NKV * B);
+    cta.jb = blk / (NKV * B), cta.kvh = rest % NKV, cta.b = rest / NKV;
+    cta.G = NH / NKV, cta.j0 = cta.jb * BN;
+    cta.nqt = (T + BQ - 1) / BQ;
+    cta.slo = seg_lo ? seg_lo + (long long)cta.b * T : nullptr;
+    const int* shi = seg_hi ? seg_hi + (long long)cta.b * T : nullptr;
+    const int k_last = min(cta.j0 + BN, T) - 1;
+    // Queries [j0, q_end) see some key of the block: none past its last key's document or window.
+    const int doc_end = shi ? shi[k_last] : T;
+    const int q_end = EXT && window > 0 && window < T ? min(doc_end, k_last + window) : doc_end;
+    const int it_lo = cta.j0 / BQ;
+    cta.it_hi = (q_end - 1) / BQ, cta.n_it = cta.it_hi - it_lo + 1, cta.n_items = cta.G * cta.n_it;
+    const int wg = tid >> 7, warp = tid >> 5, lane = tid & 31;
+
+    if (wg == 0) {
+        setmaxnreg_dec<MT_HFA_BWD_PRODUCER_REGS>();
+        if (warp == 0) hfa_bwd_loads<HD>(cta, tmq, tmk, tmv, tmdo, LSE, D, T, NH, lane);
+        else if (warp == 1 && lane == 0) hfa_bwd_dq_adds<HD, EXT>(cta, dq_acc, sync, window, NH, deterministic);
+        return;
+    }
+    setmaxnreg_inc<MT_HFA_BWD_CONSUMER_REGS>();
+    hfa_bwd_consumer<HD, EXT>(cta, dK, dV, window, T, NKV, scale, scale_log2, tid);
 }
 
 // dQ [B, T, NH, HD] bf16 = scale x the fp32 buffer [B, NH, T / 64 tiles, 64 x HD in the consumers'

@@ -109,8 +109,8 @@ const FATAL_PTXAS: [&str; 7] =
 ///
 /// A CUBIN whose compile carried ptxas's report and passed is kept between processes
 /// ([`crate::cubin_cache`], under the hash of the source, options, NVRTC's version and the list
-/// of ptxas's words it was checked against): a fresh
-/// compile of the Hopper attention kernels takes ~16 s.
+/// of ptxas's words it was checked against): a fresh compile of the Hopper attention kernels
+/// takes ~16 s.
 pub(crate) fn compile_cubin(src: &str, name: &str, arch: &str) -> Result<Vec<u8>, String> {
     let version = nvrtc_version();
     let opts = cubin_options(arch).join(" ");
@@ -161,18 +161,6 @@ fn cubin_options(arch: &str) -> [String; 5] {
 /// used, as before this check existed, with a warning on standard error (refusing it would stop
 /// a run over a missing log, not a known loss).
 pub(crate) fn compile_cubin_logged(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, String>, String) {
-    let (result, log) = compile_cubin_once(src, name, arch);
-    if result.is_ok() && !log.contains("ptxas") {
-        eprintln!(
-            "warning: NVRTC compiled {name} for {arch} without ptxas's report, so whether its \
-             kernels kept their {arch} features (setmaxnreg, asynchronous wgmma) was not checked"
-        );
-    }
-    (result, log)
-}
-
-/// One NVRTC compile of [`compile_cubin_logged`].
-fn compile_cubin_once(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, String>, String) {
     use candle_core::cuda_backend::cudarc::nvrtc::{result, sys};
     use std::ffi::CString;
 
@@ -210,6 +198,12 @@ fn compile_cubin_once(src: &str, name: &str, arch: &str) -> (Result<Vec<u8>, Str
         Ok(_) if !fatal.is_empty() => Err(format!("ptxas: {}", fatal.join("; "))),
         other => other,
     };
+    if result.is_ok() && !log.contains("ptxas") {
+        eprintln!(
+            "warning: NVRTC compiled {name} for {arch} without ptxas's report, so whether its \
+             kernels kept their {arch} features (setmaxnreg, asynchronous wgmma) was not checked"
+        );
+    }
     (result, log)
 }
 
