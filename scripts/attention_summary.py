@@ -11,6 +11,7 @@ bitwise repeatability. Prints one line per shape.
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -58,7 +59,9 @@ def bench(path: Path):
         for g in ("o", "dq", "dk", "dv"):
             if g in c:
                 for k in ("rel_l2", "max_abs_over_max_ref"):
-                    worst[f"{g}_{k}"] = max(worst.get(f"{g}_{k}", 0.0), c[g][k])
+                    # A NaN error stays NaN (max() would drop it).
+                    v, w = c[g][k], worst.get(f"{g}_{k}", 0.0)
+                    worst[f"{g}_{k}"] = w if math.isnan(w) else v if math.isnan(v) or v > w else w
     return {
         "file": path.name,
         "json_commit": a.get("commit"),

@@ -104,6 +104,10 @@ VARIANTS = {
     "wgmma_s3": {"MT_MOE_HOPPER": 1, "MT_MOE_H_STAGES": 3, "MT_MOE_H_LAG": 1},
     # The wgmma kernels with 128 x 128 x 64 tiles, 6 stages (194 KiB).
     "wgmma_n128": {"MT_MOE_HOPPER": 1, "MT_MOE_H_BN": 128, "MT_MOE_H_STAGES": 6},
+    # The wgmma kernels with persistent weight gradients: P CTAs an expert, each walking its
+    # expert's tiles in turn, the next tile's loads under the last one's f32 read-modify-write.
+    "wgmma_p2": {"MT_MOE_HOPPER": 1, "MT_MOE_H_PERSIST": 2},
+    "wgmma_p4": {"MT_MOE_HOPPER": 1, "MT_MOE_H_PERSIST": 4},
 }
 
 
@@ -151,11 +155,12 @@ class HopperGeometry:
         d = defines or {}
         self.bm, self.bk, self.threads = 128, 64, 384
         self.bn, self.stages = int(d.get("MT_MOE_H_BN", 256)), int(d.get("MT_MOE_H_STAGES", 4))
+        self.persist = int(d.get("MT_MOE_H_PERSIST", 0))  # weight gradients' CTAs an expert (0: a tile each)
         self.smem = self.stages * (self.bm + self.bn) * self.bk * 2 + 16 * self.stages + 16 + 8 * self.bk + 1024
 
     def as_dict(self):
         return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "threads": self.threads,
-                "smem_bytes": self.smem, "kernel": "wgmma"}
+                "smem_bytes": self.smem, "kernel": "wgmma", "wgrad_ctas_per_expert": self.persist or None}
 
 
 def is_hopper(defines) -> bool:
@@ -331,7 +336,9 @@ class Moe:
     def wgrad(self, a, b, b_idx, b_div, off, g):
         e, m, n = g.shape
         geo = self.geo
-        grid = (((m + geo.bm - 1) // geo.bm) * ((n + geo.bn - 1) // geo.bn), e, 1)
+        tiles = ((m + geo.bm - 1) // geo.bm) * ((n + geo.bn - 1) // geo.bn)
+        persist = getattr(geo, "persist", 0)
+        grid = (min(tiles, persist) if persist else tiles, e, 1)
         self.go("mt_moe_hgemm_wgrad" if self.hopper else "mt_moe_gemm_wgrad", grid, geo.threads, geo.smem,
                 [_p(a), _p(b), _p(b_idx), ctypes.c_int(b_div), _p(off), ctypes.c_int(m), ctypes.c_int(n), _p(g)])
 

@@ -124,21 +124,23 @@ __device__ __forceinline__ void moe_h_copy(int t, unsigned sa, unsigned sb, cons
 
 // The copier's loop over `steps` k steps: copy(j, stage A, stage B) issues step j's copies; each
 // stage waits for its "empty" barrier before it is refilled and arrives on its "full" barrier
-// LAG steps later, its copies landed and fenced into the async proxy.
+// LAG steps later, its copies landed and fenced into the async proxy. `j0`: the steps this CTA
+// ran through the ring before (a persistent CTA's earlier tiles), which place step j in it.
 template <class Copy>
-__device__ __forceinline__ void moe_h_copier(unsigned base, unsigned full, unsigned empty, int steps, Copy copy) {
+__device__ __forceinline__ void moe_h_copier(unsigned base, unsigned full, unsigned empty, int steps, Copy copy,
+                                             int j0 = 0) {
     using L = MoeH;
     for (int j = 0; j < steps + L::LAG; ++j) {
         if (j < steps) {
-            const int s = j % L::S;
-            if (j >= L::S) mbar_wait(empty + 8 * s, ((j / L::S) - 1) & 1);
+            const int jj = j0 + j, s = jj % L::S;
+            if (jj >= L::S) mbar_wait(empty + 8 * s, ((jj / L::S) - 1) & 1);
             copy(j, base + s * L::STAGE, base + s * L::STAGE + L::A_BYTES);
         }
         cp_async_commit();  // (empty past the last step: the lag counts groups)
         if (j >= L::LAG) {
             cp_async_wait<L::LAG>();  // this thread's copies of step j - LAG have landed
             fence_async_shared();
-            mbar_arrive(full + 8 * ((j - L::LAG) % L::S));
+            mbar_arrive(full + 8 * ((j0 + j - L::LAG) % L::S));
         }
     }
 }
@@ -146,15 +148,18 @@ __device__ __forceinline__ void moe_h_copier(unsigned base, unsigned full, unsig
 // A multiplying warpgroup's loop over `steps` k steps: acc (64 x BN, zeroed here) += its 64 rows
 // of each stage's A times its B. TA / TB: A / B MN-major (1) or K-major (0). Warpgroup w reads
 // rows 64 w.. of A: K-major rows at 128 bytes each, or MN-major the w-th block of 64 columns.
-template <int TA, int TB>
-__device__ __forceinline__ void moe_h_mma(float* acc, unsigned base, unsigned full, unsigned empty, int steps, int w) {
+// `j0` as the copier's. RELEASE_LAST: the last step's stage is released too (a persistent CTA's
+// copier refills it for its next tile).
+template <int TA, int TB, bool RELEASE_LAST = false>
+__device__ __forceinline__ void moe_h_mma(float* acc, unsigned base, unsigned full, unsigned empty, int steps, int w,
+                                          int j0 = 0) {
     using L = MoeH;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < L::BN / 2; ++i) acc[i] = 0.0f;
     for (int j = 0; j < steps; ++j) {
-        const int s = j % L::S;
-        mbar_wait(full + 8 * s, (j / L::S) & 1);
+        const int s = (j0 + j) % L::S;
+        mbar_wait(full + 8 * s, ((j0 + j) / L::S) & 1);
         const unsigned sa = base + s * L::STAGE + w * 64 * 128, sb = base + s * L::STAGE + L::A_BYTES;
         wg_fence();
 #pragma unroll
@@ -167,10 +172,11 @@ __device__ __forceinline__ void moe_h_mma(float* acc, unsigned base, unsigned fu
         }
         wg_commit();
         wg_wait<1>();  // step j - 1's products are done: its stage may be refilled
-        if (j > 0 && lane == 0) mbar_arrive(empty + 8 * ((j - 1) % L::S));
+        if (j > 0 && lane == 0) mbar_arrive(empty + 8 * ((j0 + j - 1) % L::S));
     }
     wg_wait<0>();
     fence_regs<L::BN / 2>(acc);
+    if (RELEASE_LAST && steps > 0 && lane == 0) mbar_arrive(empty + 8 * ((j0 + steps - 1) % L::S));
 }
 
 // The CTA's shared memory (1024-byte aligned base) and barriers, initialised by thread 0 (the
@@ -289,6 +295,12 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_H_THREADS, 1)
 // MN-major (rows of p, m or n contiguous). The copier finds each step's gathered B rows one step
 // ahead (threads 0-63, one row each) and shares them through shared memory (named barrier 1, the
 // copier warpgroup). Grid (ceil(M / 128) ceil(N / HBN), E), 384 threads, MoeH::SMEM bytes.
+//
+// MT_MOE_H_PERSIST=P (a variant, for measurement; P is the launcher's): grid (P, E), CTA x of
+// expert e takes the tiles x, x + P, ... of its expert one after another, its copier filling the
+// ring for the next tile while the multipliers add the last one into G (with a CTA a tile, that
+// read-modify-write overlaps nothing: one CTA fills an SM).
+#ifndef MT_MOE_H_PERSIST
 extern "C" __global__ void __launch_bounds__(MT_MOE_H_THREADS, 1)
     mt_moe_hgemm_wgrad(const unsigned short* __restrict__ A, const unsigned short* __restrict__ B,
                        const int* __restrict__ b_idx, int b_div, const int* __restrict__ off, int M, int N,
@@ -340,3 +352,68 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_H_THREADS, 1)
         }
     }
 }
+#else
+extern "C" __global__ void __launch_bounds__(MT_MOE_H_THREADS, 1)
+    mt_moe_hgemm_wgrad(const unsigned short* __restrict__ A, const unsigned short* __restrict__ B,
+                       const int* __restrict__ b_idx, int b_div, const int* __restrict__ off, int M, int N,
+                       float* __restrict__ G) {
+    using L = MoeH;
+    const int e = blockIdx.y;
+    const int p0 = off[e], p1 = off[e + 1];
+    if (p0 == p1) return;  // no rows: nothing to add
+    const MoeHSmem sm = moe_h_smem();
+    __syncthreads();
+    const int mtiles = (M + L::BM - 1) / L::BM;
+    const int steps = (p1 - p0 + L::BK - 1) / L::BK;
+    const int tid = threadIdx.x;
+    // This CTA's tiles of its expert: blockIdx.x, + gridDim.x, ...; `j0` the ring's steps before each.
+    const int tiles = mtiles * ((N + L::BN - 1) / L::BN);
+#define MT_MOE_H_TILES for (int t = blockIdx.x, j0 = 0; t < tiles; t += gridDim.x, j0 += steps)
+
+    if (tid < 128) {
+        setmaxnreg_dec<MT_MOE_H_COPY_REGS>();
+        int* rows = reinterpret_cast<int*>(sm.ptr + L::ROWS);  // [2][BK]: step j's in rows[j % 2]
+        const FastDiv fd = fast_div(b_div);
+        // Threads 0-63: the source of row p (or -1 past the expert's rows).
+        auto source = [&](int p) { return p < p1 ? (b_idx ? quot(b_idx[p], fd) : p) : -1; };
+        MT_MOE_H_TILES {
+            const int m0 = (t % mtiles) * L::BM, n0 = (t / mtiles) * L::BN;
+            int next = tid < L::BK ? source(p0 + tid) : 0;
+            moe_h_copier(
+                sm.base, sm.full, sm.empty, steps,
+                [&](int j, unsigned sa, unsigned sb) {
+                    const int k0 = p0 + j * L::BK;
+                    int* rj = rows + ((j0 + j) & 1) * L::BK;
+                    if (tid < L::BK) {
+                        rj[tid] = next;
+                        if (j + 1 < steps) next = source(k0 + L::BK + tid);  // lands while this step copies
+                    }
+                    named_sync(1, 128);  // rj is written; everyone is done with step j - 2's
+                    moe_h_copy_mn<L::BM>(tid, sa, A, M, m0, M, [&](int kr) { return k0 + kr < p1 ? k0 + kr : -1; });
+                    moe_h_copy_mn<L::BN>(tid, sb, B, N, n0, N, [&](int kr) { return rj[kr]; });
+                },
+                j0);
+        }
+        return;
+    }
+    setmaxnreg_inc<MT_MOE_H_MMA_REGS>();
+    const int w = (tid >> 7) - 1, wq = (tid >> 5) & 3, lane = tid & 31, tq = lane & 3;
+    float acc[L::BN / 2];
+    MT_MOE_H_TILES {
+        const int m0 = (t % mtiles) * L::BM, n0 = (t / mtiles) * L::BN;
+        moe_h_mma<1, 1, true>(acc, sm.base, sm.full, sm.empty, steps, w, j0);
+        float* Ge = G + (size_t)e * M * N;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int m = m0 + 64 * w + 16 * wq + (lane >> 2) + 8 * i;
+            if (m >= M) continue;
+#pragma unroll
+            for (int jb = 0; jb < L::BN / 8; ++jb) {
+                const int n = n0 + 8 * jb + 2 * tq;
+                if (n < N) add_pair(Ge, m, n, N, acc[4 * jb + 2 * i], acc[4 * jb + 2 * i + 1]);
+            }
+        }
+    }
+#undef MT_MOE_H_TILES
+}
+#endif

@@ -433,6 +433,9 @@ int main(int argc, char** argv) {
         ok &= run_case<64>({1, 200, 4, 2, 64, false}, rng, ord);
         ok &= run_case<128>({1, 192, 2, 1, 128, true}, rng, ord);
         ok &= run_case<64>({2, 257, 2, 1, 64, true}, rng, unord);
+        // Two sequences of packed documents, ordered: each batch's first adders from its own
+        // document starts (the buffer starts as NaN).
+        ok &= run_case<64>({2, 257, 2, 1, 64, true}, rng, ord);
         // GPT-OSS: the `_ext` kernels.
         ok &= run_case<64>({1, 200, 4, 2, 64, false, 1, true}, rng, ord);
         ok &= run_case<64>({1, 150, 4, 1, 64, true, 7, true}, rng, ord);

@@ -32,6 +32,15 @@ struct float2 {
 #define GEMM(kind) mt_moe_hgemm_##kind
 constexpr int MBM = MoeH::BM, MBN = MoeH::BN, MTHREADS = MT_MOE_H_THREADS;
 constexpr size_t MSMEM = MoeH::SMEM;
+// CTAs a weight gradient's grid has per expert for `tiles` tiles: one a tile, or with the
+// persistent variant (-DMT_MOE_CHECK_HOPPER -DMT_MOE_H_PERSIST=P) P, each walking several.
+inline unsigned wgrad_ctas(int tiles) {
+#ifdef MT_MOE_H_PERSIST
+    return (unsigned)std::min(tiles, MT_MOE_H_PERSIST);
+#else
+    return (unsigned)tiles;
+#endif
+}
 #else
 #define GEMM(kind) mt_moe_gemm_##kind
 constexpr int MBM = MT_MOE_BM, MBN = MT_MOE_BN, MTHREADS = MT_MOE_THREADS;
@@ -179,9 +188,9 @@ static bool run_case(const char* name, int T, int E, int K, int H, int F, bool n
                         w.data(), mid.data(), partial.data());
     });
     emu_launch({8, 1, 1}, 256, 0, [&] { mt_moe_swiglu_bwd(dmid.data(), gu.data(), dgu.data(), R, F); });
-    emu_launch({(unsigned)(((H + MBM - 1) / MBM) * ((F + MBN - 1) / MBN)), (unsigned)E, 1}, MTHREADS, MSMEM,
+    emu_launch({wgrad_ctas(((H + MBM - 1) / MBM) * ((F + MBN - 1) / MBN)), (unsigned)E, 1}, MTHREADS, MSMEM,
                [&] { GEMM(wgrad)(dys.data(), mid.data(), nullptr, 1, off.data(), H, F, g_d.data()); });
-    emu_launch({(unsigned)(((F2 + MBM - 1) / MBM) * ((H + MBN - 1) / MBN)), (unsigned)E, 1}, MTHREADS, MSMEM,
+    emu_launch({wgrad_ctas(((F2 + MBM - 1) / MBM) * ((H + MBN - 1) / MBN)), (unsigned)E, 1}, MTHREADS, MSMEM,
                [&] { GEMM(wgrad)(dgu.data(), x.data(), row_slot.data(), K, off.data(), F2, H, g_gu.data()); });
     emu_launch(gemm_h, MTHREADS, MSMEM,
                [&] { GEMM(kn)(dgu.data(), nullptr, 1, wgu.data(), off.data(), E, H, F2, dcp.data()); });

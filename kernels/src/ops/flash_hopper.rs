@@ -260,7 +260,8 @@ pub(super) fn backward(
     // dK, dV, int* seg_lo, seg_hi (both or neither null), with `_ext` int window, then int T, B,
     // NH, NKV, float scale, scale_log2, int deterministic); the maps describe q, k, v, dO as checked by `views` (their
     // guards alive until after the launch); LSE and D hold b·nh·t, the dQ buffer
-    // b·nh·⌈t/64⌉·64·hd zeroed, sync 1 + b·nh·⌈t/64⌉ zeroed (the block counter, then each tile's
+    // b·nh·⌈t/64⌉·64·hd (zeroed when unordered; ordered, each tile's first adder stores), sync
+    // 1 + b·nh·⌈t/64⌉ zeroed (the block counter, then each tile's
     // turn), dK/dV b·t·nkv·hd; one CTA per 128-key block of each KV head, each taking a distinct
     // block from the counter as it starts, so the ordered adds wait only for CTAs already
     // running; `sm` bytes of shared memory, allowed above.
