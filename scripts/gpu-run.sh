@@ -20,6 +20,9 @@
 #   harness:NAME:TIMEOUT:ARGS   `bench-harness --megatrain <it> ARGS --out $OUT/NAME` (its results.json,
 #                               logs, metrics and figures), log NAME.log
 #   with:VAR=VALUE:STEP         STEP with VAR set (e.g. `with:MEGATRAIN_NVRTC_CC=80:test:gpu-test`)
+#   cmd:NAME:TIMEOUT:COMMAND    COMMAND by bash -c (the scripts' benches, a profiler), with $BINS the
+#                               unpacked binaries and $R this run's output folder; log NAME.log
+#                               (e.g. `cmd:attn:400:python3 scripts/attention_bench.py --out $R/a.json`)
 #
 # Environment:
 #   BIN     directory of the binaries, as built for the GPU machine and compressed with xz
@@ -88,7 +91,7 @@ chmod +x "$B"/*
 
 # The lines of a log worth reading in the call's output.
 summary() {
-    grep -E "^test .*(ok|FAILED)$|test result|SUMMARY|^step:|steady|loss:|in use at most|host RSS|^\[|ok:|wrote|rror|panick" "$1" \
+    grep -E "^test .*(ok|FAILED)$|test result|SUMMARY|^step:|steady|loss:|in use at most|host RSS|^\[|ok:|wrote|rror|panick|^bench |FAILED" "$1" \
         | cut -c1-250 | tail -40
 }
 
@@ -125,11 +128,16 @@ step() { # STEP
             # shellcheck disable=SC2086
             timeout "$t" "$B/bench-harness" --megatrain "$B/megatrain" $args --out "$OUT/$name" > "$R/$name.log" 2>&1
             echo "harness $name rc=$? at $SECONDS s"; summary "$R/$name.log" ;;
+        cmd)
+            name=${rest%%:*}; rest=${rest#*:}; t=${rest%%:*}; args=${rest#*:}
+            fits "$t" || return
+            BINS=$B R=$R timeout "$t" bash -c "$args" > "$R/$name.log" 2>&1
+            echo "cmd $name rc=$? at $SECONDS s"; summary "$R/$name.log" ;;
         with)
             local assign=${rest%%:*}
             (export "${assign?}"; step "${rest#*:}") ;;
         *)
-            echo "unknown step kind '$kind' in '$1' (test, train, estimate, harness, with)" >&2
+            echo "unknown step kind '$kind' in '$1' (test, train, estimate, harness, cmd, with)" >&2
             return 1 ;;
     esac
 }
