@@ -22,7 +22,8 @@
 #   with:VAR=VALUE:STEP         STEP with VAR set (e.g. `with:MEGATRAIN_NVRTC_CC=80:test:gpu-test`)
 #   cmd:NAME:TIMEOUT:COMMAND    COMMAND by bash -c (the scripts' benches, a profiler), with $BINS the
 #                               unpacked binaries and $R this run's output folder; log NAME.log
-#                               (e.g. `cmd:attn:400:python3 scripts/attention_bench.py --out $R/a.json`)
+#                               (single-quoted, so that $R reaches it: 'cmd:attn:400:python3
+#                               scripts/attention_bench.py --out $R/a.json')
 #
 # Environment:
 #   BIN     directory of the binaries, as built for the GPU machine and compressed with xz
@@ -131,7 +132,8 @@ step() { # STEP
         cmd)
             name=${rest%%:*}; rest=${rest#*:}; t=${rest%%:*}; args=${rest#*:}
             fits "$t" || return
-            BINS=$B R=$R timeout "$t" bash -c "$args" > "$R/$name.log" 2>&1
+            # Unbuffered: a Python bench stopped by the timeout keeps what it printed.
+            PYTHONUNBUFFERED=1 BINS=$B R=$R timeout "$t" bash -c "$args" > "$R/$name.log" 2>&1
             echo "cmd $name rc=$? at $SECONDS s"; summary "$R/$name.log" ;;
         with)
             local assign=${rest%%:*}

@@ -372,13 +372,13 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_H_THREADS, 1)
 
     if (tid < 128) {
         setmaxnreg_dec<MT_MOE_H_COPY_REGS>();
-        int* rows = reinterpret_cast<int*>(sm.ptr + L::ROWS);  // [2][BK]: step j's in rows[j % 2]
+        int* rows = reinterpret_cast<int*>(sm.ptr + L::ROWS);  // [2][BK]: ring step jj's in rows[jj % 2]
         const FastDiv fd = fast_div(b_div);
         // Threads 0-63: the source of row p (or -1 past the expert's rows).
         auto source = [&](int p) { return p < p1 ? (b_idx ? quot(b_idx[p], fd) : p) : -1; };
+        int next = tid < L::BK ? source(p0 + tid) : 0;
         MT_MOE_H_TILES {
             const int m0 = (t % mtiles) * L::BM, n0 = (t / mtiles) * L::BN;
-            int next = tid < L::BK ? source(p0 + tid) : 0;
             moe_h_copier(
                 sm.base, sm.full, sm.empty, steps,
                 [&](int j, unsigned sa, unsigned sb) {
@@ -386,7 +386,9 @@ extern "C" __global__ void __launch_bounds__(MT_MOE_H_THREADS, 1)
                     int* rj = rows + ((j0 + j) & 1) * L::BK;
                     if (tid < L::BK) {
                         rj[tid] = next;
-                        if (j + 1 < steps) next = source(k0 + L::BK + tid);  // lands while this step copies
+                        // The next step's rows land while this step copies; after the last, the
+                        // next tile's first (every tile of the expert walks the same rows).
+                        next = source(j + 1 < steps ? k0 + L::BK + tid : p0 + tid);
                     }
                     named_sync(1, 128);  // rj is written; everyone is done with step j - 2's
                     moe_h_copy_mn<L::BM>(tid, sa, A, M, m0, M, [&](int kr) { return k0 + kr < p1 ? k0 + kr : -1; });

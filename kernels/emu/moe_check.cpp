@@ -32,20 +32,20 @@ struct float2 {
 #define GEMM(kind) mt_moe_hgemm_##kind
 constexpr int MBM = MoeH::BM, MBN = MoeH::BN, MTHREADS = MT_MOE_H_THREADS;
 constexpr size_t MSMEM = MoeH::SMEM;
-// CTAs a weight gradient's grid has per expert for `tiles` tiles: one a tile, or with the
-// persistent variant (-DMT_MOE_CHECK_HOPPER -DMT_MOE_H_PERSIST=P) P, each walking several.
-inline unsigned wgrad_ctas(int tiles) {
-#ifdef MT_MOE_H_PERSIST
-    return (unsigned)std::min(tiles, MT_MOE_H_PERSIST);
-#else
-    return (unsigned)tiles;
-#endif
-}
 #else
 #define GEMM(kind) mt_moe_gemm_##kind
 constexpr int MBM = MT_MOE_BM, MBN = MT_MOE_BN, MTHREADS = MT_MOE_THREADS;
 constexpr size_t MSMEM = MT_MOE_GEMM_SMEM_BYTES;
 #endif
+// CTAs a weight gradient's grid has per expert for `tiles` tiles: one a tile, or with the
+// persistent variant (-DMT_MOE_CHECK_HOPPER -DMT_MOE_H_PERSIST=P) P, each walking several.
+inline unsigned wgrad_ctas(int tiles) {
+#if defined(MT_MOE_CHECK_HOPPER) && defined(MT_MOE_H_PERSIST)
+    return (unsigned)std::min(tiles, MT_MOE_H_PERSIST);
+#else
+    return (unsigned)tiles;
+#endif
+}
 
 #include <cstdio>
 #include <numeric>
@@ -270,6 +270,10 @@ int main() {
     ok &= run_case("skewed", 200, 5, 2, 72, 40, false, 2, 3);
     // Widths past two or three column tiles of every GEMM geometry, k steps with a tail.
     ok &= run_case("wide", 64, 3, 2, 264, 136, true, 0, 8);
+    // Several tiles of several k steps an expert (~200 and 300 rows): the persistent weight
+    // gradients (-DMT_MOE_H_PERSIST) wrap the ring across tiles with odd and even step counts.
+    ok &= run_case("wide-deep", 300, 3, 2, 264, 136, true, 0, 9);
+    ok &= run_case("wide-deep-skew", 300, 4, 2, 264, 136, false, 2, 10);
     // More experts than a warp's lanes (the GEMMs' expert search scans 32 at a time), top-1.
     ok &= run_case("many", 48, 40, 1, 16, 24, false, 0, 6);
     // Routing and grouping only, over several sort chunks.
