@@ -256,15 +256,14 @@ pub(super) fn backward(
     a.arg(&deterministic);
     let blocks = t.div_ceil(BN) * nkv * b;
     let cfg = launch_config((blocks as u32, 1, 1), THREADS, sm);
-    // SAFETY: signature (MtTmaMap Q, K, V, dO by value, float* LSE, D, dQ buffer, int* sync, bf16*
-    // dK, dV, int* seg_lo, seg_hi (both or neither null), with `_ext` int window, then int T, B,
-    // NH, NKV, float scale, scale_log2, int deterministic); the maps describe q, k, v, dO as checked by `views` (their
-    // guards alive until after the launch); LSE and D hold b·nh·t, the dQ buffer
-    // b·nh·⌈t/64⌉·64·hd (zeroed when unordered; ordered, each tile's first adder stores), sync
-    // 1 + b·nh·⌈t/64⌉ zeroed (the block counter, then each tile's
-    // turn), dK/dV b·t·nkv·hd; one CTA per 128-key block of each KV head, each taking a distinct
-    // block from the counter as it starts, so the ordered adds wait only for CTAs already
-    // running; `sm` bytes of shared memory, allowed above.
+    // SAFETY: signature (MtTmaMap Q, K, V, dO by value, float* LSE, D, dQ buffer, int* sync, bf16* dK,
+    // dV, int* seg_lo, seg_hi (both or neither null), with `_ext` int window, then int T, B, NH, NKV,
+    // float scale, scale_log2, int deterministic); the maps describe q, k, v, dO as checked by `views`
+    // (their guards alive until after the launch); LSE and D hold b·nh·t, the dQ buffer b·nh·⌈t/64⌉·64·hd
+    // (zeroed when unordered; ordered, each tile's first adder stores), sync 1 + b·nh·⌈t/64⌉ zeroed (the
+    // block counter, then each tile's turn), dK/dV b·t·nkv·hd; one CTA per 128-key block of each KV head,
+    // each taking a distinct block from the counter as it starts, so the ordered adds wait only for CTAs
+    // already running; `sm` bytes of shared memory, allowed above.
     unsafe { a.launch(cfg) }.w()?;
 
     let groups = b * t * nh * hd / 8;
